@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` (run the main job) and `make test` (run the tests).
+# Both create .venv and install everything on first use; nothing else is needed on the machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_ARGS ?= --ranks 32 --iterations 40 --fault slow_gpu:7:1.5
+
+.PHONY: setup demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fleetscope demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .fleetscope .pytest_cache .ruff_cache

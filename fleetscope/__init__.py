@@ -1,0 +1,1 @@
+"""fleetscope: differential observability for distributed training."""

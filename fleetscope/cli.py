@@ -1,0 +1,360 @@
+"""``fleetscope`` command line: run the pipeline, simulate jobs, query findings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from fleetscope.config import Config, ConfigError, load_config
+
+FINDING_FIELDS = (
+    "job", "rank", "ranks", "host", "category", "function", "metric", "value", "peer_median", "score",
+    "iteration_first", "iteration_last", "est_loss_ns", "evidence",
+)  # fmt: skip
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("configuration")
+    g.add_argument("--config", metavar="FILE", help="TOML (or JSON) configuration file")
+    g.add_argument("--data-dir", help="where the embedded store and logs live (default .fleetscope)")
+    g.add_argument(
+        "--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (default: embedded broker)"
+    )
+    g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    return p
+
+
+def _sim_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated job")
+    g.add_argument("--job", default="demo", help="job id (default: demo)")
+    g.add_argument("--ranks", type=int, default=16, help="number of ranks (default: 16)")
+    g.add_argument("--iterations", type=int, default=40, help="training iterations (default: 40)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    g.add_argument("--clock-skew-ms", type=float, default=0.0, help="max clock offset between hosts")
+    g.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND:RANK[:FACTOR[:FUNCTION]]",
+        help="inject a fault, repeatable: slow_gpu:7:1.5, slow_link:12, host_slow:3[:3.0[:dataloader.next]]",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="fleetscope",
+        description="Find why distributed training jobs are slow: stream per-rank events through Kafka, "
+        "compare every rank with its peers, store findings in ClickHouse.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="run the embedded stack on a simulated job and print findings",
+        description="Start the embedded broker, stream worker and ClickHouse store, publish a "
+        "simulated data-parallel job (with optional faults), wait until it is analysed, print the "
+        "findings and stop everything. The store keeps the results for `sql` and `findings`.",
+    )
+    _sim_options(p)
+    p.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default: 300)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+    p = sub.add_parser(
+        "up",
+        parents=[common],
+        help="run the embedded stack until interrupted",
+        description="Start the embedded broker (unless --bootstrap), the ClickHouse sink and a stream "
+        "worker; print the broker address for producers; stop on Ctrl-C.",
+    )
+
+    p = sub.add_parser(
+        "worker",
+        parents=[common],
+        help="run a stream worker (windower + differential)",
+        description="Run the Faust stream worker against the configured broker. Start several for "
+        "more throughput: they share one consumer group.",
+    )
+    p.add_argument("--web-port", type=int, default=6066, help="Faust web port (default: 6066)")
+    p.add_argument("--logfile", help="log to this file instead of stderr")
+
+    p = sub.add_parser(
+        "sink",
+        parents=[common],
+        help="run the ClickHouse sink until interrupted",
+        description="Consume iterations, patterns and findings topics into ClickHouse.",
+    )
+
+    p = sub.add_parser(
+        "simulate",
+        parents=[common],
+        help="publish a simulated job to a broker",
+        description="Publish a simulated job's raw events to the broker given by --bootstrap or the "
+        "configuration.",
+    )
+    _sim_options(p)
+
+    p = sub.add_parser(
+        "sql",
+        parents=[common],
+        help="run a SQL query on the store",
+        description="Run a query against the findings store (read-only unless --write). "
+        "Use {name:Type} placeholders with --param name=value.",
+    )
+    p.add_argument("query", help='e.g. "SELECT count() FROM findings"')
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="query parameter")
+    p.add_argument("--json", action="store_true", help="print rows as JSON objects")
+    p.add_argument("--write", action="store_true", help="allow statements that modify the store")
+
+    p = sub.add_parser(
+        "findings",
+        parents=[common],
+        help="list findings from the store",
+        description="List current findings (one row per finding, latest state).",
+    )
+    p.add_argument("--job", help="only this job")
+    p.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {}
+    if args.data_dir:
+        overrides["data_dir"] = args.data_dir
+    if args.bootstrap:
+        overrides["kafka.bootstrap_servers"] = args.bootstrap
+    if args.log_level:
+        overrides["log_level"] = args.log_level
+    return load_config(args.config, overrides=overrides)
+
+
+def _simulator_config(args: argparse.Namespace) -> Any:
+    from fleetscope.producers import SimulatorConfig, parse_fault
+
+    faults = tuple(parse_fault(spec) for spec in args.fault)
+    return SimulatorConfig(
+        job=args.job,
+        ranks=args.ranks,
+        iterations=args.iterations,
+        seed=args.seed,
+        faults=faults,
+        clock_skew_ms=args.clock_skew_ms,
+    )
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
+    out = out or sys.stdout
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n")
+    for r in cells:
+        out.write("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+def print_findings(findings: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(
+            json.dumps(
+                [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in findings],
+                indent=2,
+                default=str,
+            )
+        )
+        return
+    if not findings:
+        print("no findings")
+        return
+    cols = (
+        "job",
+        "rank",
+        "host",
+        "category",
+        "function",
+        "metric",
+        "value",
+        "peer_median",
+        "score",
+        "iteration_first",
+        "iteration_last",
+        "est_loss_ms",
+        "status",
+    )
+    rows = [
+        [
+            f["job"],
+            f["rank"],
+            f["host"],
+            f["category"],
+            f["function"],
+            f["metric"],
+            f["value"],
+            f["peer_median"],
+            f["score"],
+            f["iteration_first"],
+            f["iteration_last"],
+            f["est_loss_ns"] / 1e6,
+            f.get("status", ""),
+        ]
+        for f in findings
+    ]
+    print_table(cols, rows)
+
+
+def _wait_for_interrupt() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def cmd_demo(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.demo import run_demo
+    from fleetscope.progress import Progress
+
+    result = run_demo(
+        config, _simulator_config(args), Progress(enabled=not args.quiet), timeout_s=args.timeout_s
+    )
+    print_findings(result.findings, args.json)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.stack import EmbeddedStack
+
+    with EmbeddedStack(config) as stack:
+        print(
+            f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store_url}"
+        )
+        print(
+            f"publish with: fleetscope simulate --bootstrap {stack.config.kafka.bootstrap_servers}; Ctrl-C stops"
+        )
+        sys.stdout.flush()
+        _wait_for_interrupt()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.stack import stream_app_config
+    from fleetscope.streams.app import run_worker
+
+    if not config.kafka.bootstrap_servers:
+        raise ConfigError(["kafka.bootstrap_servers: a worker needs a broker (--bootstrap or configuration)"])
+    run_worker(
+        stream_app_config(config, args.web_port), loglevel=config.log_level.lower(), logfile=args.logfile
+    )
+    return 0
+
+
+def cmd_sink(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.sinks import ClickHouseWriter, Sink, connect, migrate
+    from fleetscope.stack import clickhouse_config, sink_config
+
+    if not config.kafka.bootstrap_servers:
+        raise ConfigError(["kafka.bootstrap_servers: the sink needs a broker (--bootstrap or configuration)"])
+    ch = clickhouse_config(config)
+    client = connect(ch)
+    migrate(client, ch.database)
+    sink = Sink(sink_config(config), ClickHouseWriter(client, ch.database))
+    sink.start()
+    try:
+        _wait_for_interrupt()
+    finally:
+        sink.stop()
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.demo import publish_simulation
+    from fleetscope.progress import Progress
+
+    if not config.kafka.bootstrap_servers:
+        raise ConfigError(["kafka.bootstrap_servers: simulate needs a broker (--bootstrap or configuration)"])
+    n = publish_simulation(config, _simulator_config(args), Progress())
+    print(f"published {n} batches of job {args.job} to {config.kafka.bootstrap_servers}")
+    return 0
+
+
+def _open_store(config: Config) -> tuple[Any, str]:
+    from fleetscope.sinks import connect, migrate
+    from fleetscope.stack import clickhouse_config
+
+    ch = clickhouse_config(config)
+    client = connect(ch)
+    migrate(client, ch.database)
+    return client, ch.database
+
+
+def cmd_sql(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.sinks import run_sql
+
+    params: dict[str, str] = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError([f"--param {item!r}: expected NAME=VALUE"])
+        params[name] = value
+    client, database = _open_store(config)
+    columns, rows = run_sql(client, database, args.query, params or None, readonly=not args.write)
+    if args.json:
+        print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
+    elif len(columns) == 1 and len(rows) == 1:
+        print(_fmt(rows[0][0]))
+    else:
+        print_table(columns, rows)
+    return 0
+
+
+def cmd_findings(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.sinks import current_findings
+
+    client, database = _open_store(config)
+    print_findings(current_findings(client, database, job=args.job), args.json)
+    return 0
+
+
+COMMANDS = {
+    "demo": cmd_demo,
+    "up": cmd_up,
+    "worker": cmd_worker,
+    "sink": cmd_sink,
+    "simulate": cmd_simulate,
+    "sql": cmd_sql,
+    "findings": cmd_findings,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = _config(args)
+        logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return COMMANDS[args.command](args, config)
+    except ConfigError as exc:
+        print(f"fleetscope: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
+        print(f"fleetscope {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

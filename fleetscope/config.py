@@ -1,0 +1,243 @@
+"""The one configuration object: defaults < file (TOML/JSON) < environment < command line.
+
+Every error is reported at once with its key path; unknown keys are rejected with a suggestion.
+Secrets (passwords) never appear in ``repr`` or logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetscope.streams.analysis.differential import DifferentialConfig
+from fleetscope.streams.analysis.windowing import WindowerConfig
+
+ENV_PREFIX = "FLEETSCOPE__"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; ``errors`` lists every problem as 'key.path: message'."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+@dataclass(frozen=True, kw_only=True)
+class KafkaSettings:
+    """Where the broker is. An empty ``bootstrap_servers`` means: start the embedded Tansu broker."""
+
+    bootstrap_servers: str = ""
+    topic_prefix: str = "fleetscope"
+    raw_partitions: int = 4
+    derived_partitions: int = 4
+    session_timeout_ms: int = 6000
+    compression: str = "lz4"
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = ""
+    sasl_username: str = ""
+    sasl_password: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.raw_partitions < 1 or self.derived_partitions < 1:
+            errors.append("partitions must be >= 1")
+        if self.session_timeout_ms < 1000:
+            errors.append("session_timeout_ms must be >= 1000")
+        if self.compression not in ("none", "gzip", "snappy", "lz4", "zstd"):
+            errors.append(f"compression {self.compression!r} is not one of none, gzip, snappy, lz4, zstd")
+        if self.security_protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):
+            errors.append(f"security_protocol {self.security_protocol!r} is not a Kafka security protocol")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def client_settings(self) -> dict[str, str]:
+        """librdkafka security settings shared by every client (values never logged)."""
+        out = {"security.protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            out |= {
+                "sasl.mechanism": self.sasl_mechanism,
+                "sasl.username": self.sasl_username,
+                "sasl.password": self.sasl_password,
+            }
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSettings:
+    """Where findings are stored: ``chdb://PATH`` (in-process, the default) or ``http(s)://host:port``."""
+
+    url: str = ""
+    database: str = "fleetscope"
+    username: str = "default"
+    password: str = field(default="", repr=False)
+    flush_rows: int = 50_000
+    flush_interval_ms: int = 500
+
+    def __post_init__(self) -> None:
+        if self.url and not self.url.startswith(("chdb://", "http://", "https://")):
+            raise ValueError(f"url {self.url!r} must start with chdb://, http:// or https://")
+        if not self.database.isidentifier():
+            raise ValueError(f"database {self.database!r} is not an identifier")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamSettings:
+    app_id: str = "fleetscope-streams"
+    take_max_events: int = 256
+    take_within_ms: int = 200
+    job_idle_ms: int = 2000
+    windower: WindowerConfig = field(default_factory=WindowerConfig)
+    differential: DifferentialConfig = field(default_factory=DifferentialConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    data_dir: str = ".fleetscope"
+    log_level: str = "WARNING"
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    streams: StreamSettings = field(default_factory=StreamSettings)
+
+    @property
+    def store_url(self) -> str:
+        return self.store.url or f"chdb://{Path(self.data_dir).resolve() / 'store'}"
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            errors.append(f"{path}: expected a table of settings, got {type(value).__name__}")
+            return None
+        return _build(tp, value, f"{path}.", errors)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    errors.append(f"{path}: expected {tp.__name__}, got {value!r}")
+    return None
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str, errors: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            errors.append(f"{path}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            continue
+        before = len(errors)
+        coerced = _coerce(hints[key], value, path, errors)
+        if len(errors) == before:
+            kwargs[key] = coerced
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        errors.append(f"{prefix.rstrip('.') or 'config'}: {exc}")
+        return None
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the validated configuration; raise ``ConfigError`` listing every problem.
+
+    ``overrides`` use dotted keys (``{"kafka.bootstrap_servers": "host:9092"}``); environment
+    variables use ``FLEETSCOPE__SECTION__KEY``.
+    """
+    data: dict[str, Any] = {}
+    errors: list[str] = []
+    if path:
+        p = Path(path)
+        try:
+            text = p.read_text()
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except (OSError, ValueError) as exc:
+            raise ConfigError([f"{p}: {exc}"]) from exc
+    data = _merge(data, _from_env(os.environ if env is None else env))
+    data = _merge(data, _dotted(overrides or {}))
+    config = _build(Config, data, "", errors)
+    if errors:
+        raise ConfigError(errors)
+    return typing.cast(Config, config)

@@ -1,0 +1,88 @@
+"""``fleetscope demo``: the embedded stack plus a simulated job, then the findings it produced."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fleetscope.config import Config
+from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, simulate
+from fleetscope.progress import Progress
+from fleetscope.sinks import current_findings
+from fleetscope.stack import EmbeddedStack, clickhouse_config
+
+
+def publisher_config(config: Config) -> PublisherConfig:
+    k = config.kafka
+    return PublisherConfig(
+        bootstrap_servers=k.bootstrap_servers,
+        topic_prefix=k.topic_prefix,
+        compression=k.compression,
+        queue_max_messages=1_000_000,
+        extra=k.client_settings(),
+    )
+
+
+def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress) -> int:
+    """Publish a simulated job to the configured broker; return the number of batches published."""
+    published = 0
+    with Publisher(publisher_config(config)) as publisher:
+        for batch in simulate(sim):
+            publisher.publish(batch)
+            published += 1
+            progress.update(f"publishing: {published} batches")
+        publisher.flush(30.0)
+        stats = publisher.stats
+    if stats.dropped or stats.failed:
+        raise RuntimeError(f"publisher lost batches: {stats.dropped} dropped, {stats.failed} failed")
+    return published
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    findings: list[dict[str, Any]]
+    iterations: int
+    batches: int
+    seconds: float
+
+
+def run_demo(
+    config: Config, sim: SimulatorConfig, progress: Progress, timeout_s: float = 300.0
+) -> DemoResult:
+    """Start everything, publish the simulated job, wait until its analysis has settled, stop."""
+    t0 = time.monotonic()
+    stack = EmbeddedStack(config)
+    progress.update("starting broker, ClickHouse store and stream worker", force=True)
+    with stack:
+        ch = clickhouse_config(stack.config)
+        for table in ("iterations", "function_patterns", "finding_updates"):
+            stack.client.command(
+                f"DELETE FROM {ch.database}.{table} WHERE job = {{job:String}}", parameters={"job": sim.job}
+            )
+        batches = publish_simulation(stack.config, sim, progress)
+        expected = sim.ranks * sim.expected_iterations
+        settle_s = (config.streams.job_idle_ms + config.streams.windower.idle_close_ms) / 1000 + 1.5
+        deadline = time.monotonic() + timeout_s
+        last_change, last_rows = time.monotonic(), -1
+        assert stack.sink is not None
+        while time.monotonic() < deadline:
+            stats = stack.sink.stats
+            rows = stats["iterations"]
+            total = rows + stats["function_patterns"] + stats["finding_updates"]
+            if total != last_rows:
+                last_rows, last_change = total, time.monotonic()
+            progress.update(
+                f"analysing: {rows}/{expected} rank-iterations, {stats['finding_updates']} finding updates"
+            )
+            if rows >= expected and time.monotonic() - last_change >= settle_s:
+                break
+            if stack.worker is not None and not stack.worker.alive():
+                raise RuntimeError(f"stream worker died; see {stack.worker.log_path}")
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(f"the job was not analysed within {timeout_s} s ({last_rows} rows stored)")
+        findings = current_findings(stack.client, ch.database, job=sim.job)
+    seconds = time.monotonic() - t0
+    progress.done(f"done in {seconds:.1f} s: {expected} rank-iterations, {len(findings)} findings")
+    return DemoResult(findings=findings, iterations=expected, batches=batches, seconds=seconds)

@@ -1,0 +1,29 @@
+"""Producers: everything that creates events on a node and sends them to Kafka.
+
+In: activity of a training rank (here: a simulated data-parallel fleet with injected faults).
+Out: ``EventBatch`` es (kernels, collectives, python, throughput), published by ``Publisher`` as Avro
+messages on the raw topics, keyed ``job/rank``. Producers speak to the rest of the pipeline only through
+``fleetscope.schemas``; they never import ``streams`` or ``sinks``.
+"""
+
+from fleetscope.producers.publisher import Publisher, PublisherConfig, PublisherStats
+from fleetscope.producers.simulator import (
+    FAULT_KINDS,
+    HOST_FUNCTIONS,
+    Fault,
+    SimulatorConfig,
+    parse_fault,
+    simulate,
+)
+
+__all__ = [
+    "FAULT_KINDS",
+    "HOST_FUNCTIONS",
+    "Fault",
+    "Publisher",
+    "PublisherConfig",
+    "PublisherStats",
+    "SimulatorConfig",
+    "parse_fault",
+    "simulate",
+]

@@ -1,0 +1,45 @@
+"""The Avro contract between producers, streams and sinks.
+
+In: Python records (``EventBatch``, ``dict`` records for iterations/patterns/findings).
+Out: bytes in the Confluent wire format (magic byte 0, 4-byte schema id, schemaless Avro body).
+Everything that crosses a topic goes through ``codec.encode``/``codec.decode`` and nothing else.
+"""
+
+from fleetscope.schemas.catalog import CATALOG, SchemaCatalog
+from fleetscope.schemas.codec import SchemaError, decode, decode_event_batch, encode, encode_event_batch
+from fleetscope.schemas.records import (
+    COLUMNS,
+    BatchHeader,
+    EventBatch,
+    EventKind,
+    FunctionKind,
+)
+from fleetscope.schemas.topics import Topics
+from fleetscope.schemas.vocabulary import (
+    CATEGORIES,
+    bus_bandwidth_factor,
+    classify_kernel,
+    parse_step_marker,
+    step_marker_name,
+)
+
+__all__ = [
+    "CATALOG",
+    "CATEGORIES",
+    "COLUMNS",
+    "BatchHeader",
+    "EventBatch",
+    "EventKind",
+    "FunctionKind",
+    "SchemaCatalog",
+    "SchemaError",
+    "Topics",
+    "bus_bandwidth_factor",
+    "classify_kernel",
+    "decode",
+    "decode_event_batch",
+    "encode",
+    "encode_event_batch",
+    "parse_step_marker",
+    "step_marker_name",
+]

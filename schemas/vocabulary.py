@@ -1,0 +1,75 @@
+"""Domain vocabulary shared by every source and stage: kernel classes, step markers, bandwidth factors.
+
+One definition each, so the parser, the simulator and the windower cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fleetscope.schemas.records import FunctionKind
+
+CATEGORIES = ("gpu_slow", "link_slow", "host_slow", "straggler", "stage_imbalance", "job_regression", "hang")
+
+_STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
+_NCCL_RE = re.compile(r"^(nccl(Dev)?Kernel_|ncclKernel|nccl:)", re.IGNORECASE)
+_MEMORY_RE = re.compile(r"^(Memcpy|Memset|memcpy|memset|\[memory\])|^cudaMemcpy|^cudaMemset")
+
+
+def step_marker_name(step: int) -> str:
+    return f"ProfilerStep#{step}"
+
+
+def parse_step_marker(name: str) -> int | None:
+    """``ProfilerStep#12`` -> 12; any other name -> None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def classify_kernel(name: str) -> FunctionKind:
+    """Class of a GPU activity by name: NCCL (``ncclKernel_*``/``ncclDevKernel_*``), memory op, compute."""
+    if _NCCL_RE.match(name):
+        return FunctionKind.COLLECTIVE
+    if _MEMORY_RE.match(name):
+        return FunctionKind.MEMORY
+    return FunctionKind.COMPUTE
+
+
+_OP_ALIASES = {
+    "allreduce": "allreduce",
+    "all_reduce": "allreduce",
+    "allgather": "allgather",
+    "all_gather": "allgather",
+    "_allgather_base": "allgather",
+    "all_gather_into_tensor": "allgather",
+    "reduce_scatter": "reduce_scatter",
+    "reducescatter": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "alltoall": "all_to_all",
+    "all_to_allv": "all_to_all",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "send": "send",
+    "recv": "recv",
+    "sendrecv": "send",
+}
+
+
+def normalize_collective(op: str) -> str:
+    """Canonical collective name for the many spellings of PyTorch/NCCL/Kineto."""
+    return _OP_ALIASES.get(op.strip().lower(), op.strip().lower())
+
+
+def bus_bandwidth_factor(op: str, group_size: int) -> float:
+    """nccl-tests busbw = algbw x factor, S being the full message size (see nccl-tests PERFORMANCE.md)."""
+    n = max(int(group_size), 1)
+    canon = normalize_collective(op)
+    if canon == "allreduce":
+        return 2.0 * (n - 1) / n
+    if canon in ("allgather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0

@@ -1,0 +1,457 @@
+"""ClickHouse storage: connection, migrations, batched column-oriented writes and the CLI's queries.
+
+chDB (in-process ClickHouse) is the embedded default; an ``http(s)://`` URL reaches a server with the same
+code. One process can open only one chDB path, so jobs and tests are isolated by *database*, never by path.
+Table names are fixed; the database name is validated as an identifier and is the only text ever
+formatted into SQL. User values travel as server-side parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import clickhouse_connect
+import numpy as np
+import numpy.typing as npt
+from clickhouse_connect.driver import Client
+from clickhouse_connect.driver import exceptions as ch_errors
+
+from fleetscope.schemas import CATALOG, FunctionKind
+
+logger = logging.getLogger(__name__)
+
+ITERATIONS = "iterations"
+FUNCTION_PATTERNS = "function_patterns"
+FINDING_UPDATES = "finding_updates"
+FINDINGS = "findings"
+"""The view with the current state of each finding."""
+TABLES = (ITERATIONS, FUNCTION_PATTERNS, FINDING_UPDATES)
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_READ_STATEMENT = re.compile(r"^(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.IGNORECASE)
+_LEADING_NOISE = re.compile(r"^(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/|\()+", re.DOTALL)
+_AVRO_DTYPES: dict[str, type[np.generic] | type[object]] = {
+    "int": np.int32,
+    "long": np.int64,
+    "double": np.float64,
+    "float": np.float64,
+    "boolean": np.bool_,
+    "string": object,
+}
+# ClickHouse error codes worth a retry: overload, timeouts, network, a replica or keeper hiccup.
+_TRANSIENT_CODES = frozenset({3, 32, 159, 202, 203, 209, 210, 236, 241, 242, 252, 319, 394, 425, 999, 1000})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClickHouseConfig:
+    """Where the store lives. ``chdb://<path>`` (relative to the working directory or absolute) or
+    ``chdb://memory`` runs ClickHouse in-process; ``http(s)://host:port`` reaches a server.
+
+    ``flush_rows``/``flush_interval_ms`` are the batching hints for whoever drives a writer."""
+
+    url: str = "chdb://.fleetscope/store"
+    database: str = "fleetscope"
+    username: str = "default"
+    password: str = field(default="", repr=False)
+    flush_rows: int = 50_000
+    flush_interval_ms: int = 500
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
+        if scheme not in ("chdb", "http", "https"):
+            errors.append(
+                f"url: expected chdb://PATH, chdb://memory or http(s)://HOST:PORT, got {self.url!r}"
+            )
+        elif scheme == "chdb" and not self.url[len("chdb://") :]:
+            errors.append("url: chdb:// needs a path or 'memory'")
+        elif scheme != "chdb" and urlsplit(self.url).password:
+            errors.append("url: put the password in `password`, not in the URL (URLs get logged)")
+        if not _IDENTIFIER.match(self.database):
+            errors.append(f"database: {self.database!r} is not an identifier [A-Za-z_][A-Za-z0-9_]*")
+        if self.flush_rows <= 0:
+            errors.append(f"flush_rows: must be > 0, got {self.flush_rows}")
+        if self.flush_interval_ms <= 0:
+            errors.append(f"flush_interval_ms: must be > 0, got {self.flush_interval_ms}")
+        if errors:
+            raise ValueError("invalid ClickHouseConfig: " + "; ".join(errors))
+
+    @property
+    def chdb_path(self) -> str | None:
+        """Absolute chDB directory, ``":memory:"`` for chdb://memory, None for a server URL."""
+        if not self.url.startswith("chdb://"):
+            return None
+        location = self.url[len("chdb://") :]
+        if location in ("memory", ":memory:"):
+            return ":memory:"
+        return os.path.realpath(os.path.expanduser(location))
+
+
+def _check_database(database: str) -> str:
+    if not _IDENTIFIER.match(database):
+        raise ValueError(f"database {database!r} is not an identifier [A-Za-z_][A-Za-z0-9_]*")
+    return database
+
+
+# One chDB engine per process: clients are cached per (path, database) so repeated connect() calls reuse
+# handles, and a second path fails with a clear message instead of chDB's.
+_CHDB_CLIENTS: dict[tuple[str, str], Client] = {}
+_CHDB_LOCK = threading.Lock()
+
+
+def connect(config: ClickHouseConfig) -> Client:
+    """A client whose default database is ``config.database`` (created when missing).
+
+    chDB clients are shared by the whole process: do not close them (the engine lives until exit)."""
+    path = config.chdb_path
+    if path is None:
+        parts = urlsplit(config.url)
+        secure = parts.scheme == "https"
+        client = clickhouse_connect.get_client(
+            host=parts.hostname or "localhost",
+            port=parts.port or (8443 if secure else 8123),
+            username=parts.username or config.username,
+            password=config.password,
+            secure=secure,
+        )
+        _ensure_database(client, config.database)
+        client.database = config.database
+        return client
+    with _CHDB_LOCK:
+        key = (path, config.database)
+        if key in _CHDB_CLIENTS:
+            return _CHDB_CLIENTS[key]
+        open_paths = {p for p, _ in _CHDB_CLIENTS}
+        if open_paths and path not in open_paths:
+            raise ValueError(
+                f"this process already has chDB open at {open_paths.pop()!r}; one process can open only one "
+                f"chDB path ({path!r} requested): isolate by database name instead"
+            )
+        if path != ":memory:":
+            os.makedirs(path, exist_ok=True)
+        client = clickhouse_connect.get_client(interface="chdb", path=None if path == ":memory:" else path)
+        _ensure_database(client, config.database)
+        client.database = config.database
+        _CHDB_CLIENTS[key] = client
+        logger.info("opened chDB at %s (database %s)", path, config.database)
+        return client
+
+
+def _ensure_database(client: Client, database: str) -> None:
+    client.command(f"CREATE DATABASE IF NOT EXISTS `{_check_database(database)}`", use_database=False)
+
+
+def _bound(client: Client, database: str) -> Client:
+    """The client, or a sibling on the same chDB engine, whose default database is ``database``."""
+    if client.database == database:
+        return client
+    path = getattr(client, "path", None)
+    with _CHDB_LOCK:
+        is_chdb = any(path == p for p, _ in _CHDB_CLIENTS)
+    if is_chdb:
+        url = "chdb://memory" if path == ":memory:" else f"chdb://{path}"
+        return connect(ClickHouseConfig(url=url, database=database))
+    raise ValueError(f"client's default database is {client.database!r}, not {database!r}: connect() with it")
+
+
+def ddl_statements(database: str) -> list[str]:
+    """Every statement of ``sql/*.sql`` in file order, with the database substituted."""
+    quoted = f"`{_check_database(database)}`"
+    folder = resources.files("fleetscope.sinks").joinpath("sql")
+    statements: list[str] = []
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        text = entry.read_text(encoding="utf-8").replace("{database}", quoted)
+        body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+        statements.extend(s.strip() for s in body.split(";") if s.strip())
+    return statements
+
+
+def migrate(client: Client, database: str) -> None:
+    """Create the database, tables and views; idempotent, so every process runs it on start."""
+    _ensure_database(client, database)
+    for statement in ddl_statements(database):
+        client.command(statement, use_database=False)
+    logger.info("schema of database %s is up to date", database)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Bounded retries with jittered exponential backoff for transient ClickHouse errors."""
+
+    max_attempts: int = 5
+    initial_backoff_ms: int = 100
+    max_backoff_ms: int = 5_000
+
+    def __post_init__(self) -> None:
+        if (
+            self.max_attempts < 1
+            or self.initial_backoff_ms < 0
+            or self.max_backoff_ms < self.initial_backoff_ms
+        ):
+            raise ValueError(f"invalid RetryPolicy: {self}")
+
+    def delay_s(self, attempt: int) -> float:
+        """Equal jitter: half the capped exponential step, plus a random share of the other half."""
+        step = min(self.max_backoff_ms, self.initial_backoff_ms * 2**attempt) / 1000.0
+        return step / 2 + random.uniform(0, step / 2)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors a retry may fix (network, timeouts, overload); False for bad SQL or bad data."""
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    if isinstance(exc, ch_errors.ClickHouseError):
+        code = getattr(exc, "code", None)
+        if code is None:
+            return isinstance(exc, ch_errors.OperationalError)
+        return code in _TRANSIENT_CODES
+    return False
+
+
+_T = TypeVar("_T")
+
+
+def _avro_fields(subject: str) -> list[tuple[str, Any]]:
+    return [(f["name"], f["type"]) for f in CATALOG.latest(subject).parsed["fields"]]
+
+
+def _column(values: list[Any], avro_type: Any) -> npt.NDArray[Any] | list[Any]:
+    dtype = _AVRO_DTYPES.get(avro_type) if isinstance(avro_type, str) else None
+    if dtype is None or dtype is object:
+        return values
+    return np.asarray(values, dtype=dtype)
+
+
+class ClickHouseWriter:
+    """Writes decoded Avro records (dicts) into the tables, column-oriented, retrying transient errors.
+
+    Insert columns come from the Avro schemas, so the record contract is defined once; a new schema
+    field without a matching column fails loudly."""
+
+    def __init__(self, client: Client, database: str, *, retry: RetryPolicy | None = None) -> None:
+        self._client = client
+        self._database = _check_database(database)
+        self._retry = retry or RetryPolicy()
+        self._iteration_fields = _avro_fields("iterations")
+        self._finding_fields = _avro_fields("findings")
+        pattern_fields = _avro_fields("patterns")
+        self._pattern_scalars = [(n, t) for n, t in pattern_fields if not _is_array(t)]
+        self._pattern_arrays = [(n, t["items"]) for n, t in pattern_fields if _is_array(t)]
+        self._kind_names = np.full(max(FunctionKind) + 1, "unknown", dtype=object)
+        for kind in FunctionKind:
+            self._kind_names[kind.value] = kind.name.lower()
+
+    @property
+    def database(self) -> str:
+        return self._database
+
+    def write_iterations(self, records: Sequence[Mapping[str, Any]]) -> int:
+        """One row per IterationRecord."""
+        return self._insert_records(ITERATIONS, self._iteration_fields, records)
+
+    def write_findings(self, records: Sequence[Mapping[str, Any]]) -> int:
+        """One row per Finding state change; ``findings`` (the view) reduces them to the current state."""
+        return self._insert_records(FINDING_UPDATES, self._finding_fields, records)
+
+    def write_patterns(self, records: Sequence[Mapping[str, Any]]) -> int:
+        """Explode PatternBatches (one entry per function) into rows, column-wise with numpy."""
+        if not records:
+            return 0
+        counts = np.fromiter((pattern_rows(r) for r in records), dtype=np.int64, count=len(records))
+        total = int(counts.sum())
+        if total == 0:
+            return 0
+        columns: dict[str, npt.NDArray[Any]] = {}
+        for name, avro_type in self._pattern_scalars:
+            dtype = _AVRO_DTYPES.get(avro_type, object) if isinstance(avro_type, str) else object
+            columns[name] = np.repeat(np.array([r[name] for r in records], dtype=dtype), counts)
+        for name, item_type in self._pattern_arrays:
+            dtype = _AVRO_DTYPES.get(item_type, object) if isinstance(item_type, str) else object
+            columns[name] = np.concatenate([np.asarray(r[name], dtype=dtype) for r in records])
+        kind = columns["kind"]
+        if kind.min() < 0 or kind.max() > 255:
+            raise ValueError("pattern kind outside 0..255")
+        known = kind < len(self._kind_names)
+        columns["kind"] = kind.astype(np.uint8)
+        columns["kind_name"] = np.where(known, self._kind_names[np.where(known, kind, 0)], "unknown")
+        # Strings go as lists (clickhouse-connect encodes them value by value anyway); numbers stay numpy.
+        data = [col.tolist() if col.dtype == object else col for col in columns.values()]
+        self._insert(FUNCTION_PATTERNS, list(columns), data)
+        return total
+
+    def _insert_records(
+        self, table: str, fields: list[tuple[str, Any]], records: Sequence[Mapping[str, Any]]
+    ) -> int:
+        if not records:
+            return 0
+        names = [name for name, _ in fields]
+        data = [_column([r[name] for r in records], avro_type) for name, avro_type in fields]
+        self._insert(table, names, data)
+        return len(records)
+
+    def _insert(self, table: str, names: list[str], data: list[Any]) -> None:
+        def call() -> None:
+            self._client.insert(
+                table, data, column_names=names, database=self._database, column_oriented=True
+            )
+
+        with_retries(call, self._retry, what=f"insert into {self._database}.{table}")
+
+
+def with_retries(call: Callable[[], _T], policy: RetryPolicy, *, what: str) -> _T:
+    """Run ``call``, retrying transient errors up to ``policy.max_attempts``; permanent ones raise at once."""
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            attempt += 1
+            if not is_transient(exc) or attempt >= policy.max_attempts:
+                raise
+            delay = policy.delay_s(attempt - 1)
+            logger.warning(
+                "%s failed (attempt %d/%d), retrying in %.2fs: %s",
+                what,
+                attempt,
+                policy.max_attempts,
+                delay,
+                exc,
+            )
+            time.sleep(delay)
+
+
+def _is_array(avro_type: Any) -> bool:
+    return isinstance(avro_type, dict) and avro_type.get("type") == "array"
+
+
+@functools.cache
+def _pattern_array_names() -> tuple[str, ...]:
+    return tuple(name for name, avro_type in _avro_fields("patterns") if _is_array(avro_type))
+
+
+def pattern_rows(record: Mapping[str, Any]) -> int:
+    """Rows a PatternBatch explodes into; ValueError when its column arrays differ in length."""
+    n = len(record["function"])
+    for name in _pattern_array_names():
+        if len(record[name]) != n:
+            raise ValueError(f"pattern column {name!r} has {len(record[name])} entries, function has {n}")
+    return n
+
+
+_FINDING_COLUMNS = (
+    "job",
+    "finding_id",
+    "status",
+    "version",
+    "rank",
+    "ranks",
+    "host",
+    "category",
+    "function",
+    "metric",
+    "value",
+    "peer_median",
+    "score",
+    "iteration_first",
+    "iteration_last",
+    "est_loss_ns",
+    "evidence",
+    "first_seen_ns",
+    "last_seen_ns",
+)
+
+
+def current_findings(client: Client, database: str, job: str | None = None) -> list[dict[str, Any]]:
+    """Current state of every finding (open and closed), biggest estimated loss first; JSON-ready."""
+    where = "WHERE job = {job:String}" if job is not None else ""
+    query = (
+        f"SELECT {', '.join(_FINDING_COLUMNS)} FROM `{_check_database(database)}`.{FINDINGS} {where} "
+        "ORDER BY est_loss_ns DESC, job, finding_id"
+    )
+    result = client.query(query, parameters={"job": job} if job is not None else None)
+    out: list[dict[str, Any]] = []
+    for row in result.result_rows:
+        item = dict(zip(_FINDING_COLUMNS, row, strict=True))
+        item["ranks"] = list(item["ranks"])
+        try:
+            evidence = json.loads(item["evidence"]) if item["evidence"] else {}
+        except ValueError:
+            evidence = {"raw": item["evidence"]}
+        item["evidence"] = evidence if isinstance(evidence, dict) else {"value": evidence}
+        out.append(item)
+    return out
+
+
+def run_sql(
+    client: Client,
+    database: str,
+    query: str,
+    parameters: dict[str, Any] | None = None,
+    readonly: bool = True,
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Run user SQL with ``database`` as the default database; (column names, rows).
+
+    Read-only mode is enforced by ClickHouse itself (setting readonly=1, which also blocks writing table
+    functions and changing settings); the statement check only gives a clearer message earlier."""
+    bound = _bound(client, _check_database(database))
+    query = _single_statement(query)
+    is_read = bool(_READ_STATEMENT.match(_LEADING_NOISE.sub("", query)))
+    if readonly and not is_read:
+        raise PermissionError(
+            "read-only SQL accepts SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statements only"
+        )
+    if readonly and _INTO_OUTFILE.search(_SQL_TOKENS.sub(" ", query)):
+        # chDB writes the file in-process even with readonly=1.
+        raise PermissionError("read-only SQL cannot write files (INTO OUTFILE)")
+    if not is_read:
+        bound.command(query, parameters=parameters)
+        return [], []
+    result = bound.query(query, parameters=parameters, settings={"readonly": 1} if readonly else None)
+    return list(result.column_names), [tuple(row) for row in result.result_rows]
+
+
+_SQL_TOKENS = re.compile(
+    r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`(?:[^`\\]|\\.)*`|--[^\n]*|/\*.*?\*/|;", re.DOTALL
+)
+
+
+_INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
+
+
+def _single_statement(query: str) -> str:
+    """The query up to its first ``;`` outside literals and comments; ValueError if SQL follows it.
+
+    chDB would run every statement, and settings appended by the driver (readonly=1) would land on the
+    last one only; a trailing ``;`` is cut for the same reason."""
+    for match in _SQL_TOKENS.finditer(query):
+        if match.group() == ";":
+            rest = query[match.end() :]
+            rest = _SQL_TOKENS.sub(lambda m: "" if m.group()[:2] in ("--", "/*", ";") else m.group(), rest)
+            if rest.strip():
+                raise ValueError("one SQL statement at a time")
+            return query[: match.start()]
+    return query
+
+
+def table_counts(client: Client, database: str) -> dict[str, int]:
+    """Rows per table (before background deduplication) and distinct findings in the view."""
+    db = _check_database(database)
+    parts = " UNION ALL ".join(
+        f"SELECT '{t}' AS name, count() AS n FROM `{db}`.{t}" for t in (*TABLES, FINDINGS)
+    )
+    rows = client.query(parts).result_rows
+    return {str(name): int(n) for name, n in rows}

@@ -1,0 +1,411 @@
+"""The sink process: iterations, patterns and findings topics -> ClickHouse, at least once.
+
+Offsets are committed only after every buffered row is inserted and every dead letter delivered, so a
+crash replays the uncommitted tail; the Replacing engines make that replay idempotent. Undecodable
+messages go to the dead-letter topic with (reason, topic, partition, offset) headers and are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clickhouse_connect.driver.exceptions import DataError
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from fleetscope.schemas import SchemaError, Topics, decode
+from fleetscope.sinks.clickhouse import (
+    FINDING_UPDATES,
+    FUNCTION_PATTERNS,
+    ITERATIONS,
+    ClickHouseWriter,
+    is_transient,
+    pattern_rows,
+)
+
+logger = logging.getLogger(__name__)
+
+_SUBJECT_TABLE = {"iterations": ITERATIONS, "patterns": FUNCTION_PATTERNS, "findings": FINDING_UPDATES}
+_MAX_BATCH_MESSAGES = 1_000
+_DEADLETTER_FLUSH_S = 10.0
+_MAX_PAUSE_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkConfig:
+    """Kafka side of the sink. ``extra`` passes librdkafka settings to the consumer and the dead-letter
+    producer (e.g. security); it is never logged."""
+
+    bootstrap_servers: str
+    topic_prefix: str = "fleetscope"
+    group_id: str = "fleetscope-sink"
+    session_timeout_ms: int = 6000
+    """Tansu holds a JoinGroup for half of it: keep it low in development."""
+    flush_rows: int = 50_000
+    flush_interval_ms: int = 500
+    extra: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        if not self.bootstrap_servers:
+            errors.append("bootstrap_servers: must not be empty")
+        if not self.topic_prefix:
+            errors.append("topic_prefix: must not be empty")
+        if not self.group_id:
+            errors.append("group_id: must not be empty")
+        for name in ("session_timeout_ms", "flush_rows", "flush_interval_ms"):
+            if getattr(self, name) <= 0:
+                errors.append(f"{name}: must be > 0, got {getattr(self, name)}")
+        if errors:
+            raise ValueError("invalid SinkConfig: " + "; ".join(errors))
+
+
+@dataclass(slots=True)
+class _Buffer:
+    """Decoded records of one table with the messages they came from (to isolate a bad one)."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    rows: int = 0
+
+
+class Sink:
+    """Consumes the derived topics and writes them with a ``ClickHouseWriter``.
+
+    Batches by rows and age; a flush that fails (after the writer's own retries) pauses the assigned
+    partitions and is retried with backoff, so the buffer never grows without limit."""
+
+    def __init__(self, config: SinkConfig, writer: ClickHouseWriter) -> None:
+        self._config = config
+        self._writer = writer
+        self._topics = Topics(prefix=config.topic_prefix)
+        self._write: dict[str, Callable[[Sequence[dict[str, Any]]], int]] = {
+            ITERATIONS: writer.write_iterations,
+            FUNCTION_PATTERNS: writer.write_patterns,
+            FINDING_UPDATES: writer.write_findings,
+        }
+        self._buffers = {table: _Buffer() for table in self._write}
+        self._offsets: dict[tuple[str, int], int] = {}
+        self._oldest_s: float | None = None
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._lock = threading.RLock()
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._paused = False
+        self._retry_at_s = 0.0
+        self._failures_in_row = 0
+        self._seen_errors: set[int] = set()
+        self._stats: dict[str, int] = {
+            ITERATIONS: 0,
+            FUNCTION_PATTERNS: 0,
+            FINDING_UPDATES: 0,
+            "messages": 0,
+            "dead_letters": 0,
+            "dead_letter_errors": 0,
+            "flushes": 0,
+            "flush_failures": 0,
+            "last_flush_ns": 0,
+        }
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Rows written per table, messages consumed, dead letters, flushes and ``last_flush_ns``."""
+        with self._lock:
+            return dict(self._stats)
+
+    @property
+    def topics(self) -> tuple[str, str, str]:
+        return (self._topics.iterations, self._topics.patterns, self._topics.findings)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the consume loop in a daemon thread."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("sink is stopped; build a new one")
+            if self._thread is not None:
+                return
+            self._ensure_clients()
+            self._thread = threading.Thread(
+                target=self.run, args=(self._stop_event,), name="fleetscope-sink", daemon=True
+            )
+            self._thread.start()
+
+    def run(self, stop: threading.Event) -> None:
+        """Consume until ``stop`` is set, then flush, commit and close."""
+        poll_s = min(0.1, self._config.flush_interval_ms / 1000.0)
+        try:
+            while not stop.is_set() and not self._stop_event.is_set():
+                self.poll_once(poll_s)
+        except KafkaException:
+            logger.exception("fatal Kafka error; the sink stops")
+            raise
+        finally:
+            self._shutdown()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Flush, commit and close; idempotent, and safe without a start."""
+        self._stop_event.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                logger.warning("sink thread did not stop within %.1fs", timeout_s)
+                return
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._consumer is not None:
+                self._retry_at_s = 0.0
+                if not self._flush():
+                    logger.error("final flush failed; uncommitted messages will be replayed on restart")
+                self._consumer.close()
+            if self._producer is not None:
+                left = self._producer.flush(_DEADLETTER_FLUSH_S)
+                if left:
+                    logger.warning("%d dead letters undelivered at stop", left)
+            # Drop the clients: librdkafka handles live (and reconnect) until they are freed.
+            self._consumer = None
+            self._producer = None
+            logger.info("sink stopped: %s", self._stats)
+
+    # -- consuming ---------------------------------------------------------------------------------------
+
+    def poll_once(self, timeout_s: float) -> int:
+        """Consume what arrives within ``timeout_s``, buffer it, flush when due; messages handled."""
+        with self._lock:
+            if self._closed:
+                return 0
+            consumer = self._ensure_clients()
+            messages = consumer.consume(_MAX_BATCH_MESSAGES, timeout_s)
+            handled = 0
+            for msg in messages:
+                if msg.error() is not None:
+                    self._on_kafka_error(msg.error())
+                    continue
+                self._handle(msg)
+                handled += 1
+            self._stats["messages"] += handled
+            if self._producer is not None:
+                self._producer.poll(0)
+            if self._flush_due():
+                self._flush()
+            return handled
+
+    def _ensure_clients(self) -> Consumer:
+        if self._consumer is None:
+            common = {"bootstrap.servers": self._config.bootstrap_servers, **self._config.extra}
+            self._consumer = Consumer(
+                {
+                    **common,
+                    "group.id": self._config.group_id,
+                    "client.id": "fleetscope-sink",
+                    "enable.auto.commit": False,
+                    "auto.offset.reset": "earliest",
+                    "session.timeout.ms": self._config.session_timeout_ms,
+                    "heartbeat.interval.ms": max(100, self._config.session_timeout_ms // 3),
+                }
+            )
+            self._consumer.subscribe(list(self.topics), on_assign=self._on_assign, on_revoke=self._on_revoke)
+            self._producer = Producer(
+                {
+                    **common,
+                    "client.id": "fleetscope-sink-deadletter",
+                    "linger.ms": 5,
+                    "message.timeout.ms": 30_000,
+                }
+            )
+            logger.info("sink subscribed to %s as group %s", ", ".join(self.topics), self._config.group_id)
+        return self._consumer
+
+    def _handle(self, msg: Message) -> None:
+        value = msg.value() or b""
+        try:
+            subject, record = decode(value)
+            table = _SUBJECT_TABLE.get(subject)
+            if table is None:
+                raise SchemaError(f"subject {subject!r} does not belong on the sink's topics")
+            rows = pattern_rows(record) if table == FUNCTION_PATTERNS else 1
+        except (SchemaError, ValueError, KeyError, TypeError) as exc:
+            self._dead_letter(msg, f"decode: {exc}")
+        else:
+            buffer = self._buffers[table]
+            buffer.records.append(record)
+            buffer.messages.append(msg)
+            buffer.rows += rows
+            if self._oldest_s is None:
+                self._oldest_s = time.monotonic()
+        self._mark(msg)
+
+    def _mark(self, msg: Message) -> None:
+        topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+        if topic is not None and partition is not None and offset is not None:
+            key = (topic, partition)
+            self._offsets[key] = max(self._offsets.get(key, 0), offset + 1)
+
+    def _dead_letter(self, msg: Message, reason: str) -> None:
+        producer = self._producer
+        if producer is None:
+            raise RuntimeError("dead letter before the producer exists")
+        headers = [
+            ("reason", reason[:2000].encode()),
+            ("topic", (msg.topic() or "").encode()),
+            ("partition", str(msg.partition()).encode()),
+            ("offset", str(msg.offset()).encode()),
+        ]
+        for _ in range(50):
+            try:
+                producer.produce(
+                    self._topics.deadletter,
+                    value=msg.value(),
+                    key=msg.key(),
+                    headers=headers,
+                    on_delivery=self._on_dead_letter_delivery,
+                )
+                break
+            except BufferError:
+                producer.poll(0.1)
+        else:
+            self._stats["dead_letter_errors"] += 1
+            logger.error("dead-letter queue full; a bad message was dropped")
+            return
+        self._stats["dead_letters"] += 1
+
+    def _on_dead_letter_delivery(self, err: KafkaError | None, _msg: Message) -> None:
+        if err is not None:
+            self._stats["dead_letter_errors"] += 1
+            self._log_once(err, "dead letter not delivered: %s")
+
+    def _on_kafka_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            raise KafkaException(err)
+        if err.code() != KafkaError._PARTITION_EOF:
+            self._log_once(err, "consumer error (not fatal): %s")
+
+    def _log_once(self, err: KafkaError, message: str) -> None:
+        """Warn on the first error of a kind, then log it at debug level only (no per-message spam)."""
+        level = logging.DEBUG if err.code() in self._seen_errors else logging.WARNING
+        self._seen_errors.add(err.code())
+        logger.log(level, message, err)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self._paused and partitions:
+            consumer.pause(partitions)
+
+    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Try to flush before losing the partitions; otherwise forget their offsets (the new owner
+        replays them, which the Replacing engines absorb)."""
+        self._retry_at_s = 0.0
+        if not self._flush():
+            logger.warning("flush at partition revoke failed; the revoked partitions will be replayed")
+        for tp in partitions:
+            self._offsets.pop((tp.topic, tp.partition), None)
+
+    # -- flushing ----------------------------------------------------------------------------------------
+
+    def _flush_due(self) -> bool:
+        if time.monotonic() < self._retry_at_s:
+            return False
+        rows = sum(b.rows for b in self._buffers.values())
+        if rows >= self._config.flush_rows:
+            return True
+        if self._oldest_s is not None:
+            return (time.monotonic() - self._oldest_s) * 1000.0 >= self._config.flush_interval_ms
+        return bool(self._offsets)
+
+    def _flush(self) -> bool:
+        """Insert every buffer, deliver dead letters, then commit; on failure pause and back off.
+
+        True when everything buffered is stored (the commit itself may still be retried later)."""
+        if time.monotonic() < self._retry_at_s:
+            return False
+        try:
+            for table, buffer in self._buffers.items():
+                if buffer.records:
+                    self._stats[table] += self._insert(table, buffer)
+                    self._buffers[table] = _Buffer()
+            self._oldest_s = None
+            if self._producer is not None and self._producer.flush(_DEADLETTER_FLUSH_S):
+                raise TimeoutError("dead letters not delivered")
+        except Exception as exc:
+            self._on_flush_failure(exc)
+            return False
+        self._commit()
+        self._stats["flushes"] += 1
+        self._stats["last_flush_ns"] = time.time_ns()
+        if self._paused:
+            self._set_paused(False)
+        self._failures_in_row = 0
+        return True
+
+    def _insert(self, table: str, buffer: _Buffer) -> int:
+        """Insert a buffer; when ClickHouse rejects the data itself, insert message by message and
+        dead-letter the ones it rejects."""
+        write = self._write[table]
+        try:
+            return write(buffer.records)
+        except Exception as exc:
+            if is_transient(exc) or not _is_data_error(exc):
+                raise
+            logger.warning("insert into %s rejected a batch (%s); isolating the bad messages", table, exc)
+        written = 0
+        for record, msg in zip(buffer.records, buffer.messages, strict=True):
+            try:
+                written += write([record])
+            except Exception as exc:
+                if is_transient(exc) or not _is_data_error(exc):
+                    raise
+                self._dead_letter(msg, f"insert: {exc}")
+        return written
+
+    def _on_flush_failure(self, exc: Exception) -> None:
+        self._failures_in_row += 1
+        self._stats["flush_failures"] += 1
+        delay = min(_MAX_PAUSE_S, 0.5 * 2 ** (self._failures_in_row - 1))
+        self._retry_at_s = time.monotonic() + delay
+        logger.warning(
+            "flush failed (%d in a row), consumption paused for %.1fs: %s",
+            self._failures_in_row,
+            delay,
+            exc,
+            exc_info=self._failures_in_row == 1,
+        )
+        if not self._paused:
+            self._set_paused(True)
+
+    def _set_paused(self, paused: bool) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return
+        assignment = consumer.assignment()
+        if assignment:
+            (consumer.pause if paused else consumer.resume)(assignment)
+        self._paused = paused
+
+    def _commit(self) -> None:
+        if not self._offsets or self._consumer is None:
+            return
+        offsets = [TopicPartition(t, p, o) for (t, p), o in self._offsets.items()]
+        try:
+            self._consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            self._retry_at_s = time.monotonic() + 1.0
+            logger.warning("offset commit failed, retried at the next flush: %s", exc)
+            return
+        self._offsets.clear()
+
+
+def _is_data_error(exc: BaseException) -> bool:
+    """Errors caused by the records themselves, not by the store or the SQL."""
+    return isinstance(exc, ValueError | TypeError | OverflowError | DataError)

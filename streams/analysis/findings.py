@@ -1,0 +1,126 @@
+"""Finding lifecycle: persistence before a finding opens, recovery before it closes."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetscope.streams.analysis.outliers import RankSignal
+
+
+@dataclass(frozen=True, kw_only=True)
+class LifecycleConfig:
+    persist_iterations: int = 3
+    recover_iterations: int = 5
+    update_every: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("persist_iterations", "recover_iterations", "update_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass(slots=True)
+class _Track:
+    flagged_run: int = 0
+    clear_run: int = 0
+    recent: list[RankSignal] = field(default_factory=list)
+    finding_id: str = ""
+    iteration_first: int = 0
+    iteration_last: int = 0
+    emitted_iteration: int = 0
+    version: int = 0
+    loss_sum: float = 0.0
+    flagged: int = 0
+    best: RankSignal | None = None
+
+
+class FindingTracker:
+    """Turns per-iteration signals of one job into open/update/closed finding records."""
+
+    def __init__(self, job: str, config: LifecycleConfig | None = None) -> None:
+        self.job = job
+        self.config = config or LifecycleConfig()
+        self._tracks: dict[tuple[int, str], _Track] = {}
+
+    def observe(self, iteration: int, signals: list[RankSignal]) -> list[dict[str, Any]]:
+        """Feed one evaluated iteration (in order); return finding records to emit."""
+        cfg = self.config
+        out: list[dict[str, Any]] = []
+        seen = set()
+        for sig in signals:
+            key = (sig.rank, sig.category)
+            seen.add(key)
+            tr = self._tracks.setdefault(key, _Track())
+            tr.flagged_run += 1
+            tr.clear_run = 0
+            tr.recent = (tr.recent + [sig])[-cfg.persist_iterations :]
+            if tr.finding_id:
+                self._accumulate(tr, sig, iteration)
+                if iteration - tr.emitted_iteration >= cfg.update_every:
+                    out.append(self._record(tr, "update", iteration))
+            elif tr.flagged_run >= cfg.persist_iterations:
+                tr.iteration_first = iteration - cfg.persist_iterations + 1
+                tr.finding_id = f"{self.job}/{sig.category}/{sig.rank}/{tr.iteration_first}"
+                tr.loss_sum, tr.flagged, tr.best = 0.0, 0, None
+                for s in tr.recent:
+                    self._accumulate(tr, s, iteration)
+                out.append(self._record(tr, "open", iteration))
+        for key, tr in list(self._tracks.items()):
+            if key in seen:
+                continue
+            tr.flagged_run = 0
+            tr.clear_run += 1
+            if tr.finding_id and tr.clear_run >= cfg.recover_iterations:
+                out.append(self._record(tr, "closed", iteration))
+                del self._tracks[key]
+            elif not tr.finding_id:
+                del self._tracks[key]
+        return out
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Latest state of every open finding whose last emitted record is stale."""
+        return [
+            self._record(tr, "update", tr.iteration_last)
+            for tr in self._tracks.values()
+            if tr.finding_id and tr.emitted_iteration < tr.iteration_last
+        ]
+
+    def open_findings(self) -> int:
+        return sum(1 for tr in self._tracks.values() if tr.finding_id)
+
+    @staticmethod
+    def _accumulate(tr: _Track, sig: RankSignal, iteration: int) -> None:
+        tr.iteration_last = iteration
+        tr.loss_sum += sig.loss_ns
+        tr.flagged += 1
+        if tr.best is None or abs(sig.score) >= abs(tr.best.score):
+            tr.best = sig
+
+    def _record(self, tr: _Track, status: str, iteration: int) -> dict[str, Any]:
+        sig = tr.best or tr.recent[-1]
+        tr.version += 1
+        tr.emitted_iteration = iteration
+        evidence = dict(sig.evidence, flagged_iterations=tr.flagged)
+        return {
+            "finding_id": tr.finding_id,
+            "status": status,
+            "version": tr.version,
+            "job": self.job,
+            "rank": sig.rank,
+            "ranks": [sig.rank],
+            "host": sig.host,
+            "category": sig.category,
+            "function": sig.function,
+            "metric": sig.metric,
+            "value": sig.value,
+            "peer_median": sig.peer_median,
+            "score": sig.score,
+            "iteration_first": tr.iteration_first,
+            "iteration_last": tr.iteration_last,
+            "est_loss_ns": int(tr.loss_sum / max(tr.flagged, 1)),
+            "evidence": json.dumps(evidence, sort_keys=True),
+            "emitted_ns": time.time_ns(),
+        }

@@ -1,0 +1,222 @@
+"""Cut one rank's event streams into iterations (pure state machine, no I/O).
+
+Iterations come from step markers (``ProfilerStep#N`` spans). GPU work belongs to the step in
+which it was *launched*, so a step closes only when every stream this rank produces has moved past
+it (per-stream watermarks), or when the rank has been idle for a while, or when too many steps
+wait. Events that arrive for an already closed step are counted as late and dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
+from fleetscope.streams.analysis.patterns import IterationEvents, summarize_iteration
+
+Cols = dict[str, npt.NDArray[Any]]
+
+_TIME_COLUMN = {
+    EventKind.KERNELS: "assign_ns",
+    EventKind.COLLECTIVES: "assign_ns",
+    EventKind.PYTHON: "start_ns",
+    EventKind.THROUGHPUT: "t_ns",
+}
+_ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowerConfig:
+    """When a rank's steps close (see module docstring)."""
+
+    idle_close_ms: int = 1500
+    max_open_steps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.idle_close_ms <= 0:
+            raise ValueError("idle_close_ms must be > 0")
+        if self.max_open_steps < 1:
+            raise ValueError("max_open_steps must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedIteration:
+    """A finished iteration: the iteration record and the pattern record, both Avro-ready dicts."""
+
+    iteration: dict[str, Any]
+    patterns: dict[str, Any]
+
+
+@dataclass(slots=True)
+class WindowerCounters:
+    batches: int = 0
+    events: int = 0
+    late_events: int = 0
+    iterations: int = 0
+
+
+def identity(header: BatchHeader) -> dict[str, Any]:
+    return {
+        "job": header.job,
+        "rank": header.rank,
+        "host": header.host,
+        "world_size": header.world_size,
+        "tp_rank": header.tp_rank,
+        "pp_rank": header.pp_rank,
+        "dp_rank": header.dp_rank,
+    }
+
+
+@dataclass
+class RankWindower:
+    """Iteration windowing for one rank (job/rank key)."""
+
+    config: WindowerConfig = field(default_factory=WindowerConfig)
+    header: BatchHeader | None = None
+    counters: WindowerCounters = field(default_factory=WindowerCounters)
+    last_arrival_ns: int = 0
+    _names: list[str] = field(default_factory=list)
+    _name_ids: dict[str, int] = field(default_factory=dict)
+    _buffers: dict[EventKind, Cols] = field(default_factory=dict)
+    _watermark: dict[EventKind, int] = field(default_factory=dict)
+    _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _closed_step: int = -(2**62)
+    _closed_end_ns: int = -(2**62)
+
+    def add(self, batch: EventBatch, now_ns: int) -> list[ClosedIteration]:
+        """Take one batch; return the iterations it allowed to close."""
+        self.header = batch.header
+        self.last_arrival_ns = now_ns
+        self.counters.batches += 1
+        self.counters.events += len(batch)
+        if len(batch) == 0:
+            return []
+        cols = self._columns(batch)
+        kind = batch.kind
+        if kind is EventKind.PYTHON:
+            cols = self._take_step_markers(cols)
+        time_col = _TIME_COLUMN[kind]
+        late = cols[time_col] < self._closed_end_ns
+        if late.any():
+            self.counters.late_events += int(late.sum())
+            cols = {k: v[~late] for k, v in cols.items()}
+        if cols[time_col].size:
+            high = cols["start_ns"] + cols["dur_ns"] if kind is EventKind.PYTHON else cols[time_col]
+            self._watermark[kind] = max(self._watermark.get(kind, -(2**62)), int(high.max()))
+            buf = self._buffers.get(kind)
+            self._buffers[kind] = (
+                cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
+            )
+        return self._close(force=False)
+
+    def flush(self) -> list[ClosedIteration]:
+        """Close every step whose marker is complete, whatever the watermarks (rank idle or stopping)."""
+        return self._close(force=True)
+
+    def is_idle(self, now_ns: int) -> bool:
+        return bool(self._steps) and now_ns - self.last_arrival_ns >= self.config.idle_close_ms * 1_000_000
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _intern(self, name: str) -> int:
+        gid = self._name_ids.get(name)
+        if gid is None:
+            gid = self._name_ids[name] = len(self._names)
+            self._names.append(name)
+        return gid
+
+    def _columns(self, batch: EventBatch) -> Cols:
+        lut = np.array([self._intern(n) for n in batch.names], dtype=np.int32)
+        cols: Cols = {}
+        for name, col in batch.columns.items():
+            if name == "launch_ns":
+                continue
+            cols[name] = lut[col] if name in _ID_COLUMNS else col
+        if batch.kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
+            launch = batch.columns["launch_ns"]
+            cols["assign_ns"] = launch if launch.size == len(batch) else batch.columns["start_ns"]
+        return cols
+
+    def _take_step_markers(self, cols: Cols) -> Cols:
+        ids = cols["name_id"]
+        uniq = np.unique(ids)
+        marker_step = {int(i): parse_step_marker(self._names[i]) for i in uniq}
+        marker_ids = [i for i, s in marker_step.items() if s is not None]
+        if not marker_ids:
+            return cols
+        is_marker = np.isin(ids, marker_ids)
+        for i in np.flatnonzero(is_marker):
+            step = marker_step[int(ids[i])]
+            if step is not None and step > self._closed_step:
+                start = int(cols["start_ns"][i])
+                self._steps[step] = (start, start + int(cols["dur_ns"][i]))
+        return {k: v[~is_marker] for k, v in cols.items()}
+
+    def _ready(self, start: int, end: int) -> bool:
+        for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
+            if kind in self._watermark and self._watermark[kind] < end:
+                return False
+        if EventKind.THROUGHPUT in self._watermark:
+            gpu_end = self._gpu_end(start, end)
+            if self._watermark[EventKind.THROUGHPUT] < gpu_end:
+                return False
+        return True
+
+    def _gpu_end(self, start: int, end: int) -> int:
+        gpu_end = end
+        for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
+            buf = self._buffers.get(kind)
+            if buf is None:
+                continue
+            sel = (buf["assign_ns"] >= start) & (buf["assign_ns"] < end)
+            if sel.any():
+                gpu_end = max(gpu_end, int((buf["start_ns"][sel] + buf["dur_ns"][sel]).max()))
+        return gpu_end
+
+    def _close(self, force: bool) -> list[ClosedIteration]:
+        closed: list[ClosedIteration] = []
+        while self._steps:
+            step = min(self._steps)
+            start, end = self._steps[step]
+            if not (force or len(self._steps) > self.config.max_open_steps or self._ready(start, end)):
+                break
+            closed.append(self._close_step(step, start, end))
+        return closed
+
+    def _close_step(self, step: int, start: int, end: int) -> ClosedIteration:
+        del self._steps[step]
+        gpu_end = self._gpu_end(start, end)
+        parts: dict[EventKind, Cols] = {}
+        for kind, buf in self._buffers.items():
+            t = buf[_TIME_COLUMN[kind]]
+            if kind is EventKind.THROUGHPUT:
+                inside = (t >= start) & (t <= gpu_end)
+                keep = t >= end
+            else:
+                inside = (t >= start) & (t < end)
+                keep = t >= end
+            parts[kind] = {k: v[inside] for k, v in buf.items()}
+            self._buffers[kind] = {k: v[keep] for k, v in buf.items()}
+        self._closed_step = step
+        self._closed_end_ns = end
+        events = IterationEvents(
+            step=step,
+            start_ns=start,
+            end_ns=end,
+            names=self._names,
+            kernels=parts.get(EventKind.KERNELS, {}),
+            collectives=parts.get(EventKind.COLLECTIVES, {}),
+            python=parts.get(EventKind.PYTHON, {}),
+            samples=parts.get(EventKind.THROUGHPUT, {}),
+        )
+        figures, patterns = summarize_iteration(events)
+        who = identity(self.header) if self.header else {}
+        self.counters.iterations += 1
+        iteration = {**who, "detected_by": "step_marker", **figures, "functions": len(patterns["function"])}
+        pattern_record = {**who, "iteration": step}
+        for key, value in patterns.items():
+            pattern_record[key] = value.tolist() if isinstance(value, np.ndarray) else value
+        return ClosedIteration(iteration=iteration, patterns=pattern_record)

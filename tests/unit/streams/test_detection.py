@@ -1,0 +1,120 @@
+"""The windower and the differential stage on simulated jobs, without Kafka (the offline path)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.schemas import FunctionKind
+from fleetscope.streams.analysis.differential import JobDifferential
+from fleetscope.streams.analysis.outliers import score_peer_group
+from fleetscope.streams.analysis.windowing import RankWindower
+
+
+def analyse(cfg: SimulatorConfig):
+    windowers: dict[int, RankWindower] = {}
+    job = JobDifferential(cfg.job)
+    iterations, patterns, findings = [], [], []
+
+    def take(closed):
+        for c in closed:
+            iterations.append(c.iteration)
+            patterns.append(c.patterns)
+            findings.extend(job.add(c.patterns))
+
+    for batch in simulate(cfg):
+        take(windowers.setdefault(batch.header.rank, RankWindower()).add(batch, 0))
+    for w in windowers.values():
+        take(w.flush())
+    findings.extend(job.flush())
+    latest = {}
+    for f in findings:
+        latest[f["finding_id"]] = f
+    return iterations, patterns, list(latest.values())
+
+
+@pytest.mark.parametrize(
+    ("fault", "category"),
+    [("slow_gpu:5:1.5", "gpu_slow"), ("slow_link:9", "link_slow"), ("host_slow:2", "host_slow")],
+)
+def test_the_faulty_rank_and_only_it_is_found_with_its_category(fault, category):
+    cfg = SimulatorConfig(ranks=12, iterations=12, faults=(parse_fault(fault),), seed=3)
+    _, _, findings = analyse(cfg)
+    assert [(f["rank"], f["category"]) for f in findings] == [(cfg.faults[0].rank, category)]
+    f = findings[0]
+    assert f["est_loss_ns"] > 0
+    assert f["iteration_first"] == 0 and f["iteration_last"] == 11
+    assert json.loads(f["evidence"])["functions"]
+
+
+def test_healthy_job_with_clock_skew_has_no_findings():
+    _, _, findings = analyse(SimulatorConfig(ranks=16, iterations=15, clock_skew_ms=5.0, seed=11))
+    assert findings == []
+
+
+def test_slow_gpu_is_found_despite_clock_skew_between_hosts():
+    cfg = SimulatorConfig(ranks=16, iterations=10, clock_skew_ms=8.0, faults=(parse_fault("slow_gpu:13:1.3"),))
+    _, _, findings = analyse(cfg)
+    assert [(f["rank"], f["category"]) for f in findings] == [(13, "gpu_slow")]
+
+
+def test_every_iteration_of_every_rank_is_cut_once():
+    cfg = SimulatorConfig(ranks=4, iterations=7)
+    iterations, patterns, _ = analyse(cfg)
+    assert sorted((i["rank"], i["iteration"]) for i in iterations) == [(r, s) for r in range(4) for s in range(7)]
+    for it in iterations:
+        assert it["gpu_busy_ns"] <= it["duration_ns"]
+        assert it["compute_ns"] <= it["gpu_busy_ns"]
+        assert it["idle_ns"] + it["gpu_busy_ns"] == it["duration_ns"]
+    pat = patterns[0]
+    kinds = dict(zip(pat["function"], pat["kind"], strict=True))
+    assert kinds["dataloader.next"] == FunctionKind.PYTHON
+    assert kinds["flash_fwd_kernel"] == FunctionKind.COMPUTE
+    coll = [i for i, k in enumerate(pat["kind"]) if k == FunctionKind.COLLECTIVE]
+    assert coll and all(pat["busbw_gbps"][i] > 0 and pat["nbytes"][i] > 0 for i in coll)
+    assert not any(name.startswith("ProfilerStep#") for name in pat["function"])
+
+
+def test_a_slow_rank_is_never_blamed_on_the_ranks_that_wait_for_it():
+    """The waiters' collectives are long and the slow rank's short; only the slow rank is flagged."""
+    cfg = SimulatorConfig(ranks=8, iterations=3, faults=(parse_fault("slow_gpu:4:2.0"),))
+    _, patterns, _ = analyse(cfg)
+    one_iteration = [p for p in patterns if p["iteration"] == 1]
+    coll = [i for i, k in enumerate(one_iteration[0]["kind"]) if k == FunctionKind.COLLECTIVE][0]
+    durations = {p["rank"]: p["mean_ns"][coll] for p in one_iteration}
+    assert min(durations, key=durations.get) == 4  # the slow rank waits least
+    signals = score_peer_group(one_iteration)
+    assert {s.rank for s in signals} == {4}
+    assert {s.category for s in signals} == {"gpu_slow"}
+
+
+def test_a_late_rank_without_a_visible_cause_is_a_straggler():
+    cfg = SimulatorConfig(ranks=8, iterations=2, faults=(parse_fault("slow_gpu:6:1.6"),))
+    _, patterns, _ = analyse(cfg)
+    records = [p for p in patterns if p["iteration"] == 1]
+    hidden = []
+    for p in records:  # hide the cause: drop compute kernels from every rank's patterns
+        keep = [i for i, k in enumerate(p["kind"]) if k != FunctionKind.COMPUTE]
+        hidden.append({k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in p.items()})
+    signals = score_peer_group(hidden)
+    assert [(s.rank, s.category) for s in signals] == [(6, "straggler")]
+    assert signals[0].value > 0
+
+
+def test_findings_need_persistence_and_close_after_recovery():
+    from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
+    from fleetscope.streams.analysis.outliers import RankSignal
+
+    tracker = FindingTracker("j", LifecycleConfig(persist_iterations=3, recover_iterations=2, update_every=100))
+    sig = RankSignal(rank=1, host="h", category="gpu_slow", function="k", metric="mean_ns",
+                     value=2.0, peer_median=1.0, score=9.0, loss_ns=10.0)
+    assert tracker.observe(0, [sig]) == []
+    assert tracker.observe(1, []) == []  # one-off: the run restarts
+    assert tracker.observe(2, [sig]) == [] and tracker.observe(3, [sig]) == []
+    opened = tracker.observe(4, [sig])
+    assert [(r["status"], r["iteration_first"], r["iteration_last"]) for r in opened] == [("open", 2, 4)]
+    assert tracker.observe(5, []) == []
+    closed = tracker.observe(6, [])
+    assert [(r["status"], r["version"]) for r in closed] == [("closed", 2)]
+    assert np.isclose(closed[0]["est_loss_ns"], 10)
