@@ -196,6 +196,9 @@ class SimulatorConfig:
         return self.iterations
 
 
+ALL_STREAMS = tuple(kind.value for kind in EventKind)
+
+
 def gpu_uuid(job: str, rank: int) -> str:
     """A stable, UUID-shaped id for a simulated GPU."""
     h = hashlib.sha256(f"{job}/{rank}".encode()).hexdigest()
@@ -384,6 +387,7 @@ class _Fleet:
                 tp_size=1,
                 pp_size=1,
                 dp_size=cfg.ranks,
+                streams=ALL_STREAMS,
                 sent_ns=sent_ns,
             )
 

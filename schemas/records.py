@@ -84,16 +84,23 @@ class BatchHeader:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    streams: tuple[str, ...] = ()
+    """Event kinds published for this rank by all its producers; empty when unknown. The windower
+    waits for every declared stream before it closes a step."""
     clock: str = "realtime"
     sent_ns: int = 0
 
     def to_record(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        record["streams"] = list(self.streams)
+        return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> BatchHeader:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in record.items() if k in names})
+        values = {k: v for k, v in record.items() if k in names}
+        values["streams"] = tuple(values.get("streams", ()))
+        return cls(**values)
 
 
 @dataclass(kw_only=True, slots=True)

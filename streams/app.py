@@ -167,8 +167,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         now = time.monotonic_ns()
         closed: list[ClosedIteration] = []
         for w in windowers.values():
-            if w.is_idle(now):
-                closed += w.flush()
+            closed += w.poll(now)
         await emit_closed(closed)
         idle_ns = cfg.job_idle_ms * 1_000_000
         for job, seen in list(job_seen.items()):

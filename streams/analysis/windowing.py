@@ -3,7 +3,9 @@
 Iterations come from step markers (``ProfilerStep#N`` spans). GPU work belongs to the step in
 which it was *launched*, so a step closes only when every stream this rank produces has moved past
 it (per-stream watermarks), or when the rank has been idle for a while, or when too many steps
-wait. Events that arrive for an already closed step are counted as late and dropped.
+wait. The four streams travel on separate topics and are consumed independently, so a stream not
+declared in the batch header (``streams``) is waited for; when a producer declares nothing, a
+stream not seen yet is waited for during ``stream_discovery_ms`` after the rank's first batch. Events that arrive for an already closed step are counted as late and dropped.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ class WindowerConfig:
     """When a rank's steps close (see module docstring)."""
 
     idle_close_ms: int = 1500
-    max_open_steps: int = 4
+    stream_discovery_ms: int = 5000
+    max_open_steps: int = 64
 
     def __post_init__(self) -> None:
         if self.idle_close_ms <= 0:
             raise ValueError("idle_close_ms must be > 0")
+        if self.stream_discovery_ms < 0:
+            raise ValueError("stream_discovery_ms must be >= 0")
         if self.max_open_steps < 1:
             raise ValueError("max_open_steps must be >= 1")
 
@@ -78,10 +83,12 @@ class RankWindower:
     header: BatchHeader | None = None
     counters: WindowerCounters = field(default_factory=WindowerCounters)
     last_arrival_ns: int = 0
+    first_arrival_ns: int | None = None
     _names: list[str] = field(default_factory=list)
     _name_ids: dict[str, int] = field(default_factory=dict)
     _buffers: dict[EventKind, Cols] = field(default_factory=dict)
     _watermark: dict[EventKind, int] = field(default_factory=dict)
+    _declared: set[EventKind] = field(default_factory=set)
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     _closed_step: int = -(2**62)
     _closed_end_ns: int = -(2**62)
@@ -89,7 +96,10 @@ class RankWindower:
     def add(self, batch: EventBatch, now_ns: int) -> list[ClosedIteration]:
         """Take one batch; return the iterations it allowed to close."""
         self.header = batch.header
+        self._declared.update(k for k in EventKind if k.value in batch.header.streams)
         self.last_arrival_ns = now_ns
+        if self.first_arrival_ns is None:
+            self.first_arrival_ns = now_ns
         self.counters.batches += 1
         self.counters.events += len(batch)
         if len(batch) == 0:
@@ -110,11 +120,17 @@ class RankWindower:
             self._buffers[kind] = (
                 cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
             )
-        return self._close(force=False)
+        return self._close(force=False, now_ns=now_ns)
+
+    def poll(self, now_ns: int) -> list[ClosedIteration]:
+        """Re-check waiting steps as processing time passes (stream discovery, idleness)."""
+        if self.is_idle(now_ns):
+            return self.flush()
+        return self._close(force=False, now_ns=now_ns)
 
     def flush(self) -> list[ClosedIteration]:
         """Close every step whose marker is complete, whatever the watermarks (rank idle or stopping)."""
-        return self._close(force=True)
+        return self._close(force=True, now_ns=self.last_arrival_ns)
 
     def is_idle(self, now_ns: int) -> bool:
         return bool(self._steps) and now_ns - self.last_arrival_ns >= self.config.idle_close_ms * 1_000_000
@@ -155,7 +171,12 @@ class RankWindower:
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
         return {k: v[~is_marker] for k, v in cols.items()}
 
-    def _ready(self, start: int, end: int) -> bool:
+    def _ready(self, start: int, end: int, now_ns: int) -> bool:
+        if any(kind not in self._watermark for kind in self._declared):
+            return False
+        discovering = now_ns - (self.first_arrival_ns or now_ns) < self.config.stream_discovery_ms * 1_000_000
+        if discovering and not self._declared and len(self._watermark) < len(EventKind):
+            return False
         for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
             if kind in self._watermark and self._watermark[kind] < end:
                 return False
@@ -176,12 +197,12 @@ class RankWindower:
                 gpu_end = max(gpu_end, int((buf["start_ns"][sel] + buf["dur_ns"][sel]).max()))
         return gpu_end
 
-    def _close(self, force: bool) -> list[ClosedIteration]:
+    def _close(self, force: bool, now_ns: int) -> list[ClosedIteration]:
         closed: list[ClosedIteration] = []
         while self._steps:
             step = min(self._steps)
             start, end = self._steps[step]
-            if not (force or len(self._steps) > self.config.max_open_steps or self._ready(start, end)):
+            if not (force or len(self._steps) > self.config.max_open_steps or self._ready(start, end, now_ns)):
                 break
             closed.append(self._close_step(step, start, end))
         return closed
