@@ -174,7 +174,8 @@ class RankWindower:
     def _ready(self, start: int, end: int, now_ns: int) -> bool:
         if any(kind not in self._watermark for kind in self._declared):
             return False
-        discovering = now_ns - (self.first_arrival_ns or now_ns) < self.config.stream_discovery_ms * 1_000_000
+        first = now_ns if self.first_arrival_ns is None else self.first_arrival_ns
+        discovering = now_ns - first < self.config.stream_discovery_ms * 1_000_000
         if discovering and not self._declared and len(self._watermark) < len(EventKind):
             return False
         for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
