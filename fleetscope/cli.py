@@ -242,9 +242,8 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
         print(
             f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store_url}"
         )
-        print(
-            f"publish with: fleetscope simulate --bootstrap {stack.config.kafka.bootstrap_servers}; Ctrl-C stops"
-        )
+        servers = stack.config.kafka.bootstrap_servers
+        print(f"publish with: fleetscope simulate --bootstrap {servers}; Ctrl-C stops")
         sys.stdout.flush()
         _wait_for_interrupt()
     return 0

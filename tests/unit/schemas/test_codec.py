@@ -103,8 +103,12 @@ def test_ids_outside_the_name_dictionary_are_rejected():
 
 def test_columns_of_unequal_length_are_rejected():
     with pytest.raises(ValueError, match="expected"):
-        EventBatch(kind=EventKind.PYTHON, header=HEADER, names=["f"],
-                   columns={"start_ns": [1, 2], "dur_ns": [1], "name_id": [0, 0], "depth": [0, 0]})
+        EventBatch(
+            kind=EventKind.PYTHON,
+            header=HEADER,
+            names=["f"],
+            columns={"start_ns": [1, 2], "dur_ns": [1], "name_id": [0, 0], "depth": [0, 0]},
+        )
 
 
 def test_every_catalog_schema_is_self_contained_json():
@@ -119,13 +123,19 @@ def test_every_catalog_schema_is_self_contained_json():
 @pytest.mark.parametrize(
     ("name", "kind"),
     [
-        ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", FunctionKind.COLLECTIVE),
+        (
+            "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)",
+            FunctionKind.COLLECTIVE,
+        ),
         ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", FunctionKind.COLLECTIVE),
         ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", FunctionKind.COLLECTIVE),
         ("Memcpy HtoD (Pageable -> Device)", FunctionKind.MEMORY),
         ("Memset (Device)", FunctionKind.MEMORY),
         ("ampere_bf16_s16816gemm_bf16_128x256_ldg8_f2f_tn", FunctionKind.COMPUTE),
-        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", FunctionKind.COMPUTE),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+            FunctionKind.COMPUTE,
+        ),
     ],
 )
 def test_classify_kernel_on_real_names(name, kind):

@@ -28,20 +28,14 @@ from fleetscope.sinks.clickhouse import ddl_statements
 T0 = 1_700_000_000_000_000_000
 
 
-@pytest.fixture(scope="session")
-def _chdb_dir(chdb_path: Path) -> Path:
-    """The session's one chDB directory (tests/conftest.py): a process can open only one chDB path."""
-    return chdb_path
-
-
 @pytest.fixture()
 def database() -> str:
     return f"t_{uuid.uuid4().hex}"
 
 
 @pytest.fixture()
-def client(_chdb_dir: Path, database: str) -> Iterator[Client]:
-    client = connect(ClickHouseConfig(url=f"chdb://{_chdb_dir}", database=database))
+def client(chdb_path: Path, database: str) -> Iterator[Client]:
+    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     yield client
     client.command(f"DROP DATABASE IF EXISTS `{database}`", use_database=False)
@@ -132,9 +126,9 @@ def test_config_reports_every_error_at_once_and_hides_the_password(tmp_path: Pat
 
 
 def test_connect_reuses_clients_and_refuses_a_second_chdb_path(
-    client: Client, _chdb_dir: Path, database: str, tmp_path: Path
+    client: Client, chdb_path: Path, database: str, tmp_path: Path
 ) -> None:
-    assert connect(ClickHouseConfig(url=f"chdb://{_chdb_dir}", database=database)) is client
+    assert connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database)) is client
     with pytest.raises(ValueError, match="only one chDB path"):
         connect(ClickHouseConfig(url=f"chdb://{tmp_path / 'other'}", database=database))
 

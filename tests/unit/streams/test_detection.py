@@ -54,7 +54,9 @@ def test_healthy_job_with_clock_skew_has_no_findings():
 
 
 def test_slow_gpu_is_found_despite_clock_skew_between_hosts():
-    cfg = SimulatorConfig(ranks=16, iterations=10, clock_skew_ms=8.0, faults=(parse_fault("slow_gpu:13:1.3"),))
+    cfg = SimulatorConfig(
+        ranks=16, iterations=10, clock_skew_ms=8.0, faults=(parse_fault("slow_gpu:13:1.3"),)
+    )
     _, _, findings = analyse(cfg)
     assert [(f["rank"], f["category"]) for f in findings] == [(13, "gpu_slow")]
 
@@ -62,7 +64,9 @@ def test_slow_gpu_is_found_despite_clock_skew_between_hosts():
 def test_every_iteration_of_every_rank_is_cut_once():
     cfg = SimulatorConfig(ranks=4, iterations=7)
     iterations, patterns, _ = analyse(cfg)
-    assert sorted((i["rank"], i["iteration"]) for i in iterations) == [(r, s) for r in range(4) for s in range(7)]
+    assert sorted((i["rank"], i["iteration"]) for i in iterations) == [
+        (r, s) for r in range(4) for s in range(7)
+    ]
     for it in iterations:
         assert it["gpu_busy_ns"] <= it["duration_ns"]
         assert it["compute_ns"] <= it["gpu_busy_ns"]
@@ -106,9 +110,20 @@ def test_findings_need_persistence_and_close_after_recovery():
     from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
     from fleetscope.streams.analysis.outliers import RankSignal
 
-    tracker = FindingTracker("j", LifecycleConfig(persist_iterations=3, recover_iterations=2, update_every=100))
-    sig = RankSignal(rank=1, host="h", category="gpu_slow", function="k", metric="mean_ns",
-                     value=2.0, peer_median=1.0, score=9.0, loss_ns=10.0)
+    tracker = FindingTracker(
+        "j", LifecycleConfig(persist_iterations=3, recover_iterations=2, update_every=100)
+    )
+    sig = RankSignal(
+        rank=1,
+        host="h",
+        category="gpu_slow",
+        function="k",
+        metric="mean_ns",
+        value=2.0,
+        peer_median=1.0,
+        score=9.0,
+        loss_ns=10.0,
+    )
     assert tracker.observe(0, [sig]) == []
     assert tracker.observe(1, []) == []  # one-off: the run restarts
     assert tracker.observe(2, [sig]) == [] and tracker.observe(3, [sig]) == []
