@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import signal
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--job", help="only this job")
     p.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    for name, parser_ in sub.choices.items():
+        parser_.set_defaults(handler=COMMANDS[name])
+    for module in EXTENSION_MODULES:
+        importlib.import_module(module).register(sub, common)
     return parser
 
 
@@ -338,13 +343,17 @@ COMMANDS = {
     "findings": cmd_findings,
 }
 
+# Subcommands defined next to the code they drive: each module has
+# ``register(sub, common)``, which adds its parser with ``set_defaults(handler=...)``.
+EXTENSION_MODULES: tuple[str, ...] = ()
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = _config(args)
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return COMMANDS[args.command](args, config)
+        return int(args.handler(args, config))
     except ConfigError as exc:
         print(f"fleetscope: {exc}", file=sys.stderr)
         return 2

@@ -7,31 +7,14 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.outliers import score_peer_group
-from fleetscope.streams.analysis.windowing import RankWindower
+from fleetscope.streams.offline import OfflinePipeline
 
 
 def analyse(cfg: SimulatorConfig):
-    windowers: dict[int, RankWindower] = {}
-    job = JobDifferential(cfg.job)
-    iterations, patterns, findings = [], [], []
-
-    def take(closed):
-        for c in closed:
-            iterations.append(c.iteration)
-            patterns.append(c.patterns)
-            findings.extend(job.add(c.patterns))
-
-    for batch in simulate(cfg):
-        take(windowers.setdefault(batch.header.rank, RankWindower()).add(batch, 0))
-    for w in windowers.values():
-        take(w.flush())
-    findings.extend(job.flush())
-    latest = {}
-    for f in findings:
-        latest[f["finding_id"]] = f
-    return iterations, patterns, list(latest.values())
+    pipeline = OfflinePipeline(keep_patterns=True).add_all(simulate(cfg))
+    result = pipeline.finish()
+    return result.iterations, pipeline.patterns, result.findings
 
 
 @pytest.mark.parametrize(
