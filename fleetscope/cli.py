@@ -345,7 +345,7 @@ COMMANDS = {
 
 # Subcommands defined next to the code they drive: each module has
 # ``register(sub, common)``, which adds its parser with ``set_defaults(handler=...)``.
-EXTENSION_MODULES: tuple[str, ...] = ()
+EXTENSION_MODULES: tuple[str, ...] = ("fleetscope.traces_cli",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

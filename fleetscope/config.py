@@ -46,9 +46,15 @@ class KafkaSettings:
     sasl_mechanism: str = ""
     sasl_username: str = ""
     sasl_password: str = field(default="", repr=False)
+    registry_url: str = ""
+    """Confluent-compatible schema registry; empty: schema ids come from the embedded catalog."""
+    registry_username: str = ""
+    registry_password: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         errors = []
+        if self.registry_url and not self.registry_url.startswith(("http://", "https://")):
+            errors.append(f"registry_url {self.registry_url!r} must start with http:// or https://")
         if self.raw_partitions < 1 or self.derived_partitions < 1:
             errors.append("partitions must be >= 1")
         if self.session_timeout_ms < 1000:
@@ -104,9 +110,15 @@ class StreamSettings:
 class Config:
     data_dir: str = ".fleetscope"
     log_level: str = "WARNING"
+    metrics_port: int = 0
+    """Prometheus /metrics port of the worker, sink and agent processes; 0 = off."""
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     streams: StreamSettings = field(default_factory=StreamSettings)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} is not a TCP port (0 = off)")
 
     @property
     def store_url(self) -> str:

@@ -6,6 +6,7 @@ messages on the raw topics, keyed ``job/rank``. Producers speak to the rest of t
 ``fleetscope.schemas``; they never import ``streams`` or ``sinks``.
 """
 
+from fleetscope.producers.kineto import TraceError, TraceRank, find_traces, parse_trace
 from fleetscope.producers.publisher import Publisher, PublisherConfig, PublisherStats
 from fleetscope.producers.simulator import (
     FAULT_KINDS,
@@ -24,6 +25,10 @@ __all__ = [
     "PublisherConfig",
     "PublisherStats",
     "SimulatorConfig",
+    "TraceError",
+    "TraceRank",
+    "find_traces",
     "parse_fault",
+    "parse_trace",
     "simulate",
 ]

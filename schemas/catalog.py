@@ -25,6 +25,8 @@ _ENTRIES: tuple[tuple[int, str, int, str], ...] = (
     (501, "iterations", 1, "iterations.v1.avsc"),
     (601, "patterns", 1, "patterns.v1.avsc"),
     (701, "findings", 1, "findings.v1.avsc"),
+    (801, "control", 1, "control.v1.avsc"),
+    (901, "progress", 1, "progress.v1.avsc"),
 )
 
 

@@ -1,29 +1,54 @@
-"""The one codec: Confluent wire format around schemaless Avro (fastavro)."""
+"""The one codec: Confluent wire format around schemaless Avro (fastavro).
+
+Schema ids come from the embedded catalog unless a resolver (a schema registry, see ``registry.py``) is
+installed for the process with ``use_resolver`` or passed to one call.
+"""
 
 from __future__ import annotations
 
 import io
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastavro import schemaless_reader, schemaless_writer
 
 from fleetscope.schemas.catalog import CATALOG, SchemaCatalog
 from fleetscope.schemas.records import EventBatch, EventKind
 
+if TYPE_CHECKING:
+    from fleetscope.schemas.registry import SchemaResolver
+
 _MAGIC = 0
 _PREFIX = struct.Struct(">bI")
+
+
+_resolver: SchemaResolver | None = None
 
 
 class SchemaError(ValueError):
     """Any failure to decode a message: bad framing, unknown schema id, malformed Avro, bad shape."""
 
 
-def encode(subject: str, record: dict[str, Any], catalog: SchemaCatalog = CATALOG) -> bytes:
+def use_resolver(resolver: SchemaResolver | None) -> SchemaResolver | None:
+    """Take schema ids from ``resolver`` in every encode/decode of this process (None: the embedded
+    catalog); returns the previous one. Set once at start-up, before any client runs."""
+    global _resolver
+    previous, _resolver = _resolver, resolver
+    return previous
+
+
+def encode(
+    subject: str,
+    record: dict[str, Any],
+    catalog: SchemaCatalog = CATALOG,
+    *,
+    resolver: SchemaResolver | None = None,
+) -> bytes:
     """Serialise a record with the newest schema of its subject."""
     entry = catalog.latest(subject)
+    r = resolver or _resolver
     buf = io.BytesIO()
-    buf.write(_PREFIX.pack(_MAGIC, entry.schema_id))
+    buf.write(_PREFIX.pack(_MAGIC, entry.schema_id if r is None else r.schema_id(subject)))
     schemaless_writer(buf, entry.parsed, record)
     return buf.getvalue()
 
@@ -37,10 +62,13 @@ def schema_id_of(message: bytes) -> int:
     return int(schema_id)
 
 
-def decode(message: bytes, catalog: SchemaCatalog = CATALOG) -> tuple[str, dict[str, Any]]:
+def decode(
+    message: bytes, catalog: SchemaCatalog = CATALOG, *, resolver: SchemaResolver | None = None
+) -> tuple[str, dict[str, Any]]:
     """Return (subject, record), resolving the writer schema to the newest version of its subject."""
     schema_id = schema_id_of(message)
-    writer = catalog.by_id(schema_id)
+    r = resolver or _resolver
+    writer = catalog.by_id(schema_id) if r is None else r.writer_schema(schema_id)
     if writer is None:
         raise SchemaError(f"unknown schema id {schema_id}")
     reader = catalog.latest(writer.subject)

@@ -7,6 +7,7 @@ messages go to the dead-letter topic with (reason, topic, partition, offset) hea
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 from clickhouse_connect.driver.exceptions import DataError
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
+from fleetscope import telemetry
 from fleetscope.schemas import SchemaError, Topics, decode
 from fleetscope.sinks.clickhouse import (
     FINDING_UPDATES,
@@ -62,6 +64,10 @@ class SinkConfig:
                 errors.append(f"{name}: must be > 0, got {getattr(self, name)}")
         if errors:
             raise ValueError("invalid SinkConfig: " + "; ".join(errors))
+
+
+_NOT_STORED = frozenset({"progress"})
+"""Valid records that share the sink's topics but are stream-internal (rank stall reports)."""
 
 
 @dataclass(slots=True)
@@ -111,7 +117,10 @@ class Sink:
             "flushes": 0,
             "flush_failures": 0,
             "last_flush_ns": 0,
+            "consumer_lag": -1,
         }
+        # Read without the lock: a scrape must not wait for a flush (a dict copy is atomic under the GIL).
+        telemetry.register_source("sink", self, lambda sink: dict(sink._stats))
 
     @property
     def stats(self) -> dict[str, int]:
@@ -215,6 +224,8 @@ class Sink:
                     "auto.offset.reset": "earliest",
                     "session.timeout.ms": self._config.session_timeout_ms,
                     "heartbeat.interval.ms": max(100, self._config.session_timeout_ms // 3),
+                    "statistics.interval.ms": 5_000,
+                    "stats_cb": self._on_statistics,
                 }
             )
             self._consumer.subscribe(list(self.topics), on_assign=self._on_assign, on_revoke=self._on_revoke)
@@ -234,6 +245,9 @@ class Sink:
         try:
             subject, record = decode(value)
             table = _SUBJECT_TABLE.get(subject)
+            if table is None and subject in _NOT_STORED:
+                self._mark(msg)
+                return
             if table is None:
                 raise SchemaError(f"subject {subject!r} does not belong on the sink's topics")
             rows = pattern_rows(record) if table == FUNCTION_PATTERNS else 1
@@ -286,6 +300,15 @@ class Sink:
         if err is not None:
             self._stats["dead_letter_errors"] += 1
             self._log_once(err, "dead letter not delivered: %s")
+
+    def _on_statistics(self, stats_json: str) -> None:
+        """Consumer lag summed over the assigned partitions (librdkafka statistics, every 5 s)."""
+        topics = json.loads(stats_json).get("topics", {})
+        lags = [
+            p.get("consumer_lag", -1) for t in topics.values() for p in t.get("partitions", {}).values()
+        ]
+        known = [lag for lag in lags if lag >= 0]
+        self._stats["consumer_lag"] = sum(known) if known else -1
 
     def _on_kafka_error(self, err: KafkaError) -> None:
         if err.fatal():

@@ -9,6 +9,7 @@ State lives per partition owner (windower per rank, differential per job).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import faust
 
+from fleetscope import telemetry
 from fleetscope.schemas import (
     SchemaError,
     Topics,
@@ -51,6 +53,7 @@ class StreamAppConfig:
 @dataclass
 class StageCounters:
     raw_batches: int = 0
+    raw_events: int = 0
     dead_letters: int = 0
     iterations: int = 0
     pattern_records: int = 0
@@ -113,6 +116,11 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
             await patterns.send(key=job_key(pat["job"]), value=encode("patterns", pat))
             counters.iterations += 1
 
+    async def emit_progress(touched: list[RankWindower]) -> None:
+        for w in touched:
+            for rec in w.take_progress():
+                await patterns.send(key=job_key(rec["job"]), value=encode("progress", rec))
+
     async def emit_findings(records: list[dict[str, Any]]) -> None:
         for rec in records:
             await findings_out.send(key=job_key(rec["job"]), value=encode("findings", rec))
@@ -123,6 +131,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         async for events in stream.take_events(cfg.take_max_events, within=within_s):
             now = time.monotonic_ns()
             closed: list[ClosedIteration] = []
+            touched: list[RankWindower] = []
             for event in events:
                 try:
                     batch = decode_event_batch(event.value)
@@ -134,11 +143,14 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                     await dead(event, f"header: rank {h.rank} outside world size {h.world_size}")
                     continue
                 counters.raw_batches += 1
+                counters.raw_events += len(batch)
                 w = windowers.get((h.job, h.rank))
                 if w is None:
                     w = windowers[(h.job, h.rank)] = RankWindower(cfg.windower)
                 closed += w.add(batch, now)
+                touched.append(w)
             await emit_closed(closed)
+            await emit_progress(touched)
 
     @app.agent(patterns, name="differential")
     async def differential(stream: faust.StreamT) -> None:
@@ -150,15 +162,18 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                 except SchemaError as exc:
                     await dead(event, f"schema: {exc}")
                     continue
-                if subject != "patterns":
-                    await dead(event, f"subject: expected patterns, got {subject}")
+                if subject not in ("patterns", "progress"):
+                    await dead(event, f"subject: expected patterns or progress, got {subject}")
                     continue
-                counters.pattern_records += 1
                 job = record["job"]
                 jd = jobs.get(job)
                 if jd is None:
                     jd = jobs[job] = JobDifferential(job, cfg.differential)
                 job_seen[job] = time.monotonic_ns()
+                if subject == "progress":
+                    out += jd.add_progress(record)
+                    continue
+                counters.pattern_records += 1
                 out += jd.add(record)
             await emit_findings(out)
 
@@ -169,6 +184,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         for w in windowers.values():
             closed += w.poll(now)
         await emit_closed(closed)
+        await emit_progress(list(windowers.values()))
         idle_ns = cfg.job_idle_ms * 1_000_000
         for job, seen in list(job_seen.items()):
             if now - seen >= idle_ns:
@@ -180,6 +196,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         log.info("stream stages: %s", counters)
 
     app.fleetscope_counters = counters  # type: ignore[attr-defined]
+    telemetry.register_source("stream", counters, dataclasses.asdict)
     return app
 
 

@@ -56,6 +56,7 @@ class OfflinePipeline:
         if w is None:
             w = self._windowers[key] = RankWindower(self.windower_config)
         self._take(w.add(batch, now_ns))
+        self._take_progress(w)
 
     def add_all(self, batches: Iterable[EventBatch]) -> OfflinePipeline:
         for batch in batches:
@@ -67,6 +68,7 @@ class OfflinePipeline:
         w = self._windowers.pop((job, rank), None)
         if w is not None:
             self._take(w.flush())
+            self._take_progress(w)
             self.result.late_events += w.counters.late_events
 
     def finish(self) -> OfflineResult:
@@ -76,13 +78,19 @@ class OfflinePipeline:
             self.result.finding_updates += jd.flush()
         return self.result
 
+    def _job(self, job: str) -> JobDifferential:
+        jd = self._jobs.get(job)
+        if jd is None:
+            jd = self._jobs[job] = JobDifferential(job, self.differential_config, self.scorer)
+        return jd
+
+    def _take_progress(self, w: RankWindower) -> None:
+        for rec in w.take_progress():
+            self.result.finding_updates += self._job(rec["job"]).add_progress(rec)
+
     def _take(self, closed: list[ClosedIteration]) -> None:
         for c in closed:
             self.result.iterations.append(c.iteration)
             if self.keep_patterns:
                 self.patterns.append(c.patterns)
-            job = c.patterns["job"]
-            jd = self._jobs.get(job)
-            if jd is None:
-                jd = self._jobs[job] = JobDifferential(job, self.differential_config, self.scorer)
-            self.result.finding_updates += jd.add(c.patterns)
+            self.result.finding_updates += self._job(c.patterns["job"]).add(c.patterns)

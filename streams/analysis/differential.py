@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
-from fleetscope.streams.analysis.outliers import OutlierScorer, ScoringConfig, peer_groups, score_peer_group
+from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
+from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 
 
 @dataclass(frozen=True, kw_only=True)
 class DifferentialConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    job_level: JobLevelConfig = field(default_factory=JobLevelConfig)
     missing_rank_wait_iterations: int = 3
     """An iteration still missing ranks is scored anyway once this many later iterations are complete."""
 
@@ -30,6 +34,10 @@ class JobDifferential:
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
         self._world_size = 0
         self._scored_upto = -(2**62)
+        self._regression = RegressionCheck(self.config.job_level)
+        self._hang = HangCheck()
+        self._hosts: dict[int, str] = {}
+        self._missing_run: dict[int, int] = {}
         self.iterations_scored = 0
         self.late_records = 0
 
@@ -42,6 +50,12 @@ class JobDifferential:
         self._world_size = max(self._world_size, int(record["world_size"]))
         self._pending.setdefault(it, {})[int(record["rank"])] = record
         return self._score_ready()
+
+    def add_progress(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one rank's stall/resume report; return a hang finding when the whole job stopped."""
+        self._world_size = max(self._world_size, int(record["world_size"]))
+        sig = self._hang.observe(record)
+        return self.tracker.emit_now(sig, int(record["last_step"])) if sig else []
 
     def flush(self) -> list[dict[str, Any]]:
         """Score every pending iteration with the ranks it has, then report open findings' state."""
@@ -69,7 +83,26 @@ class JobDifferential:
         records = list(self._pending.pop(it).values())
         self._scored_upto = it
         self.iterations_scored += 1
-        signals = []
-        for group in peer_groups(records):
-            signals += score_peer_group(group, self.config.scoring, self.scorer)
-        return self.tracker.observe(it, signals)
+        signals = score_iteration(records, self.config.scoring, self.scorer)
+        regression = self._regression.observe(float(np.median([r["iteration_ns"] for r in records])))
+        if regression is not None:
+            signals.append(regression)
+        out = self.tracker.observe(it, signals)
+        return out + self._missing_ranks(it, records)
+
+    def _missing_ranks(self, it: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A rank absent from several scored iterations in a row stopped reporting: a hang of its own."""
+        present = {int(r["rank"]) for r in records}
+        self._hosts.update({int(r["rank"]): r["host"] for r in records})
+        out: list[dict[str, Any]] = []
+        for rank in self._hosts:
+            run = 0 if rank in present else self._missing_run.get(rank, 0) + 1
+            self._missing_run[rank] = run
+            if run == self.config.missing_rank_wait_iterations:
+                sig = RankSignal(
+                    rank=rank, host=self._hosts[rank], category="hang", function="progress",
+                    metric="missing_iterations", value=float(run), peer_median=0.0, score=float(run),
+                    loss_ns=0.0, subject=f"rank:{rank}", evidence={"missing_since_iteration": it - run + 1},
+                )  # fmt: skip
+                out += self.tracker.emit_now(sig, it)
+        return out

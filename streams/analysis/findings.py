@@ -1,9 +1,15 @@
-"""Finding lifecycle: persistence before a finding opens, recovery before it closes."""
+"""Finding lifecycle: persistence before a finding opens, recovery before it closes.
+
+A finding opens when its subject was flagged in ``persist_iterations`` of the last
+``window_iterations`` evaluated iterations (so intermittent faults are caught and one-off glitches
+are not), and closes after ``recover_iterations`` clear iterations in a row.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,20 +19,23 @@ from fleetscope.streams.analysis.outliers import RankSignal
 @dataclass(frozen=True, kw_only=True)
 class LifecycleConfig:
     persist_iterations: int = 3
-    recover_iterations: int = 5
+    window_iterations: int = 8
+    recover_iterations: int = 8
     update_every: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("persist_iterations", "recover_iterations", "update_every"):
+        for name in ("persist_iterations", "window_iterations", "recover_iterations", "update_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.persist_iterations > self.window_iterations:
+            raise ValueError("persist_iterations must be <= window_iterations")
 
 
 @dataclass(slots=True)
 class _Track:
-    flagged_run: int = 0
+    flags: deque[int]
+    recent: list[tuple[int, RankSignal]] = field(default_factory=list)
     clear_run: int = 0
-    recent: list[RankSignal] = field(default_factory=list)
     finding_id: str = ""
     iteration_first: int = 0
     iteration_last: int = 0
@@ -43,42 +52,58 @@ class FindingTracker:
     def __init__(self, job: str, config: LifecycleConfig | None = None) -> None:
         self.job = job
         self.config = config or LifecycleConfig()
-        self._tracks: dict[tuple[int, str], _Track] = {}
+        self._tracks: dict[tuple[str, str], _Track] = {}
 
     def observe(self, iteration: int, signals: list[RankSignal]) -> list[dict[str, Any]]:
         """Feed one evaluated iteration (in order); return finding records to emit."""
         cfg = self.config
         out: list[dict[str, Any]] = []
-        seen = set()
-        for sig in signals:
-            key = (sig.rank, sig.category)
-            seen.add(key)
-            tr = self._tracks.setdefault(key, _Track())
-            tr.flagged_run += 1
+        flagged = {sig.key(): sig for sig in signals}
+        for key, sig in flagged.items():
+            tr = self._tracks.get(key)
+            if tr is None:
+                tr = self._tracks[key] = _Track(flags=deque(maxlen=cfg.window_iterations))
+            tr.flags.append(iteration)
             tr.clear_run = 0
-            tr.recent = (tr.recent + [sig])[-cfg.persist_iterations :]
+            tr.recent = [(i, s) for i, s in tr.recent if i > iteration - cfg.window_iterations] + [
+                (iteration, sig)
+            ]
             if tr.finding_id:
                 self._accumulate(tr, sig, iteration)
                 if iteration - tr.emitted_iteration >= cfg.update_every:
                     out.append(self._record(tr, "update", iteration))
-            elif tr.flagged_run >= cfg.persist_iterations:
-                tr.iteration_first = iteration - cfg.persist_iterations + 1
-                tr.finding_id = f"{self.job}/{sig.category}/{sig.rank}/{tr.iteration_first}"
+            elif sum(1 for i in tr.flags if i > iteration - cfg.window_iterations) >= cfg.persist_iterations:
+                tr.iteration_first = tr.recent[0][0]
+                subject = sig.subject or f"rank:{sig.rank}"
+                tr.finding_id = f"{self.job}/{sig.category}/{subject}/{tr.iteration_first}"
                 tr.loss_sum, tr.flagged, tr.best = 0.0, 0, None
-                for s in tr.recent:
-                    self._accumulate(tr, s, iteration)
+                for i, s in tr.recent:
+                    self._accumulate(tr, s, i)
                 out.append(self._record(tr, "open", iteration))
         for key, tr in list(self._tracks.items()):
-            if key in seen:
+            if key in flagged:
                 continue
-            tr.flagged_run = 0
             tr.clear_run += 1
             if tr.finding_id and tr.clear_run >= cfg.recover_iterations:
                 out.append(self._record(tr, "closed", iteration))
                 del self._tracks[key]
-            elif not tr.finding_id:
+            elif not tr.finding_id and tr.clear_run >= cfg.window_iterations:
                 del self._tracks[key]
         return out
+
+    def emit_now(self, sig: RankSignal, iteration: int) -> list[dict[str, Any]]:
+        """Open (or update) a finding immediately, for conditions that already include persistence."""
+        key = sig.key()
+        tr = self._tracks.get(key)
+        if tr is None:
+            tr = self._tracks[key] = _Track(flags=deque([iteration], maxlen=self.config.window_iterations))
+        if not tr.finding_id:
+            tr.iteration_first = iteration
+            tr.finding_id = f"{self.job}/{sig.category}/{sig.subject or f'rank:{sig.rank}'}/{iteration}"
+            self._accumulate(tr, sig, iteration)
+            return [self._record(tr, "open", iteration)]
+        self._accumulate(tr, sig, iteration)
+        return [self._record(tr, "update", iteration)]
 
     def flush(self) -> list[dict[str, Any]]:
         """Latest state of every open finding whose last emitted record is stale."""
@@ -93,14 +118,14 @@ class FindingTracker:
 
     @staticmethod
     def _accumulate(tr: _Track, sig: RankSignal, iteration: int) -> None:
-        tr.iteration_last = iteration
+        tr.iteration_last = max(tr.iteration_last, iteration)
         tr.loss_sum += sig.loss_ns
         tr.flagged += 1
         if tr.best is None or abs(sig.score) >= abs(tr.best.score):
             tr.best = sig
 
     def _record(self, tr: _Track, status: str, iteration: int) -> dict[str, Any]:
-        sig = tr.best or tr.recent[-1]
+        sig = tr.best or tr.recent[-1][1]
         tr.version += 1
         tr.emitted_iteration = iteration
         evidence = dict(sig.evidence, flagged_iterations=tr.flagged)
@@ -110,7 +135,7 @@ class FindingTracker:
             "version": tr.version,
             "job": self.job,
             "rank": sig.rank,
-            "ranks": [sig.rank],
+            "ranks": list(sig.member_ranks()),
             "host": sig.host,
             "category": sig.category,
             "function": sig.function,
@@ -121,6 +146,6 @@ class FindingTracker:
             "iteration_first": tr.iteration_first,
             "iteration_last": tr.iteration_last,
             "est_loss_ns": int(tr.loss_sum / max(tr.flagged, 1)),
-            "evidence": json.dumps(evidence, sort_keys=True),
+            "evidence": json.dumps(evidence, sort_keys=True, default=float),
             "emitted_ns": time.time_ns(),
         }

@@ -4,7 +4,9 @@ Physics (DESIGN.md, "How faults show up"): a collective ends on every member at 
 plus the transfer time, so a slow rank makes everyone *else's* collective long and its own short.
 Therefore collective durations are only read as arrival lateness (the rank that waits least
 arrived last), never as slowness; compute kernels and host functions are compared directly; a
-slow link is seen in its throughput during transfers (low, steady peak), not in durations.
+slow link is seen in its throughput during transfers (low peak or low active throughput), not in
+durations. Ranks of one host flagged together become one host finding (shared NIC, CPU, power);
+a whole pipeline stage that computes longer than the other stages is a stage finding.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.stats import F64, RobustScores, robust_scores
+from fleetscope.streams.analysis.stats import F64, RobustScores, quiet_nan_warnings, robust_scores
 
 LINK_FAMILIES = ("nvlink", "pcie")
 
@@ -24,7 +26,7 @@ LINK_FAMILIES = ("nvlink", "pcie")
 class OutlierScorer(Protocol):
     """Scores each row of a (ranks x functions) matrix against its column's peers."""
 
-    def __call__(self, x: F64) -> RobustScores: ...
+    def __call__(self, x: F64, abs_scale_floor: float = 0.0) -> RobustScores: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,10 @@ class ScoringConfig:
     min_loss_fraction: float = 0.01
     min_peers: int = 4
     rel_scale_floor: float = 0.01
+    host_share_floor: float = 0.002
+    """Scale floor for host functions compared as a share of the iteration (0.2 %)."""
+    host_group_min_share: float = 0.75
+    """Ranks of one host flagged together become a host finding when they are this share of it."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -47,13 +53,25 @@ class ScoringConfig:
             errors.append("min_loss_fraction must be in [0, 1)")
         if self.min_peers < 3:
             errors.append("min_peers must be >= 3 (a median of fewer is no peer group)")
+        if not 0 < self.host_group_min_share <= 1:
+            errors.append("host_group_min_share must be in (0, 1]")
         if errors:
             raise ValueError("; ".join(errors))
+
+    def scorer(self) -> OutlierScorer:
+        def score(x: F64, abs_scale_floor: float = 0.0) -> RobustScores:
+            return robust_scores(x, self.rel_scale_floor, abs_scale_floor)
+
+        return score
 
 
 @dataclass(frozen=True, slots=True)
 class RankSignal:
-    """One rank that stands out in one iteration, for one category, with its evidence."""
+    """One rank (or host, stage) that stands out in one iteration, for one category, with evidence.
+
+    ``rank`` is -1 for a group; ``subject`` names what the finding is about ("rank:7",
+    "host:node003", "stage:2", "job") so that findings of different scopes never merge.
+    """
 
     rank: int
     host: str
@@ -65,6 +83,14 @@ class RankSignal:
     score: float
     loss_ns: float
     evidence: dict[str, Any] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()
+    subject: str = ""
+
+    def key(self) -> tuple[str, str]:
+        return (self.subject or f"rank:{self.rank}", self.category)
+
+    def member_ranks(self) -> tuple[int, ...]:
+        return self.ranks or (self.rank,)
 
 
 @dataclass(slots=True)
@@ -81,11 +107,10 @@ class PeerMatrix:
     @classmethod
     def build(cls, records: Sequence[dict[str, Any]], features: Sequence[str]) -> PeerMatrix:
         fid: dict[str, int] = {}
-        idx_per_rank = []
-        for rec in records:
-            idx_per_rank.append(
-                np.array([fid.setdefault(f, len(fid)) for f in rec["function"]], dtype=np.int64)
-            )
+        idx_per_rank = [
+            np.array([fid.setdefault(f, len(fid)) for f in rec["function"]], dtype=np.int64)
+            for rec in records
+        ]
         n, m = len(records), len(fid)
         kind = np.full(m, -1, dtype=np.int64)
         mats = {name: np.full((n, m), np.nan) for name in features}
@@ -103,13 +128,18 @@ class PeerMatrix:
         )
 
 
-_FEATURES = ("mean_ns", "calls", *(f"{fam}_{s}" for fam in LINK_FAMILIES for s in ("peak_bps", "cv")))
+_FEATURES = (
+    "mean_ns",
+    "total_ns",
+    "calls",
+    *(f"{fam}_{s}" for fam in LINK_FAMILIES for s in ("peak_bps", "mean_bps", "cv")),
+)
 
 
 def _top(
     functions: list[str], cols: np.ndarray, excess: F64, value: F64, med: F64, z: F64, k: int = 5
 ) -> list[dict]:
-    order = np.argsort(-excess)[:k]
+    order = np.argsort(-np.nan_to_num(excess))[:k]
     return [
         {
             "function": functions[cols[j]],
@@ -123,11 +153,15 @@ def _top(
     ]
 
 
-def _slow_functions(
-    pm: PeerMatrix, kind: FunctionKind, category: str, cfg: ScoringConfig, scorer: OutlierScorer, budget: F64
+def _signal(pm: PeerMatrix, i: int, **fields: Any) -> RankSignal:
+    return RankSignal(rank=int(pm.ranks[i]), host=pm.hosts[i], **fields)
+
+
+def _slow_kernels(
+    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
 ) -> dict[int, RankSignal]:
-    """Ranks whose functions of one kind take longer than their peers' (gpu_slow, host_slow)."""
-    cols = np.flatnonzero(pm.kind == kind)
+    """Ranks whose compute kernels take longer than the same kernels on their peers (gpu_slow)."""
+    cols = np.flatnonzero(pm.kind == FunctionKind.COMPUTE)
     if cols.size == 0:
         return {}
     mean = pm.features["mean_ns"][:, cols]
@@ -138,78 +172,113 @@ def _slow_functions(
     loss = np.nansum(excess, axis=1)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
-        top = _top(pm.functions, cols, excess[i], mean[i], sc.median, sc.z[i])
         j = int(np.nanargmax(excess[i]))
-        out[i] = RankSignal(
-            rank=int(pm.ranks[i]),
-            host=pm.hosts[i],
-            category=category,
-            function=pm.functions[cols[j]],
-            metric="mean_ns",
-            value=float(mean[i, j]),
-            peer_median=float(sc.median[j]),
-            score=float(sc.z[i, j]),
+        out[i] = _signal(
+            pm, i, category="gpu_slow", function=pm.functions[cols[j]], metric="mean_ns",
+            value=float(mean[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
-                "functions": top,
+                "functions": _top(pm.functions, cols, excess[i], mean[i], sc.median, sc.z[i]),
                 "flagged_functions": int(flag[i].sum()),
                 "compared_functions": int(np.sum(~np.isnan(mean[i]))),
             },
-        )
+        )  # fmt: skip
+    return out
+
+
+def _slow_host(
+    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
+) -> dict[int, RankSignal]:
+    """Ranks that spend a larger share of the iteration in a host function than their peers.
+
+    Host functions are compared as time per iteration, absent counting as zero, so a function that
+    only the culprit runs (a GC pause, a stall) still stands out against its peers' zero.
+    """
+    cols = np.flatnonzero(pm.kind == FunctionKind.PYTHON)
+    if cols.size == 0:
+        return {}
+    it = float(np.median(pm.iteration_ns))
+    share = np.nan_to_num(pm.features["total_ns"][:, cols]) / it
+    sc = scorer(share, cfg.host_share_floor)
+    flag = (sc.z >= cfg.z_threshold) & (share - sc.median >= cfg.min_loss_fraction / 2)
+    excess = np.where(flag, (share - sc.median) * it, 0.0)
+    loss = excess.sum(axis=1)
+    out: dict[int, RankSignal] = {}
+    for i in np.flatnonzero(loss >= budget):
+        j = int(np.argmax(excess[i]))
+        total = share[i] * it
+        out[i] = _signal(
+            pm, i, category="host_slow", function=pm.functions[cols[j]], metric="total_ns",
+            value=float(total[j]), peer_median=float(sc.median[j] * it), score=float(sc.z[i, j]),
+            loss_ns=float(loss[i]),
+            evidence={
+                "functions": _top(pm.functions, cols, excess[i], total, sc.median * it, sc.z[i]),
+                "flagged_functions": int(flag[i].sum()),
+                "compared_functions": int(cols.size),
+            },
+        )  # fmt: skip
     return out
 
 
 def _slow_links(
-    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: F64
+    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
 ) -> dict[int, RankSignal]:
-    """Ranks whose link runs at a lower peak than their peers' during the same collectives."""
+    """Ranks whose link moves data slower than their peers' during the same collectives.
+
+    A degraded link is saturated at a lower rate (low peak, steady); a congested one fluctuates
+    (low active throughput, high CV). Either way the whole ring is paced by it, so the loss is the
+    share of the transfer (the shortest rank's collective) that the lower rate costs.
+    """
     cols = np.flatnonzero(pm.kind == FunctionKind.COLLECTIVE)
     if cols.size == 0:
         return {}
-    mean = pm.features["mean_ns"][:, cols]
+    mean_ns = pm.features["mean_ns"][:, cols]
     calls = np.nan_to_num(pm.features["calls"][:, cols])
-    with np.errstate(all="ignore"):
-        transfer = np.nanmin(mean, axis=0) if mean.size else mean
+    with quiet_nan_warnings():
+        transfer = np.nanmin(mean_ns, axis=0)
     out: dict[int, RankSignal] = {}
     for fam in LINK_FAMILIES:
-        peak = pm.features[f"{fam}_peak_bps"][:, cols]
-        if np.all(np.isnan(peak)):
+        ratios = []
+        for feature in ("peak_bps", "mean_bps"):
+            x = pm.features[f"{fam}_{feature}"][:, cols]
+            if np.all(np.isnan(x)):
+                continue
+            sc = scorer(x)
+            flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratios.append((feature, np.where(flag, x / sc.median, 1.0), x, sc))
+        if not ratios:
             continue
-        sc = scorer(peak)
-        flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            excess = np.where(flag, transfer * (1 - peak / sc.median) * calls, 0.0)
-        loss = np.nansum(excess, axis=1)
+        ratio = np.nan_to_num(np.minimum.reduce([r for _, r, _, _ in ratios]), nan=1.0)
+        excess = np.nan_to_num(transfer * (1 - ratio) * calls)
+        loss = excess.sum(axis=1)
         cv = pm.features[f"{fam}_cv"][:, cols]
         for i in np.flatnonzero(loss >= budget):
             if i in out and out[i].loss_ns >= loss[i]:
                 continue
-            j = int(np.nanargmax(excess[i]))
-            with np.errstate(all="ignore"):
+            j = int(np.argmax(excess[i]))
+            feature, _, x, sc = min(ratios, key=lambda r: r[1][i, j])
+            with quiet_nan_warnings():
                 peer_cv = float(np.nanmedian(cv[:, j]))
-            out[i] = RankSignal(
-                rank=int(pm.ranks[i]),
-                host=pm.hosts[i],
-                category="link_slow",
-                function=pm.functions[cols[j]],
-                metric=f"{fam}_peak_bps",
-                value=float(peak[i, j]),
-                peer_median=float(sc.median[j]),
-                score=float(sc.z[i, j]),
+            pattern = "fluctuating" if cv[i, j] > 1.5 * peer_cv else "steady"
+            out[i] = _signal(
+                pm, i, category="link_slow", function=pm.functions[cols[j]], metric=f"{fam}_{feature}",
+                value=float(x[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
                 loss_ns=float(loss[i]),
                 evidence={
                     "link": fam,
-                    "functions": _top(pm.functions, cols, excess[i], peak[i], sc.median, sc.z[i]),
+                    "pattern": pattern,
                     "throughput_cv": float(cv[i, j]),
                     "peer_throughput_cv": peer_cv,
-                    "flagged_collectives": int(flag[i].sum()),
+                    "functions": _top(pm.functions, cols, excess[i], x[i], sc.median, sc.z[i]),
+                    "flagged_collectives": int(np.sum(ratio[i] < 1)),
                 },
-            )
+            )  # fmt: skip
     return out
 
 
 def _late_arrivals(
-    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: F64
+    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
 ) -> dict[int, RankSignal]:
     """Ranks that arrive last at collectives: they wait least, so their collectives are the shortest.
 
@@ -227,21 +296,15 @@ def _late_arrivals(
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(lateness[i]))
-        out[i] = RankSignal(
-            rank=int(pm.ranks[i]),
-            host=pm.hosts[i],
-            category="straggler",
-            function=pm.functions[cols[j]],
-            metric="arrival_lateness_ns",
-            value=float(sc.median[j] - mean[i, j]),
-            peer_median=0.0,
-            score=float(-sc.z[i, j]),
+        out[i] = _signal(
+            pm, i, category="straggler", function=pm.functions[cols[j]], metric="arrival_lateness_ns",
+            value=float(sc.median[j] - mean[i, j]), peer_median=0.0, score=float(-sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
                 "functions": _top(pm.functions, cols, lateness[i], mean[i], sc.median, sc.z[i]),
                 "flagged_collectives": int(flag[i].sum()),
             },
-        )
+        )  # fmt: skip
     return out
 
 
@@ -250,22 +313,22 @@ def score_peer_group(
     config: ScoringConfig | None = None,
     scorer: OutlierScorer | None = None,
 ) -> list[RankSignal]:
-    """Signals for one iteration of one peer group (ranks expected to behave alike).
+    """Rank signals for one iteration of one peer group (ranks expected to behave alike).
 
     1. Build (ranks x functions) matrices; 2. a rank's excess time must cost at least
     ``min_loss_fraction`` of the median iteration to matter; 3. gpu_slow from compute kernels,
-    host_slow from host functions, link_slow from link peaks during collectives; 4. a late arrival
-    with none of these causes is a straggler; with a cause, the lateness corroborates the cause.
+    host_slow from host functions, link_slow from link throughput during collectives; 4. a late
+    arrival with none of these causes is a straggler; with a cause, it corroborates the cause.
     """
     cfg = config or ScoringConfig()
-    score = scorer or (lambda x: robust_scores(x, cfg.rel_scale_floor))
+    score = scorer or cfg.scorer()
     if len(records) < cfg.min_peers:
         return []
     pm = PeerMatrix.build(records, _FEATURES)
     budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
     causes = [
-        _slow_functions(pm, FunctionKind.COMPUTE, "gpu_slow", cfg, score, budget),
-        _slow_functions(pm, FunctionKind.PYTHON, "host_slow", cfg, score, budget),
+        _slow_kernels(pm, cfg, score, budget),
+        _slow_host(pm, cfg, score, budget),
         _slow_links(pm, cfg, score, budget),
     ]
     late = _late_arrivals(pm, cfg, score, budget)
@@ -280,9 +343,91 @@ def score_peer_group(
     return signals
 
 
+def group_by_host(
+    signals: list[RankSignal], records: Sequence[dict[str, Any]], min_share: float
+) -> list[RankSignal]:
+    """Merge same-category signals of most ranks of one host into one host signal (shared NIC, CPU)."""
+    host_size: dict[str, int] = {}
+    for rec in records:
+        host_size[rec["host"]] = host_size.get(rec["host"], 0) + 1
+    by_key: dict[tuple[str, str], list[RankSignal]] = {}
+    for sig in signals:
+        by_key.setdefault((sig.host, sig.category), []).append(sig)
+    out: list[RankSignal] = []
+    for (host, category), sigs in by_key.items():
+        if len(sigs) < 2 or len(sigs) < min_share * host_size.get(host, 1):
+            out += sigs
+            continue
+        top = max(sigs, key=lambda s: abs(s.score))
+        ranks = tuple(sorted(s.rank for s in sigs))
+        evidence = dict(
+            top.evidence, scope="host", rank_scores={str(s.rank): round(s.score, 2) for s in sigs}
+        )
+        out.append(
+            RankSignal(
+                rank=-1, host=host, category=category, function=top.function, metric=top.metric,
+                value=top.value, peer_median=top.peer_median, score=top.score,
+                loss_ns=max(s.loss_ns for s in sigs), evidence=evidence, ranks=ranks, subject=f"host:{host}",
+            )
+        )  # fmt: skip
+    return out
+
+
+def score_stages(records: Sequence[dict[str, Any]], config: ScoringConfig | None = None) -> list[RankSignal]:
+    """A pipeline stage whose ranks compute longer than the other stages' (stage_imbalance).
+
+    Every rank of a slow stage is slow alike, so no rank stands out within the stage; the stage
+    stands out against the others, and the other stages pay for it waiting in p2p receives.
+    """
+    cfg = config or ScoringConfig()
+    stages: dict[int, list[tuple[int, float]]] = {}
+    for rec in records:
+        pp = int(rec.get("pp_rank", -1))
+        compute = sum(
+            t for t, k in zip(rec["total_ns"], rec["kind"], strict=True) if k == FunctionKind.COMPUTE
+        )
+        stages.setdefault(pp, []).append((int(rec["rank"]), float(compute)))
+    if len(stages) < 2 or -1 in stages:
+        return []
+    med = {s: float(np.median([c for _, c in v])) for s, v in stages.items()}
+    slowest = max(med, key=lambda s: med[s])
+    others = float(np.median([v for s, v in med.items() if s != slowest]))
+    if others <= 0:
+        return []
+    gap = med[slowest] / others - 1
+    budget = cfg.min_loss_fraction * float(np.median([r["iteration_ns"] for r in records]))
+    loss = med[slowest] - others
+    if gap < cfg.min_relative_gap or loss < budget:
+        return []
+    ranks = tuple(sorted(r for r, _ in stages[slowest]))
+    return [
+        RankSignal(
+            rank=-1, host="", category="stage_imbalance", function="compute", metric="compute_ns",
+            value=med[slowest], peer_median=others, score=gap / cfg.min_relative_gap, loss_ns=loss,
+            evidence={"stage": slowest, "stage_compute_ns": {str(s): v for s, v in sorted(med.items())},
+                      "relative_gap": round(gap, 4)},
+            ranks=ranks, subject=f"stage:{slowest}",
+        )
+    ]  # fmt: skip
+
+
 def peer_groups(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Ranks that should behave alike: the same pipeline stage (all ranks when unknown)."""
     groups: dict[int, list[dict[str, Any]]] = {}
     for rec in records:
         groups.setdefault(int(rec.get("pp_rank", -1)), []).append(rec)
     return list(groups.values())
+
+
+def score_iteration(
+    records: Sequence[dict[str, Any]],
+    config: ScoringConfig | None = None,
+    scorer: OutlierScorer | None = None,
+) -> list[RankSignal]:
+    """Every signal of one iteration of one job: per peer group, grouped by host, plus stages."""
+    cfg = config or ScoringConfig()
+    signals: list[RankSignal] = []
+    for group in peer_groups(records):
+        signals += score_peer_group(group, cfg, scorer)
+    signals = group_by_host(signals, records, cfg.host_group_min_share)
+    return signals + score_stages(records, cfg)

@@ -19,6 +19,9 @@ from fleetscope.streams.analysis.stats import (
 Cols = dict[str, npt.NDArray[Any]]
 
 LINK_FAMILIES = ("nvlink", "pcie")
+THROUGHPUT_SUFFIX = "_bytes_per_s"
+ACTIVE_SHARE = 0.05
+"""A link sample counts as active (moving data) above this share of the rank's peak in the iteration."""
 
 
 @dataclass(slots=True)
@@ -62,7 +65,7 @@ def summarize_iteration(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, 
     2. functions = kernels by name, collectives by (op, process group, size class), host
     functions by name; 3. duration statistics per function; 4. collectives get message size and
     algorithm/bus bandwidth (nccl-tests); 5. link throughput samples inside each function's
-    executions give mean, CV and peak per link family.
+    executions give the peak, and the mean and CV of the active samples, per link family.
     """
     names = ev.names
     k, c, p = ev.kernels, ev.collectives, ev.python
@@ -159,14 +162,21 @@ def summarize_iteration(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, 
     s = ev.samples
     t, metric, value = s.get("t_ns", _empty()), s.get("metric_id", _empty()), s.get("value", np.zeros(0))
     for family in LINK_FAMILIES:
-        fam_ids = [i for i, nm in enumerate(names) if nm.startswith(family)]
+        fam_ids = [
+            i for i, nm in enumerate(names) if nm.startswith(family) and nm.endswith(THROUGHPUT_SUFFIX)
+        ]
         sel = np.isin(metric, fam_ids) if t.size else np.zeros(0, bool)
         ft, fv = t[sel], value[sel]
         order = np.argsort(ft, kind="stable")
-        ss = samples_within(ft[order], fv[order], start, start + dur, group, n)
-        link[f"{family}_mean_bps"] = ss.mean
-        link[f"{family}_cv"] = ss.cv
-        link[f"{family}_peak_bps"] = ss.peak
+        ft, fv = ft[order], fv[order]
+        peak = samples_within(ft, fv, start, start + dur, group, n).peak
+        # Mean and fluctuation while the link moves data: waiting inside a collective shows ~0 and
+        # would otherwise make every waiter look like a slow link.
+        active = fv >= ACTIVE_SHARE * fv.max() if fv.size else np.zeros(0, bool)
+        act = samples_within(ft[active], fv[active], start, start + dur, group, n)
+        link[f"{family}_mean_bps"] = act.mean
+        link[f"{family}_cv"] = act.cv
+        link[f"{family}_peak_bps"] = peak
 
     patterns: dict[str, Any] = {
         "iteration_start_ns": ev.start_ns,

@@ -166,18 +166,19 @@ class RobustScores:
     rel_gap: F64
 
 
-def robust_scores(x: F64, rel_scale_floor: float = 0.01) -> RobustScores:
+def robust_scores(x: F64, rel_scale_floor: float = 0.01, abs_scale_floor: float = 0.0) -> RobustScores:
     """Robust z-score of every row against its column's peers: (x - median) / (1.4826 MAD).
 
     The scale is floored at ``rel_scale_floor`` x |median| so that a near-constant column (MAD ~ 0)
-    does not turn a negligible difference into a huge score. NaN entries (function absent on a
-    rank) are ignored in the statistics and score NaN.
+    does not turn a negligible difference into a huge score, and at ``abs_scale_floor`` for
+    columns whose median is ~0. NaN entries (function absent on a rank) are ignored in the
+    statistics and score NaN.
     """
-    with np.errstate(invalid="ignore"), _quiet_nanmedian():
+    with np.errstate(invalid="ignore"), quiet_nan_warnings():
         med = np.nanmedian(x, axis=0)
         mad = np.nanmedian(np.abs(x - med), axis=0) * MAD_TO_SIGMA
     absmed = np.abs(med)
-    scale = np.maximum(mad, rel_scale_floor * absmed)
+    scale = np.maximum(np.maximum(mad, rel_scale_floor * absmed), abs_scale_floor)
     scale = np.where(scale > 0, scale, np.inf)
     with np.errstate(invalid="ignore", divide="ignore"):
         z = (x - med) / scale
@@ -185,8 +186,8 @@ def robust_scores(x: F64, rel_scale_floor: float = 0.01) -> RobustScores:
     return RobustScores(median=med, scale=scale, z=z, rel_gap=rel)
 
 
-class _quiet_nanmedian:
-    """Silence numpy's 'All-NaN slice' warning: an all-NaN column legitimately has no peers."""
+class quiet_nan_warnings:
+    """Silence numpy's 'All-NaN slice' warnings: an all-NaN column legitimately has no peers."""
 
     def __enter__(self) -> None:
         import warnings

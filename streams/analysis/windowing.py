@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
+from fleetscope.streams.analysis.joblevel import stall_record
 from fleetscope.streams.analysis.patterns import IterationEvents, summarize_iteration
 
 Cols = dict[str, npt.NDArray[Any]]
@@ -38,6 +39,8 @@ class WindowerConfig:
     idle_close_ms: int = 1500
     stream_discovery_ms: int = 5000
     max_open_steps: int = 64
+    stall_factor: float = 5.0
+    """A rank is stalled when its clock moved this many mean iterations past its last progress."""
 
     def __post_init__(self) -> None:
         if self.idle_close_ms <= 0:
@@ -93,6 +96,11 @@ class RankWindower:
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     _closed_step: int = -(2**62)
     _closed_end_ns: int = -(2**62)
+    _last_progress_ns: int = -(2**62)
+    _clock_ns: int = -(2**62)
+    _durations: list[int] = field(default_factory=list)
+    _stalled: bool = False
+    _progress: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, batch: EventBatch, now_ns: int) -> list[ClosedIteration]:
         """Take one batch; return the iterations it allowed to close."""
@@ -105,6 +113,7 @@ class RankWindower:
         self.counters.events += len(batch)
         if len(batch) == 0:
             return []
+        self._track_progress(batch)
         cols = self._columns(batch)
         kind = batch.kind
         if kind is EventKind.PYTHON:
@@ -123,8 +132,17 @@ class RankWindower:
             )
         return self._close(force=False, now_ns=now_ns)
 
+    def take_progress(self) -> list[dict[str, Any]]:
+        """Stall/resume reports produced since the last call (for the job's hang check)."""
+        out, self._progress = self._progress, []
+        return out
+
     def poll(self, now_ns: int) -> list[ClosedIteration]:
-        """Re-check waiting steps as processing time passes (stream discovery, idleness)."""
+        """Re-check waiting steps as processing time passes (stream discovery, idleness).
+
+        Stalls are judged on event time only: a finished job and a lagging consumer are silent in
+        processing time too, while a hung job's hardware samples keep coming.
+        """
         if self.is_idle(now_ns):
             return self.flush()
         return self._close(force=False, now_ns=now_ns)
@@ -137,6 +155,31 @@ class RankWindower:
         return bool(self._steps) and now_ns - self.last_arrival_ns >= self.config.idle_close_ms * 1_000_000
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _mean_iteration_ns(self) -> float:
+        return float(np.mean(self._durations)) if self._durations else 0.0
+
+    def _track_progress(self, batch: EventBatch) -> None:
+        if batch.kind is EventKind.THROUGHPUT:
+            self._clock_ns = max(self._clock_ns, int(batch["t_ns"].max()))
+        else:
+            end = int((batch["start_ns"] + batch["dur_ns"]).max())
+            self._last_progress_ns = max(self._last_progress_ns, end)
+            self._clock_ns = max(self._clock_ns, end)
+        mean = self._mean_iteration_ns()
+        if mean:
+            self._check_stall(self._clock_ns, mean)
+
+    def _check_stall(self, clock_ns: int, mean_ns: float) -> None:
+        stalled = clock_ns - self._last_progress_ns >= self.config.stall_factor * mean_ns
+        if stalled == self._stalled or self.header is None:
+            return
+        self._stalled = stalled
+        h = self.header
+        self._progress.append(
+            stall_record(h.job, h.rank, h.host, h.world_size, self._closed_step, self._last_progress_ns,
+                         clock_ns, mean_ns, stalled)
+        )  # fmt: skip
 
     def _intern(self, name: str) -> int:
         gid = self._name_ids.get(name)
@@ -238,6 +281,7 @@ class RankWindower:
             samples=parts.get(EventKind.THROUGHPUT, {}),
         )
         figures, patterns = summarize_iteration(events)
+        self._durations = (self._durations + [figures["duration_ns"]])[-20:]
         who = identity(self.header) if self.header else {}
         self.counters.iterations += 1
         iteration = {**who, "detected_by": "step_marker", **figures, "functions": len(patterns["function"])}

@@ -89,30 +89,20 @@ def test_a_late_rank_without_a_visible_cause_is_a_straggler():
     assert signals[0].value > 0
 
 
-def test_findings_need_persistence_and_close_after_recovery():
+def test_findings_need_persistence_within_a_window_and_close_after_recovery():
     from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
     from fleetscope.streams.analysis.outliers import RankSignal
 
-    tracker = FindingTracker(
-        "j", LifecycleConfig(persist_iterations=3, recover_iterations=2, update_every=100)
-    )
-    sig = RankSignal(
-        rank=1,
-        host="h",
-        category="gpu_slow",
-        function="k",
-        metric="mean_ns",
-        value=2.0,
-        peer_median=1.0,
-        score=9.0,
-        loss_ns=10.0,
-    )
-    assert tracker.observe(0, [sig]) == []
-    assert tracker.observe(1, []) == []  # one-off: the run restarts
-    assert tracker.observe(2, [sig]) == [] and tracker.observe(3, [sig]) == []
-    opened = tracker.observe(4, [sig])
-    assert [(r["status"], r["iteration_first"], r["iteration_last"]) for r in opened] == [("open", 2, 4)]
-    assert tracker.observe(5, []) == []
-    closed = tracker.observe(6, [])
+    cfg = LifecycleConfig(persist_iterations=3, window_iterations=4, recover_iterations=2, update_every=100)
+    tracker = FindingTracker("j", cfg)
+    sig = RankSignal(rank=1, host="h", category="gpu_slow", function="k", metric="mean_ns",
+                     value=2.0, peer_median=1.0, score=9.0, loss_ns=10.0)
+    flags = [1, 0, 0, 0, 1, 0, 0, 0, 1]  # one-off glitches, never 3 within 4 iterations
+    assert [r for i, f in enumerate(flags) for r in tracker.observe(i, [sig] if f else [])] == []
+    assert tracker.observe(9, []) == [] and tracker.observe(10, [sig]) == []
+    opened = tracker.observe(11, [sig])  # intermittent: 8, 10, 11 are 3 flags within 4 iterations
+    assert [(r["status"], r["iteration_first"], r["iteration_last"]) for r in opened] == [("open", 8, 11)]
+    assert tracker.observe(12, []) == []
+    closed = tracker.observe(13, [])
     assert [(r["status"], r["version"]) for r in closed] == [("closed", 2)]
     assert np.isclose(closed[0]["est_loss_ns"], 10)

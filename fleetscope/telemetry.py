@@ -1,0 +1,214 @@
+"""Prometheus metrics of every fleetscope process: each metric defined once, here.
+
+Why pull-based: the components already count what matters in plain integers (the stream stages'
+``StageCounters``, the sink's ``stats``, the publisher's ``stats``). Touching Prometheus objects per event
+would cost on the hot path and spread metric names over the code; instead each component registers a
+snapshot function, and a scrape maps the snapshots onto the definitions in ``METRICS``. A component that
+does not run in the process exports nothing. Rates (events/s, rows/s) are ``rate()`` of the counters.
+
+This module imports nothing from fleetscope, so any package may register with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported metric: where its value comes from in a component's snapshot.
+
+    ``keys`` + ``label``: one sample per key, labelled with the key (rows per table). ``label`` alone: the
+    snapshot value is a mapping, one sample per entry (dead letters per reason). ``scale`` converts units
+    (ns -> s)."""
+
+    name: str
+    kind: Literal["counter", "gauge"]
+    help: str
+    source: str
+    key: str = ""
+    label: str = ""
+    keys: tuple[str, ...] = ()
+    scale: float = 1.0
+
+
+METRICS: tuple[MetricDef, ...] = (
+    # stream worker: streams.app.StageCounters
+    MetricDef("fleetscope_stream_raw_batches", "counter", "Raw event batches decoded by the windower.",
+              "stream", "raw_batches"),
+    MetricDef("fleetscope_stream_raw_events", "counter", "Events inside the decoded raw batches.",
+              "stream", "raw_events"),
+    MetricDef("fleetscope_stream_iterations", "counter", "Rank-iterations closed by the windower.",
+              "stream", "iterations"),
+    MetricDef("fleetscope_stream_pattern_records", "counter", "Pattern records read by the differential.",
+              "stream", "pattern_records"),
+    MetricDef("fleetscope_stream_findings", "counter", "Finding state changes emitted (open/update/closed).",
+              "stream", "findings"),
+    MetricDef("fleetscope_stream_dead_letters", "counter", "Input routed to the dead-letter topic, by reason.",
+              "stream", "per_reason", label="reason"),
+    # sink: sinks.sink.Sink.stats
+    MetricDef("fleetscope_sink_messages", "counter", "Messages consumed by the ClickHouse sink.",
+              "sink", "messages"),
+    MetricDef("fleetscope_sink_rows_written", "counter", "Rows inserted into ClickHouse, by table.",
+              "sink", label="table", keys=("iterations", "function_patterns", "finding_updates")),
+    MetricDef("fleetscope_sink_dead_letters", "counter", "Messages the sink routed to the dead-letter topic.",
+              "sink", "dead_letters"),
+    MetricDef("fleetscope_sink_dead_letter_errors", "counter", "Dead letters that could not be delivered.",
+              "sink", "dead_letter_errors"),
+    MetricDef("fleetscope_sink_flushes", "counter", "Successful flushes (insert, then offset commit).",
+              "sink", "flushes"),
+    MetricDef("fleetscope_sink_flush_failures", "counter", "Failed flushes (consumption paused, retried).",
+              "sink", "flush_failures"),
+    MetricDef("fleetscope_sink_last_flush_timestamp_seconds", "gauge", "Unix time of the last good flush.",
+              "sink", "last_flush_ns", scale=1e-9),
+    MetricDef("fleetscope_sink_consumer_lag", "gauge",
+              "Messages behind the partition ends, from librdkafka statistics (-1 until known).",
+              "sink", "consumer_lag"),
+    # agent / producers: producers.publisher.PublisherStats
+    MetricDef("fleetscope_publisher_messages_published", "counter", "Batches accepted into the local queue.",
+              "publisher", "published"),
+    MetricDef("fleetscope_publisher_messages_delivered", "counter", "Batches acknowledged by the broker.",
+              "publisher", "delivered"),
+    MetricDef("fleetscope_publisher_messages_failed", "counter", "Batches the broker never acknowledged.",
+              "publisher", "failed"),
+    MetricDef("fleetscope_publisher_messages_dropped", "counter", "Batches dropped before queueing (full).",
+              "publisher", "dropped"),
+    MetricDef("fleetscope_publisher_events_published", "counter", "Events inside the published batches.",
+              "publisher", "events_published"),
+    MetricDef("fleetscope_publisher_events_delivered", "counter", "Events inside the delivered batches.",
+              "publisher", "events_delivered"),
+    MetricDef("fleetscope_publisher_client_errors", "counter", "Client-level errors reported by librdkafka.",
+              "publisher", "errors"),
+)  # fmt: skip
+
+SOURCES = frozenset(m.source for m in METRICS)
+
+_T = TypeVar("_T")
+Snapshot = Callable[[Any], Mapping[str, Any]]
+
+
+class _Sources(Collector):
+    """Reads every registered component at scrape time. Owners are held weakly where they can be (a sink
+    or publisher that is gone stops exporting); slotted values are held as they are."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: dict[str, tuple[Callable[[], Any], Snapshot]] = {}
+
+    def register(self, component: str, owner: Any, snapshot: Snapshot) -> None:
+        try:
+            ref: Callable[[], Any] = weakref.ref(owner)
+        except TypeError:
+            ref = lambda: owner  # noqa: E731
+        with self._lock:
+            self._sources[component] = (ref, snapshot)
+
+    def unregister(self, component: str) -> None:
+        with self._lock:
+            self._sources.pop(component, None)
+
+    def snapshots(self) -> dict[str, Mapping[str, Any]]:
+        with self._lock:
+            sources = dict(self._sources)
+        out: dict[str, Mapping[str, Any]] = {}
+        for component, (ref, snapshot) in sources.items():
+            owner = ref()
+            if owner is None:
+                continue
+            try:
+                out[component] = snapshot(owner)
+            except Exception:  # a broken snapshot must not break the scrape of the others
+                logger.warning("metrics snapshot of %s failed", component, exc_info=True)
+        return out
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = self.snapshots()
+        for m in METRICS:
+            snap = snapshots.get(m.source)
+            if snap is None:
+                continue
+            family: CounterMetricFamily | GaugeMetricFamily
+            labels = [m.label] if m.label else []
+            if m.kind == "counter":
+                family = CounterMetricFamily(m.name, m.help, labels=labels)
+            else:
+                family = GaugeMetricFamily(m.name, m.help, labels=labels)
+            for label_values, value in _samples(m, snap):
+                family.add_metric(label_values, float(value) * m.scale)
+            yield family
+
+
+def _samples(m: MetricDef, snap: Mapping[str, Any]) -> Iterator[tuple[list[str], Any]]:
+    if m.keys:
+        for key in m.keys:
+            if key in snap:
+                yield [key], snap[key]
+    elif m.label:
+        for key, value in sorted((snap.get(m.key) or {}).items()):
+            yield [str(key)], value
+    elif m.key in snap:
+        yield [], snap[m.key]
+
+
+_SOURCES = _Sources()
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(_SOURCES)
+REGISTRY.register(ProcessCollector(namespace="fleetscope", registry=None))
+
+
+def register_source(component: str, owner: _T, snapshot: Callable[[_T], Mapping[str, Any]]) -> None:
+    """Export ``snapshot(owner)`` as ``component``'s metrics at every scrape (the newest owner wins).
+
+    ``snapshot`` must be cheap and thread-safe: it runs in the HTTP server's thread."""
+    if component not in SOURCES:
+        raise ValueError(f"unknown metrics source {component!r} (known: {', '.join(sorted(SOURCES))})")
+    _SOURCES.register(component, owner, snapshot)
+
+
+def unregister_source(component: str) -> None:
+    _SOURCES.unregister(component)
+
+
+def render() -> bytes:
+    """The Prometheus text exposition of this process's metrics."""
+    return generate_latest(REGISTRY)
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint (a daemon thread); ``close()`` is idempotent."""
+
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(5.0)
+
+
+def serve(port: int, host: str = "0.0.0.0") -> MetricsServer | None:  # noqa: S104 (scraped from outside)
+    """Serve ``GET /metrics`` on ``host:port`` in a daemon thread; ``port`` 0 means off (None).
+
+    A port already in use raises ``OSError``: a start-up configuration error."""
+    if port == 0:
+        return None
+    server, thread = start_http_server(port, addr=host, registry=REGISTRY)
+    bound = int(server.server_address[1])
+    logger.info("Prometheus metrics on http://%s:%d/metrics", host, bound)
+    return MetricsServer(port=bound, _server=server, _thread=thread)

@@ -1,0 +1,245 @@
+"""``fleetscope replay`` and ``fleetscope analyze``: Kineto trace files into the pipeline.
+
+``replay`` publishes every rank's batches to the raw topics, for a running stack (``fleetscope up``) to
+analyse. ``analyze`` runs the same windower and differential in-process (``OfflinePipeline``), no Kafka.
+Both read one file at a time and keep only small per-rank summaries, so a directory of thousands of
+ranks fits in memory; a file that is not a trace costs one ``skipped`` line on stderr, not the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetscope.config import Config, ConfigError
+from fleetscope.producers.kineto import TraceError, TraceRank, find_traces, parse_trace
+from fleetscope.progress import Progress
+from fleetscope.schemas import EventKind
+
+log = logging.getLogger(__name__)
+
+SkipHandler = Callable[[Path, TraceError], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSummary:
+    """What one trace file held (and, after ``analyze``, how its iterations looked)."""
+
+    job: str
+    rank: int
+    host: str
+    path: str
+    steps: list[int]
+    batches: int
+    events: int
+    kernels: int
+    kernel_ms: float
+    collectives: int
+    host_spans: int
+    skipped_events: int
+    iterations: int = 0
+    mean_iteration_ms: float = 0.0
+    gpu_busy_pct: float = 0.0
+
+    @classmethod
+    def of(cls, trace: TraceRank) -> RankSummary:
+        return cls(
+            job=trace.job,
+            rank=trace.rank,
+            host=trace.host,
+            path=str(trace.path),
+            steps=list(trace.steps),
+            batches=len(trace.batches),
+            events=sum(len(b) for b in trace.batches),
+            kernels=trace.kernels,
+            kernel_ms=trace.kernel_ns / 1e6,
+            collectives=trace.count(EventKind.COLLECTIVES),
+            host_spans=trace.host_spans,
+            skipped_events=trace.skipped_events,
+        )
+
+
+def _parsed(
+    paths: Iterable[str | Path], job: str | None, progress: Progress, verb: str, on_skip: SkipHandler
+) -> Iterable[TraceRank]:
+    """Parse the files one by one (the previous one is garbage by the time the next is read)."""
+    files = find_traces(paths)
+    if not files:
+        raise ValueError(f"no trace files (*.json, *.json.gz) in {', '.join(map(str, paths))}")
+    # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
+    for i, path in enumerate(files):
+        progress.update(f"{verb}: file {i + 1}/{len(files)} {path.name}")
+        try:
+            yield parse_trace(path, job=job, world_size=len(files))
+        except TraceError as exc:
+            on_skip(path, exc)
+
+
+def _stderr_skip(command: str) -> SkipHandler:
+    def skip(_path: Path, exc: TraceError) -> None:
+        print(f"fleetscope {command}: skipped {exc}", file=sys.stderr)
+
+    return skip
+
+
+def replay_traces(
+    paths: Sequence[str | Path],
+    config: Config,
+    *,
+    job: str | None = None,
+    progress: Progress | None = None,
+    on_skip: SkipHandler | None = None,
+) -> list[RankSummary]:
+    """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
+    from fleetscope.broker import ensure_topics
+    from fleetscope.demo import publisher_config
+    from fleetscope.producers import Publisher
+    from fleetscope.schemas import Topics
+
+    k = config.kafka
+    if not k.bootstrap_servers:
+        raise ConfigError(
+            ["kafka.bootstrap_servers: replay needs a broker (--bootstrap, e.g. from `fleetscope up`)"]
+        )
+    progress = progress or Progress(enabled=False)
+    admin = {"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}
+    ensure_topics(admin, Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
+    summaries: list[RankSummary] = []
+    with Publisher(publisher_config(config)) as publisher:
+        for trace in _parsed(paths, job, progress, "replay", on_skip or _stderr_skip("replay")):
+            for batch in trace.batches:
+                publisher.publish(batch)
+            summaries.append(RankSummary.of(trace))
+            del trace
+        publisher.flush(60.0)
+        stats = publisher.stats
+    if stats.dropped or stats.failed:
+        raise RuntimeError(f"publisher lost batches: {stats.dropped} dropped, {stats.failed} failed")
+    progress.done(
+        f"replay: {len(summaries)} ranks, {stats.published} batches, {stats.events_published} events"
+    )
+    return summaries
+
+
+@dataclass(frozen=True)
+class AnalyzeResult:
+    findings: list[dict[str, Any]]
+    ranks: list[RankSummary]
+
+
+def analyze_traces(
+    paths: Sequence[str | Path],
+    config: Config | None = None,
+    *,
+    job: str | None = None,
+    progress: Progress | None = None,
+    on_skip: SkipHandler | None = None,
+) -> AnalyzeResult:
+    """Window and compare the traces in-process, one file at a time; findings plus per-rank summaries."""
+    from fleetscope.streams.offline import OfflinePipeline
+
+    s = config.streams if config is not None else None
+    pipeline = OfflinePipeline(s.windower if s else None, s.differential if s else None)
+    progress = progress or Progress(enabled=False)
+    summaries: list[RankSummary] = []
+    seen = 0
+    for trace in _parsed(paths, job, progress, "analyze", on_skip or _stderr_skip("analyze")):
+        for batch in trace.batches:
+            pipeline.add(batch)
+        pipeline.close_rank(trace.job, trace.rank)
+        its = pipeline.result.iterations[seen:]
+        seen = len(pipeline.result.iterations)
+        its = [it for it in its if it.get("job") == trace.job and it.get("rank") == trace.rank]
+        duration = sum(int(it["duration_ns"]) for it in its)
+        busy = sum(int(it["gpu_busy_ns"]) for it in its)
+        summary = RankSummary.of(trace)
+        summaries.append(
+            RankSummary(
+                **{
+                    **asdict(summary),
+                    "iterations": len(its),
+                    "mean_iteration_ms": duration / len(its) / 1e6 if its else 0.0,
+                    "gpu_busy_pct": 100.0 * busy / duration if duration else 0.0,
+                }
+            )
+        )
+        del trace
+    result = pipeline.finish()
+    progress.done(f"analyze: {len(summaries)} ranks, {len(result.iterations)} rank-iterations")
+    summaries.sort(key=lambda r: (r.job, r.rank, r.path))
+    return AnalyzeResult(findings=result.findings, ranks=summaries)
+
+
+_RANK_COLUMNS = (
+    "job", "rank", "host", "iterations", "mean_iteration_ms", "gpu_busy_pct", "kernels", "collectives",
+    "kernel_ms",
+)  # fmt: skip
+
+
+def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.cli import FINDING_FIELDS, print_findings, print_table
+
+    result = analyze_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
+    if not result.ranks:
+        print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
+        return 1
+    if args.json:
+        findings = [
+            {k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in result.findings
+        ]
+        print(
+            json.dumps(
+                {"findings": findings, "ranks": [asdict(r) for r in result.ranks]}, indent=2, default=str
+            )
+        )
+    else:
+        print_findings(result.findings, as_json=False)
+        print()
+        print_table(_RANK_COLUMNS, [[getattr(r, c) for c in _RANK_COLUMNS] for r in result.ranks])
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.cli import print_table
+
+    ranks = replay_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
+    columns = ("job", "rank", "host", "batches", "events", "kernels", "collectives", "host_spans")
+    print_table(columns, [[getattr(r, c) for c in columns] for r in ranks])
+    return 0 if ranks else 1
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``replay`` and ``analyze`` to the ``fleetscope`` command line."""
+    p = sub.add_parser(
+        "replay",
+        parents=[common],
+        help="publish Kineto trace files to the broker",
+        description="Publish PyTorch profiler (Kineto) traces, one file per rank, to the raw topics of "
+        "the broker given by --bootstrap or the configuration (e.g. the one `fleetscope up` prints). "
+        "A directory stands for every *.json and *.json.gz file below it.",
+    )
+    _trace_options(p)
+    p.set_defaults(handler=cmd_replay)
+    p = sub.add_parser(
+        "analyze",
+        parents=[common],
+        help="analyse Kineto trace files in-process (no broker)",
+        description="Cut each rank's trace into iterations and compare ranks, with the stream worker's "
+        "code but in this process, one file at a time. Prints findings and a per-rank summary. "
+        "Files that are not traces are skipped with one line on stderr.",
+    )
+    _trace_options(p)
+    p.add_argument("--json", action="store_true", help='print {"findings": [...], "ranks": [...]}')
+    p.set_defaults(handler=cmd_analyze)
+
+
+def _trace_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", metavar="DIR_OR_FILE", help="trace files or directories of them")
+    p.add_argument("--job", help="job id for every trace (default: each file's directory name)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")

@@ -1,0 +1,533 @@
+"""Kineto (PyTorch profiler) Chrome-trace files -> ``EventBatch`` es: one file is one rank.
+
+Why it looks like this: traces are the zero-code-change input (``fleetscope replay``/``analyze``) and come
+in two generations (see ``reference/kineto-trace-format.md``). Old traces (<= 2023) have integer
+epoch-microsecond ``ts`` and keep NCCL sizes only on the CPU op (``nccl:*`` annotation or
+``record_param_comms``); new ones have ``baseTimeNanoseconds`` + relative float ``ts`` and copy the NCCL
+metadata onto the kernel. Both become the same columns. A file is parsed whole with the stdlib ``json``
+(one file at a time: the parsed document is dropped before the batches are returned) and events go
+straight into compact ``array`` columns. A bad file raises ``TraceError`` with a one-line reason; a bad
+event inside a good file is skipped and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import time
+import zlib
+from array import array
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, FunctionKind, classify_kernel
+from fleetscope.schemas import parse_step_marker as _step
+from fleetscope.schemas.vocabulary import normalize_collective
+
+DEFAULT_BATCH_EVENTS = 4096
+TRACE_SUFFIXES = (".json", ".json.gz")
+DEFAULT_PROCESS_GROUP = "0"  # PyTorch's name for the default (world) process group
+_LIMIT_NS = 2**62
+_GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+_LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+_HOST_CATS = frozenset({"user_annotation", "python_function"})
+_USED_CATS = _GPU_CATS | _LAUNCH_CATS | _HOST_CATS
+_CPU_OP_PREFIXES = ("record_param_comms", "nccl:", "ProfilerStep#")
+_RANK_RE = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+_NCCL_PREFIXES = ("ncclDevKernel_", "ncclKernel_")
+# Bytes per element, keyed by Kineto's ScalarType names ("Float") and the C++ names of "Input type" ("float").
+_DTYPE_BYTES = {
+    **dict.fromkeys(("float", "float32", "int", "int32", "unsigned int", "uint32", "complexhalf"), 4),
+    **dict.fromkeys(("double", "float64", "long", "long int", "int64", "long long", "uint64"), 8),
+    **dict.fromkeys(("complexfloat", "complex<float>"), 8),
+    **dict.fromkeys(("complexdouble", "complex<double>"), 16),
+    **dict.fromkeys(("half", "float16", "bfloat16", "short", "short int", "int16", "uint16"), 2),
+    **dict.fromkeys(("char", "signed char", "int8", "byte", "unsigned char", "uint8", "bool"), 1),
+    **dict.fromkeys(("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"), 1),
+}
+
+
+class TraceError(ValueError):
+    """A file that is not a readable Kineto trace: ``str(exc)`` is ``"<path>: <one-line reason>"``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceRank:
+    """One parsed trace file: who the rank is, what it contained, and its batches (in publish order)."""
+
+    path: Path
+    job: str
+    rank: int
+    world_size: int
+    host: str
+    local_rank: int
+    time_base: str
+    """``"base_time_ns"`` (new: baseTimeNanoseconds + relative ts) or ``"epoch_us"`` (old: absolute ts)."""
+    steps: tuple[int, ...]
+    """``ProfilerStep#N`` numbers found, in time order."""
+    events: int
+    """Entries of ``traceEvents``."""
+    kernels: int
+    """GPU kernel events (``cat == "kernel"``), NCCL kernels included."""
+    kernel_ns: int
+    memory_ops: int
+    collectives: int
+    host_spans: int
+    skipped_events: int
+    """Events of a used category with a missing or malformed field."""
+    parse_s: float
+    batches: tuple[EventBatch, ...] = field(repr=False)
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return self.batches[0].header.streams if self.batches else ()
+
+    def count(self, kind: EventKind) -> int:
+        """Events of one kind across this rank's batches."""
+        return sum(len(b) for b in self.batches if b.kind is kind)
+
+
+@dataclass(slots=True)
+class _Meta:
+    """What is known about one collective call; fields stay None until some source fills them."""
+
+    op: str | None = None
+    in_bytes: int | None = None
+    out_bytes: int | None = None
+    group_size: int | None = None
+    pg: str | None = None
+    seq: int | None = None
+
+    def fill(self, other: _Meta | None) -> None:
+        if other is not None:
+            for f in fields(self):
+                if getattr(self, f.name) is None:
+                    setattr(self, f.name, getattr(other, f.name))
+
+
+def _text(s: str) -> str:
+    """The string as valid UTF-8 (JSON may hold lone surrogates, which Avro cannot encode)."""
+    try:
+        s.encode()
+        return s
+    except UnicodeEncodeError:
+        return s.encode(errors="replace").decode()
+
+
+def _int(v: Any) -> int | None:
+    return v if type(v) is int else None
+
+
+def _ns(value: Any, base: int) -> int | None:
+    """Chrome-trace microseconds (int or float) -> int ns + base; None when absent or absurd."""
+    if type(value) is int:
+        ns = value * 1000
+    elif type(value) is float and -9e12 < value < 9e12:  # value * 1000 < 2**53: exact to the ns
+        ns = round(value * 1000)
+    elif type(value) is float and math.isfinite(value) and abs(value) < 1e16:
+        whole = math.floor(value)
+        ns = whole * 1000 + round((value - whole) * 1000)
+    else:
+        return None
+    ns += base
+    return ns if -_LIMIT_NS < ns < _LIMIT_NS else None
+
+
+def _canonical_op(raw: str) -> str:
+    """``nccl:_all_gather_base`` / ``allreduce_coalesced`` / ``AllReduce`` -> the vocabulary's name."""
+    op = raw.strip().lower().removeprefix("nccl:").strip("_")
+    for suffix in ("_base", "_coalesced"):
+        op = op.removesuffix(suffix)
+    return normalize_collective(op)
+
+
+def _dtype_bytes(dtype: Any) -> int | None:
+    if type(dtype) is not str:
+        return None
+    return _DTYPE_BYTES.get(dtype.strip().lower().removeprefix("c10::").removeprefix("at::"))
+
+
+def _meta_from_args(args: Mapping[str, Any], op: str | None = None) -> _Meta:
+    """NCCL metadata written by ``record_param_comms`` (and copied onto kernels by new Kineto)."""
+    meta = _Meta(op=op)
+    name = args.get("Collective name")
+    if type(name) is str and name:
+        meta.op = _canonical_op(name)
+    elem = _dtype_bytes(args.get("dtype"))
+    n_in, n_out = _int(args.get("In msg nelems")), _int(args.get("Out msg nelems"))
+    if elem is not None:
+        meta.in_bytes = n_in * elem if n_in is not None and n_in >= 0 else None
+        meta.out_bytes = n_out * elem if n_out is not None and n_out >= 0 else None
+    if meta.in_bytes is None:
+        meta.in_bytes = _input_dims_bytes(args.get("Input Dims"), args.get("Input type"))
+    size = _int(args.get("Group size"))
+    meta.group_size = size if size is not None and size > 0 else None
+    pg = args.get("Process Group Name")
+    meta.pg = pg if type(pg) is str and pg else (str(pg) if type(pg) is int else None)
+    meta.seq = _int(args.get("Seq"))
+    return meta
+
+
+def _input_dims_bytes(dims: Any, types: Any) -> int | None:
+    """Bytes of the tensor inputs of an old-style CPU op (``Input Dims`` + ``Input type``); None if none."""
+    if type(dims) is not list or type(types) is not list:
+        return None
+    total, seen = 0, False
+    for shape, dtype in zip(dims, types, strict=False):
+        elem = _dtype_bytes(dtype)
+        if elem is None or type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            continue
+        total += math.prod(shape) * elem
+        seen = True
+    return total if seen else None
+
+
+def _op_from_kernel(name: str) -> str | None:
+    """``ncclKernel_AllReduce_RING_LL_Sum_float(...)`` -> ``allreduce`` (the name classify_kernel matched)."""
+    for prefix in _NCCL_PREFIXES:
+        if name.startswith(prefix):
+            word = name[len(prefix) :].split("(")[0].split("_")[0]
+            return _canonical_op(word) if word else None
+    return None
+
+
+def nbytes_of(meta: _Meta) -> int:
+    """nccl-tests message size S (reference §5.1): output for all-gather, input for the rest."""
+    n = meta.group_size or 1
+    if meta.op == "allgather":
+        if meta.out_bytes:
+            return meta.out_bytes
+        return meta.in_bytes * n if meta.in_bytes else 0
+    if meta.op == "reduce_scatter" and not meta.in_bytes and meta.out_bytes:
+        return meta.out_bytes * n
+    return meta.in_bytes or meta.out_bytes or 0
+
+
+class _Extractor:
+    """One pass over ``traceEvents`` into compact columns; NCCL kernels are resolved afterwards."""
+
+    def __init__(self, base_ns: int) -> None:
+        self.base = base_ns
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self._kind: dict[str, FunctionKind] = {}
+        self.k = {c: array("q") for c in ("start", "dur", "name", "stream", "corr")}
+        self.p = {c: array("q") for c in ("start", "dur", "name", "thread", "step")}
+        self.nccl: list[tuple[int, int, str, int | None, int | None, dict[str, Any]]] = []
+        self.launch: dict[int, tuple[int, Any]] = {}
+        self.comm_by_ext: dict[int, _Meta] = {}
+        self.comm_by_thread: dict[Any, list[tuple[int, int, _Meta]]] = {}
+        self.threads: dict[Any, int] = {}
+        self.gpu_device: int | None = None
+        self.kernels = self.kernel_ns = self.memory_ops = self.skipped = 0
+
+    def intern(self, name: str) -> int:
+        i = self._ids.get(name)
+        if i is None:
+            i = self._ids[name] = len(self.names)
+            self.names.append(_text(name))
+        return i
+
+    def feed(self, events: Iterable[Any]) -> None:
+        for e in events:
+            if type(e) is not dict:
+                self.skipped += 1
+                continue
+            cat, name = e.get("cat"), e.get("name")
+            if type(cat) is not str:
+                continue
+            if cat == "cpu_op":  # the bulk of a trace; only comms ops and step markers matter
+                if type(name) is not str or not name.startswith(_CPU_OP_PREFIXES):
+                    continue
+            elif cat not in _USED_CATS:
+                continue
+            if e.get("ph") != "X":
+                continue
+            ts, dur = _ns(e.get("ts"), self.base), _ns(e.get("dur"), 0)
+            if type(name) is not str or ts is None or dur is None or dur < 0:
+                self.skipped += 1
+                continue
+            args = e.get("args")
+            if type(args) is not dict:
+                args = {}
+            if cat in _GPU_CATS:
+                self._gpu(cat, name, ts, dur, e, args)
+            elif cat in _LAUNCH_CATS:
+                corr = _int(args.get("correlation"))
+                if corr is not None:
+                    self.launch[corr] = (ts, _thread(e))
+            else:
+                self._host(cat, name, ts, dur, e, args)
+
+    def _gpu(self, cat: str, name: str, ts: int, dur: int, e: dict[str, Any], args: dict[str, Any]) -> None:
+        stream = _int(args.get("stream"))
+        stream = stream if stream is not None else _int(e.get("tid"))
+        stream = stream if stream is not None and -(2**31) <= stream < 2**31 else -1
+        if self.gpu_device is None:
+            self.gpu_device = _int(args.get("device")) if "device" in args else _int(e.get("pid"))
+        corr = _int(args.get("correlation"))
+        kind = self._kind.get(name)
+        if kind is None:
+            kind = self._kind[name] = classify_kernel(name)
+        if cat == "kernel":
+            self.kernels += 1
+            self.kernel_ns += dur
+            if kind is FunctionKind.COLLECTIVE:
+                self.nccl.append((ts, dur, name, corr, _int(args.get("External id")), args))
+                return
+        else:
+            self.memory_ops += 1
+        k = self.k
+        k["start"].append(ts)
+        k["dur"].append(dur)
+        k["name"].append(self.intern(name))
+        k["stream"].append(stream)
+        k["corr"].append(corr if corr is not None and -_LIMIT_NS < corr < _LIMIT_NS else -1)
+
+    def _host(self, cat: str, name: str, ts: int, dur: int, e: dict[str, Any], args: dict[str, Any]) -> None:
+        if name.startswith("nccl:") or name == "record_param_comms":
+            meta = _meta_from_args(args, _canonical_op(name) if name.startswith("nccl:") else None)
+            ext = _int(args.get("External id"))
+            if ext is not None:
+                self.comm_by_ext.setdefault(ext, meta).fill(meta)
+            self.comm_by_thread.setdefault(_thread(e), []).append((ts, ts + dur, meta))
+        step = _step(name) if name.startswith("ProfilerStep#") else None
+        if cat == "cpu_op" and step is None:
+            return
+        thread = self.threads.setdefault(_thread(e), len(self.threads))
+        p = self.p
+        p["start"].append(ts)
+        p["dur"].append(dur)
+        p["name"].append(self.intern(name))
+        p["thread"].append(thread)
+        p["step"].append(-1 if step is None or step >= _LIMIT_NS else step)
+
+    def resolve_collectives(self, world_size: int, pg_sizes: Mapping[str, int]) -> dict[str, Any]:
+        """Metadata for every NCCL kernel: kernel args, then the CPU op by External id, then by launch."""
+        for ops in self.comm_by_thread.values():
+            ops.sort(key=lambda o: o[0])
+        starts = {t: [o[0] for o in ops] for t, ops in self.comm_by_thread.items()}
+        rows: list[tuple[int, ...]] = []
+        ordinal: dict[str, int] = {}
+        for ts, dur, name, corr, ext, args in sorted(self.nccl, key=lambda r: r[0]):
+            meta = _meta_from_args(args)
+            launch = self.launch.get(corr) if corr is not None else None
+            if ext is not None and ext != corr:  # old traces reuse the correlation as External id
+                meta.fill(self.comm_by_ext.get(ext))
+            if launch is not None and launch[1] in starts:
+                t_launch, thread = launch
+                ops, i = self.comm_by_thread[thread], bisect_right(starts[thread], t_launch)
+                for j in range(i - 1, max(i - 17, -1), -1):  # innermost enclosing op first
+                    if ops[j][1] >= t_launch:
+                        meta.fill(ops[j][2])
+            meta.op = meta.op or _op_from_kernel(name) or "unknown"
+            pg = meta.pg = meta.pg or DEFAULT_PROCESS_GROUP
+            meta.group_size = meta.group_size or pg_sizes.get(pg) or world_size
+            n = ordinal[pg] = ordinal.get(pg, -1) + 1
+            rows.append(
+                (ts, dur, self.intern(name), self.intern(meta.op), self.intern(pg),
+                 n if meta.seq is None else max(min(meta.seq, _LIMIT_NS), -_LIMIT_NS), min(meta.group_size, 2**31 - 1),
+                 min(nbytes_of(meta), _LIMIT_NS), launch[0] if launch else ts)
+            )  # fmt: skip
+        return {c: [r[j] for r in rows] for j, c in enumerate(COLUMNS[EventKind.COLLECTIVES])}
+
+
+def _thread(e: dict[str, Any]) -> Any:
+    pid, tid = e.get("pid"), e.get("tid")
+    return (pid if type(pid) in (int, str) else None, tid if type(tid) in (int, str) else None)
+
+
+def _depths(start: npt.NDArray[np.int64], dur: npt.NDArray[np.int64], thread: npt.NDArray[np.int64]) -> Any:
+    """Nesting depth of each host span within its thread (0 = outermost)."""
+    depth = np.zeros(start.size, dtype=np.int32)
+    order = np.lexsort((-dur, start, thread))
+    stack: list[int] = []
+    current = None
+    for i in order.tolist():
+        if thread[i] != current:
+            current, stack = thread[i], []
+        s = int(start[i])
+        while stack and stack[-1] <= s:
+            stack.pop()
+        depth[i] = len(stack)
+        stack.append(s + int(dur[i]))
+    return depth
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """Read and decode one file (gzip detected by its magic bytes, not its name)."""
+    try:
+        data = path.read_bytes()
+        doc = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise TraceError(f"{path}: truncated or corrupt gzip ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}: truncated or invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a text (UTF-8) JSON file") from None
+    except (ValueError, RecursionError) as exc:
+        raise TraceError(f"{path}: invalid JSON ({(str(exc) or repr(exc)).splitlines()[0]})") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if type(doc) is not dict or type(doc.get("traceEvents")) is not list:
+        what = "no traceEvents list" if type(doc) is dict else f"top-level JSON is a {type(doc).__name__}"
+        raise TraceError(f"{path}: not a Kineto trace ({what})")
+    return doc
+
+
+def _identity(
+    doc: dict[str, Any], path: Path, job: str | None, rank: int | None, world_size: int | None
+) -> tuple[BatchHeader, dict[str, int]]:
+    """Who the rank is: distributedInfo, then the file name, then the caller; process-group sizes."""
+    info = doc.get("distributedInfo")
+    info = info if type(info) is dict else {}
+    r = _int(info.get("rank"))
+    if r is None:
+        m = _RANK_RE.search(path.name)
+        r = int(m.group(1)) if m and len(m.group(1)) < 10 else rank
+    if r is None or r < 0 or r >= 2**31:
+        raise TraceError(f"{path}: no rank (no distributedInfo.rank, no rank-N in the file name)")
+    ws = _int(info.get("world_size"))
+    ws = max(ws if ws is not None and 0 < ws < 2**31 else (world_size or 0), r + 1)
+    pg_sizes: dict[str, int] = {}
+    pg_config = info.get("pg_config")
+    for pg in pg_config if type(pg_config) is list else ():
+        size = _int(pg.get("pg_size")) if type(pg) is dict else None
+        if size is not None and 0 < size < 2**31 and type(pg.get("pg_name")) is str:
+            pg_sizes[pg["pg_name"]] = size
+    host = ""
+    for source in (doc, info, doc.get("metadata") if type(doc.get("metadata")) is dict else {}):
+        for key in ("hostname", "host", "host_name"):
+            if not host and type(source.get(key)) is str:
+                host = source[key].strip()
+    stem = path.name
+    for suffix in (".gz", ".json", ".trace", ".pt"):
+        stem = stem.removesuffix(suffix)
+    job = _text(job or path.resolve().parent.name or "trace")
+    host = _text(host or stem or path.name)
+    header = BatchHeader(job=job, rank=r, world_size=ws, producer_id=f"kineto-{job}-{r}", seq=0, host=host)
+    return header, pg_sizes
+
+
+def parse_trace(
+    path: str | Path,
+    *,
+    job: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    batch_events: int = DEFAULT_BATCH_EVENTS,
+) -> TraceRank:
+    """Parse one Kineto trace file into a ``TraceRank``; raise ``TraceError`` if it is not one.
+
+    ``job`` defaults to the parent directory's name; ``rank``/``world_size`` are used only when the
+    trace has no ``distributedInfo`` (and, for the rank, no ``rank-N`` in its file name).
+    """
+    if batch_events < 1:
+        raise ValueError(f"batch_events must be >= 1, got {batch_events}")
+    p = Path(path)
+    t0 = time.perf_counter()
+    doc = _load(p)
+    header, pg_sizes = _identity(doc, p, job, rank, world_size)
+    base = doc.get("baseTimeNanoseconds")
+    base_ns = base if type(base) is int and 0 <= base < _LIMIT_NS else None
+    n_events = len(doc["traceEvents"])
+    ex = _Extractor(base_ns or 0)
+    ex.feed(doc["traceEvents"])
+    del doc  # the parsed JSON is by far the largest object: free it before building batches
+    coll = ex.resolve_collectives(header.world_size, pg_sizes)
+    if not (ex.k["start"] or ex.p["start"] or coll["start_ns"]):
+        raise TraceError(f"{p}: not a Kineto trace (no kernel, memory-op or host-span events)")
+    steps = sorted((t, s) for t, s in zip(ex.p["start"], ex.p["step"], strict=True) if s >= 0)
+    device = ex.gpu_device if ex.gpu_device is not None and 0 <= ex.gpu_device < 2**31 else 0
+    header = replace(header, local_rank=device)
+    return TraceRank(
+        path=p,
+        job=header.job,
+        rank=header.rank,
+        world_size=header.world_size,
+        host=header.host,
+        local_rank=device,
+        time_base="base_time_ns" if base_ns is not None else "epoch_us",
+        steps=tuple(s for _, s in steps),
+        events=n_events,
+        kernels=ex.kernels,
+        kernel_ns=ex.kernel_ns,
+        memory_ops=ex.memory_ops,
+        collectives=len(coll["start_ns"]),
+        host_spans=len(ex.p["start"]),
+        skipped_events=ex.skipped,
+        parse_s=time.perf_counter() - t0,
+        batches=tuple(_batches(header, ex.names, _columns(ex, coll), batch_events)),
+    )
+
+
+Cols = dict[str, npt.NDArray[Any]]
+
+
+def _columns(ex: _Extractor, coll: dict[str, Any]) -> dict[EventKind, Cols]:
+    """numpy columns per kind, each sorted by the time the windower assigns events by."""
+    k = {c: np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64) for c, a in ex.k.items()}
+    p = {c: np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64) for c, a in ex.p.items()}
+    # A kernel whose launch event was not captured gets its start (an upper bound); none known: no column.
+    known = [ex.launch.get(c) for c in ex.k["corr"]]
+    launch = [x[0] if x is not None else s for x, s in zip(known, ex.k["start"], strict=True)]
+    kernels = {"start_ns": k["start"], "dur_ns": k["dur"], "name_id": k["name"], "stream": k["stream"]}
+    kernels["launch_ns"] = np.array(launch if any(known) else [], dtype=np.int64)
+    depth = _depths(p["start"], p["dur"], p["thread"])
+    depth[p["step"] >= 0] = 0
+    python = {"start_ns": p["start"], "dur_ns": p["dur"], "name_id": p["name"], "depth": depth}
+    out: dict[EventKind, Cols] = {}
+    for kind, cols in ((EventKind.KERNELS, kernels), (EventKind.COLLECTIVES, coll)):
+        cols = {c: np.asarray(v, dtype=COLUMNS[kind][c]) for c, v in cols.items()}
+        t = cols["launch_ns"] if cols["launch_ns"].size else cols["start_ns"]
+        order = np.lexsort((cols["start_ns"], t))
+        out[kind] = {c: v[order] if v.size else v for c, v in cols.items()}
+    order = np.argsort(python["start_ns"], kind="stable")
+    out[EventKind.PYTHON] = {c: v[order].astype(COLUMNS[EventKind.PYTHON][c]) for c, v in python.items()}
+    return out
+
+
+_ID_COLUMNS = ("name_id", "op_id", "pg_id")
+# Host spans first, then the GPU streams: the windower closes a step on the GPU streams' watermarks, so
+# every marker and host span of the file is already there when steps start closing (nothing is late).
+_PUBLISH_ORDER = (EventKind.PYTHON, EventKind.COLLECTIVES, EventKind.KERNELS)
+
+
+def _batches(header: BatchHeader, names: list[str], columns: dict[EventKind, Cols], size: int) -> Any:
+    """Chunks of ``size`` events, each with its own names dictionary; ``seq`` counts from 0."""
+    streams = tuple(k.value for k in EventKind if k in columns and columns[k]["start_ns"].size)
+    seq = 0
+    for kind in _PUBLISH_ORDER:
+        cols = columns[kind]
+        for lo in range(0, int(cols["start_ns"].size), size):
+            chunk = {c: v[lo : lo + size] for c, v in cols.items()}
+            id_cols = [c for c in _ID_COLUMNS if c in chunk]
+            uniq, inverse = np.unique(np.concatenate([chunk[c] for c in id_cols]), return_inverse=True)
+            for j, c in enumerate(id_cols):
+                chunk[c] = inverse[j * len(chunk[c]) : (j + 1) * len(chunk[c])].astype(np.int32)
+            end = int((chunk["start_ns"] + chunk["dur_ns"]).max())
+            h = replace(header, seq=seq, streams=streams, sent_ns=end)
+            seq += 1
+            yield EventBatch(kind=kind, header=h, names=[names[i] for i in uniq.tolist()], columns=chunk)
+
+
+def find_traces(paths: Iterable[str | Path]) -> list[Path]:
+    """Files named on the command line as they are; directories expanded (recursively) to their
+    ``*.json``/``*.json.gz`` files, sorted, so a rank set is always read in the same order."""
+    out: list[Path] = []
+    for item in paths:
+        p = Path(item)
+        if p.is_dir():
+            found = (f for f in p.rglob("*") if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
+            out += sorted(found)
+        else:
+            out.append(p)
+    return out
