@@ -73,3 +73,16 @@ def bus_bandwidth_factor(op: str, group_size: int) -> float:
     if canon in ("allgather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
     return 1.0
+
+
+def host_phase(name: str) -> str | None:
+    """``"dataloader"`` / ``"optimizer"`` for the host calls that delimit a training iteration.
+
+    Matches the producer API's names and PyTorch's own annotations
+    (``enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__``, ``Optimizer.step#AdamW.step``).
+    """
+    if name == "dataloader.next" or ("DataLoader" in name and "__next__" in name):
+        return "dataloader"
+    if name == "optimizer.step" or name.startswith("Optimizer.step#"):
+        return "optimizer"
+    return None

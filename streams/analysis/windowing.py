@@ -18,6 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
+from fleetscope.schemas.vocabulary import host_phase
+from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
 from fleetscope.streams.analysis.patterns import IterationEvents, summarize_iteration
 
@@ -100,6 +102,12 @@ class RankWindower:
     _clock_ns: int = -(2**62)
     _durations: list[int] = field(default_factory=list)
     _stalled: bool = False
+    _mode: str = ""
+    _host_detector: HostSequenceDetector = field(default_factory=HostSequenceDetector)
+    _period_detector: CollectivePeriodDetector = field(default_factory=CollectivePeriodDetector)
+    _host_phases_seen: bool = False
+    _pgs: set[int] = field(default_factory=set)
+    _collectives_seen: int = 0
     _progress: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, batch: EventBatch, now_ns: int) -> list[ClosedIteration]:
@@ -118,6 +126,10 @@ class RankWindower:
         kind = batch.kind
         if kind is EventKind.PYTHON:
             cols = self._take_step_markers(cols)
+            if self._mode != "step_marker":
+                self._detect_host_sequence(cols)
+        elif kind is EventKind.COLLECTIVES and self._mode in ("", "collective_period"):
+            self._detect_collective_period(cols)
         time_col = _TIME_COLUMN[kind]
         late = cols[time_col] < self._closed_end_ns
         if late.any():
@@ -148,7 +160,9 @@ class RankWindower:
         return self._close(force=False, now_ns=now_ns)
 
     def flush(self) -> list[ClosedIteration]:
-        """Close every step whose marker is complete, whatever the watermarks (rank idle or stopping)."""
+        """Close every step whose span is complete, whatever the watermarks (rank idle or stopping)."""
+        if self._mode in ("", "optimizer_sequence"):
+            self._add_spans("optimizer_sequence", self._host_detector.finish())
         return self._close(force=True, now_ns=self.last_arrival_ns)
 
     def is_idle(self, now_ns: int) -> bool:
@@ -208,12 +222,55 @@ class RankWindower:
         if not marker_ids:
             return cols
         is_marker = np.isin(ids, marker_ids)
+        if self._mode != "step_marker":  # explicit markers beat every inferred boundary
+            self._mode = "step_marker"
+            self._steps.clear()
         for i in np.flatnonzero(is_marker):
             step = marker_step[int(ids[i])]
             if step is not None and step > self._closed_step:
                 start = int(cols["start_ns"][i])
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
         return {k: v[~is_marker] for k, v in cols.items()}
+
+    def _add_spans(self, mode: str, spans: list[Span]) -> None:
+        if not spans or self._mode not in ("", mode):
+            return
+        self._mode = mode
+        for step, start, end in spans:
+            if step > self._closed_step:
+                self._steps[step] = (start, end)
+
+    def _detect_host_sequence(self, cols: Cols) -> None:
+        if not cols["start_ns"].size:
+            return
+        order = np.argsort(cols["start_ns"], kind="stable")
+        names = [self._names[i] for i in cols["name_id"][order]]
+        if not self._host_phases_seen:
+            self._host_phases_seen = any(host_phase(n) for n in set(names))
+        start = cols["start_ns"][order]
+        spans = self._host_detector.feed(names, start, start + cols["dur_ns"][order])
+        self._add_spans("optimizer_sequence", spans)
+
+    def _detect_collective_period(self, cols: Cols) -> None:
+        if self._host_phases_seen or not cols["start_ns"].size:
+            return
+        order = np.argsort(cols["start_ns"], kind="stable")
+        c = {k: v[order] for k, v in cols.items()}
+        nbytes = np.maximum(c["nbytes"], 1)
+        key = (
+            (c["op_id"].astype(np.int64) << 40)
+            | (c["pg_id"].astype(np.int64) << 20)
+            | np.ceil(np.log2(nbytes)).astype(np.int64)
+        )
+        self._pgs.update(np.unique(c["pg_id"]).tolist())
+        n = c["seq"].size
+        # One process group: its sequence numbers align ranks; several: fall back to arrival order.
+        seq = (
+            c["seq"] if len(self._pgs) == 1 else np.arange(self._collectives_seen, self._collectives_seen + n)
+        )
+        self._collectives_seen += n
+        spans = self._period_detector.feed(key, seq, c["start_ns"], c["start_ns"] + c["dur_ns"])
+        self._add_spans("collective_period", spans)
 
     def _ready(self, start: int, end: int, now_ns: int) -> bool:
         if any(kind not in self._watermark for kind in self._declared):
@@ -284,7 +341,12 @@ class RankWindower:
         self._durations = (self._durations + [figures["duration_ns"]])[-20:]
         who = identity(self.header) if self.header else {}
         self.counters.iterations += 1
-        iteration = {**who, "detected_by": "step_marker", **figures, "functions": len(patterns["function"])}
+        iteration = {
+            **who,
+            "detected_by": self._mode or "step_marker",
+            **figures,
+            "functions": len(patterns["function"]),
+        }
         pattern_record = {**who, "iteration": step}
         for key, value in patterns.items():
             pattern_record[key] = value.tolist() if isinstance(value, np.ndarray) else value

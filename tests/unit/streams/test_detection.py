@@ -95,8 +95,17 @@ def test_findings_need_persistence_within_a_window_and_close_after_recovery():
 
     cfg = LifecycleConfig(persist_iterations=3, window_iterations=4, recover_iterations=2, update_every=100)
     tracker = FindingTracker("j", cfg)
-    sig = RankSignal(rank=1, host="h", category="gpu_slow", function="k", metric="mean_ns",
-                     value=2.0, peer_median=1.0, score=9.0, loss_ns=10.0)
+    sig = RankSignal(
+        rank=1,
+        host="h",
+        category="gpu_slow",
+        function="k",
+        metric="mean_ns",
+        value=2.0,
+        peer_median=1.0,
+        score=9.0,
+        loss_ns=10.0,
+    )
     flags = [1, 0, 0, 0, 1, 0, 0, 0, 1]  # one-off glitches, never 3 within 4 iterations
     assert [r for i, f in enumerate(flags) for r in tracker.observe(i, [sig] if f else [])] == []
     assert tracker.observe(9, []) == [] and tracker.observe(10, [sig]) == []
