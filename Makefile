@@ -8,10 +8,12 @@ DEMO_ARGS ?= --ranks 32 --iterations 40 --fault slow_gpu:7:1.5
 
 .PHONY: setup demo test lint clean
 
-$(STAMP): pyproject.toml
+# torch (a CPU build): the PyTorch integration's tests train a real 2-process job.
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fleetscope.config import Config, ConfigError, load_config
+from fleetscope.ecosystem_cli import configure_process
 
 FINDING_FIELDS = (
     "job", "rank", "ranks", "host", "category", "function", "metric", "value", "peer_median", "score",
@@ -345,7 +346,11 @@ COMMANDS = {
 
 # Subcommands defined next to the code they drive: each module has
 # ``register(sub, common)``, which adds its parser with ``set_defaults(handler=...)``.
-EXTENSION_MODULES: tuple[str, ...] = ("fleetscope.traces_cli",)
+EXTENSION_MODULES: tuple[str, ...] = (
+    "fleetscope.traces_cli",
+    "fleetscope.live_cli",
+    "fleetscope.ecosystem_cli",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -353,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = _config(args)
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_process(config, args.command)
         return int(args.handler(args, config))
     except ConfigError as exc:
         print(f"fleetscope: {exc}", file=sys.stderr)

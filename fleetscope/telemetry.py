@@ -57,7 +57,7 @@ METRICS: tuple[MetricDef, ...] = (
               "stream", "pattern_records"),
     MetricDef("fleetscope_stream_findings", "counter", "Finding state changes emitted (open/update/closed).",
               "stream", "findings"),
-    MetricDef("fleetscope_stream_dead_letters", "counter", "Input routed to the dead-letter topic, by reason.",
+    MetricDef("fleetscope_stream_dead_letters", "counter", "Input sent to the dead-letter topic, by reason.",
               "stream", "per_reason", label="reason"),
     # sink: sinks.sink.Sink.stats
     MetricDef("fleetscope_sink_messages", "counter", "Messages consumed by the ClickHouse sink.",

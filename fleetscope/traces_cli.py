@@ -13,18 +13,19 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fleetscope.config import Config, ConfigError
-from fleetscope.producers.kineto import TraceError, TraceRank, find_traces, parse_trace
+from fleetscope.producers.kineto import TraceError, TraceRank, parse_trace
 from fleetscope.progress import Progress
 from fleetscope.schemas import EventKind
 
 log = logging.getLogger(__name__)
 
 SkipHandler = Callable[[Path, TraceError], None]
+TRACE_SUFFIXES = (".json", ".json.gz")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,20 @@ class RankSummary:
         )
 
 
+def find_traces(paths: Iterable[str | Path]) -> list[Path]:
+    """Files named on the command line as they are; directories expanded (recursively) to their
+    ``*.json``/``*.json.gz`` files, sorted, so a rank set is always read in the same order."""
+    out: list[Path] = []
+    for item in paths:
+        p = Path(item)
+        if p.is_dir():
+            found = (f for f in p.rglob("*") if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
+            out += sorted(found)
+        else:
+            out.append(p)
+    return out
+
+
 def _parsed(
     paths: Iterable[str | Path], job: str | None, progress: Progress, verb: str, on_skip: SkipHandler
 ) -> Iterable[TraceRank]:
@@ -76,9 +91,13 @@ def _parsed(
     for i, path in enumerate(files):
         progress.update(f"{verb}: file {i + 1}/{len(files)} {path.name}")
         try:
-            yield parse_trace(path, job=job, world_size=len(files))
+            trace = parse_trace(path, job=job, world_size=len(files))
         except TraceError as exc:
             on_skip(path, exc)
+            continue
+        log.debug("%s: %d events parsed in %.3f s", path, trace.events, trace.parse_s)
+        yield trace
+        del trace
 
 
 def _stderr_skip(command: str) -> SkipHandler:
@@ -158,15 +177,12 @@ def analyze_traces(
         its = [it for it in its if it.get("job") == trace.job and it.get("rank") == trace.rank]
         duration = sum(int(it["duration_ns"]) for it in its)
         busy = sum(int(it["gpu_busy_ns"]) for it in its)
-        summary = RankSummary.of(trace)
         summaries.append(
-            RankSummary(
-                **{
-                    **asdict(summary),
-                    "iterations": len(its),
-                    "mean_iteration_ms": duration / len(its) / 1e6 if its else 0.0,
-                    "gpu_busy_pct": 100.0 * busy / duration if duration else 0.0,
-                }
+            replace(
+                RankSummary.of(trace),
+                iterations=len(its),
+                mean_iteration_ms=duration / len(its) / 1e6 if its else 0.0,
+                gpu_busy_pct=100.0 * busy / duration if duration else 0.0,
             )
         )
         del trace

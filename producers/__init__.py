@@ -1,16 +1,17 @@
 """Producers: everything that creates events on a node and sends them to Kafka.
 
-In: activity of a training rank (here: a simulated data-parallel fleet with injected faults).
+In: activity of a training rank (here: a simulated TP x PP x DP fleet with injected faults).
 Out: ``EventBatch`` es (kernels, collectives, python, throughput), published by ``Publisher`` as Avro
 messages on the raw topics, keyed ``job/rank``. Producers speak to the rest of the pipeline only through
 ``fleetscope.schemas``; they never import ``streams`` or ``sinks``.
 """
 
-from fleetscope.producers.kineto import TraceError, TraceRank, find_traces, parse_trace
+from fleetscope.producers.kineto import TraceError, TraceRank, parse_trace
 from fleetscope.producers.publisher import Publisher, PublisherConfig, PublisherStats
 from fleetscope.producers.simulator import (
     FAULT_KINDS,
     HOST_FUNCTIONS,
+    ExpectedFinding,
     Fault,
     SimulatorConfig,
     parse_fault,
@@ -20,6 +21,7 @@ from fleetscope.producers.simulator import (
 __all__ = [
     "FAULT_KINDS",
     "HOST_FUNCTIONS",
+    "ExpectedFinding",
     "Fault",
     "Publisher",
     "PublisherConfig",
@@ -27,7 +29,6 @@ __all__ = [
     "SimulatorConfig",
     "TraceError",
     "TraceRank",
-    "find_traces",
     "parse_fault",
     "parse_trace",
     "simulate",

@@ -1,10 +1,11 @@
-"""On-demand control of running jobs: profiling requests on the control topic, and the listener that follows it.
+"""On-demand control of running jobs: profiling requests on the control topic, and their listener.
 
-Why: fine-grained profiling is too costly to run all the time, so an operator (or the job-regression trigger)
-asks for a window: ``fleetscope profile --job J --seconds 20`` publishes a ``ControlRequest`` with a common UTC
-start a few seconds ahead, and every rank of the job — each following the topic with its own ``ControlListener``
-(no consumer group: every rank must see every request) — opens its window at that instant, so all ranks
-profile the same iterations (XPUTimer's synchronous dump). The NVML sampler raises its rate for the same span.
+Why: fine-grained profiling is too costly to run all the time, so an operator (or the job-regression
+trigger) asks for a window: ``fleetscope profile --job J --seconds 20`` publishes a ``ControlRequest`` with
+a common UTC start a few seconds ahead, and every rank of the job, each following the topic with its own
+``ControlListener`` (no consumer group: every rank must see every request), opens its window at that
+instant, so all ranks profile the same iterations (XPUTimer's synchronous dump). The NVML sampler raises
+its rate for the same span.
 """
 
 from __future__ import annotations
@@ -202,7 +203,10 @@ class ControlListener:
                     wanted = [TopicPartition(topic, p, since_ms) for p in sorted(meta.partitions)]
                     offsets = consumer.offsets_for_times(wanted, timeout=5.0)
                     consumer.assign(
-                        [TopicPartition(topic, o.partition, o.offset if o.offset >= 0 else OFFSET_END) for o in offsets]
+                        [
+                            TopicPartition(topic, o.partition, o.offset if o.offset >= 0 else OFFSET_END)
+                            for o in offsets
+                        ]
                     )
                     return True
             except KafkaException as exc:
@@ -228,7 +232,9 @@ class ControlListener:
         if request.end_at_ns <= time.time_ns():
             return
         self.received += 1
-        logger.info("control request %s: %s for %.1f s", request.request_id, request.action, request.duration_s)
+        logger.info(
+            "control request %s: %s for %.1f s", request.request_id, request.action, request.duration_s
+        )
         try:
             self._on_request(request)
         except Exception as exc:

@@ -20,7 +20,7 @@ import time
 import zlib
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,6 @@ from fleetscope.schemas import parse_step_marker as _step
 from fleetscope.schemas.vocabulary import normalize_collective
 
 DEFAULT_BATCH_EVENTS = 4096
-TRACE_SUFFIXES = (".json", ".json.gz")
 DEFAULT_PROCESS_GROUP = "0"  # PyTorch's name for the default (world) process group
 _LIMIT_NS = 2**62
 _GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -332,9 +331,10 @@ class _Extractor:
             pg = meta.pg = meta.pg or DEFAULT_PROCESS_GROUP
             meta.group_size = meta.group_size or pg_sizes.get(pg) or world_size
             n = ordinal[pg] = ordinal.get(pg, -1) + 1
+            seq = n if meta.seq is None else max(min(meta.seq, _LIMIT_NS), -_LIMIT_NS)
             rows.append(
                 (ts, dur, self.intern(name), self.intern(meta.op), self.intern(pg),
-                 n if meta.seq is None else max(min(meta.seq, _LIMIT_NS), -_LIMIT_NS), min(meta.group_size, 2**31 - 1),
+                 seq, min(meta.group_size, 2**31 - 1),
                  min(nbytes_of(meta), _LIMIT_NS), launch[0] if launch else ts)
             )  # fmt: skip
         return {c: [r[j] for r in rows] for j, c in enumerate(COLUMNS[EventKind.COLLECTIVES])}
@@ -411,7 +411,7 @@ def _identity(
     stem = path.name
     for suffix in (".gz", ".json", ".trace", ".pt"):
         stem = stem.removesuffix(suffix)
-    job = _text(job or path.resolve().parent.name or "trace")
+    job = _text(job or path.absolute().parent.name or "trace")
     host = _text(host or stem or path.name)
     header = BatchHeader(job=job, rank=r, world_size=ws, producer_id=f"kineto-{job}-{r}", seq=0, host=host)
     return header, pg_sizes
@@ -501,7 +501,9 @@ _ID_COLUMNS = ("name_id", "op_id", "pg_id")
 _PUBLISH_ORDER = (EventKind.PYTHON, EventKind.COLLECTIVES, EventKind.KERNELS)
 
 
-def _batches(header: BatchHeader, names: list[str], columns: dict[EventKind, Cols], size: int) -> Any:
+def _batches(
+    header: BatchHeader, names: list[str], columns: dict[EventKind, Cols], size: int
+) -> Iterator[EventBatch]:
     """Chunks of ``size`` events, each with its own names dictionary; ``seq`` counts from 0."""
     streams = tuple(k.value for k in EventKind if k in columns and columns[k]["start_ns"].size)
     seq = 0
@@ -517,17 +519,3 @@ def _batches(header: BatchHeader, names: list[str], columns: dict[EventKind, Col
             h = replace(header, seq=seq, streams=streams, sent_ns=end)
             seq += 1
             yield EventBatch(kind=kind, header=h, names=[names[i] for i in uniq.tolist()], columns=chunk)
-
-
-def find_traces(paths: Iterable[str | Path]) -> list[Path]:
-    """Files named on the command line as they are; directories expanded (recursively) to their
-    ``*.json``/``*.json.gz`` files, sorted, so a rank set is always read in the same order."""
-    out: list[Path] = []
-    for item in paths:
-        p = Path(item)
-        if p.is_dir():
-            found = (f for f in p.rglob("*") if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
-            out += sorted(found)
-        else:
-            out.append(p)
-    return out

@@ -158,9 +158,12 @@ class NvmlSampler:
         self._initialised = False
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Initialise NVML, find the GPUs and start sampling. Raises on a missing library or driver."""
-        if self._threads:
+    def start(self, background: bool = True) -> None:
+        """Initialise NVML, find the GPUs and start sampling. Raises on a missing library or driver.
+
+        ``background=False`` starts no thread: the caller drives ``sample_once`` and ``flush``.
+        """
+        if self._threads or self._initialised:
             return
         if self._api is None:
             self._api = PynvmlApi()
@@ -169,6 +172,7 @@ class NvmlSampler:
         self._initialised = True
         host = socket.gethostname()
         targets = self._targets or _env_targets(api.device_count(), host)
+        self._gpus = []
         for index in range(api.device_count()):
             ident = targets.get(index) if isinstance(targets, Mapping) else targets(index)
             if ident is None:
@@ -182,6 +186,8 @@ class NvmlSampler:
             gpu.fields = self._link_fields(gpu)
             self._gpus.append(gpu)
         self._stop.clear()
+        if not background:
+            return
         self._threads = [threading.Thread(target=self._run, name="fleetscope-nvml", daemon=True)]
         if self.config.xid and self._gpus:
             self._threads.append(threading.Thread(target=self._run_xid, name="fleetscope-xid", daemon=True))
@@ -195,9 +201,8 @@ class NvmlSampler:
         self._stop.set()
         for t in threads:
             t.join(timeout_s)
-        if threads:
-            self._flush()
         if self._initialised and self._api is not None:
+            self.flush()
             self._initialised = False
             try:
                 self._api.shutdown()
@@ -249,7 +254,7 @@ class NvmlSampler:
                     due[t] = max(due[t] + periods[t], now)
             due["link"] = min(due["link"], now + periods["link"])
             if now >= next_flush:
-                self._flush()
+                self.flush()
                 next_flush = now + self.config.flush_interval_ms / 1000
             self._stop.wait(max(0.0, min(*due.values(), next_flush) - time.monotonic()))
 
@@ -368,7 +373,8 @@ class NvmlSampler:
         if full:
             self._flush_gpu(gpu)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Hand every GPU's buffered samples to the sink."""
         for gpu in self._gpus:
             self._flush_gpu(gpu)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from fleetscope import telemetry
 from fleetscope.schemas import EventBatch, Topics, encode_event_batch
 from fleetscope.schemas.topics import rank_key
 
@@ -138,6 +139,7 @@ class Publisher:
             raise RuntimeError("a stopped Publisher cannot be restarted; create a new one")
         settings = {**self.config.librdkafka(), "error_cb": self._on_error, "logger": _client_logger}
         self._producer = Producer(settings)
+        telemetry.register_source("publisher", self, lambda p: dict(p._counts))  # read at scrape time
         logger.info(
             "publisher started: bootstrap=%s prefix=%s compression=%s",
             self.config.bootstrap_servers,

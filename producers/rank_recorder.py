@@ -68,11 +68,17 @@ class RankIdentity:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RankIdentity:
-        """``FLEETSCOPE_JOB`` (else ``TORCHELASTIC_RUN_ID``, else a per-process id), ``RANK``, ``WORLD_SIZE``,
-        ``LOCAL_RANK``, ``FLEETSCOPE_CLUSTER``; host = ``socket.gethostname()``."""
+        """``FLEETSCOPE_JOB``, else ``TORCHELASTIC_RUN_ID`` (when not torchrun's default "none"), else the
+        rendezvous address, else a per-process id; ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+        ``FLEETSCOPE_CLUSTER``; host = ``socket.gethostname()``."""
         e = os.environ if env is None else env
         host = socket.gethostname()
-        job = e.get("FLEETSCOPE_JOB") or e.get("TORCHELASTIC_RUN_ID") or f"local-{host}-{os.getpid()}"
+        run_id = e.get("TORCHELASTIC_RUN_ID", "")
+        if run_id in ("", "none") and e.get("MASTER_ADDR") and e.get("MASTER_PORT"):
+            run_id = f"torchrun-{e['MASTER_ADDR']}-{e['MASTER_PORT']}"  # torchrun's default id is "none"
+        job = e.get("FLEETSCOPE_JOB") or (
+            run_id if run_id not in ("", "none") else f"local-{host}-{os.getpid()}"
+        )
         return cls(
             job=job.replace("/", "_"),
             rank=int(e.get("RANK", "0")),
@@ -239,7 +245,8 @@ class Recorder:
 
     def declare(self, kind: EventKind) -> None:
         """Add a kind to the header's ``streams``: the windower then waits for it before closing steps."""
-        self._streams.add(kind.value)
+        if kind.value not in self._streams:  # replaced, never mutated: the thread may be reading it
+            self._streams = self._streams | {kind.value}
 
     @property
     def streams(self) -> tuple[str, ...]:

@@ -29,7 +29,8 @@ _LAUNCH_ACTIVITIES = ("cuda_runtime", "cuda_driver")
 @dataclass(frozen=True, kw_only=True)
 class WindowConfig:
     max_host_depth: int = 0
-    """Host ops nested deeper than this are left out (0: top-level ops and user annotations only)."""
+    """Host ops nested in more than this many other ops are left out (0: top-level ops only); user
+    annotations (``record_function``) are always kept."""
     max_batch_events: int = 4096
 
 
@@ -40,24 +41,31 @@ def window_batches(
     (the hook publishes its own, numbered consistently with the continuous mode)."""
     cfg = config or WindowConfig()
     gpu: list[tuple[str, int, int, int, int]] = []  # name, start, dur, stream, correlation
-    host: list[tuple[str, int, int, int, int]] = []  # name, start, dur, thread, -
+    host: list[tuple[str, int, int, int, int]] = []  # name, start, dur, thread, is an op
     launch_at: dict[int, int] = {}
     for e in events:
         activity = str(e.activity_type())
         if activity in _GPU_ACTIVITIES:
-            gpu.append((e.name(), e.start_ns(), e.duration_ns(), e.device_resource_id(), e.linked_correlation_id()))
+            gpu.append(
+                (e.name(), e.start_ns(), e.duration_ns(), e.device_resource_id(), e.linked_correlation_id())
+            )
         elif activity in _LAUNCH_ACTIVITIES:
             launch_at[e.correlation_id()] = e.start_ns()
         elif activity in _HOST_ACTIVITIES:
             name = e.name()
             if parse_step_marker(name) is None and not name.startswith("fleetscope"):
-                host.append((name, e.start_ns(), e.duration_ns(), e.start_thread_id(), 0))
+                op = int(activity == "cpu_op")
+                host.append((name, e.start_ns(), e.duration_ns(), e.start_thread_id(), op))
     out: list[EventBatch] = []
     n = cfg.max_batch_events
     for i in range(0, len(gpu), n):
         out.append(_kernels(gpu[i : i + n], launch_at, next_header))
-    spans = [(name, s, d, depth) for (name, s, d, _t, _), depth in zip(host, _depths(host), strict=True)]
-    spans = [s for s in spans if s[3] <= cfg.max_host_depth]
+    op_index = [i for i, h in enumerate(host) if h[4]]
+    op_depth = dict(zip(op_index, _depths([host[i] for i in op_index]), strict=True))
+    spans = []
+    for i, ((name, start, dur, _thread, is_op), depth) in enumerate(zip(host, _depths(host), strict=True)):
+        if not is_op or op_depth[i] <= cfg.max_host_depth:
+            spans.append((name, start, dur, depth))
     for i in range(0, len(spans), n):
         out.append(_python(spans[i : i + n], next_header))
     return out
@@ -87,7 +95,9 @@ def _intern(values: list[str]) -> tuple[list[str], np.ndarray]:
 
 
 def _kernels(
-    rows: list[tuple[str, int, int, int, int]], launch_at: dict[int, int], next_header: Callable[[], BatchHeader]
+    rows: list[tuple[str, int, int, int, int]],
+    launch_at: dict[int, int],
+    next_header: Callable[[], BatchHeader],
 ) -> EventBatch:
     names, ids = _intern([r[0] for r in rows])
     start = np.fromiter((r[1] for r in rows), np.int64, len(rows))
@@ -124,14 +134,17 @@ def _python(rows: list[tuple[str, int, int, int]], next_header: Callable[[], Bat
 class ProfilingWindow:
     """One torch.profiler session, opened and closed at step boundaries on the training thread.
 
-    A schedule with one warm-up step keeps the profiler's own start-up out of the recorded steps.
+    A schedule with one warm-up step keeps the profiler's own start-up out of the recorded steps, and
+    the window lasts at least ``min_steps`` steps: the first start of Kineto in a process can take a
+    second, longer than a short window.
     """
 
-    def __init__(self, end_at_ns: int, cuda: bool) -> None:
+    def __init__(self, end_at_ns: int, cuda: bool, min_steps: int = 2) -> None:
         import torch.profiler as tp
 
         activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if cuda else [])
         self.end_at_ns = end_at_ns
+        self.min_steps = min_steps
         self.started_ns = time.time_ns()
         self.steps = 0
         self._prof = tp.profile(
@@ -147,10 +160,14 @@ class ProfilingWindow:
         self._prof.step()
 
     def done(self, now_ns: int) -> bool:
-        return now_ns >= self.end_at_ns
+        return now_ns >= self.end_at_ns and self.steps >= self.min_steps
 
-    def stop(self) -> list[Any]:
-        """Stop the profiler; return its Kineto events (an empty list if nothing was recorded)."""
+    def stop(self) -> Any:
+        """Stop the profiler; return its Kineto results (None if nothing was recorded).
+
+        Reading ``results.events()`` is left to the caller's background thread: it builds one Python
+        object per event.
+        """
         self._prof.stop()
-        results = getattr(self._prof.profiler, "kineto_results", None) if self._prof.profiler else None
-        return list(results.events()) if results is not None else []
+        profiler = self._prof.profiler
+        return getattr(profiler, "kineto_results", None) if profiler is not None else None

@@ -132,7 +132,9 @@ def _wrap(exc: Exception, what: str, *, missing_is_bad_message: bool = False) ->
     status = getattr(exc, "http_status_code", None)
     if missing_is_bad_message and status == 404:
         return SchemaError(f"{what}: not in the schema registry ({exc})")
-    detail = f"answered {status}: {exc}" if isinstance(status, int) and status > 0 else f"unavailable: {exc!r}"
+    detail = (
+        f"answered {status}: {exc}" if isinstance(status, int) and status > 0 else f"unavailable: {exc!r}"
+    )
     return RegistryError(f"{what}: schema registry {detail}")
 
 

@@ -304,9 +304,7 @@ class Sink:
     def _on_statistics(self, stats_json: str) -> None:
         """Consumer lag summed over the assigned partitions (librdkafka statistics, every 5 s)."""
         topics = json.loads(stats_json).get("topics", {})
-        lags = [
-            p.get("consumer_lag", -1) for t in topics.values() for p in t.get("partitions", {}).values()
-        ]
+        lags = [p.get("consumer_lag", -1) for t in topics.values() for p in t.get("partitions", {}).values()]
         known = [lag for lag in lags if lag >= 0]
         self._stats["consumer_lag"] = sum(known) if known else -1
 

@@ -94,7 +94,7 @@ class RankWindower:
     _name_ids: dict[str, int] = field(default_factory=dict)
     _buffers: dict[EventKind, Cols] = field(default_factory=dict)
     _watermark: dict[EventKind, int] = field(default_factory=dict)
-    _declared: set[EventKind] = field(default_factory=set)
+    _declared_by: dict[str, set[EventKind]] = field(default_factory=dict)
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     _closed_step: int = -(2**62)
     _closed_end_ns: int = -(2**62)
@@ -113,7 +113,7 @@ class RankWindower:
     def add(self, batch: EventBatch, now_ns: int) -> list[ClosedIteration]:
         """Take one batch; return the iterations it allowed to close."""
         self.header = batch.header
-        self._declared.update(k for k in EventKind if k.value in batch.header.streams)
+        self._declared_by[batch.header.producer_id] = {k for k in EventKind if k.value in batch.header.streams}
         self.last_arrival_ns = now_ns
         if self.first_arrival_ns is None:
             self.first_arrival_ns = now_ns
@@ -273,16 +273,20 @@ class RankWindower:
         self._add_spans("collective_period", spans)
 
     def _ready(self, start: int, end: int, now_ns: int) -> bool:
-        if any(kind not in self._watermark for kind in self._declared):
+        declared = set().union(*self._declared_by.values()) if self._declared_by else set()
+        if any(kind not in self._watermark for kind in declared):
             return False
         first = now_ns if self.first_arrival_ns is None else self.first_arrival_ns
         discovering = now_ns - first < self.config.stream_discovery_ms * 1_000_000
-        if discovering and not self._declared and len(self._watermark) < len(EventKind):
+        if discovering and not declared and len(self._watermark) < len(EventKind):
             return False
+        # Wait for the declared streams (each producer's latest declaration: a profiling window's
+        # kernels stop being waited for when it ends), or for every stream seen when none is declared.
+        waited = declared or set(self._watermark)
         for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
-            if kind in self._watermark and self._watermark[kind] < end:
+            if kind in waited and self._watermark[kind] < end:
                 return False
-        if EventKind.THROUGHPUT in self._watermark:
+        if EventKind.THROUGHPUT in waited:
             gpu_end = self._gpu_end(start, end)
             if self._watermark[EventKind.THROUGHPUT] < gpu_end:
                 return False

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetscope.cli import main
-from fleetscope.producers import TraceError, TraceRank, find_traces, parse_trace
+from fleetscope.producers import TraceError, TraceRank, parse_trace
 from fleetscope.schemas import (
     EventBatch,
     EventKind,
@@ -27,6 +27,7 @@ from fleetscope.schemas import (
     encode_event_batch,
     parse_step_marker,
 )
+from fleetscope.traces_cli import find_traces
 
 TRACES = Path(os.environ.get("FLEETSCOPE_TRACES_DIR", "/work/shared/traces"))
 HTA = TRACES / "hta_kineto_samples"
@@ -224,8 +225,8 @@ def test_collective_metadata_only_on_the_cpu_op(tmp_path: Path) -> None:
         x("kernel", "ncclKernel_AllReduce_RING_LL_Sum_float(x)", 130, 40, pid=0, tid=3,
           correlation=77, **{"External id": 77}),
         # newer style: record_param_comms args, linked by External id
-        x("cpu_op", "record_param_comms", 300, 50, tid=9, **{"External id": 42, "Collective name": "broadcast",
-          "In msg nelems": 10, "Out msg nelems": 10, "dtype": "Long", "Process Group Name": "5"}),
+        x("cpu_op", "record_param_comms", 300, 50, tid=9, **{"External id": 42, "Process Group Name": "5",
+          "Collective name": "broadcast", "In msg nelems": 10, "Out msg nelems": 10, "dtype": "Long"}),
         x("kernel", "ncclKernel_Broadcast_RING_LL_Sum_int8_t(x)", 400, 5, pid=0, tid=3,
           correlation=78, **{"External id": 42}),
         # nothing known but the kernel name
@@ -233,7 +234,8 @@ def test_collective_metadata_only_on_the_cpu_op(tmp_path: Path) -> None:
         x("kernel", "ncclKernel_AllReduce_RING_LL_Sum_float(x)", 600, 5, pid=0, tid=3),
     ]  # fmt: skip
     doc = {"distributedInfo": {"rank": 0, "world_size": 8}, "traceEvents": events}
-    (b,) = parse_trace(write(tmp_path / "t.json", doc)).batches
+    trace = parse_trace(write(tmp_path / "t.json", doc))
+    (b,) = [b for b in trace.batches if b.kind is EventKind.COLLECTIVES]
     got = [
         (b.names[b["op_id"][i]], b.names[b["pg_id"][i]], int(b["nbytes"][i]), int(b["seq"][i]))
         for i in range(4)
@@ -336,25 +338,38 @@ def test_replay_without_a_broker_is_a_configuration_error(
 
 # -- property: nothing but TraceError ---------------------------------------------------------------
 
+SEED_EVENTS = [
+    x("user_annotation", "ProfilerStep#1", 0.5, 100.25),
+    x("user_annotation", "nccl:all_reduce", 0.7, 3, **{"Input Dims": [[4]], "Input type": ["float"]}),
+    x("cpu_op", "record_param_comms", 0.6, 4, **{"External id": 9, "Collective name": "allreduce"}),
+    x("cuda_runtime", "cudaLaunchKernel", 1, 2, correlation=3),
+    x("kernel", "ncclKernel_AllReduce_RING_LL_Sum_float", 5, 10, pid=0, correlation=3,
+      **{"In msg nelems": 4, "dtype": "Float", "Collective name": "allreduce", "External id": 9}),
+    x("kernel", "gemm", 20, 1.5, pid=0, tid=7, correlation=4),
+]  # fmt: skip
 SEED_TRACE = json.dumps(
     {
         "baseTimeNanoseconds": BASE_NS,
         "distributedInfo": {"rank": 0, "world_size": 2},
-        "traceEvents": [
-            x("user_annotation", "ProfilerStep#1", 0.5, 100.25),
-            x("cuda_runtime", "cudaLaunchKernel", 1, 2, correlation=3),
-            x("kernel", "ncclKernel_AllReduce_RING_LL_Sum_float", 5, 10, pid=0,
-              correlation=3, **{"In msg nelems": 4, "dtype": "Float", "Collective name": "allreduce"}),
-            x("kernel", "gemm", 20, 1.5, pid=0, tid=7, correlation=4),
-        ],
+        "traceEvents": SEED_EVENTS,
     }
-).encode()  # fmt: skip
+).encode()
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
 FIELDS = ("ph", "cat", "name", "ts", "dur", "pid", "tid", "args")
+ARGS = ("correlation", "External id", "Collective name", "In msg nelems", "Out msg nelems", "dtype",
+        "Group size", "Process Group Name", "Seq", "Input Dims", "Input type", "stream",
+        "device")  # fmt: skip
+# A real event with a few fields (or args) replaced by any JSON value, or any JSON value at all.
+mutated_events = st.builds(
+    lambda e, patch, args: {**e, **patch, "args": {**e["args"], **args}},
+    st.sampled_from(SEED_EVENTS),
+    st.dictionaries(st.sampled_from(FIELDS[:-1]), json_values, max_size=2),
+    st.dictionaries(st.sampled_from(ARGS), json_values | st.integers(-(2**70), 2**70), max_size=3),
+)
 
 
 @pytest.fixture(scope="module")
@@ -390,11 +405,7 @@ def test_random_and_mutated_bytes_raise_nothing_but_trace_error(scratch: Path, d
 @settings(max_examples=150, deadline=None)
 @given(
     top=st.dictionaries(st.sampled_from(["distributedInfo", "baseTimeNanoseconds", "hostname"]), json_values),
-    events=st.lists(
-        st.dictionaries(st.sampled_from(FIELDS), json_values | st.sampled_from(["X", "kernel", "cpu_op"]))
-        | json_values,
-        max_size=6,
-    ),
+    events=st.lists(mutated_events | json_values, max_size=8),
 )
 def test_wrongly_typed_fields_raise_nothing_but_trace_error(
     scratch: Path, top: dict[str, Any], events: list[Any]

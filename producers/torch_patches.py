@@ -1,0 +1,304 @@
+"""The instrumentation the PyTorch hook installs: collectives, DDP buckets, optimizer steps, dataloader.
+
+Why these points: they are where a training step's time goes on the host and where ranks meet, and each is
+cheap to time from Python (two clock reads and a deque append). Collectives are timed by wrapping the
+``torch.distributed`` functions (with op, process group, group size, nccl-tests message size and a per-group
+sequence number, so ranks can be aligned without trusting wall clocks); DDP calls NCCL/Gloo from C++, so a
+DDP model gets ``timed_allreduce_hook`` (the stock ``allreduce_hook``, timed) at its first forward unless
+the user registered a comm hook (a user hook that calls ``dist.all_reduce`` is timed by the wrapper).
+``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) does so on NCCL only: with any Python comm hook DDP divides the
+gradients in a separate pass, a short kernel on a GPU but ~8 % of a CPU (Gloo) step (bench/overhead.py);
+``=1`` forces it, ``=0`` opts out. Host spans come from the global optimizer
+step hooks and from ``_BaseDataLoaderIter.__next__``. Every patch is inert while no monitor records, and our
+own code on it runs under ``Recorder.guard``: training never sees our exceptions.
+
+Timing caveat: a collective's duration is measured on the host, to the completion of its future for async
+calls. For Gloo that is the transfer; for NCCL it is only the enqueue (kernels run later on the GPU): a
+profiling window gives the GPU-side NCCL kernel times.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from fleetscope.producers.rank_recorder import Recorder
+from fleetscope.schemas import EventKind
+
+logger = logging.getLogger(__name__)
+
+# torch.distributed function -> (canonical op, parameter holding the nccl-tests message size S, or None)
+COLLECTIVES: dict[str, tuple[str, str | None]] = {
+    "all_reduce": ("allreduce", "tensor"),
+    "broadcast": ("broadcast", "tensor"),
+    "reduce": ("reduce", "tensor"),
+    "all_gather": ("allgather", "tensor_list"),
+    "all_gather_into_tensor": ("allgather", "output_tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "all_to_all": ("all_to_all", "input_tensor_list"),
+    "gather": ("gather", "tensor"),
+    "scatter": ("scatter", "tensor"),
+    "barrier": ("barrier", None),
+}
+_DISABLE_DDP_HOOK = "FLEETSCOPE_TORCH_DDP_HOOK"
+
+
+class Instrumented(Protocol):
+    """What the patches need of the running monitor."""
+
+    recorder: Recorder
+
+    def on_optimizer_step(self, start_ns: int, end_ns: int) -> None: ...
+
+
+_installed = False
+_current: Callable[[], Instrumented | None] = lambda: None  # noqa: E731
+_group_info: dict[int, tuple[str, int, str]] = {}
+_group_seq: dict[str, itertools.count[int]] = {}
+_opt_start: dict[int, int] = {}
+_ALL_REDUCE: Callable[..., Any] = dist.all_reduce
+
+
+def install(current: Callable[[], Instrumented | None]) -> None:
+    """Install every patch once per process; ``current`` returns the recording monitor or None."""
+    global _installed, _current
+    _current = current
+    if _installed:
+        return
+    _installed = True
+    for site, fn in (
+        ("collectives", _patch_collectives),
+        ("optimizer", _patch_optimizer),
+        ("dataloader", _patch_dataloader),
+        ("ddp", _patch_ddp),
+    ):
+        try:
+            fn()
+        except Exception as exc:  # a torch version without the hook point: the others still work
+            logger.warning("fleetscope: cannot instrument %s: %r", site, exc)
+
+
+def reset_sequences() -> None:
+    """Start every group's sequence at 0 again (a new monitor in the same process)."""
+    _group_seq.clear()
+
+
+# -- collectives -----------------------------------------------------------------------------------------
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.numel() * value.element_size())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _group(group: Any) -> tuple[str, int, str]:
+    """(name, size, backend) of a process group; None is the default group."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    info = _group_info.get(id(pg))
+    if info is None:
+        name = str(dist.distributed_c10d._get_process_group_name(pg))
+        info = _group_info[id(pg)] = (name, int(pg.size()), str(dist.get_backend(pg)))
+    return info
+
+
+def _record_collective(
+    mon: Instrumented, op: str, size_arg: Any, group: Any, start_ns: int, result: Any
+) -> None:
+    name, size, backend = _group(group)
+    seq = next(_group_seq.setdefault(name, itertools.count()))
+    nbytes = _nbytes(size_arg)
+    recorder = mon.recorder
+    if size > 1:  # the windower then waits for this rank's collectives before closing a step
+        recorder.declare(EventKind.COLLECTIVES)
+    if result is None:  # synchronous: the call itself is the collective
+        recorder.collective(
+            f"{backend}:{op}", op, name, seq, size, nbytes, start_ns, time.time_ns() - start_ns
+        )
+        return
+
+    def done(_fut: Any) -> None:
+        end = time.time_ns()
+        recorder.guard(
+            "collective_done",
+            recorder.collective,
+            f"{backend}:{op}",
+            op,
+            name,
+            seq,
+            size,
+            nbytes,
+            start_ns,
+            end - start_ns,
+        )
+
+    result.get_future().add_done_callback(done)
+
+
+def _wrap_collective(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    op, size_param = COLLECTIVES[fname]
+    params = list(inspect.signature(orig).parameters)
+    gi = params.index("group")
+    si = params.index(size_param) if size_param else -1
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mon = _current()
+        if mon is None:
+            return orig(*args, **kwargs)
+        start = time.time_ns()
+        result = orig(*args, **kwargs)
+        group = kwargs["group"] if "group" in kwargs else (args[gi] if len(args) > gi else None)
+        size_arg = None
+        if si >= 0:
+            size_arg = kwargs[size_param] if size_param in kwargs else (args[si] if len(args) > si else None)
+        mon.recorder.guard("collective", _record_collective, mon, op, size_arg, group, start, result)
+        return result
+
+    wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _patch_collectives() -> None:
+    global _ALL_REDUCE
+    _ALL_REDUCE = getattr(dist.all_reduce, "__fleetscope_original__", dist.all_reduce)
+    for fname in COLLECTIVES:
+        orig = getattr(dist, fname, None)
+        if orig is None or hasattr(orig, "__fleetscope_original__"):
+            continue
+        setattr(dist, fname, _wrap_collective(fname, orig))
+
+
+# -- DDP -------------------------------------------------------------------------------------------------
+def _patch_ddp() -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    orig_init = DDP.__init__
+    if hasattr(orig_init, "__fleetscope_original__"):
+        return
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        if os.environ.get(_DISABLE_DDP_HOOK, "auto") not in ("0", "off", "false"):
+            self._fleetscope_pre = self.register_forward_pre_hook(_ddp_first_forward)
+
+    __init__.__fleetscope_original__ = orig_init  # type: ignore[attr-defined]
+    DDP.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _ddp_first_forward(module: Any, _inputs: Any) -> None:
+    """At the first forward: time gradient buckets with the stock allreduce hook, unless the user has one."""
+    handle = getattr(module, "_fleetscope_pre", None)
+    if handle is not None:
+        handle.remove()
+        module._fleetscope_pre = None
+    if module._comm_hooks:
+        return
+    if os.environ.get(_DISABLE_DDP_HOOK, "auto") == "auto" and not _is_nccl(module.process_group):
+        return
+    try:  # even before a monitor records: the hook only times while one does
+        module.register_comm_hook(module.process_group, timed_allreduce_hook)
+    except Exception as exc:  # e.g. a builtin comm hook is already registered
+        logger.warning("fleetscope: DDP gradient buckets are not timed: %r", exc)
+
+
+def _is_nccl(process_group: Any) -> bool:
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend(process_group)).lower() == "nccl"
+    except Exception:  # an unusual group: time nothing rather than guess
+        return False
+
+
+def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
+    """DDP's stock ``allreduce_hook`` (average = divide, then sum), timed in the completion callback it
+    needs anyway: one Python callback per bucket, not two."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    mon = _current()
+    start = time.time_ns()
+    fut = _ALL_REDUCE(tensor, group=group, async_op=True).get_future()
+    if mon is None:
+        return fut.then(lambda f: f.value()[0])
+    info = mon.recorder.guard("collective", _ddp_identity, mon, group, tensor)
+
+    def done(f: Any) -> Any:
+        if info is not None:
+            mon.recorder.guard(
+                "collective_done", mon.recorder.collective, *info, start, time.time_ns() - start
+            )
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+# DDP checks the annotations against the real classes; this module's are strings (PEP 563).
+timed_allreduce_hook.__annotations__ = {
+    "process_group": dist.ProcessGroup,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _ddp_identity(mon: Instrumented, group: Any, tensor: Any) -> tuple[str, str, str, int, int, int]:
+    name, size, backend = _group(group)
+    if size > 1:
+        mon.recorder.declare(EventKind.COLLECTIVES)
+    seq = next(_group_seq.setdefault(name, itertools.count()))
+    return f"{backend}:allreduce", "allreduce", name, seq, size, _nbytes(tensor)
+
+
+# -- optimizer and dataloader ----------------------------------------------------------------------------
+def _patch_optimizer() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def pre(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if _current() is not None:
+            _opt_start[id(optimizer)] = time.time_ns()
+
+    def post(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        mon = _current()
+        if mon is None:
+            return
+        end = time.time_ns()
+        start = _opt_start.pop(id(optimizer), end)
+        mon.recorder.guard("optimizer", mon.on_optimizer_step, start, end)
+
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+
+
+def _patch_dataloader() -> None:
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    orig = _BaseDataLoaderIter.__next__
+    if hasattr(orig, "__fleetscope_original__"):
+        return
+
+    @functools.wraps(orig)
+    def __next__(self: Any) -> Any:
+        mon = _current()
+        if mon is None:
+            return orig(self)
+        start = time.time_ns()
+        item = orig(self)
+        end = time.time_ns()
+        mon.recorder.guard("dataloader", mon.recorder.python_span, "dataloader.next", start, end - start)
+        return item
+
+    __next__.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]

@@ -1,0 +1,339 @@
+"""Alert follower: the findings topic -> one alert per finding state change, printed and/or POSTed.
+
+In: Avro ``Finding`` records on ``<prefix>.findings`` (key ``job``), decoded with ``fleetscope.schemas``.
+Out: ``alert_payload`` dicts (the findings JSON plus status, version, time) handed to a callback, and
+optionally POSTed as JSON to a webhook.
+
+Why it is shaped like this: without a group the follower *assigns* every partition itself, so each
+instance sees every finding (alerting is a broadcast, not a work queue) and starts in milliseconds instead
+of waiting for a group join. With a group it subscribes and commits after each alert is handled, so a
+restart resumes where it stopped (at-least-once). Webhook delivery runs in its own thread behind a
+bounded queue: a slow or dead endpoint delays nothing and never stops the follower.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from fleetscope.schemas import SchemaError, Topics, decode
+from fleetscope.sinks.clickhouse import RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+EVENTS = {"open": "new", "update": "updated", "closed": "closed"}
+"""Finding status on the topic -> what the alert says happened."""
+_METADATA_TIMEOUT_S = 5.0
+
+
+def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The findings JSON of one state change (evidence parsed), plus event, status, version and time."""
+    evidence: Any = record.get("evidence") or "{}"
+    if isinstance(evidence, str):
+        try:
+            evidence = json.loads(evidence)
+        except ValueError:
+            evidence = {"raw": evidence}
+    emitted_ns = int(record.get("emitted_ns", 0))
+    return {
+        "event": EVENTS.get(str(record.get("status")), str(record.get("status"))),
+        "finding_id": record.get("finding_id"),
+        "status": record.get("status"),
+        "version": record.get("version"),
+        "job": record.get("job"),
+        "rank": record.get("rank"),
+        "ranks": list(record.get("ranks") or []),
+        "host": record.get("host"),
+        "category": record.get("category"),
+        "function": record.get("function"),
+        "metric": record.get("metric"),
+        "value": record.get("value"),
+        "peer_median": record.get("peer_median"),
+        "score": record.get("score"),
+        "iteration_first": record.get("iteration_first"),
+        "iteration_last": record.get("iteration_last"),
+        "est_loss_ns": record.get("est_loss_ns"),
+        "evidence": evidence,
+        "emitted_ns": emitted_ns,
+        "emitted_at": datetime.fromtimestamp(emitted_ns / 1e9, UTC).isoformat(timespec="milliseconds"),
+    }
+
+
+def format_alert(alert: Mapping[str, Any]) -> str:
+    """One human line: when, what happened, where, and the evidence in numbers."""
+    rank = alert["rank"]
+    where = f"rank {rank}" if isinstance(rank, int) and rank >= 0 else f"ranks {_ranks(alert['ranks'])}"
+    value, median = alert.get("value") or 0.0, alert.get("peer_median") or 0.0
+    gap = f" ({value / median - 1:+.0%})" if median else ""
+    loss_ms = (alert.get("est_loss_ns") or 0) / 1e6
+    return (
+        f"{alert['emitted_at']}  {alert['event'].upper():<7}  {alert['job']}  {where} ({alert['host']})  "
+        f"{alert['category']}  {alert['function']}  "
+        f"{alert['metric']} {value:.4g} vs peers {median:.4g}{gap}  score {alert.get('score') or 0.0:.1f}  "
+        f"iterations {alert['iteration_first']}-{alert['iteration_last']}  loss {loss_ms:.2f} ms/iter  "
+        f"[{alert['finding_id']} v{alert['version']}]"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks[:8]) + ("..." if len(ranks) > 8 else "") if ranks else "-"
+
+
+# -- webhook ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookConfig:
+    """Where alerts are POSTed. ``headers`` (e.g. an Authorization token) are never logged."""
+
+    url: str
+    timeout_s: float = 5.0
+    retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(max_attempts=4, initial_backoff_ms=250))
+    queue_max: int = 1_000
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        if not self.url.startswith(("http://", "https://")):
+            errors.append(f"url: expected http(s)://..., got {self.url!r}")
+        if self.timeout_s <= 0:
+            errors.append(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.queue_max < 1:
+            errors.append(f"queue_max: must be >= 1, got {self.queue_max}")
+        if errors:
+            raise ValueError("invalid WebhookConfig: " + "; ".join(errors))
+
+
+class WebhookSender:
+    """POSTs alerts as JSON from a background thread; never raises into the caller.
+
+    Retries connection errors, timeouts, 429 and 5xx with jittered exponential backoff up to
+    ``retry.max_attempts``; other 4xx are permanent (logged, not retried). A full queue drops and counts."""
+
+    def __init__(self, config: WebhookConfig) -> None:
+        self.config = config
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(config.queue_max)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stats = {"sent": 0, "failed": 0, "dropped": 0, "retries": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fleetscope-webhook", daemon=True)
+            self._thread.start()
+
+    def submit(self, alert: dict[str, Any]) -> bool:
+        """Queue one alert; False (and counted) when the queue is full."""
+        try:
+            self._queue.put_nowait(alert)
+        except queue.Full:
+            self._count("dropped")
+            logger.warning("webhook queue full (%d): an alert was dropped", self.config.queue_max)
+            return False
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Deliver what is queued within ``timeout_s``, then stop; idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            logger.warning("webhook queue still full at stop; undelivered alerts are lost")
+            return
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("webhook deliveries still running after %.1f s at stop", timeout_s)
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._stats[key] += 1
+
+    def _run(self) -> None:
+        while (alert := self._queue.get()) is not None:
+            self.post(alert)
+
+    def post(self, alert: Mapping[str, Any]) -> bool:
+        """Deliver one alert now (with retries); True when the endpoint answered 2xx."""
+        body = json.dumps(alert, default=str).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "fleetscope-alerts",
+            **self.config.headers,
+        }
+        policy = self.config.retry
+        for attempt in range(policy.max_attempts):
+            # the URL scheme is checked in WebhookConfig (http/https only)
+            request = urllib.request.Request(self.config.url, data=body, headers=headers, method="POST")  # noqa: S310
+            try:
+                with urllib.request.urlopen(request, timeout=self.config.timeout_s) as resp:  # noqa: S310
+                    resp.read()
+                self._count("sent")
+                return True
+            except urllib.error.HTTPError as exc:
+                retryable = exc.code == 429 or exc.code >= 500
+                reason = f"HTTP {exc.code}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+                retryable, reason = True, repr(getattr(exc, "reason", exc))
+            if not retryable or attempt + 1 == policy.max_attempts:
+                self._count("failed")
+                logger.warning(
+                    "webhook %s: alert %s not delivered after %d attempt(s): %s",
+                    self.config.url,
+                    alert.get("finding_id"),
+                    attempt + 1,
+                    reason,
+                )
+                return False
+            self._count("retries")
+            time.sleep(policy.delay_s(attempt))
+        return False
+
+
+# -- follower -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertsConfig:
+    """What to follow. Empty ``group_id``: no group, every partition assigned, nothing committed."""
+
+    bootstrap_servers: str
+    topic_prefix: str = "fleetscope"
+    job: str | None = None
+    from_beginning: bool = False
+    group_id: str = ""
+    session_timeout_ms: int = 6000
+    extra: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap_servers:
+            raise ValueError("invalid AlertsConfig: bootstrap_servers must not be empty")
+        if not self.topic_prefix:
+            raise ValueError("invalid AlertsConfig: topic_prefix must not be empty")
+
+
+class AlertFollower:
+    """Follows the findings topic and calls ``on_alert(alert_payload(record))`` for each state change."""
+
+    def __init__(
+        self,
+        config: AlertsConfig,
+        on_alert: Callable[[dict[str, Any]], None],
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.topic = Topics(prefix=config.topic_prefix).findings
+        self._on_alert = on_alert
+        self._on_ready = on_ready
+        self.ready = threading.Event()
+        """Set once the follower reads from fixed positions: anything published later is seen."""
+        self.stats = {"alerts": 0, "other_jobs": 0, "bad_messages": 0}
+        self._logged: set[str] = set()
+
+    def run(self, stop: threading.Event) -> None:
+        """Follow until ``stop`` is set (blocking)."""
+        consumer = Consumer(self._settings())
+        try:
+            if self.config.group_id:
+                consumer.subscribe([self.topic], on_assign=lambda *_: self._set_ready())
+            elif not self._assign_all(consumer, stop):
+                return
+            while not stop.is_set():
+                for msg in consumer.consume(100, 0.2):
+                    self._handle(consumer, msg)
+        finally:
+            consumer.close()
+
+    def _settings(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            **c.extra,
+            "bootstrap.servers": c.bootstrap_servers,
+            "group.id": c.group_id or f"fleetscope-alerts-{uuid.uuid4().hex[:12]}",
+            "client.id": "fleetscope-alerts",
+            "enable.auto.commit": bool(c.group_id),
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest" if c.from_beginning else "latest",
+            "session.timeout.ms": c.session_timeout_ms,
+            "heartbeat.interval.ms": max(100, c.session_timeout_ms // 3),
+        }
+
+    def _assign_all(self, consumer: Consumer, stop: threading.Event) -> bool:
+        """Assign every partition at its first (``from_beginning``) or next offset; wait for the topic."""
+        while not stop.is_set():
+            try:
+                md = consumer.list_topics(self.topic, timeout=_METADATA_TIMEOUT_S).topics.get(self.topic)
+                if md is not None and md.error is None and md.partitions:
+                    tps = []
+                    for p in sorted(md.partitions):
+                        low, high = consumer.get_watermark_offsets(
+                            TopicPartition(self.topic, p), timeout=_METADATA_TIMEOUT_S
+                        )
+                        tps.append(TopicPartition(self.topic, p, low if self.config.from_beginning else high))
+                    consumer.assign(tps)
+                    logger.info("following %s (%d partitions)", self.topic, len(tps))
+                    self._set_ready()
+                    return True
+            except KafkaException as exc:
+                self._log_once("metadata", f"waiting for topic {self.topic}: {exc}")
+            else:
+                self._log_once("missing", f"waiting for topic {self.topic} to exist")
+            stop.wait(1.0)
+        return False
+
+    def _set_ready(self) -> None:
+        if not self.ready.is_set():
+            self.ready.set()
+            if self._on_ready is not None:
+                self._on_ready()
+
+    def _handle(self, consumer: Consumer, msg: Message) -> None:
+        err = msg.error()
+        if err is not None:
+            if err.fatal():
+                raise KafkaException(err)
+            if err.code() != KafkaError._PARTITION_EOF:
+                self._log_once(str(err.code()), f"consumer error (not fatal): {err}")
+            return
+        job = self.config.job
+        if job is not None and msg.key() is not None and msg.key() != job.encode():
+            self.stats["other_jobs"] += 1
+        else:
+            try:
+                subject, record = decode(msg.value() or b"")
+                if subject != "findings":
+                    raise SchemaError(f"subject {subject!r} on the findings topic")
+            except SchemaError as exc:
+                self.stats["bad_messages"] += 1
+                self._log_once("bad", f"skipping undecodable message at offset {msg.offset()}: {exc}")
+            else:
+                if job is None or record["job"] == job:
+                    self._on_alert(alert_payload(record))
+                    self.stats["alerts"] += 1
+                else:
+                    self.stats["other_jobs"] += 1
+        if self.config.group_id:
+            consumer.store_offsets(message=msg)
+
+    def _log_once(self, kind: str, message: str) -> None:
+        level = logging.DEBUG if kind in self._logged else logging.WARNING
+        self._logged.add(kind)
+        logger.log(level, "%s", message)

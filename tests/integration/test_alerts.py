@@ -1,0 +1,136 @@
+"""``fleetscope alerts`` on the real broker: a finding is printed within 5 s of its creation."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Producer
+
+from fleetscope.broker import ensure_topics
+from fleetscope.config import load_config
+from fleetscope.demo import run_demo
+from fleetscope.producers import SimulatorConfig, parse_fault
+from fleetscope.progress import Progress
+from fleetscope.schemas import Topics, encode
+from fleetscope.schemas.topics import job_key
+from fleetscope.sinks.alerts import AlertFollower, AlertsConfig
+
+pytestmark = pytest.mark.integration
+
+MAX_DELAY_S = 5.0
+
+
+def finding(job: str, version: int = 1, status: str = "open") -> dict[str, Any]:
+    return {
+        "finding_id": f"{job}/gpu_slow/3/0",
+        "status": status,
+        "version": version,
+        "job": job,
+        "rank": 3,
+        "ranks": [3],
+        "host": "node000",
+        "category": "gpu_slow",
+        "function": "flash_fwd_kernel",
+        "metric": "mean_ns",
+        "value": 6.8e5,
+        "peer_median": 4.5e5,
+        "score": 31.0,
+        "iteration_first": 2,
+        "iteration_last": 9,
+        "est_loss_ns": 2_300_000,
+        "evidence": "{}",
+        "emitted_ns": time.time_ns(),
+    }
+
+
+def test_the_cli_prints_each_state_change_of_its_job_within_5_s(broker: str, tmp_path: Path) -> None:
+    prefix = f"al{uuid.uuid4().hex[:6]}"
+    ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
+    config = tmp_path / "alerts.json"
+    config.write_text(json.dumps({"kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE__")}
+    cmd = [sys.executable, "-m", "fleetscope", "alerts", "--bootstrap", broker, "--config", str(config)]
+    proc = subprocess.Popen(
+        [*cmd, "--job", "watched", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[tuple[float, str]] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put((time.time(), x)) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        assert proc.stderr is not None
+        assert "following" in proc.stderr.readline(), "the follower reports when it is positioned"
+        producer = Producer({"bootstrap.servers": broker})
+        topic = Topics(prefix=prefix).findings
+        for rec in (finding("other"), finding("watched"), finding("watched", 2, "closed")):
+            producer.produce(topic, key=job_key(rec["job"]), value=encode("findings", rec))
+            producer.flush(5)
+            time.sleep(0.05)
+        got = [lines.get(timeout=MAX_DELAY_S + 5) for _ in range(2)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    alerts = [json.loads(line) for _, line in got]
+    assert [(a["job"], a["event"], a["version"]) for a in alerts] == [
+        ("watched", "new", 1),
+        ("watched", "closed", 2),
+    ]
+    delays = [printed - a["emitted_ns"] / 1e9 for (printed, _), a in zip(got, alerts, strict=True)]
+    assert max(delays) < MAX_DELAY_S, delays
+    assert lines.empty(), "the other job's finding is filtered out"
+    assert proc.returncode == 0
+
+
+def test_a_finding_of_the_pipeline_reaches_the_follower_within_5_s(
+    broker: str, tmp_path: Path, chdb_path: Path, database: str
+) -> None:
+    prefix = f"al{uuid.uuid4().hex[:6]}"
+    config = load_config(
+        env={},
+        overrides={
+            "data_dir": str(tmp_path),
+            "store.url": f"chdb://{chdb_path}",
+            "store.database": database,
+            "kafka.bootstrap_servers": broker,
+            "kafka.topic_prefix": prefix,
+        },
+    )
+    ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 4, 4)
+    received: list[tuple[int, dict[str, Any]]] = []
+    follower = AlertFollower(
+        AlertsConfig(bootstrap_servers=broker, topic_prefix=prefix, job="alert-job"),
+        lambda alert: received.append((time.time_ns(), alert)),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=follower.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert follower.ready.wait(10)
+        sim = SimulatorConfig(
+            job="alert-job", ranks=8, iterations=10, faults=(parse_fault("slow_gpu:3:1.5"),)
+        )
+        result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
+        deadline = time.monotonic() + MAX_DELAY_S
+        while len(received) < sum(f["version"] for f in result.findings) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert [(f["rank"], f["category"]) for f in result.findings] == [(3, "gpu_slow")]
+    assert received and received[0][1]["event"] == "new" and received[0][1]["rank"] == 3
+    delays_s = [(at - alert["emitted_ns"]) / 1e9 for at, alert in received]
+    print(f"alert delays after finding creation: {[f'{d:.3f}' for d in delays_s]} s")
+    assert max(delays_s) < MAX_DELAY_S
+    assert {a["finding_id"] for _, a in received} == {f["finding_id"] for f in result.findings}

@@ -1,0 +1,278 @@
+"""The PyTorch hook's promises to training code: bounded, never blocking, never raising; torch optional."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetscope.producers.publisher import PublisherStats
+from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
+from fleetscope.schemas import EventBatch, EventKind, parse_step_marker
+
+ME = RankIdentity(job="job", rank=1, world_size=2, host="h")
+
+
+class FakePublisher:
+    """Collects batches; ``gate`` (when given) blocks every publish until it is set."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate = gate
+        self.batches: list[EventBatch] = []
+        self.started = self.stopped = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def publish(self, batch: EventBatch) -> bool:
+        if self.gate is not None:
+            self.gate.wait()
+        self.batches.append(batch)
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stopped = True
+
+    @property
+    def stats(self) -> PublisherStats:
+        return PublisherStats(published=len(self.batches))
+
+
+def _python(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
+    return subprocess.run(
+        [sys.executable, "-c", script], env=clean | env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_importing_the_producers_never_imports_torch() -> None:
+    run = _python(
+        "import sys, fleetscope.producers, fleetscope.producers.nvml, fleetscope.producers.control, "
+        "fleetscope.producers.rank_recorder, fleetscope.producers.torch_bootstrap; "
+        "print('torch' in sys.modules)"
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
+def test_a_missing_torch_gives_the_install_hint() -> None:
+    run = _python(
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n    import fleetscope.producers.torch_hook\nexcept ImportError as e:\n    print(e)"
+    )
+    assert "pip install 'fleetscope[torch]'" in run.stdout, run.stderr
+
+
+def test_a_full_queue_drops_and_counts_without_blocking() -> None:
+    recorder = Recorder(ME, FakePublisher(), RecorderConfig(queue_max_events=100))
+    began = time.monotonic()
+    for i in range(1000):
+        recorder.python_span("x", i, 1)
+    assert time.monotonic() - began < 0.5
+    stats = recorder.stats
+    assert (stats.recorded, stats.dropped) == (100, 900)
+
+
+def test_a_stuck_publisher_never_blocks_the_training_thread() -> None:
+    gate = threading.Event()
+    publisher = FakePublisher(gate)
+    recorder = Recorder(ME, publisher, RecorderConfig(queue_max_events=1000, flush_interval_ms=1))
+    recorder.start()
+    try:
+        began = time.monotonic()
+        for i in range(50_000):
+            recorder.collective("gloo:allreduce", "allreduce", "0", i, 2, 1024, i, 1)
+        elapsed = time.monotonic() - began
+    finally:
+        gate.set()
+        recorder.stop()
+    assert elapsed < 2.0
+    stats = recorder.stats
+    assert stats.dropped > 0 and stats.recorded + stats.dropped == 50_000
+    assert sum(len(b) for b in publisher.batches) == stats.recorded and publisher.stopped
+
+
+def test_batches_carry_the_rank_the_declared_streams_and_gapless_sequence_numbers() -> None:
+    publisher = FakePublisher()
+    recorder = Recorder(ME, publisher, RecorderConfig(max_batch_events=3), streams=("python", "collectives"))
+    recorder.start()
+    for i in range(7):
+        recorder.python_span(f"f{i % 2}", 100 + i, 5, depth=1)
+    recorder.collective("gloo:allreduce", "allreduce", "0", 0, 2, 4096, 10, 3)
+    recorder.stop()
+    recorder.stop()  # idempotent
+    kinds = [b.kind for b in publisher.batches]
+    assert kinds == [EventKind.PYTHON] * 3 + [EventKind.COLLECTIVES]
+    assert [b.header.seq for b in publisher.batches] == [0, 1, 2, 3]
+    assert {b.header.streams for b in publisher.batches} == {("collectives", "python")}
+    first = publisher.batches[0]
+    assert first.names == ["f0", "f1"] and first["name_id"].tolist() == [0, 1, 0]
+    coll = publisher.batches[3]
+    assert [coll.names[coll[c][0]] for c in ("name_id", "op_id", "pg_id")] == [
+        "gloo:allreduce",
+        "allreduce",
+        "0",
+    ]
+    assert coll["launch_ns"].tolist() == [10] and coll["nbytes"].tolist() == [4096]
+
+
+def test_guard_counts_and_logs_each_failing_site_once(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = Recorder(ME, FakePublisher())
+
+    def boom() -> None:
+        raise RuntimeError("bug in a hook")
+
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert recorder.guard("site", boom, default=7) == 7
+    assert recorder.stats.errors_by_site == {"site": 3}
+    assert len([r for r in caplog.records if "site" in r.getMessage()]) == 1
+
+
+def test_a_held_recorder_publishes_the_window_batches_before_its_host_events() -> None:
+    publisher = FakePublisher()
+    recorder = Recorder(ME, publisher, RecorderConfig(flush_interval_ms=10_000))
+    recorder.hold()
+    recorder.python_span("ProfilerStep#0", 0, 10)
+    recorder._flush()
+    assert publisher.batches == []
+
+    def window() -> list[EventBatch]:
+        recorder.release()
+        return [
+            EventBatch(
+                kind=EventKind.KERNELS,
+                header=recorder.next_header(),
+                names=["k"],
+                columns={"start_ns": [1], "dur_ns": [1], "name_id": [0], "stream": [7]},
+            )
+        ]
+
+    recorder.submit(window)
+    recorder._flush()
+    assert [b.kind for b in publisher.batches] == [EventKind.KERNELS, EventKind.PYTHON]
+
+
+# -- with torch ------------------------------------------------------------------------------------------
+torch = pytest.importorskip("torch")  # installed by `make test`; the lines above need no torch
+
+
+@pytest.fixture
+def hooked() -> tuple[object, Recorder, FakePublisher]:
+    import fleetscope.producers.torch_hook as fs
+
+    publisher = FakePublisher()
+    recorder = Recorder(ME, publisher, RecorderConfig(flush_interval_ms=10_000))
+    mon = fs.Monitor(recorder)
+    mon.start()
+    fs._monitor = mon
+    yield fs, recorder, publisher
+    fs._monitor = None
+    mon.stop()
+
+
+def test_hook_exceptions_are_swallowed_counted_and_training_goes_on(hooked, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    fs, recorder, _ = hooked
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("bug in fleetscope")
+
+    monkeypatch.setattr(recorder, "python_span", broken)
+    monkeypatch.setattr(recorder, "collective", broken)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.ones(4, 4), torch.zeros(4, 1))
+    seen = 0
+    for x, y in torch.utils.data.DataLoader(data, batch_size=2):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        fs.step()
+        seen += 1
+    assert seen == 2
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        time.sleep(0.05)  # the async completion callback runs on the backend's thread
+    finally:
+        dist.destroy_process_group()
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    errors = recorder.stats.errors_by_site
+    assert errors["optimizer"] == 2 and errors["dataloader"] == 2 and errors["step"] == 2
+    assert errors["collective"] + errors.get("collective_done", 0) == 2
+
+
+def test_step_markers_optimizer_spans_and_collectives_with_sequence_numbers(hooked) -> None:
+    import torch.distributed as dist
+
+    fs, recorder, publisher = hooked
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+            dist.all_reduce(torch.ones(16), group=None)
+            fs.step()
+    finally:
+        dist.destroy_process_group()
+    recorder._flush()
+    spans = [b for b in publisher.batches if b.kind is EventKind.PYTHON]
+    names = [b.names[i] for b in spans for i in b["name_id"]]
+    assert [parse_step_marker(n) for n in names if parse_step_marker(n) is not None] == [0, 1, 2]
+    assert names.count("optimizer.step") == 3
+    coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
+    assert [int(s) for b in coll for s in b["seq"]] == list(range(6))  # a DDP bucket + an all_reduce per step
+    assert {b.names[i] for b in coll for i in b["op_id"]} == {"allreduce"}
+    assert sorted({int(n) for b in coll for n in b["nbytes"]}) == [36, 64]  # 9 fp32 gradients; 16 fp32
+
+
+def test_a_profiling_window_adds_host_ops_from_the_profilers_memory(hooked) -> None:
+    fs, recorder, publisher = hooked
+    model = torch.nn.Linear(16, 16)
+    fs.profile(0.05)
+    for _ in range(20):
+        with torch.profiler.record_function("user_region"):
+            model(torch.randn(4, 16)).sum().backward()
+        fs.step()
+        time.sleep(0.005)
+    assert fs._monitor._window is None  # closed: at least one recorded step, and its time is over
+    recorder._flush()
+    names = {b.names[i] for b in publisher.batches if b.kind is EventKind.PYTHON for i in b["name_id"]}
+    assert "user_region" in names and any(n.startswith("aten::") for n in names)
+    assert recorder.stats.hook_errors == 0 and not recorder._held
+
+
+def test_the_bootstrap_loads_the_hook_only_when_the_process_imports_torch(tmp_path: Path) -> None:
+    from fleetscope.producers.torch_bootstrap import bootstrap_env, write_bootstrap
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "sitecustomize.py").write_text("import builtins; builtins.CHAINED = True\n")
+    env = bootstrap_env(write_bootstrap(tmp_path / "boot"), {"PYTHONPATH": str(tmp_path / "other")})
+    run = _python(
+        "import builtins, sys\n"
+        "before = 'fleetscope.producers.torch_hook' in sys.modules\n"
+        "import torch\n"
+        "import fleetscope.producers.torch_hook as fs\n"
+        "print(before, 'fleetscope.producers.torch_hook' in sys.modules, fs._auto, builtins.CHAINED)",
+        **env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "True", "True", "True"]
+
+
+def _port() -> int:
+    from fleetscope.broker import free_port
+
+    return free_port()
