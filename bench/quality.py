@@ -61,7 +61,8 @@ def suite(quick: bool = False) -> list[Scenario]:
     def add(kind: str, ranks: int, faults: tuple[str, ...], iterations: int = 16, mag: float = 0.0, **kw: Any) -> None:
         nonlocal seed
         seed += 1
-        name = f"{kind}-{ranks}r-{kw.get('tp', 1)}t{kw.get('pp', 1)}p-{'+'.join(faults) or 'none'}"
+        spec = "+".join(faults).replace("/", "every").replace(":", "_") or "none"
+        name = f"{kind}-{ranks}r-{kw.get('tp', 1)}t{kw.get('pp', 1)}p-{spec}"
         s.append(Scenario(name, kind, ranks, iterations, faults, seed=seed, magnitude=mag, **kw))
 
     for kind in RANK_FAULTS:

@@ -40,12 +40,17 @@ def _sim_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--iterations", type=int, default=40, help="training iterations (default: 40)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     g.add_argument("--clock-skew-ms", type=float, default=0.0, help="max clock offset between hosts")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     g.add_argument(
         "--fault",
         action="append",
         default=[],
-        metavar="KIND:RANK[:FACTOR[:FUNCTION]]",
-        help="inject a fault, repeatable: slow_gpu:7:1.5, slow_link:12, host_slow:3[:3.0[:dataloader.next]]",
+        metavar="KIND:TARGET[:FACTOR][@START][/EVERY]",
+        help="inject a fault, repeatable. Kinds: slow_gpu, slow_link, pcie_downgrade, host_slow (GC pauses), "
+        "dataloader_stall, cpu_contention (TARGET a rank), net_congestion (a host), stage_imbalance (a pipeline "
+        "stage), job_slowdown (TARGET -), hang (a rank, no factor). E.g. slow_gpu:7:1.5, slow_link:12, "
+        "host_slow:3, net_congestion:node001:1.5, job_slowdown:-:1.1@30, slow_gpu:5:1.3@10/3 (every 3rd).",
     )
 
 

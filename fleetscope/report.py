@@ -307,7 +307,7 @@ def render_html(data: ReportData) -> str:
     hosts = len(set(data.hosts.values()))
     started = data.started.strftime("%Y-%m-%d %H:%M UTC") if data.started else "?"
     kpis = [
-        (str(len(data.ranks)), f"ranks on {hosts} hosts"),
+        (str(len(data.ranks)), f"ranks on {hosts} host{'s' if hosts != 1 else ''}"),
         (f"{data.first_iteration}-{data.last_iteration}", "iterations"),
         (f"{np.nanmedian(data.iteration_ms):.1f} ms" if data.iteration_ms.size else "-", "median iteration"),
         (str(open_n), f"open findings ({len(data.findings)} in all)"),

@@ -34,13 +34,16 @@ def _e(text: object) -> str:
     return escape(str(text), quote=True)
 
 
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """About ``n`` round tick values covering [lo, hi] (1, 2, 2.5, 5 x 10^k steps)."""
+def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
+    """About ``n`` round tick values covering [lo, hi] (1, 2, 2.5, 5 x 10^k steps; whole numbers only
+    when ``integer``, e.g. for iterations)."""
     if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
         return [lo] if math.isfinite(lo) else [0.0]
     raw = (hi - lo) / max(n, 1)
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    if integer:
+        step = max(1.0, float(round(step)))
     first = math.ceil(lo / step - 1e-9) * step
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
@@ -106,7 +109,7 @@ def heatmap(
     cell_h = 22.0
     top, left = 34.0, label_w
     legend_h = 46.0
-    width = left + n_cols * cell_w + 20
+    width = left + max(n_cols * cell_w, 336) + 20  # room for the colour legend
     height = top + n_rows * cell_h + legend_h
     body: list[str] = []
     for j in label_indices(n_cols, cell_w, highlight_cols, 7.0 * max((len(c) for c in cols), default=1) + 6):
@@ -182,7 +185,7 @@ def _frame(
         y = bottom - (t - y0) / (y1 - y0) * (bottom - top)
         body.append(f"<line x1='{left}' x2='{right}' y1='{y:.1f}' y2='{y:.1f}' stroke='#eceef1'/>")
         body.append(f"<text x='{left - 6}' y='{y + 4:.1f}' text-anchor='end'>{_fmt(t)}</text>")
-    for t in nice_ticks(x0, x1, 8):
+    for t in nice_ticks(x0, x1, 8, integer=True):
         x = left + (t - x0) / (x1 - x0) * (right - left)
         body.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{bottom}' y2='{bottom + 4}' stroke='#666'/>")
         body.append(f"<text x='{x:.1f}' y='{bottom + 17}' text-anchor='middle'>{_fmt(t)}</text>")
@@ -242,7 +245,7 @@ def line_chart(
         if s.color != GREY:
             legend.append((s.name, s.color))
     if any(s.color == GREY for s in series):
-        legend.insert(0, ("other ranks", GREY))
+        legend.insert(0, ("other ranks" if legend else "ranks", GREY))
     for k, (name, color) in enumerate(legend[:12]):
         ly = top + 6 + k * 18
         body.append(f"<rect x='{right + 14}' y='{ly - 8}' width='14' height='4' fill='{color}'/>")
@@ -329,7 +332,7 @@ def timeline(spans: list[Span], x0: float, x1: float, *, x_label: str, width: fl
     bottom = top + max(len(spans), 1) * row_h
     x1 = x1 if x1 > x0 else x0 + 1
     body: list[str] = []
-    for t in nice_ticks(x0, x1, 10):
+    for t in nice_ticks(x0, x1, 10, integer=True):
         x = left + (t - x0) / (x1 - x0) * (right - left)
         body.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{top}' y2='{bottom}' stroke='#eceef1'/>")
         body.append(f"<text x='{x:.1f}' y='{bottom + 16}' text-anchor='middle'>{_fmt(t)}</text>")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -86,7 +86,7 @@ class JobDifferential:
         signals = score_iteration(records, self.config.scoring, self.scorer)
         regression = self._regression.observe(float(np.median([r["iteration_ns"] for r in records])))
         if regression is not None:
-            signals.append(regression)
+            signals.append(replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records))))
         out = self.tracker.observe(it, signals)
         return out + self._missing_ranks(it, records)
 

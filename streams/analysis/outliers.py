@@ -21,6 +21,9 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.stats import F64, RobustScores, quiet_nan_warnings, robust_scores
 
 LINK_FAMILIES = ("nvlink", "pcie")
+LINK_IN_USE_SHARE = 0.25
+"""A rank whose link peaks below this share of the best rank's during a collective does not route
+that collective over this link (e.g. p2p inside a host never touches PCIe): it is not compared."""
 
 
 class OutlierScorer(Protocol):
@@ -40,6 +43,8 @@ class ScoringConfig:
     rel_scale_floor: float = 0.01
     host_share_floor: float = 0.002
     """Scale floor for host functions compared as a share of the iteration (0.2 %)."""
+    host_min_relative_gap: float = 0.2
+    """Hosts' link fluctuation must differ this much: hosts are few and their traffic mixes."""
     host_group_min_share: float = 0.75
     """Ranks of one host flagged together become a host finding when they are this share of it."""
 
@@ -60,7 +65,7 @@ class ScoringConfig:
 
     def scorer(self) -> OutlierScorer:
         def score(x: F64, abs_scale_floor: float = 0.0) -> RobustScores:
-            return robust_scores(x, self.rel_scale_floor, abs_scale_floor)
+            return robust_scores(x, self.rel_scale_floor, abs_scale_floor, self.min_peers)
 
         return score
 
@@ -223,11 +228,12 @@ def _slow_host(
 def _slow_links(
     pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
 ) -> dict[int, RankSignal]:
-    """Ranks whose link moves data slower than their peers' during the same collectives.
+    """Ranks whose link cannot reach the peak their peers' links reach during the same collectives.
 
-    A degraded link is saturated at a lower rate (low peak, steady); a congested one fluctuates
-    (low active throughput, high CV). Either way the whole ring is paced by it, so the loss is the
-    share of the transfer (the shortest rank's collective) that the lower rate costs.
+    A degraded link (NVLink lanes down, PCIe gen/width downgrade) saturates at a lower rate: a low,
+    steady peak. The whole ring is paced by it, so the loss is the share of the transfer (the
+    shortest rank's collective) that the lower rate costs. Congestion, which fluctuates and is
+    shared by a host's ranks, is judged per host (``score_hosts``).
     """
     cols = np.flatnonzero(pm.kind == FunctionKind.COLLECTIVE)
     if cols.size == 0:
@@ -239,10 +245,12 @@ def _slow_links(
     out: dict[int, RankSignal] = {}
     for fam in LINK_FAMILIES:
         ratios = []
-        for feature in ("peak_bps", "mean_bps"):
-            x = pm.features[f"{fam}_{feature}"][:, cols]
+        for feature in ("peak_bps",):
+            x = pm.features[f"{fam}_{feature}"][:, cols].copy()
             if np.all(np.isnan(x)):
                 continue
+            with quiet_nan_warnings():
+                x[x < LINK_IN_USE_SHARE * np.nanmax(x, axis=0)] = np.nan  # this link does not carry it
             sc = scorer(x)
             flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -288,11 +296,11 @@ def _late_arrivals(
     if cols.size == 0:
         return {}
     mean = pm.features["mean_ns"][:, cols]
-    calls = np.nan_to_num(pm.features["calls"][:, cols])
     sc = scorer(mean)
     flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
-    lateness = np.where(flag, (sc.median - mean) * calls, 0.0)
-    loss = np.nansum(lateness, axis=1)
+    # A late rank delays the job by its lateness once, however many collectives it is late for.
+    lateness = np.where(flag, sc.median - mean, 0.0)
+    loss = np.nanmax(np.nan_to_num(lateness), axis=1)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(lateness[i]))
@@ -411,6 +419,90 @@ def score_stages(records: Sequence[dict[str, Any]], config: ScoringConfig | None
     ]  # fmt: skip
 
 
+def score_hosts(
+    records: Sequence[dict[str, Any]],
+    config: ScoringConfig | None = None,
+    scorer: OutlierScorer | None = None,
+) -> list[RankSignal]:
+    """Hosts whose NIC/PCIe traffic fluctuates more than other hosts' during the same collectives.
+
+    Congestion on a host's network path makes its transfers stall and burst; every rank of the host
+    shares the pattern, so hosts (median over their ranks) are compared, not ranks. The estimated
+    loss is an upper bound: the transfer time of the collectives concerned.
+    """
+    cfg = config or ScoringConfig()
+    score = scorer or cfg.scorer()
+    hosts = sorted({r["host"] for r in records})
+    if len(hosts) < cfg.min_peers:
+        return []
+    pm = PeerMatrix.build(records, ("mean_ns", "calls", "pcie_cv", "pcie_mean_bps"))
+    cols = np.flatnonzero(pm.kind == FunctionKind.COLLECTIVE)
+    if cols.size == 0:
+        return []
+    host_idx = np.array([hosts.index(h) for h in pm.hosts])
+
+    def by_host(feature: str) -> F64:
+        x = pm.features[feature][:, cols]
+        out = np.full((len(hosts), cols.size), np.nan)
+        with quiet_nan_warnings():
+            for h in range(len(hosts)):
+                out[h] = np.nanmedian(x[host_idx == h], axis=0)
+        return out
+
+    per_host, active_mean = by_host("pcie_cv"), by_host("pcie_mean_bps")
+    with quiet_nan_warnings():
+        transfer = np.nanmin(pm.features["mean_ns"][:, cols], axis=0)
+    calls = np.nanmedian(pm.features["calls"][:, cols], axis=0)
+    sc, sm = score(per_host), score(active_mean)
+    # On/off: full speed while it sends, stalled in between; the hosts it paces run at partial rates.
+    flag = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.host_min_relative_gap) & (sm.z >= cfg.z_threshold)
+    loss = np.where(flag, np.nan_to_num(transfer * calls), 0.0).sum(axis=1)
+    budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
+    out: list[RankSignal] = []
+    for h in np.flatnonzero(loss >= budget):
+        j = int(np.nanargmax(np.where(flag[h], sc.z[h], -np.inf)))
+        ranks = tuple(sorted(int(r) for r in pm.ranks[host_idx == h]))
+        out.append(
+            RankSignal(
+                rank=-1, host=hosts[h], category="link_slow", function=pm.functions[cols[j]],
+                metric="pcie_cv",
+                value=float(per_host[h, j]), peer_median=float(sc.median[j]), score=float(sc.z[h, j]),
+                loss_ns=float(loss[h]), ranks=ranks, subject=f"host:{hosts[h]}",
+                evidence={"scope": "host", "pattern": "fluctuating", "link": "pcie",
+                          "flagged_collectives": int(flag[h].sum()), "hosts_compared": len(hosts)},
+            )
+        )  # fmt: skip
+    return out
+
+
+def explain_late_ranks(signals: list[RankSignal], records: Sequence[dict[str, Any]]) -> list[RankSignal]:
+    """Drop stragglers that a found cause delays: its tensor-parallel partners and its pipeline.
+
+    A slow rank holds up its TP group (they wait for it layer by layer) and the stages of its
+    pipeline (they wait for its activations and gradients); those ranks then arrive late at their
+    own data-parallel collectives. They are symptoms; the cause's evidence lists them.
+    """
+    coords = {
+        int(r["rank"]): (int(r.get("tp_rank", -1)), int(r.get("pp_rank", -1)), int(r.get("dp_rank", -1)))
+        for r in records
+    }
+    causes = [s for s in signals if s.category in ("gpu_slow", "host_slow", "link_slow") and s.rank >= 0]
+    out: list[RankSignal] = []
+    for sig in signals:
+        if sig.category == "straggler" and sig.rank in coords:
+            tp, pp, dp = coords[sig.rank]
+            for cause in causes:
+                ctp, cpp, cdp = coords.get(cause.rank, (-2, -2, -2))
+                if dp >= 0 and ((cpp == pp and cdp == dp) or (ctp == tp and cdp == dp)):
+                    cause.evidence.setdefault("delays_ranks", []).append(sig.rank)
+                    break
+            else:
+                out.append(sig)
+        else:
+            out.append(sig)
+    return out
+
+
 def peer_groups(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Ranks that should behave alike: the same pipeline stage (all ranks when unknown)."""
     groups: dict[int, list[dict[str, Any]]] = {}
@@ -424,10 +516,11 @@ def score_iteration(
     config: ScoringConfig | None = None,
     scorer: OutlierScorer | None = None,
 ) -> list[RankSignal]:
-    """Every signal of one iteration of one job: per peer group, grouped by host, plus stages."""
+    """Every signal of one iteration of one job: per peer group, grouped by host, plus hosts and stages."""
     cfg = config or ScoringConfig()
     signals: list[RankSignal] = []
     for group in peer_groups(records):
         signals += score_peer_group(group, cfg, scorer)
+    signals = explain_late_ranks(signals, records)
     signals = group_by_host(signals, records, cfg.host_group_min_share)
-    return signals + score_stages(records, cfg)
+    return signals + score_hosts(records, cfg, scorer) + score_stages(records, cfg)

@@ -49,8 +49,14 @@ def size_bucket_label(nbytes: int) -> str:
     return f"{1 << exp}B"
 
 
+def group_role(pg: str) -> str:
+    """Process groups of one kind compare across ranks: ``tp3``/``tp7`` -> ``tp``; ``0`` stays ``0``."""
+    role = pg.rstrip("0123456789")
+    return role or pg
+
+
 def collective_function_name(op: str, pg: str, nbytes: int) -> str:
-    return f"nccl:{op}[pg={pg},<={size_bucket_label(nbytes)}]"
+    return f"nccl:{op}[pg={group_role(pg)},<={size_bucket_label(nbytes)}]"
 
 
 def _empty(n: int = 0) -> npt.NDArray[np.int64]:
@@ -65,7 +71,7 @@ def summarize_iteration(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, 
     2. functions = kernels by name, collectives by (op, process group, size class), host
     functions by name; 3. duration statistics per function; 4. collectives get message size and
     algorithm/bus bandwidth (nccl-tests); 5. link throughput samples inside each function's
-    executions give the peak, and the mean and CV of the active samples, per link family.
+    executions give the peak, the mean of the active samples and the CV of all samples.
     """
     names = ev.names
     k, c, p = ev.kernels, ev.collectives, ev.python
@@ -169,13 +175,14 @@ def summarize_iteration(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, 
         ft, fv = t[sel], value[sel]
         order = np.argsort(ft, kind="stable")
         ft, fv = ft[order], fv[order]
-        peak = samples_within(ft, fv, start, start + dur, group, n).peak
-        # Mean and fluctuation while the link moves data: waiting inside a collective shows ~0 and
-        # would otherwise make every waiter look like a slow link.
+        every = samples_within(ft, fv, start, start + dur, group, n)
+        # Mean while the link moves data (waiting inside a collective shows ~0 and would make every
+        # waiter look slow); fluctuation over every sample, so on/off stalls of congestion count.
         active = fv >= ACTIVE_SHARE * fv.max() if fv.size else np.zeros(0, bool)
         act = samples_within(ft[active], fv[active], start, start + dur, group, n)
+        peak = every.peak
         link[f"{family}_mean_bps"] = act.mean
-        link[f"{family}_cv"] = act.cv
+        link[f"{family}_cv"] = every.cv
         link[f"{family}_peak_bps"] = peak
 
     patterns: dict[str, Any] = {

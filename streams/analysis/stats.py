@@ -166,13 +166,16 @@ class RobustScores:
     rel_gap: F64
 
 
-def robust_scores(x: F64, rel_scale_floor: float = 0.01, abs_scale_floor: float = 0.0) -> RobustScores:
+def robust_scores(
+    x: F64, rel_scale_floor: float = 0.01, abs_scale_floor: float = 0.0, min_count: int = 3
+) -> RobustScores:
     """Robust z-score of every row against its column's peers: (x - median) / (1.4826 MAD).
 
     The scale is floored at ``rel_scale_floor`` x |median| so that a near-constant column (MAD ~ 0)
     does not turn a negligible difference into a huge score, and at ``abs_scale_floor`` for
     columns whose median is ~0. NaN entries (function absent on a rank) are ignored in the
-    statistics and score NaN.
+    statistics and score NaN, and so does every entry of a column with fewer than ``min_count``
+    values (too few peers for a median to mean anything).
     """
     with np.errstate(invalid="ignore"), quiet_nan_warnings():
         med = np.nanmedian(x, axis=0)
@@ -180,8 +183,9 @@ def robust_scores(x: F64, rel_scale_floor: float = 0.01, abs_scale_floor: float 
     absmed = np.abs(med)
     scale = np.maximum(np.maximum(mad, rel_scale_floor * absmed), abs_scale_floor)
     scale = np.where(scale > 0, scale, np.inf)
+    enough = np.sum(~np.isnan(x), axis=0) >= min_count
     with np.errstate(invalid="ignore", divide="ignore"):
-        z = (x - med) / scale
+        z = np.where(enough, (x - med) / scale, np.nan)
         rel = np.where(absmed > 0, (x - med) / absmed, 0.0)
     return RobustScores(median=med, scale=scale, z=z, rel_gap=rel)
 

@@ -113,7 +113,9 @@ class RankWindower:
     def add(self, batch: EventBatch, now_ns: int) -> list[ClosedIteration]:
         """Take one batch; return the iterations it allowed to close."""
         self.header = batch.header
-        self._declared_by[batch.header.producer_id] = {k for k in EventKind if k.value in batch.header.streams}
+        self._declared_by[batch.header.producer_id] = {
+            k for k in EventKind if k.value in batch.header.streams
+        }
         self.last_arrival_ns = now_ns
         if self.first_arrival_ns is None:
             self.first_arrival_ns = now_ns

@@ -7,6 +7,7 @@ this machine), on 127.0.0.1, reachable from the worker process."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import struct
 import uuid
 from pathlib import Path
@@ -15,13 +16,13 @@ from typing import Any
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from fleetscope.cli import main
 from fleetscope.config import load_config
 from fleetscope.demo import run_demo
 from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.progress import Progress
 from fleetscope.schemas import CATALOG, Topics
 from fleetscope.schemas.codec import use_resolver
-from fleetscope.schemas.registry import RegistryConfig, RegistryResolver
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("confluent_kafka.schema_registry", reason="pip install 'fleetscope[registry]'")
@@ -52,8 +53,14 @@ def test_the_pipeline_finds_the_same_fault_with_registry_ids(
                 "kafka.registry_url": registry.url,
             },
         )
-        previous = use_resolver(RegistryResolver(RegistryConfig(url=registry.url, topic_prefix=prefix)))
+        config_file = tmp_path / "fleetscope.json"
+        config_file.write_text(json.dumps(config.to_dict()))
+        previous = use_resolver(None)
         try:
+            # `fleetscope init` creates the topics and registers every schema before anything runs; its
+            # process set-up installs the registry resolver, as in every fleetscope process.
+            assert main(["init", "--config", str(config_file)]) == 0
+            assert set(registry.subjects) == {f"{prefix}.{s}-value" for s in CATALOG.subjects()}
             sim = SimulatorConfig(
                 job="sr-job", ranks=8, iterations=10, faults=(parse_fault("slow_gpu:6:1.5"),)
             )
