@@ -41,8 +41,8 @@ class Scenario:
 
     def config(self) -> SimulatorConfig:
         extra: dict[str, Any] = {}
-        if self.noise:
-            extra = {"glitch_rate": 0.002, "pause_rate": 0.02}
+        if self.noise:  # one-off slow iterations in ~10 % of the job's iterations, checkpoints in 2 %
+            extra = {"glitch_rate": min(0.1 / self.ranks, 0.005), "pause_rate": 0.02}
         return SimulatorConfig(
             job=self.name, ranks=self.ranks, iterations=self.iterations, seed=self.seed, tp=self.tp, pp=self.pp,
             faults=tuple(parse_fault(f) for f in self.faults), clock_skew_ms=self.clock_skew_ms,
@@ -58,7 +58,9 @@ def suite(quick: bool = False) -> list[Scenario]:
     s: list[Scenario] = []
     seed = 0
 
-    def add(kind: str, ranks: int, faults: tuple[str, ...], iterations: int = 16, mag: float = 0.0, **kw: Any) -> None:
+    def add(
+        kind: str, ranks: int, faults: tuple[str, ...], iterations: int = 16, mag: float = 0.0, **kw: Any
+    ) -> None:
         nonlocal seed
         seed += 1
         spec = "+".join(faults).replace("/", "every").replace(":", "_") or "none"
@@ -82,8 +84,12 @@ def suite(quick: bool = False) -> list[Scenario]:
         add("job_slowdown", ranks, (f"job_slowdown:-:{mag}@30",), iterations=56, mag=mag)
     for ranks, rank in ((16, 3), (64, 40), (256, 130)):
         add("hang", ranks, (f"hang:{rank}@8",), iterations=16)
-    for pair in (("slow_gpu:3:1.5", "slow_link:20"), ("host_slow:7:1.3", "pcie_downgrade:40:1.5"),
-                 ("dataloader_stall:1:1.5", "slow_gpu:62:1.3"), ("cpu_contention:10:1.5", "slow_link:33:1.3")):
+    for pair in (
+        ("slow_gpu:3:1.5", "slow_link:20"),
+        ("host_slow:7:1.3", "pcie_downgrade:40:1.5"),
+        ("dataloader_stall:1:1.5", "slow_gpu:62:1.3"),
+        ("cpu_contention:10:1.5", "slow_link:33:1.3"),
+    ):
         add("double", 64, pair)
     for i, (ranks, tp, pp) in enumerate(((16, 1, 1), (32, 1, 1), (64, 2, 2), (64, 1, 4), (128, 4, 1),
                                           (256, 1, 1), (512, 1, 1), (48, 2, 1), (96, 1, 2), (24, 1, 1),
@@ -116,7 +122,9 @@ def run(scenario: Scenario) -> Outcome:
     result = OfflinePipeline().add_all(simulate(cfg)).finish()
     opened = _opened_at(result.finding_updates)
     findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
-    out = Outcome(scenario, findings, list(cfg.expected_findings()), len(result.iterations), time.perf_counter() - t0)
+    out = Outcome(
+        scenario, findings, list(cfg.expected_findings()), len(result.iterations), time.perf_counter() - t0
+    )
     used: set[str] = set()
     for exp in out.expected:
         want = set(exp.ranks)
@@ -189,10 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
-        for i, o in enumerate(pool.imap_unordered(run, sorted(scenarios, key=lambda s: -s.ranks * s.iterations))):
+        for i, o in enumerate(
+            pool.imap_unordered(run, sorted(scenarios, key=lambda s: -s.ranks * s.iterations))
+        ):
             outcomes.append(o)
             got = ", ".join(f"{f['category']}@{f['ranks'][:4]}" for f in o.findings) or "-"
-            print(f"[{i + 1:>3}/{len(scenarios)}] {o.scenario.name:<60} {o.seconds:6.1f}s  {got}", file=sys.stderr)
+            print(
+                f"[{i + 1:>3}/{len(scenarios)}] {o.scenario.name:<60} {o.seconds:6.1f}s  {got}",
+                file=sys.stderr,
+            )
     s = summarize(outcomes)
     print(f"\n{len(scenarios)} scenarios ({sum(1 for x in scenarios if x.kind == 'healthy')} healthy), "
           f"{time.perf_counter() - t0:.0f} s\n")  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ class StreamAppConfig:
     take_max_events: int = 256
     take_within_ms: int = 200
     job_idle_ms: int = 2000
+    profile_seconds: float = 20.0
     windower: Any = None
     differential: Any = None
 
@@ -59,6 +61,25 @@ class StageCounters:
     pattern_records: int = 0
     findings: int = 0
     per_reason: dict[str, int] = field(default_factory=dict)
+
+
+PROFILE_ON = frozenset({"job_regression", "hang"})
+"""Findings that ask every rank of the job for a profiling window (PerfTracker's trigger)."""
+
+
+def profile_request(finding: dict[str, Any], seconds: float, start_in_s: float = 5.0) -> dict[str, Any]:
+    """A control record asking the job's ranks for a synchronised profile (see control.v1.avsc)."""
+    now = time.time_ns()
+    return {
+        "request_id": uuid.uuid4().hex,
+        "job": finding["job"],
+        "action": "profile",
+        "duration_s": float(seconds),
+        "start_at_ns": now + int(start_in_s * 1e9),
+        "requested_by": "differential",
+        "reason": f"{finding['category']} opened: {finding['finding_id']}",
+        "issued_ns": now,
+    }
 
 
 def create_app(cfg: StreamAppConfig) -> faust.App:
@@ -89,6 +110,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     patterns = raw(topics.patterns)
     findings_out = raw(topics.findings)
     deadletter = raw(topics.deadletter)
+    control = raw(topics.control)
 
     counters = StageCounters()
     windowers: dict[tuple[str, int], RankWindower] = {}
@@ -125,6 +147,9 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         for rec in records:
             await findings_out.send(key=job_key(rec["job"]), value=encode("findings", rec))
             counters.findings += 1
+            if rec["status"] == "open" and rec["category"] in PROFILE_ON:
+                request = profile_request(rec, cfg.profile_seconds)
+                await control.send(key=job_key(rec["job"]), value=encode("control", request))
 
     @app.agent(raw_events, name="windower")
     async def windower(stream: faust.StreamT) -> None:

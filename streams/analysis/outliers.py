@@ -250,7 +250,7 @@ def _slow_links(
             if np.all(np.isnan(x)):
                 continue
             with quiet_nan_warnings():
-                x[x < LINK_IN_USE_SHARE * np.nanmax(x, axis=0)] = np.nan  # this link does not carry it
+                x[x < LINK_IN_USE_SHARE * np.nanmax(x)] = np.nan  # this link does not carry it
             sc = scorer(x)
             flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -258,9 +258,12 @@ def _slow_links(
         if not ratios:
             continue
         ratio = np.nan_to_num(np.minimum.reduce([r for _, r, _, _ in ratios]), nan=1.0)
+        cv = pm.features[f"{fam}_cv"][:, cols]
+        with quiet_nan_warnings():
+            steadier = cv < np.nanmedian(cv, axis=0)  # the link that paces a ring is its steadiest
+        ratio = np.where(steadier, ratio, 1.0)
         excess = np.nan_to_num(transfer * (1 - ratio) * calls)
         loss = excess.sum(axis=1)
-        cv = pm.features[f"{fam}_cv"][:, cols]
         for i in np.flatnonzero(loss >= budget):
             if i in out and out[i].loss_ns >= loss[i]:
                 continue
@@ -268,7 +271,7 @@ def _slow_links(
             feature, _, x, sc = min(ratios, key=lambda r: r[1][i, j])
             with quiet_nan_warnings():
                 peer_cv = float(np.nanmedian(cv[:, j]))
-            pattern = "fluctuating" if cv[i, j] > 1.5 * peer_cv else "steady"
+            pattern = "steady"
             out[i] = _signal(
                 pm, i, category="link_slow", function=pm.functions[cols[j]], metric=f"{fam}_{feature}",
                 value=float(x[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
@@ -476,24 +479,20 @@ def score_hosts(
 
 
 def explain_late_ranks(signals: list[RankSignal], records: Sequence[dict[str, Any]]) -> list[RankSignal]:
-    """Drop stragglers that a found cause delays: its tensor-parallel partners and its pipeline.
+    """Drop stragglers that a found cause delays: the other ranks of its model replica.
 
-    A slow rank holds up its TP group (they wait for it layer by layer) and the stages of its
-    pipeline (they wait for its activations and gradients); those ranks then arrive late at their
-    own data-parallel collectives. They are symptoms; the cause's evidence lists them.
+    A slow rank holds up its TP group (they wait for it layer by layer), the stages of its pipeline
+    (they wait for its activations and gradients) and so, transitively, every rank with its
+    data-parallel index; those ranks then arrive late at their own data-parallel collectives. They
+    are symptoms; the cause's evidence lists them.
     """
-    coords = {
-        int(r["rank"]): (int(r.get("tp_rank", -1)), int(r.get("pp_rank", -1)), int(r.get("dp_rank", -1)))
-        for r in records
-    }
+    replica = {int(r["rank"]): int(r.get("dp_rank", -1)) for r in records}
     causes = [s for s in signals if s.category in ("gpu_slow", "host_slow", "link_slow") and s.rank >= 0]
     out: list[RankSignal] = []
     for sig in signals:
-        if sig.category == "straggler" and sig.rank in coords:
-            tp, pp, dp = coords[sig.rank]
+        if sig.category == "straggler" and replica.get(sig.rank, -1) >= 0:
             for cause in causes:
-                ctp, cpp, cdp = coords.get(cause.rank, (-2, -2, -2))
-                if dp >= 0 and ((cpp == pp and cdp == dp) or (ctp == tp and cdp == dp)):
+                if replica.get(cause.rank, -2) == replica[sig.rank]:
                     cause.evidence.setdefault("delays_ranks", []).append(sig.rank)
                     break
             else:

@@ -49,14 +49,10 @@ def size_bucket_label(nbytes: int) -> str:
     return f"{1 << exp}B"
 
 
-def group_role(pg: str) -> str:
-    """Process groups of one kind compare across ranks: ``tp3``/``tp7`` -> ``tp``; ``0`` stays ``0``."""
-    role = pg.rstrip("0123456789")
-    return role or pg
-
-
 def collective_function_name(op: str, pg: str, nbytes: int) -> str:
-    return f"nccl:{op}[pg={group_role(pg)},<={size_bucket_label(nbytes)}]"
+    """One function per process-group instance: only members of one group finish a collective together,
+    so only they can be compared for arrival lateness."""
+    return f"nccl:{op}[pg={pg},<={size_bucket_label(nbytes)}]"
 
 
 def _empty(n: int = 0) -> npt.NDArray[np.int64]:
