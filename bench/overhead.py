@@ -6,7 +6,8 @@ script) and "on" (``import fleetscope.producers.torch_hook as fs`` + ``fs.step()
 broker), and prints the median steps/s of each, the slowdown ratio and the cost per step in µs. "on" is
 the default (on Gloo no DDP comm hook); "on with DDP hook" (``FLEETSCOPE_TORCH_DDP_HOOK=1``, the NCCL
 default) adds the extra pass over the gradients that a Python DDP comm hook costs on CPU (DDP fuses the
-1/world division into its bucket copy only without a hook). Two model sizes: the acceptance test's tiny MLP (a step well under a millisecond, the
+1/world division into its bucket copy only without a hook). Two model sizes: the acceptance test's tiny MLP
+(a step well under a millisecond, the
 worst case for a fixed per-step cost) and a wider one closer to a real step. Not a test: numbers depend
 on the machine and its load.
 """

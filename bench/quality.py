@@ -218,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
           f"= {s['healthy_false_per_1000']:.3f} false findings per 1,000 rank-iterations")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"scenario": o.scenario.name, "findings": o.findings, "false": o.false_findings,
-                        "matched": [m is not None for _, m in o.matches]} for o in outcomes], f, default=str)  # fmt: skip
+            rows = [
+                {"scenario": o.scenario.name, "findings": o.findings, "false": o.false_findings,
+                 "matched": [m is not None for _, m in o.matches]}
+                for o in outcomes
+            ]  # fmt: skip
+            json.dump(rows, f, default=str)
     return 0
 
 

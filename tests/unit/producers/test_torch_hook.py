@@ -212,9 +212,10 @@ def test_hook_exceptions_are_swallowed_counted_and_training_goes_on(hooked, monk
     assert errors["collective"] + errors.get("collective_done", 0) == 2
 
 
-def test_step_markers_optimizer_spans_and_collectives_with_sequence_numbers(hooked) -> None:
+def test_step_markers_optimizer_spans_and_collectives_with_sequence_numbers(hooked, monkeypatch) -> None:
     import torch.distributed as dist
 
+    monkeypatch.setenv("FLEETSCOPE_TORCH_DDP_HOOK", "1")  # DDP buckets are timed on NCCL only by default
     fs, recorder, publisher = hooked
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
     try:
@@ -276,3 +277,17 @@ def _port() -> int:
     from fleetscope.broker import free_port
 
     return free_port()
+
+
+def test_ddp_buckets_are_not_timed_on_gloo_by_default(hooked, monkeypatch) -> None:
+    """A Python comm hook costs a CPU (Gloo) step an extra pass over the gradients; NCCL only by default."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("FLEETSCOPE_TORCH_DDP_HOOK", raising=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+        model(torch.ones(2, 8)).sum().backward()
+        assert not model._comm_hooks
+    finally:
+        dist.destroy_process_group()
