@@ -45,6 +45,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str) -> None:
+    """SIGTERM, wait up to ``timeout_s``, then SIGKILL; nothing to do for a missing or ended process."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not stop within %s s; killing it", what, timeout_s)
+        proc.kill()
+        proc.wait()
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -105,14 +118,7 @@ class TansuBroker:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s, "broker")
 
     def __enter__(self) -> TansuBroker:
         self.start()

@@ -251,7 +251,7 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
 
     with EmbeddedStack(config) as stack:
         print(
-            f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store_url}"
+            f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store.url}"
         )
         servers = stack.config.kafka.bootstrap_servers
         print(f"publish with: fleetscope simulate --bootstrap {servers}; Ctrl-C stops")
@@ -274,11 +274,11 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_sink(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.sinks import ClickHouseWriter, Sink, connect, migrate
-    from fleetscope.stack import clickhouse_config, sink_config
+    from fleetscope.stack import sink_config
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: the sink needs a broker (--bootstrap or configuration)"])
-    ch = clickhouse_config(config)
+    ch = config.store
     client = connect(ch)
     migrate(client, ch.database)
     sink = Sink(sink_config(config), ClickHouseWriter(client, ch.database))
@@ -303,9 +303,8 @@ def cmd_simulate(args: argparse.Namespace, config: Config) -> int:
 
 def _open_store(config: Config) -> tuple[Any, str]:
     from fleetscope.sinks import connect, migrate
-    from fleetscope.stack import clickhouse_config
 
-    ch = clickhouse_config(config)
+    ch = config.store
     client = connect(ch)
     migrate(client, ch.database)
     return client, ch.database

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetscope.sinks.clickhouse import ClickHouseConfig
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig
 
@@ -79,24 +80,6 @@ class KafkaSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StoreSettings:
-    """Where findings are stored: ``chdb://PATH`` (in-process, the default) or ``http(s)://host:port``."""
-
-    url: str = ""
-    database: str = "fleetscope"
-    username: str = "default"
-    password: str = field(default="", repr=False)
-    flush_rows: int = 50_000
-    flush_interval_ms: int = 500
-
-    def __post_init__(self) -> None:
-        if self.url and not self.url.startswith(("chdb://", "http://", "https://")):
-            raise ValueError(f"url {self.url!r} must start with chdb://, http:// or https://")
-        if not self.database.isidentifier():
-            raise ValueError(f"database {self.database!r} is not an identifier")
-
-
-@dataclass(frozen=True, kw_only=True)
 class StreamSettings:
     app_id: str = "fleetscope-streams"
     take_max_events: int = 256
@@ -113,16 +96,12 @@ class Config:
     metrics_port: int = 0
     """Prometheus /metrics port of the worker, sink and agent processes; 0 = off."""
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
-    store: StoreSettings = field(default_factory=StoreSettings)
+    store: ClickHouseConfig = field(default_factory=ClickHouseConfig)
     streams: StreamSettings = field(default_factory=StreamSettings)
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port {self.metrics_port} is not a TCP port (0 = off)")
-
-    @property
-    def store_url(self) -> str:
-        return self.store.url or f"chdb://{Path(self.data_dir).resolve() / 'store'}"
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)
@@ -249,6 +228,9 @@ def load_config(
             raise ConfigError([f"{p}: {exc}"]) from exc
     data = _merge(data, _from_env(os.environ if env is None else env))
     data = _merge(data, _dotted(overrides or {}))
+    store = data.setdefault("store", {}) if isinstance(data.get("store", {}), dict) else {}
+    if not store.get("url"):  # the embedded store lives in the data directory unless a URL is given
+        store["url"] = f"chdb://{Path(str(data.get('data_dir', Config.data_dir))).resolve() / 'store'}"
     config = _build(Config, data, "", errors)
     if errors:
         raise ConfigError(errors)

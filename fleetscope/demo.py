@@ -10,7 +10,7 @@ from fleetscope.config import Config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, simulate
 from fleetscope.progress import Progress
 from fleetscope.sinks import current_findings
-from fleetscope.stack import EmbeddedStack, clickhouse_config
+from fleetscope.stack import EmbeddedStack
 
 
 def publisher_config(config: Config) -> PublisherConfig:
@@ -55,7 +55,7 @@ def run_demo(
     stack = EmbeddedStack(config)
     progress.update("starting broker, ClickHouse store and stream worker", force=True)
     with stack:
-        ch = clickhouse_config(stack.config)
+        ch = stack.config.store
         for table in ("iterations", "function_patterns", "finding_updates"):
             stack.client.command(
                 f"DELETE FROM {ch.database}.{table} WHERE job = {{job:String}}", parameters={"job": sim.job}

@@ -98,7 +98,6 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.broker import ensure_topics
     from fleetscope.schemas import Topics
     from fleetscope.sinks import connect, migrate
-    from fleetscope.stack import clickhouse_config
 
     k = config.kafka
     if not k.bootstrap_servers:
@@ -114,7 +113,7 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
     if k.registry_url:
         ids = _registry(config).register_catalog()
         print("schemas registered: " + ", ".join(f"{s}={i}" for s, i in sorted(ids.items())))
-    ch = clickhouse_config(config)
+    ch = config.store
     migrate(connect(ch), ch.database)
     print(f"store ready: database {ch.database}")
     return 0
@@ -123,9 +122,8 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
 def cmd_report(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.report import write_report
     from fleetscope.sinks import connect, migrate
-    from fleetscope.stack import clickhouse_config
 
-    ch = clickhouse_config(config)
+    ch = config.store
     client = connect(ch)
     migrate(client, ch.database)
     t0 = time.monotonic()

@@ -15,25 +15,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port
+from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port, stop_process
 from fleetscope.config import Config
 from fleetscope.schemas import Topics
-from fleetscope.sinks import ClickHouseConfig, ClickHouseWriter, Sink, SinkConfig, connect, migrate
+from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, connect, migrate
 from fleetscope.streams.app import StreamAppConfig
 
 log = logging.getLogger(__name__)
-
-
-def clickhouse_config(config: Config) -> ClickHouseConfig:
-    s = config.store
-    return ClickHouseConfig(
-        url=config.store_url,
-        database=s.database,
-        username=s.username,
-        password=s.password,
-        flush_rows=s.flush_rows,
-        flush_interval_ms=s.flush_interval_ms,
-    )
 
 
 def sink_config(config: Config) -> SinkConfig:
@@ -110,15 +98,7 @@ class StreamWorkerProcess:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("stream worker did not stop within %s s; killing it", timeout_s)
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s, "stream worker")
 
 
 class EmbeddedStack:
@@ -143,7 +123,7 @@ class EmbeddedStack:
             k = self.config.kafka
             admin = {"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}
             ensure_topics(admin, Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
-            ch = clickhouse_config(self.config)
+            ch = self.config.store
             self.client = connect(ch)
             migrate(self.client, ch.database)
             self.sink = Sink(sink_config(self.config), ClickHouseWriter(self.client, ch.database))

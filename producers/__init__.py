@@ -8,7 +8,7 @@ messages on the raw topics, keyed ``job/rank``. Producers speak to the rest of t
 
 from fleetscope.producers.kineto import TraceError, TraceRank, parse_trace
 from fleetscope.producers.publisher import Publisher, PublisherConfig, PublisherStats
-from fleetscope.producers.simulator import (
+from fleetscope.producers.simulation import (
     FAULT_KINDS,
     HOST_FUNCTIONS,
     ExpectedFinding,

@@ -18,7 +18,6 @@ from fleetscope.demo import run_demo
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.progress import Progress
 from fleetscope.sinks import ClickHouseWriter, connect, run_sql
-from fleetscope.stack import clickhouse_config
 from fleetscope.streams.offline import OfflinePipeline
 
 pytestmark = pytest.mark.integration
@@ -69,7 +68,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator
     )
     result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
     assert [(f["rank"], f["category"]) for f in result.findings] == [(SLOW_RANK, "gpu_slow")]
-    client = connect(clickhouse_config(config))
+    client = connect(config.store)
     # A second job, healthy three days ago and with a slow GPU since yesterday (written without Kafka).
     offline = OfflinePipeline(keep_patterns=True)
     offline.add_all(

@@ -16,7 +16,6 @@ from fleetscope.demo import run_demo
 from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.progress import Progress
 from fleetscope.sinks import connect, table_counts
-from fleetscope.stack import clickhouse_config
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +39,7 @@ def test_sixteen_ranks_with_one_slow_gpu_end_to_end(tmp_path: Path, chdb_path: P
     assert finding["value"] > 1.3 * finding["peer_median"]
     assert finding["iteration_first"] == 0 and finding["iteration_last"] == 19
 
-    counts = table_counts(connect(clickhouse_config(config)), database)
+    counts = table_counts(connect(config.store), database)
     assert counts["iterations"] == 16 * 20
     assert counts["findings"] == 1
     functions_per_rank = finding["evidence"]["compared_functions"]

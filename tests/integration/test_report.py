@@ -21,7 +21,6 @@ from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.progress import Progress
 from fleetscope.report import collect, render_html
 from fleetscope.sinks import connect
-from fleetscope.stack import clickhouse_config
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +43,7 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Ite
     )
     result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
     assert [f["rank"] for f in result.findings] == [SLOW_RANK]
-    yield config, connect(clickhouse_config(config))
+    yield config, connect(config.store)
 
 
 def test_the_slow_rank_stands_out_in_the_heatmap_data(demo_store: tuple[Config, Any]) -> None:

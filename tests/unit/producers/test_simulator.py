@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fleetscope.producers import Fault, SimulatorConfig, parse_fault, simulate
-from fleetscope.producers.simulator import MAX_BATCH_EVENTS, METRICS, ExpectedFinding
+from fleetscope.producers.simulation import MAX_BATCH_EVENTS, METRICS, ExpectedFinding
 from fleetscope.schemas import (
     EventBatch,
     EventKind,
