@@ -74,6 +74,7 @@ def suite(quick: bool = False) -> list[Scenario]:
         add(kind, 256, (f"{kind}:200:1.1",), mag=1.1)
         add(kind, 48, (f"{kind}:9:1.4@2/3",), iterations=24, mag=1.4)  # intermittent: every 3rd iteration
         if not quick:
+            add(kind, 256, (f"{kind}:57:1.1@3",), mag=1.1)
             add(kind, 512, (f"{kind}:311:1.3",), iterations=12, mag=1.3)
             add(kind, 128, (f"{kind}:64:2.0@6",), mag=2.0, tp=4)
     for ranks, host, mag in ((32, 1, 1.5), (64, 3, 1.3), (256, 7, 1.2)):

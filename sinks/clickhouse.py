@@ -39,6 +39,15 @@ FINDINGS = "findings"
 """The view with the current state of each finding."""
 TABLES = (ITERATIONS, FUNCTION_PATTERNS, FINDING_UPDATES)
 
+NATURAL_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
+    ITERATIONS: (("job", "String"), ("rank", "Int32"), ("iteration", "Int64")),
+    FUNCTION_PATTERNS: (("job", "String"), ("rank", "Int32"), ("iteration", "Int64")),
+    FINDING_UPDATES: (("job", "String"), ("finding_id", "String"), ("version", "Int64")),
+}
+"""Per table, the record fields (and ClickHouse types) naming one source message's rows: one iteration,
+one PatternBatch, one finding state change. A record whose key is stored already is a replay."""
+_KEY_CHUNK = 5_000
+
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _READ_STATEMENT = re.compile(r"^(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.IGNORECASE)
 _LEADING_NOISE = re.compile(r"^(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/|\()+", re.DOTALL)
@@ -260,15 +269,17 @@ class ClickHouseWriter:
         return self._database
 
     def write_iterations(self, records: Sequence[Mapping[str, Any]]) -> int:
-        """One row per IterationRecord."""
-        return self._insert_records(ITERATIONS, self._iteration_fields, records)
+        """One row per IterationRecord not stored yet."""
+        return self._insert_records(ITERATIONS, self._iteration_fields, self.unseen(ITERATIONS, records))
 
     def write_findings(self, records: Sequence[Mapping[str, Any]]) -> int:
-        """One row per Finding state change; ``findings`` (the view) reduces them to the current state."""
-        return self._insert_records(FINDING_UPDATES, self._finding_fields, records)
+        """One row per Finding state change not stored yet; ``findings`` (the view) reduces them to the
+        current state."""
+        return self._insert_records(FINDING_UPDATES, self._finding_fields, self.unseen(FINDING_UPDATES, records))
 
     def write_patterns(self, records: Sequence[Mapping[str, Any]]) -> int:
-        """Explode PatternBatches (one entry per function) into rows, column-wise with numpy."""
+        """Explode PatternBatches not stored yet (one entry per function) into rows, column-wise."""
+        records = self.unseen(FUNCTION_PATTERNS, records)
         if not records:
             return 0
         counts = np.fromiter((pattern_rows(r) for r in records), dtype=np.int64, count=len(records))
@@ -292,6 +303,42 @@ class ClickHouseWriter:
         data = [col.tolist() if col.dtype == object else col for col in columns.values()]
         self._insert(FUNCTION_PATTERNS, list(columns), data)
         return total
+
+    def unseen(self, table: str, records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """The records whose natural key (``NATURAL_KEYS``) is neither stored nor earlier in ``records``.
+
+        Why at insert time: a sink replaying a topic (crash, rebalance, new group) must not add rows
+        that ``count()`` sees before background merges; ClickHouse's own insert deduplication (block hash
+        or ``insert_deduplication_token``) only catches a replay cut into exactly the same batches,
+        which consumer batching does not guarantee. One sink owns a key's partition, so check-then-insert
+        does not race; the Replacing engines still absorb anything that slips through."""
+        if not records:
+            return []
+        key_spec = NATURAL_KEYS[table]
+        names = [name for name, _ in key_spec]
+        keys = [tuple(r[name] for name in names) for r in records]
+        distinct = list(dict.fromkeys(keys))
+        query = (
+            f"SELECT DISTINCT {', '.join(names)} FROM `{self._database}`.{table} "
+            f"WHERE ({', '.join(names)}) IN {{keys:Array(Tuple({', '.join(t for _, t in key_spec)}))}}"
+        )
+        seen: set[tuple[Any, ...]] = set()
+        for i in range(0, len(distinct), _KEY_CHUNK):
+            chunk = distinct[i : i + _KEY_CHUNK]
+
+            def call(chunk: list[tuple[Any, ...]] = chunk) -> list[Any]:
+                return list(self._client.query(query, parameters={"keys": chunk}).result_rows)
+
+            rows = with_retries(call, self._retry, what=f"key lookup in {self._database}.{table}")
+            seen.update(tuple(row) for row in rows)
+        fresh: list[Mapping[str, Any]] = []
+        for key, record in zip(keys, records, strict=True):
+            if key not in seen:
+                seen.add(key)
+                fresh.append(record)
+        if len(fresh) < len(records):
+            logger.debug("%s: %d replayed records skipped", table, len(records) - len(fresh))
+        return fresh
 
     def _insert_records(
         self, table: str, fields: list[tuple[str, Any]], records: Sequence[Mapping[str, Any]]

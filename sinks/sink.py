@@ -1,7 +1,8 @@
 """The sink process: iterations, patterns and findings topics -> ClickHouse, at least once.
 
 Offsets are committed only after every buffered row is inserted and every dead letter delivered, so a
-crash replays the uncommitted tail; the Replacing engines make that replay idempotent. Undecodable
+crash replays the uncommitted tail; the writer skips records whose natural key is stored already, so
+that replay (or a whole-topic replay by a new group) adds no row. Undecodable
 messages go to the dead-letter topic with (reason, topic, partition, offset) headers and are skipped.
 """
 
@@ -326,7 +327,7 @@ class Sink:
 
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Try to flush before losing the partitions; otherwise forget their offsets (the new owner
-        replays them, which the Replacing engines absorb)."""
+        replays them, which the writer's key check absorbs)."""
         self._retry_at_s = 0.0
         if not self._flush():
             logger.warning("flush at partition revoke failed; the revoked partitions will be replayed")

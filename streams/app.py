@@ -23,12 +23,12 @@ from fleetscope.schemas import (
     SchemaError,
     Topics,
     decode,
-    decode_event_batch,
     encode,
 )
 from fleetscope.schemas.topics import job_key, rank_key
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower
+from fleetscope.streams.intake import intake
 
 log = logging.getLogger(__name__)
 
@@ -154,26 +154,19 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     @app.agent(raw_events, name="windower")
     async def windower(stream: faust.StreamT) -> None:
         async for events in stream.take_events(cfg.take_max_events, within=within_s):
-            now = time.monotonic_ns()
+            now, wall = time.monotonic_ns(), time.time_ns()
             closed: list[ClosedIteration] = []
             touched: list[RankWindower] = []
             for event in events:
-                try:
-                    batch = decode_event_batch(event.value)
-                except SchemaError as exc:
-                    await dead(event, f"schema: {exc}")
-                    continue
-                h = batch.header
-                if not 0 <= h.rank < h.world_size:
-                    await dead(event, f"header: rank {h.rank} outside world size {h.world_size}")
+                result = intake(event.value, windowers, now, cfg.windower, wall_ns=wall)
+                if result.windower is not None:
+                    touched.append(result.windower)
+                if result.reason is not None:
+                    await dead(event, result.reason)
                     continue
                 counters.raw_batches += 1
-                counters.raw_events += len(batch)
-                w = windowers.get((h.job, h.rank))
-                if w is None:
-                    w = windowers[(h.job, h.rank)] = RankWindower(cfg.windower)
-                closed += w.add(batch, now)
-                touched.append(w)
+                counters.raw_events += result.events
+                closed += result.closed
             await emit_closed(closed)
             await emit_progress(touched)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Protocol
 
 import numpy as np
@@ -111,18 +112,22 @@ class PeerMatrix:
 
     @classmethod
     def build(cls, records: Sequence[dict[str, Any]], features: Sequence[str]) -> PeerMatrix:
-        fid: dict[str, int] = {}
-        idx_per_rank = [
-            np.array([fid.setdefault(f, len(fid)) for f in rec["function"]], dtype=np.int64)
-            for rec in records
-        ]
+        """1. Intern function names in first-seen order (one C-level pass over every record's names);
+        2. one (row, column) index pair per pattern entry; 3. scatter each feature's concatenated
+        values into its NaN-filled matrix in one assignment (rank order kept: a later rank's kind wins).
+        """
+        names = [rec["function"] for rec in records]
+        fid = {f: j for j, f in enumerate(dict.fromkeys(chain.from_iterable(names)))}
+        lengths = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
+        total = int(lengths.sum())
+        cols = np.fromiter(map(fid.__getitem__, chain.from_iterable(names)), dtype=np.int64, count=total)
+        rows = np.repeat(np.arange(len(records), dtype=np.int64), lengths)
         n, m = len(records), len(fid)
         kind = np.full(m, -1, dtype=np.int64)
+        kind[cols] = _concat(records, "kind", lengths, total, np.int64)
         mats = {name: np.full((n, m), np.nan) for name in features}
-        for i, (rec, idx) in enumerate(zip(records, idx_per_rank, strict=True)):
-            kind[idx] = rec["kind"]
-            for name in features:
-                mats[name][i, idx] = np.asarray(rec[name], dtype=np.float64)
+        for name in features:
+            mats[name][rows, cols] = _concat(records, name, lengths, total, np.float64)
         return cls(
             ranks=np.array([r["rank"] for r in records], dtype=np.int64),
             hosts=[r["host"] for r in records],
@@ -131,6 +136,18 @@ class PeerMatrix:
             iteration_ns=np.array([r["iteration_ns"] for r in records], dtype=np.float64),
             features=mats,
         )
+
+
+def _concat(
+    records: Sequence[dict[str, Any]], name: str, lengths: np.ndarray, total: int, dtype: type[np.generic]
+) -> np.ndarray:
+    """Every record's ``name`` column end to end; each must be as long as the record's functions."""
+    cols = [rec[name] for rec in records]
+    if any(len(c) != k for c, k in zip(cols, lengths.tolist(), strict=True)):
+        raise ValueError(f"pattern column {name!r} is not as long as the record's functions")
+    if all(isinstance(c, list) for c in cols):
+        return np.fromiter(chain.from_iterable(cols), dtype=dtype, count=total)
+    return np.concatenate([np.asarray(c, dtype=dtype) for c in cols]) if cols else np.zeros(0, dtype)
 
 
 _FEATURES = (

@@ -32,6 +32,8 @@ _TIME_COLUMN = {
     EventKind.THROUGHPUT: "t_ns",
 }
 _ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
+_MAX_STEP = 2**62
+"""Step markers beyond this are ignored: their number would not fit the records' Avro long."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,7 +231,7 @@ class RankWindower:
             self._steps.clear()
         for i in np.flatnonzero(is_marker):
             step = marker_step[int(ids[i])]
-            if step is not None and step > self._closed_step:
+            if step is not None and self._closed_step < step < _MAX_STEP:
                 start = int(cols["start_ns"][i])
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
         return {k: v[~is_marker] for k, v in cols.items()}

@@ -1,0 +1,137 @@
+"""Bad raw input against a real broker and a real Faust worker: every bad message lands in the
+dead-letter topic with a reason, the worker stays up, and a valid job sharing the topics is stored."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from fleetscope.config import load_config
+from fleetscope.demo import publisher_config
+from fleetscope.producers import Publisher, SimulatorConfig, simulate
+from fleetscope.schemas import EventKind, SchemaError, Topics, decode_event_batch, encode_event_batch
+from fleetscope.sinks import connect
+from fleetscope.stack import EmbeddedStack
+from fleetscope.streams.analysis.validation import check_batch
+
+pytestmark = pytest.mark.integration
+
+BAD_MESSAGES = 50
+RANKS, ITERATIONS = 2, 4
+
+
+def _is_bad(message: bytes) -> bool:
+    try:
+        return check_batch(decode_event_batch(message), time.time_ns()) is not None
+    except SchemaError:
+        return True
+
+
+def _bad_messages(start_ns: int) -> list[bytes]:
+    """Implausible batches of every rule plus mutated valid messages that no longer decode or validate."""
+    batches = list(simulate(SimulatorConfig(job="dl-bad", ranks=2, iterations=2, start_ns=start_ns)))
+    kernels = next(b for b in batches if b.kind is EventKind.KERNELS)
+    future = time.time_ns() + 10 * 86_400 * 10**9
+    bad = [
+        b"",
+        b"\x00\x00\x00\x00\x01",
+        encode_event_batch(replace(kernels, header=replace(kernels.header, rank=7))),
+        encode_event_batch(replace(kernels, header=replace(kernels.header, world_size=0, rank=0))),
+        encode_event_batch(replace(kernels, header=replace(kernels.header, job=""))),
+        encode_event_batch(replace(kernels, header=replace(kernels.header, seq=-4))),
+        encode_event_batch(replace(kernels, columns={**kernels.columns, "dur_ns": -kernels["dur_ns"]})),
+        encode_event_batch(replace(kernels, columns={**kernels.columns, "start_ns": kernels["start_ns"] * 0 + future})),
+    ]  # fmt: skip
+    rng = random.Random(6)
+    valid = [encode_event_batch(b) for b in batches]
+    while len(bad) < BAD_MESSAGES:
+        data = bytearray(rng.choice(valid))
+        op = rng.choice(("flip", "truncate", "extend", "random"))
+        if op == "flip":
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif op == "truncate":
+            del data[rng.randrange(len(data)) :]
+        elif op == "extend":
+            data += rng.randbytes(rng.randint(1, 32))
+        else:
+            data = bytearray(rng.randbytes(rng.randint(0, 200)))
+        if _is_bad(bytes(data)):
+            bad.append(bytes(data))
+    return bad
+
+
+def _dead_letters(bootstrap: str, topic: str, expected: int, timeout_s: float) -> dict[bytes, dict[str, str]]:
+    """Key -> headers of every dead letter, read by assignment from the start of every partition."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False})  # fmt: skip
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        out: dict[bytes, dict[str, str]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < expected and time.monotonic() < deadline:
+            for m in consumer.consume(100, 0.2):
+                if m.error() is None:
+                    out[m.key()] = {k: v.decode() for k, v in m.headers() or []}
+        return out
+    finally:
+        consumer.close()
+
+
+def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
+    broker: str, tmp_path: Path, chdb_path: Path, database: str
+) -> None:
+    prefix = f"dl{uuid.uuid4().hex[:8]}"
+    config = load_config(
+        env={},
+        overrides={
+            "data_dir": str(tmp_path),
+            "store.url": f"chdb://{chdb_path}",
+            "store.database": database,
+            "kafka.topic_prefix": prefix,
+            "kafka.bootstrap_servers": broker,
+        },
+    )
+    topics = Topics(prefix=prefix)
+    start_ns = time.time_ns() - 3_600 * 10**9
+    bad = _bad_messages(start_ns)
+    keys = [f"bad-{i}".encode() for i in range(len(bad))]
+    with EmbeddedStack(config, with_worker=True) as stack:
+        producer = Producer({"bootstrap.servers": broker, "linger.ms": 5})
+        raw_topics = topics.raw_all
+        for i, (key, value) in enumerate(zip(keys, bad, strict=True)):
+            producer.produce(raw_topics[i % len(raw_topics)], value=value, key=key)
+        assert producer.flush(10) == 0
+        with Publisher(publisher_config(stack.config)) as publisher:
+            for batch in simulate(SimulatorConfig(job="dl-valid", ranks=RANKS, iterations=ITERATIONS,
+                                                  start_ns=start_ns)):  # fmt: skip
+                assert publisher.publish(batch)
+            assert publisher.flush(30.0) == 0
+
+        letters = _dead_letters(broker, topics.deadletter, expected=len(bad), timeout_s=90)
+        assert set(letters) == set(keys), f"missing dead letters: {sorted(set(keys) - set(letters))}"
+        for key in keys:
+            headers = letters[key]
+            assert headers["reason"].split(":", 1)[0] in ("schema", "header", "value"), headers
+            assert headers["reason"].split(":", 1)[1].strip() and headers["topic"] in raw_topics
+            assert headers["offset"].isdigit() and headers["partition"].isdigit()
+
+        client = connect(stack.config.store)
+        deadline = time.monotonic() + 90
+        stored = 0
+        while time.monotonic() < deadline:
+            stored = int(client.command(f"SELECT count() FROM `{database}`.iterations WHERE job = 'dl-valid'"))
+            if stored >= RANKS * ITERATIONS:
+                break
+            time.sleep(0.5)
+        assert stored == RANKS * ITERATIONS
+        assert stack.worker is not None and stack.worker.alive()
+        log = stack.worker.log_path.read_text(errors="replace")
+        assert "Traceback" not in log, log[-3000:]
