@@ -1,14 +1,19 @@
 """Scale of the differential stage and of the windower's state: seconds and memory versus ranks.
 
-    python bench/scale.py [--ranks 64,256,1024,4096,10240] [--functions 300] [--repeat 3]
+    python bench/scale.py [--ranks 64,256,1024,4096,10240] [--functions 300] [--repeat 3] [--interleave]
 
 1. Differential: synthetic pattern records for one iteration of a job with R ranks x F functions per
-   rank (same names on every rank, in a per-rank order, as decoded from Avro: fresh strings and plain
-   lists), a realistic mix of compute kernels, host functions and collectives with link features, and
-   one injected slow rank (its GPU 1.3x slow: longer compute kernels, shorter collectives). Times
-   ``score_iteration(records)`` and ``JobDifferential.add`` of every record of one iteration (the last
-   one triggers scoring), the peak memory of scoring (tracemalloc), the share of ``PeerMatrix.build``,
-   and the cost per rank; checks that the slow rank is found at every size.
+   rank (same names on every rank, as decoded from Avro: fresh strings and plain lists), a realistic
+   mix of compute kernels, host functions and collectives with link features, and one injected slow
+   rank (its GPU 1.3x slow: longer compute kernels, shorter collectives). Like the windower, a record
+   lists kernels, then collectives, then host functions, each group in an order that differs by rank
+   (odd ranks shuffle it); ``--interleave`` shuffles odd ranks' whole lists instead. Measured:
+   ``cold``, ``score_iteration(records)`` of a job's first iteration (every name interned afresh);
+   ``warm``, the same for its next iteration (fresh records, the job's ``FunctionIndex`` from the
+   first): the steady state, median and least of ``--repeat`` runs; ``gather``, the warm matrix
+   build inside it; the peak memory of cold scoring (tracemalloc); ``add``, ``JobDifferential.add``
+   of every record of the next iteration after the first was scored (the last one triggers
+   scoring); the warm cost per rank; and whether the slow rank is found (cold and warm) at every size.
 2. Windower: a simulated job fed rank by rank into ``RankWindower``; the cost per rank-iteration, and
    the state memory per rank after N open steps (one declared stream withheld so no step closes).
 
@@ -31,9 +36,9 @@ import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
 from fleetscope.schemas import EventKind, FunctionKind
-from fleetscope.streams.analysis import outliers
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.outliers import score_iteration
+from fleetscope.streams.analysis.outliers import gather_matrices, score_iteration
+from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.windowing import RankWindower
 
 SLOW_FACTOR = 1.3
@@ -46,7 +51,7 @@ def function_mix(f: int) -> tuple[list[str], np.ndarray]:
     n_host = max(1, f // 10)
     n_comp = f - n_coll - n_host
     names = [f"ampere_bf16_s16816gemm_bf16_{i}x128_ldg8_f2f_tn" for i in range(n_comp)]
-    names += [f"nccl:allreduce[pg={i % 4},<={1 << (i % 8)}MiB]" for i in range(n_coll)]
+    names += [f"nccl:allreduce[pg={i % 4},<={1 << (i // 4)}MiB]" for i in range(n_coll)]  # one per (pg, size)
     names += [f"module.layer{i}.forward" for i in range(n_host)]
     kinds = np.array(
         [FunctionKind.COMPUTE] * n_comp + [FunctionKind.COLLECTIVE] * n_coll + [FunctionKind.PYTHON] * n_host,
@@ -55,8 +60,13 @@ def function_mix(f: int) -> tuple[list[str], np.ndarray]:
     return names, kinds
 
 
-def make_records(ranks: int, f: int, slow_rank: int, seed: int = 0) -> list[dict[str, Any]]:
-    """One iteration's pattern records of ``ranks`` ranks (the windower's output shape, as lists)."""
+def make_records(
+    ranks: int, f: int, slow_rank: int, seed: int = 0, iteration: int = 0, interleave: bool = False
+) -> list[dict[str, Any]]:
+    """One iteration's pattern records of ``ranks`` ranks (the windower's output shape, as lists).
+
+    The same ``seed`` gives the same values and orders, in new objects, for any ``iteration``.
+    """
     rng = np.random.default_rng(seed)
     names, kinds = function_mix(f)
     comp, coll, host = (kinds == k for k in (FunctionKind.COMPUTE, FunctionKind.COLLECTIVE, FunctionKind.PYTHON))
@@ -72,13 +82,19 @@ def make_records(ranks: int, f: int, slow_rank: int, seed: int = 0) -> list[dict
     cv = np.where(coll, 0.3, np.nan) * rng.lognormal(0.0, 0.05, (ranks, f))
     pcie_peak = np.where(coll, 20e9, np.nan) * rng.lognormal(0.0, 0.01, (ranks, f))
     records = []
+    blocks = [np.flatnonzero(kinds == k) for k in (FunctionKind.COMPUTE, FunctionKind.COLLECTIVE, FunctionKind.PYTHON)]
     for r in range(ranks):
-        order = rng.permutation(f) if r % 2 else np.arange(f)  # the windower's order differs by rank
+        if r % 2 == 0:
+            order = np.arange(f)
+        elif interleave:
+            order = rng.permutation(f)
+        else:  # each kind's functions together, in an order of their own (the windower's first-seen order)
+            order = np.concatenate([rng.permutation(b) for b in blocks])
         m = mean[r, order]
         records.append(
             {
                 "job": "scale", "rank": r, "host": f"node{r // 8:05d}", "world_size": ranks,
-                "tp_rank": -1, "pp_rank": -1, "dp_rank": r, "iteration": 0,
+                "tp_rank": -1, "pp_rank": -1, "dp_rank": r, "iteration": iteration,
                 "iteration_start_ns": 0, "iteration_ns": int(ITERATION_NS * (1.0 + 0.001 * rng.standard_normal())),
                 "function": [names[j].encode().decode() for j in order],  # fresh strings, as decoded
                 "kind": kinds[order].tolist(),
@@ -96,15 +112,16 @@ def make_records(ranks: int, f: int, slow_rank: int, seed: int = 0) -> list[dict
     return records
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
-    """Median seconds of ``repeat`` runs and the last result."""
+def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
+    """Median and least seconds of ``repeat`` runs (the least is the one other load disturbed least),
+    and the last result."""
     times, out = [], None
     for _ in range(repeat):
         gc.collect()
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return statistics.median(times), min(times), out
 
 
 def peak_mib(fn: Callable[[], Any]) -> float:
@@ -119,55 +136,55 @@ def peak_mib(fn: Callable[[], Any]) -> float:
     return (peak - base) / 2**20
 
 
-def build_seconds(records: list[dict[str, Any]], repeat: int) -> float:
-    """Time of the PeerMatrix builds that score_iteration does (peer group + hosts)."""
-    feats = outliers._FEATURES
-    host_feats = ("mean_ns", "calls", "pcie_cv", "pcie_mean_bps")
-    t, _ = timed(
-        lambda: (outliers.PeerMatrix.build(records, feats), outliers.PeerMatrix.build(records, host_feats)), repeat
-    )
-    return t
-
-
-def add_all(records: list[dict[str, Any]]) -> JobDifferential:
-    """Every record of one iteration into a fresh job; the last one completes it and scores it."""
+def add_next(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> Callable[[], JobDifferential]:
+    """A job that has scored ``first``; the returned call adds every record of ``second`` (the last scores it)."""
     jd = JobDifferential("scale")
-    for rec in records:
+    for rec in first:
         jd.add(rec)
-    return jd
+
+    def run() -> JobDifferential:
+        for rec in second:
+            jd.add(rec)
+        return jd
+
+    return run
 
 
-def bench_differential(sizes: list[int], f: int, repeat: int) -> bool:
-    print(f"differential: one iteration, F = {f} functions per rank, slow rank's GPU {SLOW_FACTOR}x")
+def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) -> bool:
+    order = "each rank's list shuffled" if interleave else "kinds grouped, shuffled within"
+    print(f"differential: one iteration, F = {f} functions per rank ({order}), slow rank's GPU {SLOW_FACTOR}x")
     print(
-        f"{'ranks':>6} {'input MiB':>9} {'score s':>8} {'build s':>8} {'build %':>7} {'peak MiB':>8} "
-        f"{'us/rank':>8} {'add s':>7} {'found':>5}"
+        f"{'ranks':>6} {'input MiB':>9} {'cold s':>7} {'warm s':>7} {'(least)':>7} {'gather s':>8} {'gather %':>8} "
+        f"{'peak MiB':>8} {'us/rank':>8} {'add s':>7} {'found':>5}"
     )
     all_found = True
     for ranks in sizes:
         slow = ranks * 7 // 10 + 3
         gc.collect()
         tracemalloc.start()
-        records = make_records(ranks, f, slow)
+        first = make_records(ranks, f, slow, interleave=interleave)
         input_mib = tracemalloc.get_traced_memory()[0] / 2**20
         tracemalloc.stop()
-        reps = repeat if ranks <= 4096 else max(1, min(repeat, 2))
-        t_score, signals = timed(lambda records=records: score_iteration(records), reps)
-        t_build = build_seconds(records, reps)
-        peak = peak_mib(lambda records=records: score_iteration(records))
-        t_add, jd = timed(lambda records=records: add_all(records), 1)
+        second = make_records(ranks, f, slow, iteration=1, interleave=interleave)
+        t_cold, _, cold = timed(lambda first=first: score_iteration(first), repeat)
+        index = FunctionIndex()
+        score_iteration(first, index=index)
+        t_warm, least, warm = timed(lambda second=second, index=index: score_iteration(second, index=index), repeat)
+        t_gather, _, _ = timed(lambda second=second, index=index: gather_matrices(second, index), repeat)
+        peak = peak_mib(lambda first=first: score_iteration(first))
+        _, t_add, jd = timed(add_next(first, second), 1)
         # A finding opens after several iterations (lifecycle); one iteration yields the signal.
-        found = jd.iterations_scored == 1 and any(
-            s.category == "gpu_slow" and slow in s.member_ranks() for s in signals
+        found = jd.iterations_scored == 2 and all(
+            any(s.category == "gpu_slow" and slow in s.member_ranks() for s in signals) for signals in (cold, warm)
         )
-        others = {s.rank for s in signals} - {slow}
+        others = {s.rank for s in warm} - {slow}
         all_found &= found
         print(
-            f"{ranks:>6} {input_mib:>9.0f} {t_score:>8.3f} {t_build:>8.3f} {100 * t_build / t_score:>6.0f}% "
-            f"{peak:>8.0f} {1e6 * t_score / ranks:>8.1f} {t_add:>7.3f} {'yes' if found else 'NO':>5}"
-            + (f"  (also flagged: {sorted(others)[:5]})" if others else "")
+            f"{ranks:>6} {input_mib:>9.0f} {t_cold:>7.3f} {t_warm:>7.3f} {least:>7.3f} {t_gather:>8.3f} "
+            f"{100 * t_gather / t_warm:>7.0f}% {peak:>8.0f} {1e6 * t_warm / ranks:>8.1f} {t_add:>7.3f} "
+            f"{'yes' if found else 'NO':>5}" + (f"  (also flagged: {sorted(others)[:5]})" if others else "")
         )
-        del records, signals, jd
+        del first, second, cold, warm, jd
     return all_found
 
 
@@ -221,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="64,256,1024,4096,10240", help="comma-separated rank counts")
     ap.add_argument("--functions", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--interleave", action="store_true", help="shuffle odd ranks' whole function lists")
     ap.add_argument("--windower-ranks", type=int, default=16)
     ap.add_argument("--windower-iterations", type=int, default=12)
     ap.add_argument("--open-steps", type=int, default=8)
     args = ap.parse_args(argv)
-    ok = bench_differential([int(x) for x in args.ranks.split(",")], args.functions, args.repeat)
+    ok = bench_differential([int(x) for x in args.ranks.split(",")], args.functions, args.repeat, args.interleave)
     bench_windower(args.windower_ranks, args.windower_iterations, args.open_steps)
     return 0 if ok else 1
 

@@ -1,22 +1,28 @@
 """Events/s of each stage on the same messages: decode, decode + windowing, and end to end.
 
-    python bench/throughput.py [--ranks 32] [--iterations 20] [--no-e2e]
+    python bench/throughput.py [--ranks 32] [--iterations 20] [--take 256] [--no-e2e]
 
 The simulator produces a job once (rank 7's GPU 1.5x slow, so findings exist); its batches are
 encoded once with ``encode_event_batch``. Then, on the same messages:
 
-(a) decode only (``decode_event_batch``: fastavro + numpy columns), one core;
+(a) decode only with fastavro (``decode_event_batch(fast=False)``: fastavro + numpy columns), one
+    core: the reference the ratios are taken against; (a') the same with the numpy decoder
+    (``decode_event_batch``, ``schemas/fastdecode.py``), which every other stage uses;
 (b) decode + windowing + pattern statistics (``RankWindower.add`` per rank, as the worker does, then
-    ``flush``), one core; (b') the same plus the differential (``JobDifferential.add``);
+    ``flush``), one core; (b take) the same decoding ``--take`` messages at a time with
+    ``decode_event_batches`` (one vector pass for a take's numbers), as a worker would that decodes
+    its ``take_events`` batch at once; (b') (b) plus the differential (``JobDifferential.add``);
 (c) end to end: the embedded stack (Tansu broker, a Faust worker process, the in-process ClickHouse
     sink) in a temporary data dir; the batches are published with ``Publisher`` and the clock runs
     from the first publish to the last iteration row written by the sink (medians of ``--e2e-runs``).
-    The CPU time of this process (publisher, sink), the worker and the broker says how many cores it used.
+    The CPU time of this process (publisher, sink), the worker and the broker says how many cores it used;
+    ``--take-max-events`` sets the worker's ``streams.take_max_events``.
     Findings latency: from the end of publishing (flush) to the last finding row written.
 
 Prints events/s per core, the ratios b/a and c/a against the targets (b/a >= 0.7, c/a >= 0.5,
-findings latency < 5 s), and the cProfile top entries of (b). Not a test: figures depend on the
-machine and its load.
+findings latency < 5 s), and the cProfile top entries of (b). (a) to (b') run in turns, best of
+``--repeat`` each, so a change in the machine's load hits all of them alike. Not a test: figures
+depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from fleetscope.config import load_config
 from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
-from fleetscope.schemas import EventBatch, decode_event_batch, encode_event_batch
+from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode_event_batch
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack
 from fleetscope.streams.analysis.differential import JobDifferential
@@ -62,11 +69,22 @@ class Rate:
         return self.per_s / max(self.cores, 1e-9)
 
 
-def decode_only(messages: list[bytes]) -> int:
-    return sum(len(decode_event_batch(m)) for m in messages)
+def decode_only(messages: list[bytes], fast: bool) -> int:
+    return sum(len(decode_event_batch(m, fast=fast)) for m in messages)
 
 
-def windowing(messages: list[bytes], differential: bool = False) -> int:
+def decoded(messages: list[bytes], take: int) -> Iterator[EventBatch]:
+    """The messages' batches, decoded one by one or ``take`` at a time."""
+    if take <= 1:
+        yield from map(decode_event_batch, messages)
+        return
+    for i in range(0, len(messages), take):
+        for b in decode_event_batches(messages[i : i + take]):
+            if isinstance(b, EventBatch):
+                yield b
+
+
+def windowing(messages: list[bytes], differential: bool = False, take_messages: int = 1) -> int:
     """Decode and window every message per rank, as the worker's agent does; return closed iterations."""
     windowers: dict[tuple[str, int], RankWindower] = {}
     jobs: dict[str, JobDifferential] = {}
@@ -80,8 +98,7 @@ def windowing(messages: list[bytes], differential: bool = False) -> int:
                 job = c.patterns["job"]
                 jobs.setdefault(job, JobDifferential(job)).add(c.patterns)
 
-    for m in messages:
-        b = decode_event_batch(m)
+    for b in decoded(messages, take_messages):
         key = (b.header.job, b.header.rank)
         w = windowers.get(key)
         if w is None:
@@ -94,13 +111,15 @@ def windowing(messages: list[bytes], differential: bool = False) -> int:
     return closed
 
 
-def timed(label: str, fn: Any, events: int, repeat: int) -> Rate:
-    best = float("inf")
+def timed(stages: dict[str, tuple[str, Any]], events: int, repeat: int) -> dict[str, Rate]:
+    """Best wall time of each stage over ``repeat`` rounds, the stages taking turns within a round."""
+    best = dict.fromkeys(stages, float("inf"))
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return Rate(label, events, best, 1.0)
+        for key, (_, fn) in stages.items():
+            t0 = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t0)
+    return {key: Rate(label, events, best[key], 1.0) for key, (label, _) in stages.items()}
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -119,16 +138,23 @@ def self_cpu_s() -> float:
 
 
 def end_to_end(
-    sim: SimulatorConfig, batches: list[EventBatch], events: int, timeout_s: float, store: str, run: int
+    sim: SimulatorConfig,
+    batches: list[EventBatch],
+    events: int,
+    timeout_s: float,
+    store: str,
+    run: int,
+    take_max_events: int | None = None,
 ) -> dict[str, float]:
     """Publish the batches through a fresh embedded stack; wall time and CPU until the sink wrote every row.
 
     One process can open one chDB path only: every run uses the same ``store`` path, its own database.
     """
     with tempfile.TemporaryDirectory(prefix="fleetscope-bench-") as tmp:
-        config = load_config(
-            overrides={"data_dir": tmp, "store.url": f"chdb://{store}", "store.database": f"bench{run}"}
-        )
+        overrides: dict[str, Any] = {"data_dir": tmp, "store.url": f"chdb://{store}", "store.database": f"bench{run}"}
+        if take_max_events is not None:
+            overrides["streams.take_max_events"] = take_max_events
+        config = load_config(overrides=overrides)
         with EmbeddedStack(config) as stack:
             assert stack.sink is not None and stack.worker is not None and stack.broker is not None
             pids = {"worker": stack.worker._proc.pid, "broker": stack.broker._proc.pid}  # type: ignore[union-attr]
@@ -194,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=32)
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--take", type=int, default=256, help="messages decoded at once in (b take)")
+    ap.add_argument("--take-max-events", type=int, default=None, help="(c): the worker's take size")
     ap.add_argument("--no-e2e", action="store_true", help="skip (c), the embedded stack")
     ap.add_argument("--e2e-runs", type=int, default=3, help="(c) runs, each on a fresh stack; medians reported")
     ap.add_argument("--profile-top", type=int, default=15)
@@ -213,32 +241,47 @@ def main(argv: list[str] | None = None) -> int:
         f"{events:,} events ({events / rank_its:.0f} per rank-iteration), {mib:.1f} MiB Avro "
         f"({sum(map(len, messages)) / events:.1f} B/event)"
     )
-    rates = [
-        timed("(a) decode only", lambda: decode_only(messages), events, args.repeat),
-        timed("(b) decode + windowing + patterns", lambda: windowing(messages), events, args.repeat),
-        timed("(b') (b) + differential", lambda: windowing(messages, differential=True), events, args.repeat),
-    ]
+    stages = {
+        "a": ("(a) decode only, fastavro (reference)", lambda: decode_only(messages, False)),
+        "a_fast": ("(a') decode only, numpy decoder", lambda: decode_only(messages, True)),
+        "b": ("(b) decode + windowing + patterns", lambda: windowing(messages)),
+        "b_take": (
+            f"(b take) (b), decoding {args.take} at a time",
+            lambda: windowing(messages, take_messages=args.take),
+        ),
+        "b_diff": ("(b') (b) + differential", lambda: windowing(messages, differential=True)),
+    }
+    rates = timed(stages, events, args.repeat)
     e2e: dict[str, float] = {}
     if not args.no_e2e:
         with tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-") as store:
-            runs = [end_to_end(sim, batches, events, args.timeout_s, store, i) for i in range(args.e2e_runs)]
+            runs = [
+                end_to_end(sim, batches, events, args.timeout_s, store, i, args.take_max_events)
+                for i in range(args.e2e_runs)
+            ]
         e2e = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         e2e["found_rank7"] = float(all(r["found_rank7"] for r in runs))
         latencies = ", ".join(f"{r['findings_latency_s']:.2f}" for r in runs)
-        rates.append(Rate("(c) end to end (broker + worker + sink)", events, e2e["wall_s"], e2e["cores"]))
+        rates["c"] = Rate("(c) end to end (broker + worker + sink)", events, e2e["wall_s"], e2e["cores"])
     print(f"\n{'stage':<42} {'seconds':>8} {'events/s':>11} {'cores':>5} {'events/s/core':>13} {'us/event':>8}")
-    for r in rates:
+    for r in rates.values():
         print(
             f"{r.label:<42} {r.seconds:>8.2f} {r.per_s:>11,.0f} {r.cores:>5.2f} {r.per_core:>13,.0f} "
             f"{1e6 * r.seconds * r.cores / r.events:>8.2f}"
         )
-    a = rates[0].per_core
-    print(f"\nb/a = {rates[1].per_core / a:.3f} (target >= 0.7)   b'/a = {rates[2].per_core / a:.3f}")
-    print(f"windowing cost: {1e3 * rates[1].seconds / rank_its:.2f} ms per rank-iteration (decode included)")
+    a = rates["a"].per_core
+    ratio = {key: r.per_core / a for key, r in rates.items()}
+    print(
+        f"\na'/a = {ratio['a_fast']:.3f}   b/a = {ratio['b']:.3f} (target >= 0.7)   "
+        f"b take/a = {ratio['b_take']:.3f}   b'/a = {ratio['b_diff']:.3f}"
+    )
+    b_ms = 1e3 * rates["b"].seconds / rank_its
+    print(f"windowing cost: {b_ms:.2f} ms per rank-iteration (decode included)")
     if e2e:
+        c, worker_cpu = rates["c"], e2e["cpu_worker"]
         print(
-            f"c/a = {rates[3].per_core / a:.3f} per core (target >= 0.5); "
-            f"wall-clock c/a = {rates[3].per_s / rates[0].per_s:.3f}"
+            f"c/a = {ratio['c']:.3f} per core (target >= 0.5); wall-clock c/a = {c.per_s / rates['a'].per_s:.3f}; "
+            f"the worker alone: {events / worker_cpu:,.0f} events per CPU second = {events / worker_cpu / a:.3f} a"
         )
         print(
             f"(c): publish {e2e['publish_s']:.2f} s, all iterations but the last stored at "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetscope.producers.publisher.config import PublisherConfig
 from fleetscope.sinks.clickhouse import ClickHouseConfig
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig
@@ -80,6 +81,27 @@ class KafkaSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProducerSettings:
+    """The publisher in every producing process (torch hook, agent, replay, demo) and its outage spool."""
+
+    spool_on_disk: bool = True
+    """Off: the spool is in memory, lost if the process ends while the broker is away."""
+    spool_dir: str = ""
+    """Empty: ``<data_dir>/spool``. Each process spools in its own ``<spool_dir>/<client id>``."""
+    spool_max_bytes: int = 268_435_456
+    delivery_timeout_ms: int = 30_000
+    retry_backoff_max_ms: int = 5_000
+
+    def __post_init__(self) -> None:
+        PublisherConfig(  # one set of rules: the publisher's own validation
+            bootstrap_servers="-",
+            spool_max_bytes=self.spool_max_bytes,
+            delivery_timeout_ms=self.delivery_timeout_ms,
+            retry_backoff_max_ms=self.retry_backoff_max_ms,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class StreamSettings:
     app_id: str = "fleetscope-streams"
     take_max_events: int = 256
@@ -96,6 +118,7 @@ class Config:
     metrics_port: int = 0
     """Prometheus /metrics port of the worker, sink and agent processes; 0 = off."""
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    producer: ProducerSettings = field(default_factory=ProducerSettings)
     store: ClickHouseConfig = field(default_factory=ClickHouseConfig)
     streams: StreamSettings = field(default_factory=StreamSettings)
 

@@ -14,14 +14,7 @@ from fleetscope.stack import EmbeddedStack
 
 
 def publisher_config(config: Config) -> PublisherConfig:
-    k = config.kafka
-    return PublisherConfig(
-        bootstrap_servers=k.bootstrap_servers,
-        topic_prefix=k.topic_prefix,
-        compression=k.compression,
-        queue_max_messages=1_000_000,
-        extra=k.client_settings(),
-    )
+    return PublisherConfig.from_config(config, queue_max_messages=1_000_000)
 
 
 def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress) -> int:

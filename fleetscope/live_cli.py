@@ -154,13 +154,7 @@ def cmd_agent(args: argparse.Namespace, config: Config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     k = config.kafka
-    publisher_config = PublisherConfig(
-        bootstrap_servers=k.bootstrap_servers,
-        topic_prefix=k.topic_prefix,
-        compression=k.compression,
-        client_id="fleetscope-agent",
-        extra=k.client_settings(),
-    )
+    publisher_config = PublisherConfig.from_config(config, client_id="fleetscope-agent")
     with Publisher(publisher_config) as publisher:
         sampler = NvmlSampler(sampler_config, api=api, sink=publisher.publish, targets=targets)
         listener = ControlListener(

@@ -43,6 +43,7 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         topic_prefix=k.topic_prefix,
         app_id=s.app_id,
         partitions=k.derived_partitions,
+        raw_partitions=k.raw_partitions,
         session_timeout_ms=k.session_timeout_ms,
         data_dir=config.data_dir,
         web_port=web_port,
@@ -65,11 +66,13 @@ class StreamWorkerProcess:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, ready_timeout_s: float = 60.0) -> None:
+        """Start the worker and wait for it to be ready; after a ``kill()`` this is the restart."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(self.config.to_dict(), f)
-        self.log_path.write_bytes(b"")
+        self.log_path.touch()
+        log_from = self.log_path.stat().st_size
         cmd = [
             sys.executable,
             "-m",
@@ -87,8 +90,10 @@ class StreamWorkerProcess:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"stream worker exited with {self._proc.returncode}; see {self.log_path}")
-            if b"Worker]: Ready" in self.log_path.read_bytes():
-                return
+            with open(self.log_path, "rb") as f:
+                f.seek(log_from)
+                if b"Worker]: Ready" in f.read():
+                    return
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"stream worker not ready within {ready_timeout_s} s; see {self.log_path}")
@@ -99,6 +104,13 @@ class StreamWorkerProcess:
     def stop(self, timeout_s: float = 15.0) -> None:
         proc, self._proc = self._proc, None
         stop_process(proc, timeout_s, "stream worker")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no drain, no commit, no producer flush."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 class EmbeddedStack:

@@ -208,15 +208,7 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     identity = RankIdentity.from_env()
     if job:
         identity = replace(identity, job=job)
-    publisher = Publisher(
-        PublisherConfig(
-            bootstrap_servers=k.bootstrap_servers,
-            topic_prefix=k.topic_prefix,
-            compression=k.compression,
-            client_id=f"fleetscope-torch-{identity.rank}",
-            extra=k.client_settings(),
-        )
-    )
+    publisher = Publisher(PublisherConfig.from_config(cfg, client_id=f"fleetscope-torch-{identity.rank}"))
     streams = {EventKind.PYTHON.value}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         streams.add(EventKind.COLLECTIVES.value)

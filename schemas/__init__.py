@@ -6,7 +6,14 @@ Everything that crosses a topic goes through ``codec.encode``/``codec.decode`` a
 """
 
 from fleetscope.schemas.catalog import CATALOG, SchemaCatalog
-from fleetscope.schemas.codec import SchemaError, decode, decode_event_batch, encode, encode_event_batch
+from fleetscope.schemas.codec import (
+    SchemaError,
+    decode,
+    decode_event_batch,
+    decode_event_batches,
+    encode,
+    encode_event_batch,
+)
 from fleetscope.schemas.records import (
     COLUMNS,
     BatchHeader,
@@ -38,6 +45,7 @@ __all__ = [
     "classify_kernel",
     "decode",
     "decode_event_batch",
+    "decode_event_batches",
     "encode",
     "encode_event_batch",
     "parse_step_marker",

@@ -97,10 +97,12 @@ class BatchHeader:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> BatchHeader:
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in record.items() if k in names}
+        values = {k: v for k, v in record.items() if k in _HEADER_FIELDS}
         values["streams"] = tuple(values.get("streams", ()))
         return cls(**values)
+
+
+_HEADER_FIELDS = frozenset(f.name for f in fields(BatchHeader))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,19 +4,24 @@ raw topics (key job/rank) -> windower -> fleetscope.iterations (job/rank), fleet
 fleetscope.patterns -> differential -> fleetscope.findings (job)
 
 Agents stay thin: take a batch of events, decode, call the pure functions of ``analysis``, send.
-State lives per partition owner (windower per rank, differential per job).
+State lives per partition owner (windower per rank, differential per job). The agents ack their
+messages themselves, only once what they contributed is delivered or written to a state topic, so a
+worker killed at any moment resumes with the same state (see ``recovery``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
+from faust.types import Message
 
 from fleetscope import telemetry
 from fleetscope.schemas import (
@@ -29,6 +34,16 @@ from fleetscope.schemas.topics import job_key, rank_key
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower
 from fleetscope.streams.intake import intake
+from fleetscope.streams.job_state import DifferentialRecovery
+from fleetscope.streams.recovery import (
+    Gate,
+    InputClock,
+    RankId,
+    StateLog,
+    WindowerRecovery,
+    ack,
+    take_over,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +56,7 @@ class StreamAppConfig:
     topic_prefix: str = "fleetscope"
     app_id: str = "fleetscope-streams"
     partitions: int = 4
+    raw_partitions: int = 4
     session_timeout_ms: int = 6000
     data_dir: str = ".fleetscope"
     web_port: int = 6066
@@ -61,6 +77,10 @@ class StageCounters:
     pattern_records: int = 0
     findings: int = 0
     per_reason: dict[str, int] = field(default_factory=dict)
+    held_messages: int = 0
+    state_writes: int = 0
+    states_restored: int = 0
+    replayed_skipped: int = 0
 
 
 PROFILE_ON = frozenset({"job_regression", "hang"})
@@ -70,8 +90,10 @@ PROFILE_ON = frozenset({"job_regression", "hang"})
 def profile_request(finding: dict[str, Any], seconds: float, start_in_s: float = 5.0) -> dict[str, Any]:
     """A control record asking the job's ranks for a synchronised profile (see control.v1.avsc)."""
     now = time.time_ns()
+    # Named after the finding's state change, so a request re-emitted after a restart is recognised.
+    request_id = uuid.uuid5(uuid.NAMESPACE_URL, f"fleetscope:{finding['finding_id']}#{finding['version']}")
     return {
-        "request_id": uuid.uuid4().hex,
+        "request_id": request_id.hex,
         "job": finding["job"],
         "action": "profile",
         "duration_s": float(seconds),
@@ -100,6 +122,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         web_enabled=False,
         web_port=cfg.web_port,
         web_bind="127.0.0.1",
+        stream_wait_empty=False,  # held messages are acked only once covered; a rebalance must not wait for them
     )
 
     def raw(*names: str) -> faust.TopicT:
@@ -113,10 +136,34 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     control = raw(topics.control)
 
     counters = StageCounters()
-    windowers: dict[tuple[str, int], RankWindower] = {}
-    jobs: dict[str, JobDifferential] = {}
+    windowers: dict[RankId, RankWindower] = {}
     job_seen: dict[str, int] = {}
     within_s = cfg.take_within_ms / 1000
+    gate = Gate()
+    state_name = f"{cfg.topic_prefix}.{cfg.app_id}"
+    wrec = WindowerRecovery(StateLog(app, f"{state_name}.windower-state", cfg.raw_partitions, cfg.bootstrap_servers))
+    drec = DifferentialRecovery(
+        StateLog(app, f"{state_name}.differential-state", cfg.partitions, cfg.bootstrap_servers), cfg.differential
+    )
+    jobs: dict[str, JobDifferential] = drec.jobs
+    windower_lock, differential_lock = asyncio.Lock(), asyncio.Lock()
+    """Emission, state record and release run in close order: a record never covers an undelivered output."""
+    clock = InputClock()
+    """The idle rules' clock (see ``InputClock``)."""
+
+    async def on_revoked(_sender: object, revoked: set[faust.types.TP], **_kw: object) -> None:
+        gate.epoch += 1
+        gate.paused = True
+        for key in wrec.revoke({tp.partition for tp in revoked if tp.topic in raw_events.topics}):
+            windowers.pop(key, None)
+        for job in drec.revoke({tp.partition for tp in revoked if tp.topic == patterns.get_topic_name()}):
+            job_seen.pop(job, None)
+
+    async def on_assigned(_sender: object, _assigned: set[faust.types.TP], **_kw: object) -> None:
+        gate.paused = False
+
+    app.on_partitions_revoked.connect(on_revoked)
+    app.on_partitions_assigned.connect(on_assigned)
 
     async def dead(event: faust.EventT, reason: str) -> None:
         counters.dead_letters += 1
@@ -131,12 +178,21 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         }
         await deadletter.send(key=event.key, value=event.value, headers=headers)
 
-    async def emit_closed(closed: list[ClosedIteration]) -> None:
-        for c in closed:
+    async def emit_closed(closed: list[ClosedIteration], epoch: int, touched: Iterable[RankId]) -> list[Message]:
+        """Send the iterations not emitted before, wait for their delivery, record them, and return the
+        messages of these and the ``touched`` ranks that replay no longer needs. Caller holds ``windower_lock``."""
+        fresh = wrec.fresh(closed)
+        counters.replayed_skipped += len(closed) - len(fresh)
+        sent: list[Awaitable[Any]] = []
+        for c in fresh:
             it, pat = c.iteration, c.patterns
-            await iterations_out.send(key=rank_key(it["job"], it["rank"]), value=encode("iterations", it))
-            await patterns.send(key=job_key(pat["job"]), value=encode("patterns", pat))
+            sent.append(await iterations_out.send(key=rank_key(it["job"], it["rank"]), value=encode("iterations", it)))
+            sent.append(await patterns.send(key=job_key(pat["job"]), value=encode("patterns", pat)))
             counters.iterations += 1
+        await asyncio.gather(*sent)
+        if epoch != gate.epoch:
+            return []
+        return wrec.release({*touched, *await wrec.record(fresh)})
 
     async def emit_progress(touched: list[RankWindower]) -> None:
         for w in touched:
@@ -144,73 +200,159 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                 await patterns.send(key=job_key(rec["job"]), value=encode("progress", rec))
 
     async def emit_findings(records: list[dict[str, Any]]) -> None:
+        """Send finding records and wait for their delivery (a job's state record must not overtake them)."""
+        sent: list[Awaitable[Any]] = []
         for rec in records:
-            await findings_out.send(key=job_key(rec["job"]), value=encode("findings", rec))
+            sent.append(await findings_out.send(key=job_key(rec["job"]), value=encode("findings", rec)))
             counters.findings += 1
             if rec["status"] == "open" and rec["category"] in PROFILE_ON:
                 request = profile_request(rec, cfg.profile_seconds)
-                await control.send(key=job_key(rec["job"]), value=encode("control", request))
+                sent.append(await control.send(key=job_key(rec["job"]), value=encode("control", request)))
+        await asyncio.gather(*sent)
 
-    @app.agent(raw_events, name="windower")
-    async def windower(stream: faust.StreamT) -> None:
-        async for events in stream.take_events(cfg.take_max_events, within=within_s):
-            now, wall = time.monotonic_ns(), time.time_ns()
-            closed: list[ClosedIteration] = []
-            touched: list[RankWindower] = []
-            for event in events:
-                result = intake(event.value, windowers, now, cfg.windower, wall_ns=wall)
-                if result.windower is not None:
-                    touched.append(result.windower)
-                if result.reason is not None:
-                    await dead(event, result.reason)
-                    continue
-                counters.raw_batches += 1
-                counters.raw_events += result.events
-                closed += result.closed
-            await emit_closed(closed)
-            await emit_progress(touched)
+    async def windower_batch(batch: Sequence[faust.EventT]) -> None:
+        events = take_over(batch, app, gate)
+        epoch = gate.epoch
+        if not events:
+            return
+        await wrec.load({e.message.partition for e in events})
+        if epoch != gate.epoch:
+            return
+        now, wall = clock.now_ns(), time.time_ns()
+        closed: list[ClosedIteration] = []
+        touched: dict[RankId, RankWindower] = {}
+        rejected: list[tuple[faust.EventT, str]] = []
+        for event in events:
+            result = intake(event.value, windowers, now, cfg.windower, wall_ns=wall)
+            if result.key is not None:
+                wrec.place(result.key, event.message.partition)
+            if result.reason is not None:
+                rejected.append((event, result.reason))
+                continue
+            if result.key is not None and result.windower is not None:
+                touched[result.key] = result.windower
+                wrec.holds.hold(result.key, result.horizon_ns, event.message)
+            counters.raw_batches += 1
+            counters.raw_events += result.events
+            closed += result.closed
+        async with windower_lock:
+            released = await emit_closed(closed, epoch, touched)
+        await emit_progress(list(touched.values()))
+        for event, reason in rejected:
+            await dead(event, reason)
+        if epoch == gate.epoch:  # whatever was sent above is flushed before Faust commits these acks
+            ack([*released, *(event.message for event, _ in rejected)], app)
 
-    @app.agent(patterns, name="differential")
-    async def differential(stream: faust.StreamT) -> None:
-        async for events in stream.take_events(cfg.take_max_events, within=within_s):
+    async def differential_batch(batch: Sequence[faust.EventT]) -> None:
+        events = take_over(batch, app, gate)
+        epoch = gate.epoch
+        if not events:
+            return
+        for job in await drec.load({e.message.partition for e in events}):
+            job_seen[job] = clock.now_ns()  # restored before its idle flush: flush it when idle again
+        if epoch != gate.epoch:
+            return
+        rejected: list[tuple[faust.EventT, str]] = []
+        # Scoring happens under the lock too: a job's state record must not include iterations whose
+        # findings are still on their way (the timer's flush writes records while this batch waits).
+        async with differential_lock:
+            if epoch != gate.epoch:  # revoked while this batch waited: the replay brings it again
+                return
             out: list[dict[str, Any]] = []
+            touched: set[str] = set()
             for event in events:
+                msg = event.message
                 try:
                     subject, record = decode(event.value)
                 except SchemaError as exc:
-                    await dead(event, f"schema: {exc}")
+                    rejected.append((event, f"schema: {exc}"))
                     continue
                 if subject not in ("patterns", "progress"):
-                    await dead(event, f"subject: expected patterns or progress, got {subject}")
+                    rejected.append((event, f"subject: expected patterns or progress, got {subject}"))
                     continue
                 job = record["job"]
-                jd = jobs.get(job)
-                if jd is None:
-                    jd = jobs[job] = JobDifferential(job, cfg.differential)
-                job_seen[job] = time.monotonic_ns()
+                jd = drec.job(job, msg.partition)
+                job_seen[job] = clock.now_ns()
+                touched.add(job)
                 if subject == "progress":
+                    if drec.replayed_progress(job, msg.offset):
+                        counters.replayed_skipped += 1
+                        drec.skipped(job, msg)
+                        continue
                     out += jd.add_progress(record)
+                    drec.took(job, msg, None)
                     continue
                 counters.pattern_records += 1
                 out += jd.add(record)
+                drec.took(job, msg, int(record["iteration"]))
             await emit_findings(out)
+            released = await drec.checkpoint(touched) if epoch == gate.epoch else []
+        for event, reason in rejected:
+            await dead(event, reason)
+        if epoch == gate.epoch:
+            ack([*released, *(event.message for event, _ in rejected)], app)
+
+    @app.agent(raw_events, name="windower")
+    async def windower(stream: faust.StreamT) -> None:
+        async for batch in stream.take_events(cfg.take_max_events, within=within_s):
+            clock.working()
+            try:
+                await windower_batch(batch)
+            finally:
+                clock.waiting()
+
+    @app.agent(patterns, name="differential")
+    async def differential(stream: faust.StreamT) -> None:
+        async for batch in stream.take_events(cfg.take_max_events, within=within_s):
+            clock.working()
+            try:
+                await differential_batch(batch)
+            finally:
+                clock.waiting()
 
     @app.timer(interval=0.25)
     async def close_idle() -> None:
-        now = time.monotonic_ns()
+        if gate.paused:
+            return
+        now, epoch = clock.now_ns(), gate.epoch
+
+        def idle(at_ns: int) -> set[RankId]:
+            return {k for k, w in windowers.items() if at_ns - w.last_arrival_ns >= w.config.idle_close_ms * 1_000_000}
+
         closed: list[ClosedIteration] = []
         for w in windowers.values():
             closed += w.poll(now)
-        await emit_closed(closed)
+        flushed = idle(now)
+        async with windower_lock:
+            released = await emit_closed(closed, epoch, ())
+            # Still idle after the awaits: nothing arrived since their flush was emitted.
+            released += wrec.release_idle(flushed & idle(clock.now_ns()))
         await emit_progress(list(windowers.values()))
-        idle_ns = cfg.job_idle_ms * 1_000_000
+        if epoch == gate.epoch:
+            ack(released, app)
+        now, idle_ns = clock.now_ns(), cfg.job_idle_ms * 1_000_000
+        for job in wrec.jobs_in_progress() & job_seen.keys():
+            job_seen[job] = now  # its last iterations are still being cut here: not idle, whatever the timers
         for job, seen in list(job_seen.items()):
-            if now - seen >= idle_ns:
-                del job_seen[job]
-                await emit_findings(jobs[job].flush())
+            jd = jobs.get(job)
+            if now - seen < idle_ns or jd is None or epoch != gate.epoch:
+                continue
+            del job_seen[job]
+            async with differential_lock:
+                if epoch != gate.epoch:
+                    return
+                out = jd.flush()
+                drec.flushed(job)
+                await emit_findings(out)
+                released = await drec.checkpoint([job]) if epoch == gate.epoch else []
+            if epoch == gate.epoch:
+                ack(released, app)
 
     @app.timer(interval=10.0)
     async def report() -> None:
+        counters.held_messages = len(wrec.holds) + len(drec.holds)
+        counters.state_writes = wrec.log.writes + drec.log.writes
+        counters.states_restored = wrec.restored + drec.restored
         log.info("stream stages: %s", counters)
 
     app.fleetscope_counters = counters  # type: ignore[attr-defined]

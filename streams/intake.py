@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from fleetscope.schemas import SchemaError, decode_event_batch
+from fleetscope.schemas import EventBatch, EventKind, SchemaError, decode_event_batch
 from fleetscope.streams.analysis.validation import check_batch
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
 
@@ -20,12 +20,18 @@ _MAX_REASON_CHARS = 500
 
 @dataclass(frozen=True, slots=True)
 class IntakeResult:
-    """What one message produced: closed iterations and the windower it touched, or a dead-letter reason."""
+    """What one message produced: closed iterations and the windower it touched, or a dead-letter reason.
+
+    ``horizon_ns`` is the message's latest event time as the windower files events (launch for GPU work,
+    start for host spans, sample time): once the rank's emitted iterations end after it, replaying the
+    message after a crash would add nothing, so it may be acked."""
 
     closed: list[ClosedIteration] = field(default_factory=list)
     windower: RankWindower | None = None
+    key: tuple[str, int] | None = None
     events: int = 0
     reason: str | None = None
+    horizon_ns: int = -(2**63)
 
 
 def intake(
@@ -55,8 +61,22 @@ def intake(
         closed = w.add(batch, now_ns)
     except Exception as exc:  # a windower bug must cost one message, not the stream
         log.warning("windower rejected a %s batch of %s rank %d: %r", batch.kind.value, *key, exc)
-        return IntakeResult(windower=w, reason=_reason("windower", exc))
-    return IntakeResult(closed=closed, windower=w, events=len(batch))
+        return IntakeResult(windower=w, key=key, reason=_reason("windower", exc))
+    return IntakeResult(closed=closed, windower=w, key=key, events=len(batch), horizon_ns=horizon_ns(batch))
+
+
+def horizon_ns(batch: EventBatch) -> int:
+    """Latest event time of a batch by the windower's filing rule (see ``IntakeResult``)."""
+    if len(batch) == 0:
+        return -(2**63)
+    if batch.kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
+        launch = batch["launch_ns"]
+        times = launch if launch.size == len(batch) else batch["start_ns"]
+    elif batch.kind is EventKind.PYTHON:
+        times = batch["start_ns"]
+    else:
+        times = batch["t_ns"]
+    return int(times.max())
 
 
 def _reason(prefix: str, exc: BaseException) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
+from fleetscope.streams.analysis.peermatrix import FunctionIndex
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,9 +25,7 @@ class DifferentialConfig:
 class JobDifferential:
     """Collects pattern records per iteration and scores each iteration once, in order."""
 
-    def __init__(
-        self, job: str, config: DifferentialConfig | None = None, scorer: OutlierScorer | None = None
-    ):
+    def __init__(self, job: str, config: DifferentialConfig | None = None, scorer: OutlierScorer | None = None):
         self.job = job
         self.config = config or DifferentialConfig()
         self.scorer = scorer
@@ -38,8 +37,25 @@ class JobDifferential:
         self._hang = HangCheck()
         self._hosts: dict[int, str] = {}
         self._missing_run: dict[int, int] = {}
+        self._functions = FunctionIndex()
         self.iterations_scored = 0
         self.late_records = 0
+
+    @property
+    def scored_upto(self) -> int:
+        """The last iteration scored; records for it or earlier are late and ignored."""
+        return self._scored_upto
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled state leaves out the records still waiting for ranks: a replay of their messages brings them back."""
+        state = self.__dict__.copy()
+        state["_pending"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """State records written before the function index existed restore with an empty one."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_functions", FunctionIndex())
 
     def add(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit."""
@@ -83,7 +99,7 @@ class JobDifferential:
         records = list(self._pending.pop(it).values())
         self._scored_upto = it
         self.iterations_scored += 1
-        signals = score_iteration(records, self.config.scoring, self.scorer)
+        signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
         regression = self._regression.observe(float(np.median([r["iteration_ns"] for r in records])))
         if regression is not None:
             signals.append(replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records))))

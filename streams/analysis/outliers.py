@@ -11,15 +11,15 @@ a whole pipeline stage that computes longer than the other stages is a stage fin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any, Protocol
 
 import numpy as np
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.stats import F64, RobustScores, quiet_nan_warnings, robust_scores
+from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
+from fleetscope.streams.analysis.stats import F64, I64, RobustScores, quiet_nan_warnings, robust_scores
 
 LINK_FAMILIES = ("nvlink", "pcie")
 LINK_IN_USE_SHARE = 0.25
@@ -28,7 +28,8 @@ that collective over this link (e.g. p2p inside a host never touches PCIe): it i
 
 
 class OutlierScorer(Protocol):
-    """Scores each row of a (ranks x functions) matrix against its column's peers."""
+    """Scores each row of a (ranks x functions) matrix against its column's peers; ``x`` is shared
+    by several tests, so a scorer must not write to it."""
 
     def __call__(self, x: F64, abs_scale_floor: float = 0.0) -> RobustScores: ...
 
@@ -99,72 +100,42 @@ class RankSignal:
         return self.ranks or (self.rank,)
 
 
-@dataclass(slots=True)
-class PeerMatrix:
-    """Pattern records of one peer group in one iteration as (ranks x functions) matrices."""
-
-    ranks: np.ndarray
-    hosts: list[str]
-    functions: list[str]
-    kind: np.ndarray
-    iteration_ns: F64
-    features: dict[str, F64]
-
-    @classmethod
-    def build(cls, records: Sequence[dict[str, Any]], features: Sequence[str]) -> PeerMatrix:
-        """1. Intern function names in first-seen order (one C-level pass over every record's names);
-        2. one (row, column) index pair per pattern entry; 3. scatter each feature's concatenated
-        values into its NaN-filled matrix in one assignment (rank order kept: a later rank's kind wins).
-        """
-        names = [rec["function"] for rec in records]
-        fid = {f: j for j, f in enumerate(dict.fromkeys(chain.from_iterable(names)))}
-        lengths = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
-        total = int(lengths.sum())
-        cols = np.fromiter(map(fid.__getitem__, chain.from_iterable(names)), dtype=np.int64, count=total)
-        rows = np.repeat(np.arange(len(records), dtype=np.int64), lengths)
-        n, m = len(records), len(fid)
-        kind = np.full(m, -1, dtype=np.int64)
-        kind[cols] = _concat(records, "kind", lengths, total, np.int64)
-        mats = {name: np.full((n, m), np.nan) for name in features}
-        for name in features:
-            mats[name][rows, cols] = _concat(records, name, lengths, total, np.float64)
-        return cls(
-            ranks=np.array([r["rank"] for r in records], dtype=np.int64),
-            hosts=[r["host"] for r in records],
-            functions=list(fid),
-            kind=kind,
-            iteration_ns=np.array([r["iteration_ns"] for r in records], dtype=np.float64),
-            features=mats,
-        )
+_COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
+READS: dict[int, tuple[str, ...]] = {
+    _COMPUTE: ("mean_ns",),
+    _COLLECTIVE: (
+        "mean_ns",
+        "calls",
+        "pcie_mean_bps",
+        *(f"{f}_{x}" for f in LINK_FAMILIES for x in ("peak_bps", "cv")),
+    ),
+    _PYTHON: ("total_ns",),
+}
+"""What the tests below read, by kind of function; gather converts no more. Stages add compute totals."""
+_STAGE_READS = {**READS, _COMPUTE: (*READS[_COMPUTE], "total_ns")}
+_ON_DEMAND = {_COMPUTE: ("calls",)}
+"""Converted for flagged ranks only: calls weigh a kernel's excess time, nothing else reads them."""
+_EVERY_READ = {k: (*names, *_ON_DEMAND.get(k, ())) for k, names in _STAGE_READS.items()}
 
 
-def _concat(
-    records: Sequence[dict[str, Any]], name: str, lengths: np.ndarray, total: int, dtype: type[np.generic]
-) -> np.ndarray:
-    """Every record's ``name`` column end to end; each must be as long as the record's functions."""
-    cols = [rec[name] for rec in records]
-    if any(len(c) != k for c, k in zip(cols, lengths.tolist(), strict=True)):
-        raise ValueError(f"pattern column {name!r} is not as long as the record's functions")
-    if all(isinstance(c, list) for c in cols):
-        return np.fromiter(chain.from_iterable(cols), dtype=dtype, count=total)
-    return np.concatenate([np.asarray(c, dtype=dtype) for c in cols]) if cols else np.zeros(0, dtype)
+def gather_matrices(
+    records: Sequence[dict[str, Any]], index: FunctionIndex | None = None, staged: bool = False
+) -> PeerMatrices | None:
+    """The matrices every test reads (``PeerMatrices.gather``); ``staged`` adds compute totals."""
+    return PeerMatrices.gather(records, _STAGE_READS if staged else READS, index, _ON_DEMAND)
 
 
-_FEATURES = (
-    "mean_ns",
-    "total_ns",
-    "calls",
-    *(f"{fam}_{s}" for fam in LINK_FAMILIES for s in ("peak_bps", "mean_bps", "cv")),
-)
+def build_matrices(records: Sequence[dict[str, Any]]) -> PeerMatrices:
+    """The same from ``PeerMatrix.build``: any records, every entry of every feature converted."""
+    features = tuple(dict.fromkeys(name for names in _EVERY_READ.values() for name in names))
+    return PeerMatrices.split(PeerMatrix.build(records, features), _EVERY_READ)
 
 
-def _top(
-    functions: list[str], cols: np.ndarray, excess: F64, value: F64, med: F64, z: F64, k: int = 5
-) -> list[dict]:
+def _top(functions: list[str], excess: F64, value: F64, med: F64, z: F64, k: int = 5) -> list[dict]:
     order = np.argsort(-np.nan_to_num(excess))[:k]
     return [
         {
-            "function": functions[cols[j]],
+            "function": functions[j],
             "value": float(value[j]),
             "peer_median": float(med[j]),
             "z": float(np.round(z[j], 2)),
@@ -179,28 +150,30 @@ def _signal(pm: PeerMatrix, i: int, **fields: Any) -> RankSignal:
     return RankSignal(rank=int(pm.ranks[i]), host=pm.hosts[i], **fields)
 
 
-def _slow_kernels(
-    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
-) -> dict[int, RankSignal]:
+def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
     """Ranks whose compute kernels take longer than the same kernels on their peers (gpu_slow)."""
-    cols = np.flatnonzero(pm.kind == FunctionKind.COMPUTE)
-    if cols.size == 0:
+    if not pm.functions:
         return {}
-    mean = pm.features["mean_ns"][:, cols]
-    calls = np.nan_to_num(pm.features["calls"][:, cols])
+    mean = pm.features["mean_ns"]
     sc = scorer(mean)
     flag = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.min_relative_gap)
-    excess = np.where(flag, (mean - sc.median) * calls, 0.0)
-    loss = np.nansum(excess, axis=1)
+    excess = np.zeros(mean.shape, order="F")  # laid out as the scores, so row sums add in the same order
+    suspects = np.flatnonzero(flag.any(axis=1))
+    if suspects.size:  # calls matter only where flagged: converted for these ranks alone
+        calls = np.nan_to_num(pm.feature_rows("calls", suspects))
+        some = np.where(flag[suspects], (mean[suspects] - sc.median) * calls, 0.0)
+        some[np.isnan(some)] = 0.0  # as nansum counts them, without copying the whole matrix
+        excess[suspects] = some
+    loss = excess.sum(axis=1)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(excess[i]))
         out[i] = _signal(
-            pm, i, category="gpu_slow", function=pm.functions[cols[j]], metric="mean_ns",
+            pm, i, category="gpu_slow", function=pm.functions[j], metric="mean_ns",
             value=float(mean[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
-                "functions": _top(pm.functions, cols, excess[i], mean[i], sc.median, sc.z[i]),
+                "functions": _top(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
                 "flagged_functions": int(flag[i].sum()),
                 "compared_functions": int(np.sum(~np.isnan(mean[i]))),
             },
@@ -208,19 +181,16 @@ def _slow_kernels(
     return out
 
 
-def _slow_host(
-    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
-) -> dict[int, RankSignal]:
+def _slow_host(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
     """Ranks that spend a larger share of the iteration in a host function than their peers.
 
     Host functions are compared as time per iteration, absent counting as zero, so a function that
     only the culprit runs (a GC pause, a stall) still stands out against its peers' zero.
     """
-    cols = np.flatnonzero(pm.kind == FunctionKind.PYTHON)
-    if cols.size == 0:
+    if not pm.functions:
         return {}
     it = float(np.median(pm.iteration_ns))
-    share = np.nan_to_num(pm.features["total_ns"][:, cols]) / it
+    share = np.nan_to_num(pm.features["total_ns"]) / it
     sc = scorer(share, cfg.host_share_floor)
     flag = (sc.z >= cfg.z_threshold) & (share - sc.median >= cfg.min_loss_fraction / 2)
     excess = np.where(flag, (share - sc.median) * it, 0.0)
@@ -230,21 +200,19 @@ def _slow_host(
         j = int(np.argmax(excess[i]))
         total = share[i] * it
         out[i] = _signal(
-            pm, i, category="host_slow", function=pm.functions[cols[j]], metric="total_ns",
+            pm, i, category="host_slow", function=pm.functions[j], metric="total_ns",
             value=float(total[j]), peer_median=float(sc.median[j] * it), score=float(sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
-                "functions": _top(pm.functions, cols, excess[i], total, sc.median * it, sc.z[i]),
+                "functions": _top(pm.functions, excess[i], total, sc.median * it, sc.z[i]),
                 "flagged_functions": int(flag[i].sum()),
-                "compared_functions": int(cols.size),
+                "compared_functions": len(pm.functions),
             },
         )  # fmt: skip
     return out
 
 
-def _slow_links(
-    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
-) -> dict[int, RankSignal]:
+def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
     """Ranks whose link cannot reach the peak their peers' links reach during the same collectives.
 
     A degraded link (NVLink lanes down, PCIe gen/width downgrade) saturates at a lower rate: a low,
@@ -252,18 +220,17 @@ def _slow_links(
     shortest rank's collective) that the lower rate costs. Congestion, which fluctuates and is
     shared by a host's ranks, is judged per host (``score_hosts``).
     """
-    cols = np.flatnonzero(pm.kind == FunctionKind.COLLECTIVE)
-    if cols.size == 0:
+    if not pm.functions:
         return {}
-    mean_ns = pm.features["mean_ns"][:, cols]
-    calls = np.nan_to_num(pm.features["calls"][:, cols])
+    mean_ns = pm.features["mean_ns"]
+    calls = np.nan_to_num(pm.features["calls"])
     with quiet_nan_warnings():
         transfer = np.nanmin(mean_ns, axis=0)
     out: dict[int, RankSignal] = {}
     for fam in LINK_FAMILIES:
         ratios = []
         for feature in ("peak_bps",):
-            x = pm.features[f"{fam}_{feature}"][:, cols].copy()
+            x = pm.features[f"{fam}_{feature}"].copy()
             if np.all(np.isnan(x)):
                 continue
             with quiet_nan_warnings():
@@ -275,7 +242,7 @@ def _slow_links(
         if not ratios:
             continue
         ratio = np.nan_to_num(np.minimum.reduce([r for _, r, _, _ in ratios]), nan=1.0)
-        cv = pm.features[f"{fam}_cv"][:, cols]
+        cv = pm.features[f"{fam}_cv"]
         with quiet_nan_warnings():
             steadier = cv < np.nanmedian(cv, axis=0)  # the link that paces a ring is its steadiest
         ratio = np.where(steadier, ratio, 1.0)
@@ -290,7 +257,7 @@ def _slow_links(
                 peer_cv = float(np.nanmedian(cv[:, j]))
             pattern = "steady"
             out[i] = _signal(
-                pm, i, category="link_slow", function=pm.functions[cols[j]], metric=f"{fam}_{feature}",
+                pm, i, category="link_slow", function=pm.functions[j], metric=f"{fam}_{feature}",
                 value=float(x[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
                 loss_ns=float(loss[i]),
                 evidence={
@@ -298,24 +265,21 @@ def _slow_links(
                     "pattern": pattern,
                     "throughput_cv": float(cv[i, j]),
                     "peer_throughput_cv": peer_cv,
-                    "functions": _top(pm.functions, cols, excess[i], x[i], sc.median, sc.z[i]),
+                    "functions": _top(pm.functions, excess[i], x[i], sc.median, sc.z[i]),
                     "flagged_collectives": int(np.sum(ratio[i] < 1)),
                 },
             )  # fmt: skip
     return out
 
 
-def _late_arrivals(
-    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
-) -> dict[int, RankSignal]:
+def _late_arrivals(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
     """Ranks that arrive last at collectives: they wait least, so their collectives are the shortest.
 
     Uses durations on each rank's own clock only, so clock skew between hosts does not matter.
     """
-    cols = np.flatnonzero(pm.kind == FunctionKind.COLLECTIVE)
-    if cols.size == 0:
+    if not pm.functions:
         return {}
-    mean = pm.features["mean_ns"][:, cols]
+    mean = pm.features["mean_ns"]
     sc = scorer(mean)
     flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
     # A late rank delays the job by its lateness once, however many collectives it is late for.
@@ -325,11 +289,11 @@ def _late_arrivals(
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(lateness[i]))
         out[i] = _signal(
-            pm, i, category="straggler", function=pm.functions[cols[j]], metric="arrival_lateness_ns",
+            pm, i, category="straggler", function=pm.functions[j], metric="arrival_lateness_ns",
             value=float(sc.median[j] - mean[i, j]), peer_median=0.0, score=float(-sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
-                "functions": _top(pm.functions, cols, lateness[i], mean[i], sc.median, sc.z[i]),
+                "functions": _top(pm.functions, lateness[i], mean[i], sc.median, sc.z[i]),
                 "flagged_collectives": int(flag[i].sum()),
             },
         )  # fmt: skip
@@ -341,25 +305,28 @@ def score_peer_group(
     config: ScoringConfig | None = None,
     scorer: OutlierScorer | None = None,
 ) -> list[RankSignal]:
-    """Rank signals for one iteration of one peer group (ranks expected to behave alike).
-
-    1. Build (ranks x functions) matrices; 2. a rank's excess time must cost at least
-    ``min_loss_fraction`` of the median iteration to matter; 3. gpu_slow from compute kernels,
-    host_slow from host functions, link_slow from link throughput during collectives; 4. a late
-    arrival with none of these causes is a straggler; with a cause, it corroborates the cause.
-    """
+    """Rank signals for one iteration of one peer group (ranks expected to behave alike)."""
     cfg = config or ScoringConfig()
-    score = scorer or cfg.scorer()
     if len(records) < cfg.min_peers:
         return []
-    pm = PeerMatrix.build(records, _FEATURES)
-    budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
+    pms = gather_matrices(records) or build_matrices(records)
+    return _score_group(pms, cfg, scorer or cfg.scorer())
+
+
+def _score_group(pms: PeerMatrices, cfg: ScoringConfig, score: OutlierScorer) -> list[RankSignal]:
+    """1. A rank's excess time must cost at least ``min_loss_fraction`` of the median iteration to
+    matter; 2. gpu_slow from compute kernels, host_slow from host functions, link_slow from link
+    throughput during collectives; 3. a late arrival with none of these causes is a straggler; with
+    a cause, it corroborates the cause.
+    """
+    budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
+    collectives = pms.of_kind(_COLLECTIVE)
     causes = [
-        _slow_kernels(pm, cfg, score, budget),
-        _slow_host(pm, cfg, score, budget),
-        _slow_links(pm, cfg, score, budget),
+        _slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget),
+        _slow_host(pms.of_kind(_PYTHON), cfg, score, budget),
+        _slow_links(collectives, cfg, score, budget),
     ]
-    late = _late_arrivals(pm, cfg, score, budget)
+    late = _late_arrivals(collectives, cfg, score, budget)
     signals: list[RankSignal] = []
     for found in causes:
         for i, sig in found.items():
@@ -371,9 +338,7 @@ def score_peer_group(
     return signals
 
 
-def group_by_host(
-    signals: list[RankSignal], records: Sequence[dict[str, Any]], min_share: float
-) -> list[RankSignal]:
+def group_by_host(signals: list[RankSignal], records: Sequence[dict[str, Any]], min_share: float) -> list[RankSignal]:
     """Merge same-category signals of most ranks of one host into one host signal (shared NIC, CPU)."""
     host_size: dict[str, int] = {}
     for rec in records:
@@ -388,9 +353,7 @@ def group_by_host(
             continue
         top = max(sigs, key=lambda s: abs(s.score))
         ranks = tuple(sorted(s.rank for s in sigs))
-        evidence = dict(
-            top.evidence, scope="host", rank_scores={str(s.rank): round(s.score, 2) for s in sigs}
-        )
+        evidence = dict(top.evidence, scope="host", rank_scores={str(s.rank): round(s.score, 2) for s in sigs})
         out.append(
             RankSignal(
                 rank=-1, host=host, category=category, function=top.function, metric=top.metric,
@@ -401,23 +364,26 @@ def group_by_host(
     return out
 
 
-def score_stages(records: Sequence[dict[str, Any]], config: ScoringConfig | None = None) -> list[RankSignal]:
+def score_stages(
+    records: Sequence[dict[str, Any]], config: ScoringConfig | None = None, compute: PeerMatrix | None = None
+) -> list[RankSignal]:
     """A pipeline stage whose ranks compute longer than the other stages' (stage_imbalance).
 
     Every rank of a slow stage is slow alike, so no rank stands out within the stage; the stage
     stands out against the others, and the other stages pay for it waiting in p2p receives.
+    ``compute``, when given, holds the compute kernels' ``total_ns`` of every record.
     """
     cfg = config or ScoringConfig()
-    stages: dict[int, list[tuple[int, float]]] = {}
-    for rec in records:
-        pp = int(rec.get("pp_rank", -1))
-        compute = sum(
-            t for t, k in zip(rec["total_ns"], rec["kind"], strict=True) if k == FunctionKind.COMPUTE
-        )
-        stages.setdefault(pp, []).append((int(rec["rank"]), float(compute)))
-    if len(stages) < 2 or -1 in stages:
+    pp = [int(rec.get("pp_rank", -1)) for rec in records]
+    stages = dict.fromkeys(pp)
+    if not _staged(stages):
         return []
-    med = {s: float(np.median([c for _, c in v])) for s, v in stages.items()}
+    if compute is not None:
+        compute_ns = np.nansum(compute.features["total_ns"], axis=1)
+    else:
+        compute_ns = np.array([_compute_ns(rec) for rec in records], dtype=np.float64)
+    stage_of = np.array(pp, dtype=np.int64)
+    med = {s: float(np.median(compute_ns[stage_of == s])) for s in stages}
     slowest = max(med, key=lambda s: med[s])
     others = float(np.median([v for s, v in med.items() if s != slowest]))
     if others <= 0:
@@ -427,7 +393,7 @@ def score_stages(records: Sequence[dict[str, Any]], config: ScoringConfig | None
     loss = med[slowest] - others
     if gap < cfg.min_relative_gap or loss < budget:
         return []
-    ranks = tuple(sorted(r for r, _ in stages[slowest]))
+    ranks = tuple(sorted(int(rec["rank"]) for rec, s in zip(records, pp, strict=True) if s == slowest))
     return [
         RankSignal(
             rank=-1, host="", category="stage_imbalance", function="compute", metric="compute_ns",
@@ -439,40 +405,58 @@ def score_stages(records: Sequence[dict[str, Any]], config: ScoringConfig | None
     ]  # fmt: skip
 
 
+def _staged(stages: Iterable[int]) -> bool:
+    """Pipeline stages are known and there are several to compare."""
+    stages = set(stages)
+    return len(stages) >= 2 and -1 not in stages
+
+
+def _compute_ns(rec: dict[str, Any]) -> int:
+    return sum(t for t, k in zip(rec["total_ns"], rec["kind"], strict=True) if k == FunctionKind.COMPUTE)
+
+
+def _median_by_group(x: F64, group: I64, n_groups: int) -> F64:
+    """Column medians (NaN ignored, NaN when none) of each group's rows, as ``np.nanmedian`` gives
+    them: the two middle values summed and halved. Groups of one size share one sort."""
+    sizes = np.bincount(group, minlength=n_groups)
+    order = np.argsort(group, kind="stable")
+    starts = np.cumsum(sizes) - sizes
+    out = np.full((n_groups, x.shape[1]), np.nan)
+    for size in np.unique(sizes[sizes > 0]).tolist():
+        groups = np.flatnonzero(sizes == size)
+        block = np.sort(x[order[starts[groups][:, None] + np.arange(size)]], axis=1)  # NaN sorts last
+        count = size - np.isnan(block).sum(axis=1, keepdims=True)
+        high = count // 2
+        low = np.where(count % 2 == 1, high, high - 1)
+        pair = np.take_along_axis(block, np.clip(np.concatenate([low, high], axis=1), 0, size - 1), axis=1)
+        with np.errstate(invalid="ignore"):
+            out[groups] = np.where(count[:, 0] > 0, (pair[:, 0] + pair[:, 1]) / 2, np.nan)
+    return out
+
+
 def score_hosts(
-    records: Sequence[dict[str, Any]],
-    config: ScoringConfig | None = None,
-    scorer: OutlierScorer | None = None,
+    pm: PeerMatrix, config: ScoringConfig | None = None, scorer: OutlierScorer | None = None
 ) -> list[RankSignal]:
     """Hosts whose NIC/PCIe traffic fluctuates more than other hosts' during the same collectives.
 
     Congestion on a host's network path makes its transfers stall and burst; every rank of the host
     shares the pattern, so hosts (median over their ranks) are compared, not ranks. The estimated
-    loss is an upper bound: the transfer time of the collectives concerned.
+    loss is an upper bound: the transfer time of the collectives concerned. ``pm``: every rank's collectives.
     """
     cfg = config or ScoringConfig()
     score = scorer or cfg.scorer()
-    hosts = sorted({r["host"] for r in records})
+    hosts = sorted(set(pm.hosts))
     if len(hosts) < cfg.min_peers:
         return []
-    pm = PeerMatrix.build(records, ("mean_ns", "calls", "pcie_cv", "pcie_mean_bps"))
-    cols = np.flatnonzero(pm.kind == FunctionKind.COLLECTIVE)
-    if cols.size == 0:
+    if not pm.functions:
         return []
-    host_idx = np.array([hosts.index(h) for h in pm.hosts])
-
-    def by_host(feature: str) -> F64:
-        x = pm.features[feature][:, cols]
-        out = np.full((len(hosts), cols.size), np.nan)
-        with quiet_nan_warnings():
-            for h in range(len(hosts)):
-                out[h] = np.nanmedian(x[host_idx == h], axis=0)
-        return out
-
-    per_host, active_mean = by_host("pcie_cv"), by_host("pcie_mean_bps")
+    where = {h: i for i, h in enumerate(hosts)}
+    host_idx = np.fromiter(map(where.__getitem__, pm.hosts), dtype=np.int64, count=len(pm.hosts))
+    per_host = _median_by_group(pm.features["pcie_cv"], host_idx, len(hosts))
+    active_mean = _median_by_group(pm.features["pcie_mean_bps"], host_idx, len(hosts))
     with quiet_nan_warnings():
-        transfer = np.nanmin(pm.features["mean_ns"][:, cols], axis=0)
-    calls = np.nanmedian(pm.features["calls"][:, cols], axis=0)
+        transfer = np.nanmin(pm.features["mean_ns"], axis=0)
+    calls = np.nanmedian(pm.features["calls"], axis=0)
     sc, sm = score(per_host), score(active_mean)
     # On/off: full speed while it sends, stalled in between; the hosts it paces run at partial rates.
     flag = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.host_min_relative_gap) & (sm.z >= cfg.z_threshold)
@@ -484,7 +468,7 @@ def score_hosts(
         ranks = tuple(sorted(int(r) for r in pm.ranks[host_idx == h]))
         out.append(
             RankSignal(
-                rank=-1, host=hosts[h], category="link_slow", function=pm.functions[cols[j]],
+                rank=-1, host=hosts[h], category="link_slow", function=pm.functions[j],
                 metric="pcie_cv",
                 value=float(per_host[h, j]), peer_median=float(sc.median[j]), score=float(sc.z[h, j]),
                 loss_ns=float(loss[h]), ranks=ranks, subject=f"host:{hosts[h]}",
@@ -519,24 +503,40 @@ def explain_late_ranks(signals: list[RankSignal], records: Sequence[dict[str, An
     return out
 
 
-def peer_groups(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Ranks that should behave alike: the same pipeline stage (all ranks when unknown)."""
-    groups: dict[int, list[dict[str, Any]]] = {}
-    for rec in records:
-        groups.setdefault(int(rec.get("pp_rank", -1)), []).append(rec)
-    return list(groups.values())
+def peer_group_rows(records: Sequence[dict[str, Any]]) -> list[I64]:
+    """Rows of ranks that should behave alike: the same pipeline stage (all ranks when unknown)."""
+    groups: dict[int, list[int]] = {}
+    for i, rec in enumerate(records):
+        groups.setdefault(int(rec.get("pp_rank", -1)), []).append(i)
+    return [np.array(rows, dtype=np.int64) for rows in groups.values()]
 
 
 def score_iteration(
     records: Sequence[dict[str, Any]],
     config: ScoringConfig | None = None,
     scorer: OutlierScorer | None = None,
+    index: FunctionIndex | None = None,
 ) -> list[RankSignal]:
-    """Every signal of one iteration of one job: per peer group, grouped by host, plus hosts and stages."""
+    """Every signal of one iteration of one job: per peer group, grouped by host, plus hosts and stages.
+
+    One set of matrices serves every test; ``index`` (the job's, kept across iterations) spares
+    re-interning function names. Where ``gather`` cannot be used, ``PeerMatrix.build`` per group.
+    """
     cfg = config or ScoringConfig()
+    score = scorer or cfg.scorer()
+    staged = _staged(int(rec.get("pp_rank", -1)) for rec in records)
+    gathered = gather_matrices(records, index, staged)
+    pms = gathered or build_matrices(records)
     signals: list[RankSignal] = []
-    for group in peer_groups(records):
-        signals += score_peer_group(group, cfg, scorer)
+    for rows in peer_group_rows(records):
+        if rows.size < cfg.min_peers:
+            continue
+        if gathered is None and rows.size < len(records):
+            group = build_matrices([records[i] for i in rows.tolist()])
+        else:
+            group = pms.rows(rows)
+        signals += _score_group(group, cfg, score)
     signals = explain_late_ranks(signals, records)
     signals = group_by_host(signals, records, cfg.host_group_min_share)
-    return signals + score_hosts(records, cfg, scorer) + score_stages(records, cfg)
+    compute = gathered.of_kind(_COMPUTE) if gathered is not None and staged else None
+    return signals + score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + score_stages(records, cfg, compute)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,46 +27,44 @@ class GroupStats:
     cv: F64
 
 
+_QUANTILES = np.array([[0.5], [0.99]])
+
+
 def group_duration_stats(group: npt.NDArray[np.integer], dur: I64, n_groups: int) -> GroupStats:
     """Calls, total, mean, p50, p99 (linear interpolation), max and CV of ``dur`` per group.
 
     1. Sort by (group, duration) once; 2. group boundaries from bincount offsets;
-    3. percentiles by indexing the sorted durations at interpolated ranks.
+    3. percentiles by indexing the sorted durations at interpolated ranks, the maximum at the last.
     """
     group = np.asarray(group, dtype=np.int64)
     dur = np.asarray(dur, dtype=np.int64)
-    calls = np.bincount(group, minlength=n_groups).astype(np.int64)
+    calls = np.bincount(group, minlength=n_groups).astype(np.int64, copy=False)
     total = np.bincount(group, weights=dur, minlength=n_groups)
     sq = np.bincount(group, weights=dur.astype(np.float64) ** 2, minlength=n_groups)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = total / calls
-        var = np.maximum(sq / calls - mean**2, 0.0)
-        cv = np.where(mean > 0, np.sqrt(var) / mean, 0.0)
-    order = np.lexsort((dur, group))
-    sorted_dur = dur[order].astype(np.float64)
-    offsets = np.concatenate(([0], np.cumsum(calls)[:-1]))
-
-    def percentile(q: float) -> F64:
-        pos = offsets + q * np.maximum(calls - 1, 0)
-        lo = np.floor(pos).astype(np.int64)
-        hi = np.minimum(lo + 1, offsets + np.maximum(calls - 1, 0))
-        frac = pos - lo
-        out = np.full(n_groups, np.nan)
-        ok = calls > 0
-        out[ok] = sorted_dur[lo[ok]] * (1 - frac[ok]) + sorted_dur[hi[ok]] * frac[ok]
-        return out
-
-    mx = np.zeros(n_groups, dtype=np.int64)
-    if dur.size:
-        np.maximum.at(mx, group, dur)
+    sorted_int = dur[np.lexsort((dur, group))]
+    last = np.cumsum(calls) - 1
+    ok = calls > 0
+    calls_1 = np.maximum(calls, 1)  # empty groups divide by 1 and are masked after: no warnings to silence
+    mean = total / calls_1
+    var = np.maximum(sq / calls_1 - mean**2, 0.0)
+    cv = np.where(mean > 0, np.sqrt(var) / np.where(mean > 0, mean, 1.0), 0.0)
+    # p50 and p99 at once: rank offset + q (calls - 1), interpolated between its two neighbours; empty
+    # groups read the NaN after the sorted durations.
+    span = np.maximum(calls - 1, 0)
+    pos = (last - span) + _QUANTILES * span
+    lo = np.where(ok, np.floor(pos).astype(np.int64), dur.size)
+    hi = np.where(ok, np.minimum(lo + 1, last), dur.size)
+    frac = pos - lo
+    sorted_dur = np.concatenate((sorted_int.astype(np.float64), [np.nan]))
+    pct = sorted_dur[lo] * (1 - frac) + sorted_dur[hi] * frac
     return GroupStats(
         calls=calls,
         total=total.astype(np.int64),
-        mean=np.where(calls > 0, mean, np.nan),
-        p50=percentile(0.5),
-        p99=percentile(0.99),
-        max=mx,
-        cv=np.nan_to_num(cv),
+        mean=np.where(ok, mean, np.nan),
+        p50=pct[0],
+        p99=pct[1],
+        max=np.where(ok, np.maximum(sorted_int[np.maximum(last, 0)], 0) if dur.size else 0, 0),
+        cv=cv,
     )
 
 
@@ -76,47 +75,24 @@ def merge_intervals(start: I64, end: I64) -> tuple[I64, I64]:
     order = np.argsort(start, kind="stable")
     s = start[order]
     e = np.maximum.accumulate(end[order])
-    new = np.ones(s.size, dtype=bool)
-    new[1:] = s[1:] > e[:-1]
-    seg_start = s[new]
-    seg_last = np.flatnonzero(np.append(new[1:], True))
-    return seg_start, e[seg_last]
+    new = np.empty(s.size, dtype=bool)
+    new[0] = True
+    np.greater(s[1:], e[:-1], out=new[1:])
+    last = np.empty(s.size, dtype=bool)
+    last[:-1] = new[1:]
+    last[-1] = True
+    return s[new], e[last]
+
+
+def clip(x: I64, lo: int, hi: int) -> I64:
+    """``np.clip`` for int arrays, without its per-call overhead."""
+    return np.minimum(np.maximum(x, lo), hi)
 
 
 def covered_ns(start: I64, end: I64, lo: int, hi: int) -> int:
     """Length of the union of intervals clipped to [lo, hi)."""
-    s, e = merge_intervals(np.clip(start, lo, hi), np.clip(end, lo, hi))
+    s, e = merge_intervals(clip(start, lo, hi), clip(end, lo, hi))
     return int(np.sum(e - s))
-
-
-class RangeMax:
-    """O(1) maximum over any index range [lo, hi) after an O(n log n) sparse-table build."""
-
-    def __init__(self, values: F64) -> None:
-        self._levels = [np.asarray(values, dtype=np.float64)]
-        width = 1
-        while width * 2 <= len(values):
-            prev = self._levels[-1]
-            self._levels.append(np.maximum(prev[:-width], prev[width:]))
-            width *= 2
-
-    def query(self, lo: I64, hi: I64) -> F64:
-        """Max over values[lo:hi]; NaN where the range is empty."""
-        out = np.full(lo.shape, np.nan)
-        n = hi - lo
-        ok = n > 0
-        if not ok.any():
-            return out
-        k = np.floor(np.log2(n[ok])).astype(np.int64)
-        lo_ok, hi_ok = lo[ok], hi[ok]
-        res = np.empty(lo_ok.size)
-        for level in np.unique(k):
-            sel = k == level
-            table = self._levels[level]
-            width = 1 << int(level)
-            res[sel] = np.maximum(table[lo_ok[sel]], table[hi_ok[sel] - width])
-        out[ok] = res
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,28 +108,91 @@ class SampleStats:
 def samples_within(
     t: I64, value: F64, start: I64, end: I64, group: npt.NDArray[np.integer], n_groups: int
 ) -> SampleStats:
-    """Join samples (t, value) onto intervals [start, end] and pool them per interval group.
+    """Join samples (t, value) onto intervals [start, end] and pool them per interval group (``t``
+    sorted); an interval with no sample adds nothing. One signal of ``link_stats``."""
+    ls = link_stats(t, value, [0, t.size], np.zeros(t.size, dtype=bool), start, end, group, n_groups)
+    return SampleStats(count=ls.count[0], mean=ls.mean[0], cv=ls.cv[0], peak=ls.peak[0])
 
-    ``t`` must be sorted. Prefix sums give each interval's sum and sum of squares, a sparse table
-    its peak; bincount pools intervals of the same group. An interval with no sample adds nothing.
+
+@dataclass(frozen=True, slots=True)
+class LinkStats:
+    """Per signal (row) and group (column): count, mean, peak and CV of every sample inside the group's
+    intervals, and the mean of the active samples among them; NaN where none fell inside."""
+
+    count: I64
+    mean: F64
+    peak: F64
+    cv: F64
+    active_mean: F64
+
+
+def link_stats(
+    t: I64,
+    value: F64,
+    bounds: list[int],
+    active: npt.NDArray[np.bool_],
+    start: I64,
+    end: I64,
+    group: npt.NDArray[np.integer],
+    n_groups: int,
+) -> LinkStats:
+    """Join samples onto intervals [start, end] for several signals at once and pool them per group:
+    samples ``bounds[i]:bounds[i + 1]`` are signal i, each sorted by time.
+
+    1. ``searchsorted`` gives each interval's samples as an index range, per signal;
+    2. the signals go into the rows of one zero-padded array (value, square, active flag, active
+       value), and one ``reduceat`` over the interleaved range bounds sums every range of every row
+       (its even entries; an empty range reads one element and is masked), another takes the peaks;
+    3. one ``bincount`` pools the (signal, group) pairs.
+    Sums run over each range's own samples, so a sample far from an interval cannot round it away.
     """
-    group = np.asarray(group, dtype=np.int64)
-    lo = np.searchsorted(t, start, side="left")
-    hi = np.searchsorted(t, end, side="right")
-    cs = np.concatenate(([0.0], np.cumsum(value)))
-    css = np.concatenate(([0.0], np.cumsum(value * value)))
-    count = np.bincount(group, weights=hi - lo, minlength=n_groups).astype(np.int64)
-    s = np.bincount(group, weights=cs[hi] - cs[lo], minlength=n_groups)
-    ss = np.bincount(group, weights=css[hi] - css[lo], minlength=n_groups)
-    peak_each = RangeMax(value).query(lo, hi) if value.size else np.full(lo.shape, np.nan)
-    peak = np.full(n_groups, -np.inf)
+    k, m = len(bounds) - 1, start.size
+    width = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
+    lo = np.empty((k, m), dtype=np.intp)
+    hi = np.empty((k, m), dtype=np.intp)
+    rows = np.zeros((4, k * width + 1))  # + a last column, so a range may end at the last sample
+    peaks_in = np.full(k * width + 1, -np.inf)
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        ts = t[a:b]
+        lo[i] = ts.searchsorted(start, side="left") + i * width
+        hi[i] = ts.searchsorted(end, side="right") + i * width
+        rows[0, i * width : i * width + b - a] = value[a:b]
+        rows[2, i * width : i * width + b - a] = active[a:b]
+    np.multiply(rows[0], rows[0], out=rows[1])
+    np.copyto(rows[3], rows[0], where=rows[2] > 0)
+    peaks_in[:-1] = rows[0, :-1]
+    ranges = np.empty(2 * k * m, dtype=np.intp)
+    ranges[0::2] = lo.ravel()
+    ranges[1::2] = hi.ravel()
+    some = (hi > lo).ravel()
+    sums = np.zeros((5, k * m))
+    peak_each = np.full(k * m, np.nan)
+    if ranges.size:
+        np.copyto(sums[:4], np.add.reduceat(rows, ranges, axis=1)[:, 0::2], where=some)
+        np.copyto(peak_each, np.maximum.reduceat(peaks_in, ranges)[0::2], where=some)
+    np.subtract(hi.ravel(), lo.ravel(), out=sums[4], casting="unsafe")
+    size = k * n_groups
+    pair = np.asarray(group, dtype=np.int64) + (np.arange(5 * k) * n_groups)[:, None]
+    pooled = np.bincount(pair.ravel(), weights=sums.ravel(), minlength=5 * size).reshape(5, size)
+    s, ss, n_on, s_on = pooled[0], pooled[1], pooled[2].astype(np.int64), pooled[3]
+    count = pooled[4].astype(np.int64)
+    peak = np.full(size, -np.inf)
     has = ~np.isnan(peak_each)
-    np.maximum.at(peak, group[has], peak_each[has])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(count > 0, s / count, np.nan)
-        var = np.maximum(ss / count - mean**2, 0.0)
-        cv = np.where((count > 0) & (mean > 0), np.sqrt(var) / mean, np.nan)
-    return SampleStats(count=count, mean=mean, cv=cv, peak=np.where(count > 0, peak, np.nan))
+    np.maximum.at(peak, pair[:k].ravel()[has], peak_each[has])
+    some_group = count > 0
+    mean = np.where(some_group, s / np.maximum(count, 1), np.nan)
+    var = np.maximum(ss / np.maximum(count, 1) - mean**2, 0.0)
+    positive = some_group & (mean > 0)
+    cv = np.where(positive, np.sqrt(var) / np.where(positive, mean, 1.0), np.nan)
+    active_mean = np.where(n_on > 0, s_on / np.maximum(n_on, 1), np.nan)
+    shape = (k, n_groups)
+    return LinkStats(
+        count=count.reshape(shape),
+        mean=mean.reshape(shape),
+        peak=np.where(some_group, peak, np.nan).reshape(shape),
+        cv=cv.reshape(shape),
+        active_mean=active_mean.reshape(shape),
+    )
 
 
 @dataclass(frozen=True, slots=True)

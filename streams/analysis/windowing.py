@@ -12,16 +12,17 @@ Events that arrive for an already closed step are counted as late and dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
+from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, parse_step_marker
 from fleetscope.schemas.vocabulary import host_phase
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
-from fleetscope.streams.analysis.patterns import IterationEvents, summarize_iteration
+from fleetscope.streams.analysis.patterns import IterationEvents, NameTable, summarize_iteration
 
 Cols = dict[str, npt.NDArray[Any]]
 
@@ -32,6 +33,8 @@ _TIME_COLUMN = {
     EventKind.THROUGHPUT: "t_ns",
 }
 _ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
+_KEPT = {kind: [(c, c in _ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
+"""Per kind, the batch columns the windower buffers and whether each indexes the name dictionary."""
 _MAX_STEP = 2**62
 """Step markers beyond this are ignored: their number would not fit the records' Avro long."""
 
@@ -71,6 +74,11 @@ class WindowerCounters:
     iterations: int = 0
 
 
+@lru_cache(maxsize=64)
+def _declared(streams: tuple[str, ...]) -> frozenset[EventKind]:
+    return frozenset(k for k in EventKind if k.value in streams)
+
+
 def identity(header: BatchHeader) -> dict[str, Any]:
     return {
         "job": header.job,
@@ -96,7 +104,7 @@ class RankWindower:
     _name_ids: dict[str, int] = field(default_factory=dict)
     _buffers: dict[EventKind, Cols] = field(default_factory=dict)
     _watermark: dict[EventKind, int] = field(default_factory=dict)
-    _declared_by: dict[str, set[EventKind]] = field(default_factory=dict)
+    _declared_by: dict[str, frozenset[EventKind]] = field(default_factory=dict)
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     _closed_step: int = -(2**62)
     _closed_end_ns: int = -(2**62)
@@ -111,22 +119,31 @@ class RankWindower:
     _pgs: set[int] = field(default_factory=set)
     _collectives_seen: int = 0
     _progress: list[dict[str, Any]] = field(default_factory=list)
+    _table: NameTable = field(default_factory=NameTable)
+    _luts: dict[EventKind, tuple[list[str], npt.NDArray[np.int32]]] = field(default_factory=dict)
+    """Per kind, the last batch's name dictionary and its ids in ``_names``: producers resend the same one."""
+    _marker_steps: list[int | None] = field(default_factory=list)
+    """Step number of each name of ``_names`` that is a step marker."""
+    _is_marker: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    _mean_ns: float = 0.0
+    _gpu_end_memo: tuple[tuple[int, int], Cols | None, Cols | None, int] | None = None
+    """The last ``_gpu_end`` answer and the kernel/collective buffers it read (buffers are replaced, never
+    changed in place): the steps' readiness checks ask again after every batch."""
 
     def add(self, batch: EventBatch, now_ns: int) -> list[ClosedIteration]:
         """Take one batch; return the iterations it allowed to close."""
         self.header = batch.header
-        self._declared_by[batch.header.producer_id] = {
-            k for k in EventKind if k.value in batch.header.streams
-        }
+        self._declared_by[batch.header.producer_id] = _declared(batch.header.streams)
         self.last_arrival_ns = now_ns
         if self.first_arrival_ns is None:
             self.first_arrival_ns = now_ns
         self.counters.batches += 1
-        self.counters.events += len(batch)
-        if len(batch) == 0:
+        n = len(batch)
+        self.counters.events += n
+        if n == 0:
             return []
-        self._track_progress(batch)
-        cols = self._columns(batch)
+        latest = self._track_progress(batch)
+        cols = self._columns(batch, size=n)
         kind = batch.kind
         if kind is EventKind.PYTHON:
             cols = self._take_step_markers(cols)
@@ -135,13 +152,18 @@ class RankWindower:
         elif kind is EventKind.COLLECTIVES and self._mode in ("", "collective_period"):
             self._detect_collective_period(cols)
         time_col = _TIME_COLUMN[kind]
-        late = cols[time_col] < self._closed_end_ns
-        if late.any():
-            self.counters.late_events += int(late.sum())
+        t = cols[time_col]
+        if t.size and int(np.minimum.reduce(t)) < self._closed_end_ns:
+            late = t < self._closed_end_ns
+            self.counters.late_events += int(np.count_nonzero(late))
             cols = {k: v[~late] for k, v in cols.items()}
+            latest = None
         if cols[time_col].size:
-            high = cols["start_ns"] + cols["dur_ns"] if kind is EventKind.PYTHON else cols[time_col]
-            self._watermark[kind] = max(self._watermark.get(kind, -(2**62)), int(high.max()))
+            if kind is EventKind.PYTHON:
+                latest = int(np.maximum.reduce(cols["start_ns"] + cols["dur_ns"]))
+            elif latest is None or kind is not EventKind.THROUGHPUT:
+                latest = int(np.maximum.reduce(cols[time_col]))
+            self._watermark[kind] = max(self._watermark.get(kind, -(2**62)), latest)
             buf = self._buffers.get(kind)
             self._buffers[kind] = (
                 cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
@@ -175,18 +197,22 @@ class RankWindower:
     # -- internals -------------------------------------------------------------------------------
 
     def _mean_iteration_ns(self) -> float:
-        return float(np.mean(self._durations)) if self._durations else 0.0
+        return self._mean_ns
 
-    def _track_progress(self, batch: EventBatch) -> None:
+    def _track_progress(self, batch: EventBatch) -> int | None:
+        """Move the rank's clock on; return the latest sample time of a hardware batch."""
+        latest = None
         if batch.kind is EventKind.THROUGHPUT:
-            self._clock_ns = max(self._clock_ns, int(batch["t_ns"].max()))
+            latest = int(np.maximum.reduce(batch["t_ns"]))
+            self._clock_ns = max(self._clock_ns, latest)
         else:
-            end = int((batch["start_ns"] + batch["dur_ns"]).max())
+            end = int(np.maximum.reduce(batch["start_ns"] + batch["dur_ns"]))
             self._last_progress_ns = max(self._last_progress_ns, end)
             self._clock_ns = max(self._clock_ns, end)
         mean = self._mean_iteration_ns()
         if mean:
             self._check_stall(self._clock_ns, mean)
+        return latest
 
     def _check_stall(self, clock_ns: int, mean_ns: float) -> None:
         stalled = clock_ns - self._last_progress_ns >= self.config.stall_factor * mean_ns
@@ -206,31 +232,35 @@ class RankWindower:
             self._names.append(name)
         return gid
 
-    def _columns(self, batch: EventBatch) -> Cols:
-        lut = np.array([self._intern(n) for n in batch.names], dtype=np.int32)
-        cols: Cols = {}
-        for name, col in batch.columns.items():
-            if name == "launch_ns":
-                continue
-            cols[name] = lut[col] if name in _ID_COLUMNS else col
+    def _columns(self, batch: EventBatch, size: int) -> Cols:
+        known = self._luts.get(batch.kind)
+        if known is not None and known[0] == batch.names:
+            lut = known[1]
+        else:
+            lut = np.array([self._intern(name) for name in batch.names], dtype=np.int32)
+            self._luts[batch.kind] = (list(batch.names), lut)
+        columns = batch.columns
+        cols: Cols = {name: lut[columns[name]] if is_id else columns[name] for name, is_id in _KEPT[batch.kind]}
         if batch.kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
-            launch = batch.columns["launch_ns"]
-            cols["assign_ns"] = launch if launch.size == len(batch) else batch.columns["start_ns"]
+            launch = columns["launch_ns"]
+            cols["assign_ns"] = launch if launch.size == size else columns["start_ns"]
         return cols
 
     def _take_step_markers(self, cols: Cols) -> Cols:
         ids = cols["name_id"]
-        uniq = np.unique(ids)
-        marker_step = {int(i): parse_step_marker(self._names[i]) for i in uniq}
-        marker_ids = [i for i, s in marker_step.items() if s is not None]
-        if not marker_ids:
+        steps = self._marker_steps
+        if len(steps) < len(self._names):
+            new = [parse_step_marker(n) for n in self._names[len(steps) :]]
+            steps += new
+            self._is_marker = np.concatenate((self._is_marker, np.array([s is not None for s in new], dtype=bool)))
+        is_marker = self._is_marker[ids]
+        if not is_marker.any():
             return cols
-        is_marker = np.isin(ids, marker_ids)
         if self._mode != "step_marker":  # explicit markers beat every inferred boundary
             self._mode = "step_marker"
             self._steps.clear()
         for i in np.flatnonzero(is_marker):
-            step = marker_step[int(ids[i])]
+            step = steps[int(ids[i])]
             if step is not None and self._closed_step < step < _MAX_STEP:
                 start = int(cols["start_ns"][i])
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
@@ -297,14 +327,18 @@ class RankWindower:
         return True
 
     def _gpu_end(self, start: int, end: int) -> int:
+        bufs = (self._buffers.get(EventKind.KERNELS), self._buffers.get(EventKind.COLLECTIVES))
+        memo = self._gpu_end_memo
+        if memo is not None and memo[0] == (start, end) and memo[1] is bufs[0] and memo[2] is bufs[1]:
+            return memo[3]
         gpu_end = end
-        for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
-            buf = self._buffers.get(kind)
+        for buf in bufs:
             if buf is None:
                 continue
             sel = (buf["assign_ns"] >= start) & (buf["assign_ns"] < end)
             if sel.any():
-                gpu_end = max(gpu_end, int((buf["start_ns"][sel] + buf["dur_ns"][sel]).max()))
+                gpu_end = max(gpu_end, int(np.maximum.reduce(buf["start_ns"][sel] + buf["dur_ns"][sel])))
+        self._gpu_end_memo = ((start, end), bufs[0], bufs[1], gpu_end)
         return gpu_end
 
     def _close(self, force: bool, now_ns: int) -> list[ClosedIteration]:
@@ -325,12 +359,17 @@ class RankWindower:
         parts: dict[EventKind, Cols] = {}
         for kind, buf in self._buffers.items():
             t = buf[_TIME_COLUMN[kind]]
-            if kind is EventKind.THROUGHPUT:
-                inside = (t >= start) & (t <= gpu_end)
-                keep = t >= end
-            else:
-                inside = (t >= start) & (t < end)
-                keep = t >= end
+            samples = kind is EventKind.THROUGHPUT  # hardware samples run on to the end of the step's GPU work
+            if t.size < 2 or bool((t[1:] >= t[:-1]).all()):  # in time order, as sent: slices, not masks
+                first = int(t.searchsorted(start, side="left"))
+                stop = int(t.searchsorted(gpu_end if samples else end, side="right" if samples else "left"))
+                kept = int(t.searchsorted(end, side="left"))
+                parts[kind] = {k: v[first:stop] for k, v in buf.items()}
+                # copies, so the closed step's events do not stay referenced by what is kept
+                self._buffers[kind] = {k: v[kept:].copy() for k, v in buf.items()} if kept else buf
+                continue
+            inside = (t >= start) & ((t <= gpu_end) if samples else (t < end))
+            keep = t >= end
             parts[kind] = {k: v[inside] for k, v in buf.items()}
             self._buffers[kind] = {k: v[keep] for k, v in buf.items()}
         self._closed_step = step
@@ -344,9 +383,11 @@ class RankWindower:
             collectives=parts.get(EventKind.COLLECTIVES, {}),
             python=parts.get(EventKind.PYTHON, {}),
             samples=parts.get(EventKind.THROUGHPUT, {}),
+            table=self._table,
         )
         figures, patterns = summarize_iteration(events)
         self._durations = (self._durations + [figures["duration_ns"]])[-20:]
+        self._mean_ns = float(np.add.reduce(np.asarray(self._durations), dtype=np.float64) / len(self._durations))
         who = identity(self.header) if self.header else {}
         self.counters.iterations += 1
         iteration = {

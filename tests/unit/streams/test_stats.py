@@ -3,7 +3,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetscope.streams.analysis.stats import (
-    RangeMax,
     covered_ns,
     group_duration_stats,
     merge_intervals,
@@ -45,16 +44,24 @@ def test_merged_intervals_cover_exactly_the_union(spans):
     assert covered_ns(start, end, 100, 600) == covered[100:600].sum()
 
 
-@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=100), st.data())
-def test_range_max_equals_slice_max(values, data):
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=60), st.data())
+def test_samples_within_matches_a_loop_over_intervals(values, data):
     v = np.array(values)
-    lo = data.draw(st.integers(0, len(v)))
-    hi = data.draw(st.integers(lo, len(v)))
-    got = RangeMax(v).query(np.array([lo]), np.array([hi]))[0]
-    if hi == lo:
-        assert np.isnan(got)
-    else:
-        assert got == v[lo:hi].max()
+    t = np.sort(np.array(data.draw(st.lists(st.integers(0, 100), min_size=v.size, max_size=v.size))))
+    spans = data.draw(st.lists(st.tuples(st.integers(-5, 105), st.integers(0, 30), st.integers(0, 2)), max_size=12))
+    start = np.array([s for s, _, _ in spans], dtype=np.int64)
+    end = start + np.array([d for _, d, _ in spans], dtype=np.int64)
+    group = np.array([g for _, _, g in spans], dtype=np.int64)
+    got = samples_within(t, v, start, end, group, 3)
+    for g in range(3):
+        inside = [x for s, e, h in zip(start, end, group, strict=True) if h == g for tt, x in zip(t, v, strict=True)
+                  if s <= tt <= e]  # fmt: skip
+        assert got.count[g] == len(inside)
+        if not inside:
+            assert np.isnan(got.mean[g]) and np.isnan(got.peak[g])
+            continue
+        assert got.peak[g] == max(inside)
+        assert np.isclose(got.mean[g], np.mean(inside), rtol=1e-9, atol=1e-6)
 
 
 def test_samples_within_pools_samples_per_group():

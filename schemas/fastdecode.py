@@ -1,0 +1,454 @@
+"""Column-oriented Avro batches decoded straight into numpy columns, without a Python object per value.
+
+fastavro builds a Python int or float for every value and numpy then copies the lists again: for a
+batch of a thousand events that is most of the decode cost. Our raw batches are records of arrays of
+numbers, so this decoder walks each record once with scalar reads (the header, block counts, strings)
+and decodes the numbers in bulk afterwards:
+
+1. The walk notes where each array block of longs/ints starts and how many values it holds. A varint
+   ends at a byte < 0x80; the positions of the buffer's bytes < 0x80 (one ``nonzero``), and how many
+   of them come before the block (``bytes.translate`` counts those since the last block), give where
+   the block ends without decoding it. Doubles are taken with ``np.frombuffer``. Arrays written in
+   several blocks (a negative count carries a byte size, which is skipped) are consecutive values.
+2. Every varint at once: each one's first 8 bytes are read as a little-endian word (an unaligned view
+   with a one-byte stride over the zero-padded buffer), bytes past its end are masked off, and the
+   7-bit groups are packed in three steps, each adding a multiple of the lower group of every pair
+   (SWAR); bytes 9 and 10 of long varints are added on top, and zigzag decoding is one vector step.
+   ``decode_many`` puts several messages in one buffer, so a whole take of messages is one pass.
+3. Runs of scalar and string fields (the header's identity, the name dictionary) repeat in every
+   batch of a producer, so their decoded values are kept by their exact bytes: a later message whose
+   bytes at that point equal a kept run's decodes to the same values and takes the same bytes. Fields
+   that change with every batch (``seq``, ``sent_ns``) end a run and are always decoded.
+4. Schema resolution covers what the catalog uses: fields the reader added (taken from their
+   defaults) and fields it dropped (skipped). Types must otherwise match.
+
+The decoder vouches only for input it fully understands: a schema outside that subset, and any
+malformed, truncated, over-long or out-of-range input, gives None, and the caller decodes the message
+with fastavro, which stays the reference and decides the error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+_LONG, _DOUBLE, _STRING, _STRINGS, _VARINTS, _DOUBLES, _RECORD, _RUN = range(8)
+_MEMO_CODES = frozenset({_LONG, _DOUBLE, _STRING, _STRINGS})
+_VOLATILE = frozenset({"seq", "sent_ns"})
+_RUN_ENTRIES = 512
+_RUN_BYTES = 4096
+_RUN_LENGTHS = 8
+"""Kept runs per field run, the longest run kept, and the distinct run lengths tried per message."""
+_HIGH_BYTES = bytes(range(0x80, 0x100))
+_PAD = bytes(16)
+_LOW_MASKS = np.array([0] + [(1 << (8 * k)) - 1 for k in range(1, 8)] + [2**64 - 1] * 3, dtype=np.uint64)
+"""By varint length: its bytes among the first 8."""
+_HIGH_MASKS = np.array([0] * 9 + [0xFF, 0xFFFF], dtype=np.uint64)
+"""By varint length: its bytes 9 and 10."""
+
+
+def _u64(value: int) -> npt.NDArray[np.uint64]:
+    return np.array(value, dtype=np.uint64)  # 0-d arrays: cheaper in ufuncs than numpy scalars
+
+
+_ONE, _SEVEN, _THREE, _FIFTEEN, _SHIFT56 = (_u64(v) for v in (1, 7, 3, 15, 56))
+_B7F, _B80, _B7F7F = _u64(0x7F), _u64(0x80), _u64(0x7F7F7F7F7F7F7F7F)
+_LANE16, _LANE32, _LANE64 = _u64(0x007F007F007F007F), _u64(0x0000FFFF0000FFFF), _u64(0x00000000FFFFFFFF)
+_DOUBLE_LE = struct.Struct("<d")
+_ARRAY_DTYPES: dict[str, type[np.generic]] = {"long": np.int64, "int": np.int32, "double": np.float64}
+
+
+class Unsupported(Exception):
+    """A schema (or writer/reader pair) outside the subset this decoder implements."""
+
+
+class _Malformed(Exception):
+    """Input this decoder will not vouch for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How to read one record: (step code, output name or None to skip, argument) per written field,
+    then the reader's added fields with their defaults."""
+
+    steps: tuple[tuple[int, str | None, Any], ...]
+    defaults: tuple[tuple[str, Any], ...]
+
+
+class _Run:
+    """Consecutive scalar/string fields whose decoded values are kept by their bytes."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.kept: dict[bytes, tuple[tuple[str, Any], ...]] = {}
+        self.lengths: tuple[int, ...] = ()
+        """Byte lengths of the kept runs, most recently used first."""
+
+    def read(self, msg: _Message, out: dict[str, Any]) -> None:
+        data, pos = msg.data, msg.pos
+        for length in self.lengths:
+            hit = self.kept.get(data[pos : pos + length]) if pos + length <= msg.limit else None
+            if hit is not None:
+                msg.pos = pos + length
+                for name, value in hit:
+                    out[name] = list(value) if isinstance(value, list) else value
+                if length != self.lengths[0]:
+                    self.lengths = (length, *(n for n in self.lengths if n != length))
+                return
+        values = msg.record(self.plan)
+        out.update(values)
+        length = msg.pos - pos
+        if length > _RUN_BYTES:
+            return
+        if len(self.kept) >= _RUN_ENTRIES:
+            self.kept = {}
+        self.kept[data[pos : msg.pos]] = tuple((k, list(v) if isinstance(v, list) else v) for k, v in values.items())
+        self.lengths = (length, *(n for n in self.lengths if n != length))[:_RUN_LENGTHS]
+
+
+class _Message:
+    """One message being decoded: the scalar walk's position and the varints it left for the bulk step."""
+
+    __slots__ = ("data", "pos", "limit", "stops", "counted_pos", "counted_stops", "runs", "run_open", "pending")
+
+    def __init__(self, data: bytes, pos: int, limit: int, stops: npt.NDArray[np.intp], stops_before: int) -> None:
+        self.data = data
+        """The buffer that holds the message at ``pos:limit`` (several messages share one buffer)."""
+        self.pos = pos
+        self.limit = limit
+        self.stops = stops
+        """Positions of the buffer's bytes < 0x80: the end bytes of varints, among others."""
+        self.counted_pos = pos
+        self.counted_stops = stops_before
+        """How many of ``stops`` come before ``counted_pos``."""
+        self.runs: list[list[int]] = []
+        """[first, end) indices into ``stops`` of the end bytes of consecutive varints (blocks and the
+        counts between them); the end byte before ``first`` is the one of the first block's count."""
+        self.run_open = False
+        self.pending: list[tuple[dict[str, Any], str, str, list[tuple[int, int]]]] = []
+        """(record, field, avro type, blocks as (index in ``stops`` of the first value's end byte, values))."""
+
+    def long(self) -> int:
+        data, pos = self.data, self.pos
+        b = data[pos]
+        n = b & 0x7F
+        shift = 7
+        while b & 0x80:
+            pos += 1
+            if shift > 63:
+                raise _Malformed("varint longer than 10 bytes")
+            b = data[pos]
+            n |= (b & 0x7F) << shift
+            shift += 7
+        if n >> 64:
+            raise _Malformed("varint beyond 64 bits")
+        self.pos = pos + 1
+        return (n >> 1) ^ -(n & 1)
+
+    def raw(self, size: int) -> bytes:
+        end = self.pos + size
+        if size < 0 or end > self.limit:
+            raise _Malformed("length past the end")
+        out = self.data[self.pos : end]
+        self.pos = end
+        self.run_open = False
+        return out
+
+    def string(self) -> str:
+        return self.raw(self.long()).decode("utf-8")
+
+    def count(self, item_bytes: int) -> int:
+        """Items in the next array block (0: the array ended)."""
+        n = self.long()
+        if n < 0:
+            n = -n
+            self.long()
+        if n * item_bytes > self.limit - self.pos:
+            raise _Malformed("block count past the end")
+        return n
+
+    def varint_block(self, n: int) -> tuple[int, int]:
+        k = self.counted_stops + len(self.data[self.counted_pos : self.pos].translate(None, _HIGH_BYTES))
+        if k + n > self.stops.size or self.stops[k + n - 1] >= self.limit:
+            raise _Malformed("varint block past the end")
+        if self.run_open:
+            self.runs[-1][1] = k + n
+        else:
+            self.runs.append([k, k + n])
+            self.run_open = True
+        self.pos = self.counted_pos = int(self.stops[k + n - 1]) + 1
+        self.counted_stops = k + n
+        return k, n
+
+    def record(self, plan: Plan) -> dict[str, Any]:
+        data = self.data
+        out: dict[str, Any] = {}
+        value: Any = None
+        for code, name, arg in plan.steps:
+            if code == _LONG:
+                b = data[self.pos]
+                if b < 0x80:
+                    self.pos += 1
+                    value = (b >> 1) ^ -(b & 1)
+                else:
+                    value = self.long()
+            elif code == _STRING:
+                value = self.string()
+            elif code == _VARINTS:
+                blocks = []
+                while n := self.count(1):
+                    blocks.append(self.varint_block(n))
+                if name is not None:
+                    self.pending.append((out, name, arg, blocks))
+                continue
+            elif code == _RUN:
+                arg.read(self, out)
+                self.run_open = False
+                continue
+            elif code == _DOUBLES:
+                parts = []
+                while n := self.count(8):
+                    parts.append(np.frombuffer(self.raw(8 * n), dtype="<f8").astype(np.float64))
+                value = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0)
+            elif code == _STRINGS:
+                value = []
+                while n := self.count(1):
+                    value += [self.string() for _ in range(n)]
+            elif code == _DOUBLE:
+                value = _DOUBLE_LE.unpack(self.raw(8))[0]
+            else:
+                value = self.record(arg)
+            if name is not None:
+                out[name] = value
+        for name, default in plan.defaults:
+            out[name] = default.copy() if isinstance(default, np.ndarray | list) else default
+        return out
+
+
+def _finish(msgs: list[_Message]) -> list[bool]:
+    """Decode every varint the walks noted (all messages of one buffer) in one vector pass and put the
+    arrays into their records; per message, whether it went well (an int out of range fails it alone).
+    Raises ``_Malformed`` when some varint is too long, without telling whose."""
+    runs = [run for m in msgs for run in m.runs]
+    if not runs:
+        return [True] * len(msgs)
+    stops = msgs[0].stops
+    if len(runs) == 1:
+        first, end = runs[0]
+        prev, ends = stops[first - 1 : end - 1], stops[first:end]
+    else:
+        prev = np.concatenate([stops[a - 1 : b - 1] for a, b in runs])
+        ends = np.concatenate([stops[a:b] for a, b in runs])
+    lens = ends - prev
+    widest = int(np.maximum.reduce(lens))
+    if widest > 10:
+        raise _Malformed("varint longer than 10 bytes")
+    begins = prev + 1
+    data = msgs[0].data
+    words = np.ndarray(shape=(len(data) + 8,), dtype="<u8", buffer=data + _PAD, strides=(1,))
+    raw = _swar_pack(words[begins] & _LOW_MASKS[lens])
+    if widest > 8:
+        high = words[begins + 8] & _HIGH_MASKS[lens]
+        if int(np.maximum.reduce(high)) >= 0x200:
+            raise _Malformed("varint beyond 64 bits")
+        raw |= ((high & _B7F) | ((high >> _ONE) & _B80)) << _SHIFT56
+    values = ((raw >> _ONE) ^ -(raw & _ONE)).view(np.int64)
+    run_starts = [a for a, _ in runs]
+    run_bases = list(itertools.accumulate((b - a for a, b in runs), initial=0))
+    alone = len(msgs) == 1
+    ok = []
+    for m in msgs:
+        fine = True
+        for record, name, avro_type, blocks in m.pending:
+            spans = []
+            for k, n in blocks:
+                r = bisect_right(run_starts, k) - 1
+                spans.append((run_bases[r] + k - run_starts[r], n))
+            if avro_type == "long":  # a copy when several messages share the array: each batch owns its columns
+                record[name] = _join(values, spans) if alone else _join(values, spans).copy()
+            elif not spans or int(np.maximum.reduce(_join(raw, spans))) < 2**32:  # zigzag: int32 <=> < 2**32
+                record[name] = _join(values, spans).astype(np.int32)
+            else:
+                fine = False
+        ok.append(fine)
+    return ok
+
+
+def _join(values: npt.NDArray[Any], spans: list[tuple[int, int]]) -> npt.NDArray[Any]:
+    if len(spans) == 1:
+        return values[spans[0][0] : spans[0][0] + spans[0][1]]
+    return np.concatenate([values[at : at + n] for at, n in spans]) if spans else values[:0]
+
+
+def _swar_pack(w: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """Pack the 7 low bits of the 8 bytes of little-endian words into 56 contiguous bits.
+
+    Each step merges neighbouring groups by adding a multiple of the lower one, which moves it up to
+    meet the higher one without a carry: the groups end up shifted left by 7, undone at the end."""
+    w = w & _B7F7F
+    w = w + (w & _LANE16)
+    w = w + (w & _LANE32) * _THREE
+    w = w + (w & _LANE64) * _FIFTEEN
+    return w >> _SEVEN
+
+
+def _type_name(schema: Any) -> str:
+    if isinstance(schema, str):
+        return schema
+    if isinstance(schema, dict) and isinstance(schema.get("type"), str) and not schema.get("logicalType"):
+        return str(schema["type"])
+    raise Unsupported(f"schema {schema!r}")
+
+
+def _default(schema: Any, value: Any) -> Any:
+    kind = _type_name(schema)
+    items = _type_name(schema["items"]) if kind == "array" else ""
+    try:
+        if items in _ARRAY_DTYPES:
+            return np.array(value, dtype=_ARRAY_DTYPES[items])
+        if items == "string" and all(isinstance(v, str) for v in value):
+            return list(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise Unsupported(f"default {value!r}") from exc
+    if type(value) is {"long": int, "int": int, "string": str, "double": float}.get(kind):
+        return value
+    raise Unsupported(f"default {value!r} of {kind}")
+
+
+def _step(writer: Any, reader: Any) -> tuple[int, Any]:
+    kind = _type_name(writer)
+    if kind != _type_name(reader):
+        raise Unsupported(f"{kind} read as {_type_name(reader)}")
+    if kind in ("long", "int"):
+        return _LONG, None
+    if kind in ("double", "string"):
+        return (_DOUBLE if kind == "double" else _STRING), None
+    if kind == "record":
+        return _RECORD, compile_plan(writer, reader)
+    if kind == "array":
+        items = _type_name(writer["items"])
+        if items != _type_name(reader["items"]):
+            raise Unsupported(f"array of {items} read as array of {_type_name(reader['items'])}")
+        if items in ("long", "int"):
+            return _VARINTS, items
+        if items in ("double", "string"):
+            return (_DOUBLES if items == "double" else _STRINGS), None
+    raise Unsupported(f"type {kind}")
+
+
+def compile_plan(writer: Any, reader: Any) -> Plan:
+    """How to read a record written with ``writer`` as ``reader`` (fastavro-parsed, expanded schemas).
+
+    Raises ``Unsupported`` outside the subset: records, strings, ints, longs, doubles and arrays of
+    strings and numbers, with reader fields added (with a default) or dropped.
+    """
+    if _type_name(writer) != "record" or _type_name(reader) != "record":
+        raise Unsupported("not a record")
+    if writer.get("name") != reader.get("name"):
+        raise Unsupported(f"record {writer.get('name')} read as {reader.get('name')}")
+    if any(f.get("aliases") for f in reader["fields"]):
+        raise Unsupported("field aliases")
+    reader_fields = {f["name"]: f for f in reader["fields"]}
+    steps: list[tuple[int, str | None, Any]] = []
+    run: list[tuple[int, str | None, Any]] = []
+    for f in writer["fields"]:
+        r = reader_fields.get(f["name"])
+        code, arg = _step(f["type"], r["type"] if r else f["type"])
+        if code in _MEMO_CODES and f["name"] not in _VOLATILE:
+            run.append((code, f["name"] if r else None, arg))
+            continue
+        if run:
+            steps.append((_RUN, None, _Run(Plan(tuple(run), ()))))
+            run = []
+        steps.append((code, f["name"] if r else None, arg))
+    if run:
+        steps.append((_RUN, None, _Run(Plan(tuple(run), ()))))
+    written = {f["name"] for f in writer["fields"]}
+    defaults = []
+    for name, f in reader_fields.items():
+        if name not in written:
+            if "default" not in f:
+                raise Unsupported(f"field {name} has no default")
+            defaults.append((name, _default(f["type"], f["default"])))
+    return Plan(tuple(steps), tuple(defaults))
+
+
+_plans: dict[tuple[int, int], tuple[Any, Any, Plan | None]] = {}
+
+
+def plan_for(writer: Any, reader: Any) -> Plan | None:
+    """The plan of a writer/reader pair, cached; None when the pair is outside the subset."""
+    hit = _plans.get((id(writer), id(reader)))
+    if hit is not None and hit[0] is writer and hit[1] is reader:
+        return hit[2]
+    try:
+        plan: Plan | None = compile_plan(writer, reader)
+    except (Unsupported, KeyError, TypeError):
+        plan = None
+    _plans[(id(writer), id(reader))] = (writer, reader, plan)
+    return plan
+
+
+def decode_columns(message: bytes, offset: int, writer: Any, reader: Any) -> dict[str, Any] | None:
+    """The record at ``message[offset:]`` (it must end the message), numeric arrays as numpy columns
+    (long: int64, int: int32, double: float64); None when this decoder does not vouch for the result."""
+    return decode_many([(message, offset, writer, reader)])[0]
+
+
+def decode_many(items: Sequence[tuple[bytes, int, Any, Any]]) -> list[dict[str, Any] | None]:
+    """``decode_columns`` of several (message, offset, writer, reader) at once: the messages share one
+    buffer, so finding the varints' end bytes and decoding them are one vector pass for all of them."""
+    out: list[dict[str, Any] | None] = [None] * len(items)
+    try:
+        todo = [(i, plan) for i, (_, _, w, r) in enumerate(items) if (plan := plan_for(w, r)) is not None]
+        if not todo:
+            return out
+        data = b"".join(items[i][0] for i, _ in todo)
+        stops = (np.frombuffer(data, dtype=np.uint8) < 0x80).nonzero()[0]
+        walked: list[tuple[int, _Message, dict[str, Any]]] = []
+        start = low = 0
+        for i, plan in todo:
+            message, offset = items[i][0], items[i][1]
+            head = message[:offset]
+            msg = _Message(
+                data, start + offset, start + len(message), stops, low + len(head.translate(None, _HIGH_BYTES))
+            )
+            record = _walk(msg, plan)
+            if record is not None:
+                walked.append((i, msg, record))
+            start += len(message)
+            if start < len(data):
+                low += len(message.translate(None, _HIGH_BYTES))
+        try:
+            fine = _finish([m for _, m, _ in walked])
+        except _Malformed:  # some message holds a bad varint: decode them one by one to find it
+            fine = [_finish_alone(m) for _, m, _ in walked]
+        for (i, _, record), good in zip(walked, fine, strict=True):
+            if good:
+                out[i] = record
+    except Exception:  # the reference decoder is always right; this one must never turn input into a crash
+        return [None] * len(items)
+    return out
+
+
+def _walk(msg: _Message, plan: Plan) -> dict[str, Any] | None:
+    """The message's record with its varint arrays still pending; None if it does not parse to its end."""
+    try:
+        record = msg.record(plan)
+    except Exception:  # this message only: the reference decoder will tell what is wrong with it
+        return None
+    return record if msg.pos == msg.limit else None
+
+
+def _finish_alone(msg: _Message) -> bool:
+    try:
+        return _finish([msg])[0]
+    except _Malformed:
+        return False

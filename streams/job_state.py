@@ -1,0 +1,186 @@
+"""The differential's crash recovery: each job's state record, and its pattern messages held until scored.
+
+A job's history (persistence windows, rolling medians, open findings and their versions) grows for as
+long as the job runs, so replay cannot rebuild it in bounded time; it is pickled into the job's state
+record instead, without the pattern records still waiting for ranks (replay brings those back). The
+record is unpickled by a loader that builds nothing but fleetscope's own classes. See ``recovery``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from faust.types import Message
+
+from fleetscope.schemas.topics import job_key
+from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
+from fleetscope.streams.recovery import EARLIEST, Holds, StateLog
+
+log = logging.getLogger(__name__)
+
+_JOB_STATE_FORMAT = b"\x01"
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A job's state record: the differential without its waiting pattern records (replay brings them
+    back), the offset of the last stall report it applied, and whether it was flushed since."""
+
+    job: JobDifferential
+    progress_offset: int
+    flushed: bool
+
+
+def dump_job_state(state: JobState) -> bytes:
+    return _JOB_STATE_FORMAT + pickle.dumps(
+        {"job": state.job, "progress_offset": state.progress_offset, "flushed": state.flushed}, protocol=5
+    )
+
+
+def load_job_state(data: bytes) -> JobState:
+    """Inverse of ``dump_job_state``; ``pickle.UnpicklingError`` for anything but the stage's own classes."""
+    if not data.startswith(_JOB_STATE_FORMAT):
+        raise pickle.UnpicklingError(f"unknown job state format {data[:1]!r}")
+    raw = _StateUnpickler(io.BytesIO(data[1:])).load()
+    if not isinstance(raw, dict) or not isinstance(raw.get("job"), JobDifferential):
+        raise pickle.UnpicklingError("job state record holds no JobDifferential")
+    return JobState(job=raw["job"], progress_offset=int(raw["progress_offset"]), flushed=bool(raw["flushed"]))
+
+
+_ALLOWED_GLOBALS = frozenset(
+    {
+        ("collections", "deque"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("numpy", "dtype"),
+        ("numpy", "ndarray"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.numeric", "_frombuffer"),
+    }
+)
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """Builds only fleetscope's own classes and a few containers: a state topic is no path to run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module.startswith("fleetscope."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        raise pickle.UnpicklingError(f"state record refers to {module}.{name}, which it may not")
+
+
+class DifferentialRecovery:
+    """The differential's jobs, their pattern messages held until scored, and their state records."""
+
+    def __init__(self, log: StateLog, config: DifferentialConfig | None) -> None:
+        self.log = log
+        self.config = config
+        self.jobs: dict[str, JobDifferential] = {}
+        self.holds: Holds[str] = Holds()
+        self.restored = 0
+        self.unreadable = 0
+        self._partition: dict[str, int] = {}
+        self._progress_offset: dict[str, int] = {}
+        self._flushed: dict[str, bool] = {}
+        self._written: dict[str, tuple[int, int, bool]] = {}
+        self._loaded: set[int] = set()
+
+    async def load(self, partitions: Collection[int]) -> list[str]:
+        """Restore the jobs of partitions not loaded yet; return those not flushed since their record."""
+        missing = set(partitions) - self._loaded
+        if not missing:
+            return []
+        unflushed: list[str] = []
+        for p, records in (await self.log.read(missing)).items():
+            for key, value in records.items():
+                try:
+                    state = load_job_state(value)
+                except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError) as exc:
+                    self.unreadable += 1
+                    log.error("state record of job %r is unreadable (%s); the job starts afresh", key, exc)
+                    continue
+                job = state.job.job
+                self.jobs[job] = state.job
+                self._partition[job] = p
+                self._progress_offset[job] = state.progress_offset
+                self._flushed[job] = state.flushed
+                self._written[job] = self._mark(job)
+                self.restored += 1
+                if not state.flushed:
+                    unflushed.append(job)
+        self._loaded |= missing
+        return unflushed
+
+    def job(self, name: str, partition: int) -> JobDifferential:
+        jd = self.jobs.get(name)
+        if jd is None:
+            jd = self.jobs[name] = JobDifferential(name, self.config)
+        self._partition[name] = partition
+        return jd
+
+    def replayed_progress(self, job: str, offset: int) -> bool:
+        """A stall report the job's state record applied already (re-read after a restart)."""
+        return offset <= self._progress_offset.get(job, -1)
+
+    def took(self, job: str, message: Message, iteration: int | None) -> None:
+        """``message`` was applied to ``job``: a pattern record of ``iteration`` (held until it is scored) or,
+        with None, a stall report (held until the next state record)."""
+        self._flushed[job] = False
+        horizon = EARLIEST
+        if iteration is None:
+            self._progress_offset[job] = max(self._progress_offset.get(job, -1), message.offset)
+        else:
+            horizon = iteration
+        self.holds.hold(job, horizon, message)
+
+    def skipped(self, job: str, message: Message) -> None:
+        """``message`` was not applied (a replayed stall report): ack it with the job's next release."""
+        self.holds.hold(job, EARLIEST, message)
+
+    def flushed(self, job: str) -> None:
+        self._flushed[job] = True
+
+    async def checkpoint(self, jobs: Iterable[str]) -> list[Message]:
+        """Write the state record of every job that changed, then release the messages records cover."""
+        out: list[Message] = []
+        for job in jobs:
+            jd = self.jobs.get(job)
+            if jd is None:
+                continue
+            mark = self._mark(job)
+            if mark != self._written.get(job):
+                state = JobState(job=jd, progress_offset=mark[1], flushed=mark[2])
+                await self.log.write(self._partition[job], job_key(job), dump_job_state(state))
+                self._written[job] = mark
+            out += self.holds.release(job, jd.scored_upto + 1)
+        return out
+
+    def revoke(self, partitions: Collection[int]) -> list[str]:
+        """Forget the jobs of revoked partitions; return them."""
+        jobs = [j for j, p in self._partition.items() if p in partitions]
+        self.holds.forget(jobs)
+        for job in jobs:
+            for table in (self.jobs, self._partition, self._progress_offset, self._flushed, self._written):
+                table.pop(job, None)
+        self._loaded -= set(partitions)
+        return jobs
+
+    def _mark(self, job: str) -> tuple[int, int, bool]:
+        return (
+            self.jobs[job].iterations_scored,
+            self._progress_offset.get(job, -1),
+            self._flushed.get(job, False),
+        )

@@ -1,0 +1,248 @@
+"""The vectorised iteration summary against a plain, loop-by-loop reading of its definition."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fleetscope.producers import SimulatorConfig, simulate
+from fleetscope.schemas import FunctionKind, classify_kernel
+from fleetscope.streams.analysis.patterns import (
+    ACTIVE_SHARE,
+    LINK_FAMILIES,
+    THROUGHPUT_SUFFIX,
+    IterationEvents,
+    NameTable,
+    collective_function_name,
+    summarize_iteration,
+)
+from fleetscope.streams.analysis.windowing import RankWindower
+
+NAMES = [
+    "gemm", "ncclDevKernel_AllReduce_RING_LL", "Memcpy HtoD", "flash_fwd", "forward", "backward",
+    "allreduce", "pg0", "pg1", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s", "pcie_tx_bytes_per_s",
+    "sm_clock_mhz", "all_gather",
+]  # fmt: skip
+KERNELS = [0, 1, 2, 3]
+PYTHON = [4, 5]
+OPS, PGS = [6, 13], [7, 8]
+METRICS = [9, 10, 11, 12]
+
+
+def union(intervals: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
+    """Covered length of [start, end) intervals clipped to [lo, hi], and the largest uncovered gap."""
+    spans = sorted((min(max(s, lo), hi), min(max(e, lo), hi)) for s, e in intervals)
+    covered, gap, reach = 0, 0, lo
+    for s, e in spans:
+        if s > reach:
+            gap = max(gap, s - reach)
+        covered += max(0, e - max(s, reach))
+        reach = max(reach, e)
+    return covered, max(gap, hi - reach)
+
+
+def reference(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, Any]]:
+    names, lo, hi = ev.names, ev.start_ns, ev.end_ns
+    k, c, p, smp = ev.kernels, ev.collectives, ev.python, ev.samples
+    kernel_spans = [
+        (int(s), int(s + d), int(i)) for s, d, i in zip(k["start_ns"], k["dur_ns"], k["name_id"], strict=True)
+    ]
+    comm = [(s, e) for s, e, i in kernel_spans if classify_kernel(names[i]) == FunctionKind.COLLECTIVE]
+    comp = [(s, e) for s, e, i in kernel_spans if classify_kernel(names[i]) != FunctionKind.COLLECTIVE]
+    comm += [(int(s), int(s + d)) for s, d in zip(c["start_ns"], c["dur_ns"], strict=True)]
+    busy, gap = union(comp + comm, lo, hi)
+    duration = max(hi - lo, 1)
+    figures = {
+        "gpu_busy_ns": busy, "compute_ns": union(comp, lo, hi)[0], "collective_ns": union(comm, lo, hi)[0],
+        "idle_ns": max(duration - busy, 0), "max_idle_gap_ns": gap, "kernels": len(kernel_spans) + len(c["start_ns"]),
+    }  # fmt: skip
+    functions: list[tuple[str, int, list[tuple[int, int]], list[tuple[int, int]]]] = []
+    for i in sorted({i for _, _, i in kernel_spans}):
+        calls = [(s, e) for s, e, j in kernel_spans if j == i]
+        functions.append((names[i], int(classify_kernel(names[i])), calls, []))
+    keys: dict[tuple[int, int, int], list[int]] = {}
+    for row, nbytes in enumerate(c["nbytes"].tolist()):
+        exp = math.ceil(math.log2(nbytes)) if nbytes > 0 else 0
+        keys.setdefault((int(c["op_id"][row]), int(c["pg_id"][row]), exp), []).append(row)
+    for (op, pg, exp), rows in sorted(keys.items()):
+        calls = [(int(c["start_ns"][r]), int(c["start_ns"][r] + c["dur_ns"][r])) for r in rows]
+        sizes = [(int(c["nbytes"][r]), int(c["group_size"][r])) for r in rows]
+        functions.append((collective_function_name(names[op], names[pg], 1 << exp if exp else 0), 2, calls, sizes))
+    for i in sorted(set(p["name_id"].tolist())):
+        spans = zip(p["start_ns"], p["dur_ns"], p["name_id"], strict=True)
+        calls = [(int(s), int(s + d)) for s, d, j in spans if j == i]
+        functions.append((names[i], int(FunctionKind.PYTHON), calls, []))
+    samples = list(zip(smp["t_ns"].tolist(), smp["metric_id"].tolist(), smp["value"].tolist(), strict=True))
+    rows: dict[str, list[Any]] = {}
+    for name, kind, calls, _sizes in functions:
+        d = np.array([e - s for s, e in calls], dtype=np.float64)
+        row: dict[str, Any] = {
+            "function": name, "kind": kind, "calls": len(calls), "total_ns": int(d.sum()), "mean_ns": d.mean(),
+            "p50_ns": np.percentile(d, 50), "p99_ns": np.percentile(d, 99), "max_ns": int(d.max()),
+            "cv": d.std() / d.mean() if d.mean() > 0 else 0.0, "share": d.sum() / duration,
+        }  # fmt: skip
+        for family in LINK_FAMILIES:
+            fam = [
+                (t, v) for t, m, v in samples if names[m].startswith(family) and names[m].endswith(THROUGHPUT_SUFFIX)
+            ]
+            top = max((v for _, v in fam), default=0.0)
+            inside = [v for s, e in calls for t, v in fam if s <= t <= e]
+            active = [v for v in inside if v >= ACTIVE_SHARE * top]
+            mean = float(np.mean(inside)) if inside else math.nan
+            row[f"{family}_peak_bps"] = max(inside) if inside else math.nan
+            row[f"{family}_cv"] = float(np.std(inside)) / mean if inside and mean > 0 else math.nan
+            row[f"{family}_mean_bps"] = float(np.mean(active)) if active else math.nan
+        for key, value in row.items():
+            rows.setdefault(key, []).append(value)
+    return figures, rows
+
+
+def assert_close(got: Any, want: Any, key: str) -> None:
+    got, want = np.asarray(got, dtype=float), np.asarray(want, dtype=float)
+    assert got.shape == want.shape, key
+    assert np.allclose(got, want, rtol=1e-9, atol=1e-9, equal_nan=True), (key, got, want)
+
+
+def check(ev: IterationEvents) -> None:
+    figures, patterns = summarize_iteration(ev)
+    want_figures, want_rows = reference(ev)
+    for key, value in want_figures.items():
+        assert figures[key] == value, key
+    assert patterns["function"] == want_rows.get("function", [])
+    assert list(patterns["kind"]) == want_rows.get("kind", [])
+    for key in ("calls", "total_ns", "max_ns", "mean_ns", "p50_ns", "p99_ns", "share"):
+        assert_close(patterns[key], want_rows.get(key, []), key)
+    assert_close(patterns["cv"], want_rows.get("cv", []), "cv")
+    for family in LINK_FAMILIES:
+        for stat in ("peak_bps", "mean_bps"):
+            assert_close(patterns[f"{family}_{stat}"], want_rows.get(f"{family}_{stat}", []), stat)
+        # the CV pools sums of squares: compare it loosely where the spread is tiny
+        got, want = np.asarray(patterns[f"{family}_cv"]), np.asarray(want_rows.get(f"{family}_cv", []), dtype=float)
+        assert np.allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True), (family, got, want)
+
+
+@st.composite
+def iterations(draw: st.DrawFn) -> IterationEvents:
+    lo = draw(st.integers(0, 1000))
+    hi = lo + draw(st.integers(0, 2000))
+    times = st.integers(lo - 300, hi + 300)
+    durations = st.integers(0, 400)
+
+    def spans(n: int, ids: list[int]) -> dict[str, np.ndarray]:
+        return {
+            "start_ns": np.array(draw(st.lists(times, min_size=n, max_size=n)), dtype=np.int64),
+            "dur_ns": np.array(draw(st.lists(durations, min_size=n, max_size=n)), dtype=np.int64),
+            "name_id": np.array(draw(st.lists(st.sampled_from(ids), min_size=n, max_size=n)), dtype=np.int32),
+        }
+
+    kernels = spans(draw(st.integers(0, 25)), KERNELS)
+    python = spans(draw(st.integers(0, 6)), PYTHON)
+    nc = draw(st.integers(0, 8))
+    collectives = spans(nc, [1])
+    collectives |= {
+        "op_id": np.array(draw(st.lists(st.sampled_from(OPS), min_size=nc, max_size=nc)), dtype=np.int32),
+        "pg_id": np.array(draw(st.lists(st.sampled_from(PGS), min_size=nc, max_size=nc)), dtype=np.int32),
+        "nbytes": np.array(draw(st.lists(st.integers(0, 2**40), min_size=nc, max_size=nc)), dtype=np.int64),
+        "group_size": np.array(draw(st.lists(st.integers(1, 16), min_size=nc, max_size=nc)), dtype=np.int32),
+    }
+    ns = draw(st.integers(0, 60))
+    t = sorted(draw(st.lists(times, min_size=ns, max_size=ns)))
+    samples = {
+        "t_ns": np.array(t, dtype=np.int64),
+        "metric_id": np.array(draw(st.lists(st.sampled_from(METRICS), min_size=ns, max_size=ns)), dtype=np.int32),
+        "value": np.array(draw(st.lists(st.sampled_from([0.0, 1e6, 3e9, 2.5e10]) | st.floats(0, 3e10),
+                                        min_size=ns, max_size=ns))),
+    }  # fmt: skip
+    return IterationEvents(step=1, start_ns=lo, end_ns=hi, names=NAMES, kernels=kernels,
+                           collectives=collectives, python=python, samples=samples)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(iterations())
+def test_the_summary_matches_the_definition_on_random_iterations(ev: IterationEvents) -> None:
+    check(ev)
+
+
+def test_the_summary_matches_the_definition_on_simulated_iterations() -> None:
+    captured: list[IterationEvents] = []
+    import fleetscope.streams.analysis.windowing as windowing
+
+    original = windowing.summarize_iteration
+    windowing.summarize_iteration = lambda ev: (captured.append(ev), original(ev))[1]  # type: ignore[assignment]
+    try:
+        w = RankWindower()
+        for batch in simulate(SimulatorConfig(job="ref", ranks=2, iterations=4, tp=2)):
+            if batch.header.rank == 0:
+                w.add(batch, 0)
+        w.flush()
+    finally:
+        windowing.summarize_iteration = original
+    assert len(captured) == 4
+    for ev in captured:
+        check(ev)
+
+
+def test_huge_iteration_spans_take_the_unshifted_union() -> None:
+    ev = IterationEvents(
+        step=0, start_ns=-(2**62), end_ns=2**62, names=NAMES,
+        kernels={"start_ns": np.array([0, 5, 100]), "dur_ns": np.array([10, 10, 1]), "name_id": np.array([0, 1, 0])},
+    )  # fmt: skip
+    figures, _ = summarize_iteration(ev)
+    assert (figures["gpu_busy_ns"], figures["compute_ns"], figures["collective_ns"]) == (16, 11, 10)
+    assert figures["max_idle_gap_ns"] == 2**62
+
+
+def test_a_name_table_kept_across_iterations_gives_the_same_summary() -> None:
+    captured: list[IterationEvents] = []
+    import fleetscope.streams.analysis.windowing as windowing
+
+    original = windowing.summarize_iteration
+    windowing.summarize_iteration = lambda ev: (captured.append(ev), original(ev))[1]  # type: ignore[assignment]
+    try:
+        w = RankWindower()
+        for batch in simulate(SimulatorConfig(job="t", ranks=2, iterations=3)):
+            if batch.header.rank == 1:
+                w.add(batch, 0)
+        w.flush()
+    finally:
+        windowing.summarize_iteration = original
+    assert len(captured) == 3 and all(ev.table is captured[0].table for ev in captured)
+    for ev in captured:
+        kept = summarize_iteration(ev)
+        ev.table = None
+        fresh = summarize_iteration(ev)
+        assert kept[0] == fresh[0]
+        for key, value in kept[1].items():
+            assert np.array_equal(np.asarray(value), np.asarray(fresh[1][key]), equal_nan=key != "function"), key
+    assert NameTable().update(w._names).kind.size == len(w._names)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batches_with_events_out_of_time_order_close_to_the_same_iterations(shuffle: bool) -> None:
+    """The windower slices buffers in time order, and masks them otherwise: both give the same records."""
+    batches = [b for b in simulate(SimulatorConfig(job="o", ranks=2, iterations=4, seed=3)) if b.header.rank == 0]
+    rng = np.random.default_rng(7)
+    if shuffle:
+        for b in batches:
+            order = rng.permutation(len(b))
+            for name, col in b.columns.items():
+                if col.size == len(b):
+                    b.columns[name] = col[order]
+    w = RankWindower()
+    closed = [c for b in batches for c in w.add(b, 0)] + w.flush()
+    plain = RankWindower()
+    base = [b for b in simulate(SimulatorConfig(job="o", ranks=2, iterations=4, seed=3)) if b.header.rank == 0]
+    expected = [c for b in base for c in plain.add(b, 0)] + plain.flush()
+    assert [c.iteration for c in closed] == [c.iteration for c in expected]
+    for got, want in zip(closed, expected, strict=True):
+        assert got.patterns.keys() == want.patterns.keys()
+        for key, value in want.patterns.items():
+            if isinstance(value, list) and value and isinstance(value[0], float):
+                assert np.allclose(got.patterns[key], value, rtol=1e-9, equal_nan=True), key
+            else:
+                assert got.patterns[key] == value, key

@@ -1,0 +1,125 @@
+"""The pieces of crash recovery that need no broker: message horizons, held acks, the idle clock, job state
+records, and which iterations a restarted windower may emit."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from typing import Any, cast
+
+import pytest
+
+from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.schemas import EventKind
+from fleetscope.streams.analysis.differential import JobDifferential
+from fleetscope.streams.analysis.windowing import ClosedIteration
+from fleetscope.streams.intake import horizon_ns
+from fleetscope.streams.job_state import JobState, dump_job_state, load_job_state
+from fleetscope.streams.offline import OfflinePipeline
+from fleetscope.streams.recovery import EARLIEST, Holds, InputClock, StateLog, WindowerRecovery
+
+SIM = SimulatorConfig(job="rec", ranks=4, iterations=24, faults=(parse_fault("slow_gpu:2:1.5"),))
+
+
+def _message(name: str) -> Any:
+    return cast(Any, name)
+
+
+def test_a_batch_horizon_is_its_latest_event_by_the_windowers_filing_time() -> None:
+    batches = list(simulate(SimulatorConfig(job="h", ranks=2, iterations=2)))
+    column = {
+        EventKind.KERNELS: "launch_ns",
+        EventKind.COLLECTIVES: "launch_ns",
+        EventKind.PYTHON: "start_ns",
+        EventKind.THROUGHPUT: "t_ns",
+    }
+    for batch in batches:
+        assert horizon_ns(batch) == int(batch[column[batch.kind]].max())
+
+
+def test_held_messages_come_back_in_horizon_order_and_only_below_the_bound() -> None:
+    holds: Holds[str] = Holds()
+    for horizon, name in [(30, "c"), (10, "a"), (20, "b"), (EARLIEST, "early")]:
+        holds.hold("job", horizon, _message(name))
+    assert holds.release("job", 20) == ["early", "a"]
+    assert holds.release("other", 100) == []
+    assert len(holds) == 2
+    holds.forget(["job"])
+    assert len(holds) == 0 and holds.release_all("job") == []
+
+
+def test_the_idle_clock_stands_still_while_an_agent_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1_000]
+    monkeypatch.setattr(time, "monotonic_ns", lambda: now[0])
+    clock = InputClock()
+    now[0] += 50
+    assert clock.now_ns() == 50
+    clock.working()
+    clock.working()
+    now[0] += 1_000
+    clock.waiting()
+    assert clock.now_ns() == 50, "one agent still works"
+    clock.waiting()
+    now[0] += 7
+    assert clock.now_ns() == 57
+
+
+def _rank_iteration(rank: int, step: int, end_ns: int) -> ClosedIteration:
+    it = {"job": "j", "rank": rank, "iteration": step, "end_ns": end_ns}
+    return ClosedIteration(iteration=it, patterns={"job": "j", "rank": rank, "iteration": step})
+
+
+def test_a_restarted_windower_emits_only_iterations_after_the_restored_ones_and_acks_what_they_cover() -> None:
+    wrec = WindowerRecovery(cast(StateLog, None))
+    wrec.emitted[("j", 0)] = (7, 700)
+    closed = [_rank_iteration(0, 6, 600), _rank_iteration(0, 8, 800), _rank_iteration(1, 0, 100)]
+    assert [(c.iteration["rank"], c.iteration["iteration"]) for c in wrec.fresh(closed)] == [(0, 8), (1, 0)]
+    for horizon, name in [(650, "old"), (700, "at-end"), (750, "open")]:
+        wrec.holds.hold(("j", 0), horizon, _message(name))
+    assert wrec.release([("j", 0), ("j", 1)]) == ["old"]
+    assert wrec.jobs_in_progress() == {"j"}
+
+
+def _patterns() -> list[dict[str, Any]]:
+    pipeline = OfflinePipeline(keep_patterns=True)
+    pipeline.add_all(simulate(SIM))
+    for job, rank in list(pipeline._windowers):
+        pipeline.close_rank(job, rank)
+    return pipeline.patterns
+
+
+def _comparable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != "emitted_ns"} for r in records]
+
+
+def test_a_job_restored_from_its_state_record_and_replayed_continues_exactly_like_the_original() -> None:
+    records = _patterns()
+    cut = len(records) // 2 + 1  # mid-iteration: some records wait for ranks
+    original = JobDifferential(SIM.job)
+    for rec in records[:cut]:
+        original.add(rec)
+    restored = load_job_state(dump_job_state(JobState(job=original, progress_offset=41, flushed=False)))
+    assert restored.progress_offset == 41 and not restored.flushed
+    replayed = restored.job
+    for rec in records[:cut]:  # the replay: scored iterations are skipped, waiting ones come back
+        replayed.add(rec)
+    assert replayed.scored_upto == original.scored_upto
+
+    a = [u for rec in records[cut:] for u in original.add(rec)] + original.flush()
+    b = [u for rec in records[cut:] for u in replayed.add(rec)] + replayed.flush()
+    assert any(u["category"] == "gpu_slow" for u in a)
+    assert _comparable(a) == _comparable(b)
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("true",))
+
+
+def test_a_state_record_cannot_name_anything_but_the_stages_own_classes() -> None:
+    data = b"\x01" + pickle.dumps({"job": _Evil(), "progress_offset": 0, "flushed": False})
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        load_job_state(data)
+    with pytest.raises(pickle.UnpicklingError, match="format"):
+        load_job_state(b"\x09whatever")
