@@ -40,9 +40,7 @@ def train(mode: str, model_name: str, steps: int, warmup: int) -> float:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     d_in, hidden, batch = MODELS[model_name]
     torch.manual_seed(0)
-    model = DDP(
-        torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
-    )
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     total = warmup + steps
     data = torch.utils.data.TensorDataset(torch.randn(total * batch, d_in), torch.randn(total * batch, 1))
@@ -100,9 +98,7 @@ def main() -> None:
                 for mode in rates:
                     extra = {"FLEETSCOPE_TORCH_DDP_HOOK": "1"} if mode == "on_with_ddp_hook" else {}
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--child", mode, model_name]
-                    out = subprocess.run(
-                        cmd, env=env | extra, capture_output=True, text=True, check=True
-                    ).stdout
+                    out = subprocess.run(cmd, env=env | extra, capture_output=True, text=True, check=True).stdout
                     rates[mode].append(json.loads(out.strip().splitlines()[-1])["steps_per_s"])
             off = statistics.median(rates["off"])
             print(f"{model_name}: off {off:.1f} steps/s ({1e3 / off:.2f} ms/step), median of {args.rounds}")

@@ -58,9 +58,7 @@ def suite(quick: bool = False) -> list[Scenario]:
     s: list[Scenario] = []
     seed = 0
 
-    def add(
-        kind: str, ranks: int, faults: tuple[str, ...], iterations: int = 16, mag: float = 0.0, **kw: Any
-    ) -> None:
+    def add(kind: str, ranks: int, faults: tuple[str, ...], iterations: int = 16, mag: float = 0.0, **kw: Any) -> None:
         nonlocal seed
         seed += 1
         spec = "+".join(faults).replace("/", "every").replace(":", "_") or "none"
@@ -123,9 +121,7 @@ def run(scenario: Scenario) -> Outcome:
     result = OfflinePipeline().add_all(simulate(cfg)).finish()
     opened = _opened_at(result.finding_updates)
     findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
-    out = Outcome(
-        scenario, findings, list(cfg.expected_findings()), len(result.iterations), time.perf_counter() - t0
-    )
+    out = Outcome(scenario, findings, list(cfg.expected_findings()), len(result.iterations), time.perf_counter() - t0)
     used: set[str] = set()
     for exp in out.expected:
         want = set(exp.ranks)
@@ -198,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
-        for i, o in enumerate(
-            pool.imap_unordered(run, sorted(scenarios, key=lambda s: -s.ranks * s.iterations))
-        ):
+        for i, o in enumerate(pool.imap_unordered(run, sorted(scenarios, key=lambda s: -s.ranks * s.iterations))):
             outcomes.append(o)
             got = ", ".join(f"{f['category']}@{f['ranks'][:4]}" for f in o.findings) or "-"
             print(

@@ -26,9 +26,7 @@ def _common() -> argparse.ArgumentParser:
     g = p.add_argument_group("configuration")
     g.add_argument("--config", metavar="FILE", help="TOML (or JSON) configuration file")
     g.add_argument("--data-dir", help="where the embedded store and logs live (default .fleetscope)")
-    g.add_argument(
-        "--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (default: embedded broker)"
-    )
+    g.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (default: embedded broker)")
     g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     return p
 
@@ -105,8 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate",
         parents=[common],
         help="publish a simulated job to a broker",
-        description="Publish a simulated job's raw events to the broker given by --bootstrap or the "
-        "configuration.",
+        description="Publish a simulated job's raw events to the broker given by --bootstrap or the configuration.",
     )
     _sim_options(p)
 
@@ -239,9 +236,7 @@ def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.demo import run_demo
     from fleetscope.progress import Progress
 
-    result = run_demo(
-        config, _simulator_config(args), Progress(enabled=not args.quiet), timeout_s=args.timeout_s
-    )
+    result = run_demo(config, _simulator_config(args), Progress(enabled=not args.quiet), timeout_s=args.timeout_s)
     print_findings(result.findings, args.json)
     return 0
 
@@ -250,9 +245,7 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.stack import EmbeddedStack
 
     with EmbeddedStack(config) as stack:
-        print(
-            f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store.url}"
-        )
+        print(f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store.url}")
         servers = stack.config.kafka.bootstrap_servers
         print(f"publish with: fleetscope simulate --bootstrap {servers}; Ctrl-C stops")
         sys.stdout.flush()
@@ -266,9 +259,7 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: a worker needs a broker (--bootstrap or configuration)"])
-    run_worker(
-        stream_app_config(config, args.web_port), loglevel=config.log_level.lower(), logfile=args.logfile
-    )
+    run_worker(stream_app_config(config, args.web_port), loglevel=config.log_level.lower(), logfile=args.logfile)
     return 0
 
 

@@ -40,9 +40,7 @@ class DemoResult:
     seconds: float
 
 
-def run_demo(
-    config: Config, sim: SimulatorConfig, progress: Progress, timeout_s: float = 300.0
-) -> DemoResult:
+def run_demo(config: Config, sim: SimulatorConfig, progress: Progress, timeout_s: float = 300.0) -> DemoResult:
     """Start everything, publish the simulated job, wait until its analysis has settled, stop."""
     t0 = time.monotonic()
     stack = EmbeddedStack(config)
@@ -65,9 +63,7 @@ def run_demo(
             total = rows + stats["function_patterns"] + stats["finding_updates"]
             if total != last_rows:
                 last_rows, last_change = total, time.monotonic()
-            progress.update(
-                f"analysing: {rows}/{expected} rank-iterations, {stats['finding_updates']} finding updates"
-            )
+            progress.update(f"analysing: {rows}/{expected} rank-iterations, {stats['finding_updates']} finding updates")
             if rows >= expected and time.monotonic() - last_change >= settle_s:
                 break
             if stack.worker is not None and not stack.worker.alive():

@@ -87,9 +87,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--webhook-timeout-s", type=float, default=5.0, help="per attempt (default: 5)")
     p.add_argument("--webhook-attempts", type=int, default=4, help="attempts per alert (default: 4)")
     p.add_argument("--from-beginning", action="store_true", help="replay the topic's findings first")
-    p.add_argument(
-        "--group", default="", help="consumer group: resume after a restart (default: none, follow live)"
-    )
+    p.add_argument("--group", default="", help="consumer group: resume after a restart (default: none, follow live)")
     p.add_argument("--json", action="store_true", help="print JSON lines")
     p.set_defaults(handler=cmd_alerts)
 

@@ -63,9 +63,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "tagged with rank --first-rank + i of --job. Follows the control topic to sample at "
         "--fast-interval-ms during profiling windows. Needs nvidia-ml-py (pip install 'fleetscope[nvml]').",
     )
-    p.add_argument(
-        "--job", default=os.environ.get("FLEETSCOPE_JOB", ""), help="job id (default: $FLEETSCOPE_JOB)"
-    )
+    p.add_argument("--job", default=os.environ.get("FLEETSCOPE_JOB", ""), help="job id (default: $FLEETSCOPE_JOB)")
     p.add_argument("--first-rank", type=int, default=0, help="rank of GPU 0 on this node (default: 0)")
     p.add_argument("--world-size", type=int, default=0, help="ranks in the job (default: first rank + GPUs)")
     p.add_argument("--interval-ms", type=float, default=100.0, help="base sampling period (default: 100)")

@@ -222,18 +222,13 @@ def _per_rank_lines(data: ReportData, values: Array, y_label: str) -> str:
         name = f"rank {rank} ({data.hosts.get(rank, '?')})"
         series.append(svgcharts.Series(name, values[i], color or svgcharts.GREY, 2.0 if color else 1.0))
     step = f" (mean per {data.iteration_step} iterations)" if data.iteration_step > 1 else ""
-    return svgcharts.line_chart(
-        data.iteration_x, series, band=band, x_label="iteration" + step, y_label=y_label
-    )
+    return svgcharts.line_chart(data.iteration_x, series, band=band, x_label="iteration" + step, y_label=y_label)
 
 
 def _bars(data: ReportData, values: Array, unit: str) -> str:
     colors = _colors(data)
     labels = [str(r) for r in data.ranks]
-    tips = [
-        f"rank {r} ({data.hosts.get(r, '?')}): {v:.3g} {unit}"
-        for r, v in zip(data.ranks, values, strict=True)
-    ]
+    tips = [f"rank {r} ({data.hosts.get(r, '?')}): {v:.3g} {unit}" for r, v in zip(data.ranks, values, strict=True)]
     fill = [colors.get(r, svgcharts.GREY) for r in data.ranks]
     return svgcharts.bar_chart(labels, values, fill, y_label=unit, x_label="rank", tips=tips)
 
@@ -345,8 +340,7 @@ def render_html(data: ReportData) -> str:
         "higher figure; a degraded link lowers every member's.</p>",
         _bars(data, data.busbw_gbps, "bus bandwidth (GB/s)"),
         "<h2>Link throughput during collectives per rank</h2>",
-        "<p class='cap'>Mean NVLink throughput sampled while collectives ran: a degraded link runs low and "
-        "steady.</p>",
+        "<p class='cap'>Mean NVLink throughput sampled while collectives ran: a degraded link runs low and steady.</p>",
         _bars(data, data.link_gbps, "NVLink throughput (GB/s)"),
         f"<footer>fleetscope; data gathered in {data.generated_s * 1000:.0f} ms from the store.</footer>",
     ]

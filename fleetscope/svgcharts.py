@@ -148,10 +148,7 @@ def heatmap(
     ly = top + n_rows * cell_h + 16
     for k in range(41):
         gap = -limit + 2 * limit * k / 40
-        body.append(
-            f"<rect x='{left + k * 8:.1f}' y='{ly:.1f}' width='8' height='10' "
-            f"fill='{diverging(gap, limit)}'/>"
-        )
+        body.append(f"<rect x='{left + k * 8:.1f}' y='{ly:.1f}' width='8' height='10' fill='{diverging(gap, limit)}'/>")
     body.append(f"<text x='{left:.1f}' y='{ly + 24:.1f}'>{-limit:+.0%} faster</text>")
     body.append(f"<text x='{left + 328:.1f}' y='{ly + 24:.1f}' text-anchor='end'>{limit:+.0%} slower</text>")
     body.append(f"<text x='{left + 164:.1f}' y='{ly + 24:.1f}' text-anchor='middle'>peer median</text>")
@@ -250,9 +247,7 @@ def line_chart(
         ly = top + 6 + k * 18
         body.append(f"<rect x='{right + 14}' y='{ly - 8}' width='14' height='4' fill='{color}'/>")
         body.append(f"<text x='{right + 34}' y='{ly - 2}'>{_e(name)}</text>")
-    body.append(
-        f"<text x='{(left + right) / 2:.1f}' y='{height - 6}' text-anchor='middle'>{_e(x_label)}</text>"
-    )
+    body.append(f"<text x='{(left + right) / 2:.1f}' y='{height - 6}' text-anchor='middle'>{_e(x_label)}</text>")
     body.append(
         f"<text transform='translate(14 {(top + bottom) / 2:.1f}) rotate(-90)' text-anchor='middle'>"
         f"{_e(y_label)}</text>"
@@ -282,9 +277,7 @@ def bar_chart(
         body.append(f"<text x='{left - 6}' y='{y + 4:.1f}' text-anchor='end'>{_fmt(t)}</text>")
     slot = (right - left) / max(len(labels), 1)
     emphasised = frozenset(i for i, c in enumerate(colors) if c != GREY)
-    shown = set(
-        label_indices(len(labels), slot, emphasised, 7.0 * max((len(x) for x in labels), default=1) + 8)
-    )
+    shown = set(label_indices(len(labels), slot, emphasised, 7.0 * max((len(x) for x in labels), default=1) + 8))
     for i, (label, v) in enumerate(zip(labels, values, strict=True)):
         x = left + i * slot
         tip = tips[i] if tips else f"{label}: {_fmt(float(v))}"
@@ -297,13 +290,10 @@ def bar_chart(
         if i in shown:
             weight = " font-weight='700'" if i in emphasised else ""
             body.append(
-                f"<text x='{x + slot / 2:.1f}' y='{bottom + 15}' text-anchor='middle'{weight}>"
-                f"{_e(label)}</text>"
+                f"<text x='{x + slot / 2:.1f}' y='{bottom + 15}' text-anchor='middle'{weight}>{_e(label)}</text>"
             )
     body.append(f"<line x1='{left}' x2='{right}' y1='{bottom}' y2='{bottom}' stroke='#666'/>")
-    body.append(
-        f"<text x='{(left + right) / 2:.1f}' y='{height - 6}' text-anchor='middle'>{_e(x_label)}</text>"
-    )
+    body.append(f"<text x='{(left + right) / 2:.1f}' y='{height - 6}' text-anchor='middle'>{_e(x_label)}</text>")
     body.append(
         f"<text transform='translate(14 {(top + bottom) / 2:.1f}) rotate(-90)' text-anchor='middle'>"
         f"{_e(y_label)}</text>"
@@ -343,15 +333,11 @@ def timeline(spans: list[Span], x0: float, x1: float, *, x_label: str, width: fl
         xa = left + (s.start - x0) / (x1 - x0) * (right - left)
         xb = left + (s.end + 1 - x0) / (x1 - x0) * (right - left)
         opacity = "1" if s.open else "0.45"
-        body.append(
-            f"<text x='{left - 6:.1f}' y='{y + row_h / 2 + 4:.1f}' text-anchor='end'>{_e(s.label)}</text>"
-        )
+        body.append(f"<text x='{left - 6:.1f}' y='{y + row_h / 2 + 4:.1f}' text-anchor='end'>{_e(s.label)}</text>")
         body.append(
             f"<rect x='{xa:.1f}' y='{y + 4:.1f}' width='{max(xb - xa, 2):.1f}' height='{row_h - 8:.1f}' "
             f"rx='3' fill='{s.color}' fill-opacity='{opacity}'><title>{_e(s.tip)}</title></rect>"
         )
     body.append(f"<line x1='{left}' x2='{right}' y1='{bottom}' y2='{bottom}' stroke='#666'/>")
-    body.append(
-        f"<text x='{(left + right) / 2:.1f}' y='{height - 6}' text-anchor='middle'>{_e(x_label)}</text>"
-    )
+    body.append(f"<text x='{(left + right) / 2:.1f}' y='{height - 6}' text-anchor='middle'>{_e(x_label)}</text>")
     return _svg(width, height, body, "findings timeline")

@@ -123,9 +123,7 @@ def replay_traces(
 
     k = config.kafka
     if not k.bootstrap_servers:
-        raise ConfigError(
-            ["kafka.bootstrap_servers: replay needs a broker (--bootstrap, e.g. from `fleetscope up`)"]
-        )
+        raise ConfigError(["kafka.bootstrap_servers: replay needs a broker (--bootstrap, e.g. from `fleetscope up`)"])
     progress = progress or Progress(enabled=False)
     admin = {"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}
     ensure_topics(admin, Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
@@ -140,9 +138,7 @@ def replay_traces(
         stats = publisher.stats
     if stats.dropped or stats.failed:
         raise RuntimeError(f"publisher lost batches: {stats.dropped} dropped, {stats.failed} failed")
-    progress.done(
-        f"replay: {len(summaries)} ranks, {stats.published} batches, {stats.events_published} events"
-    )
+    progress.done(f"replay: {len(summaries)} ranks, {stats.published} batches, {stats.events_published} events")
     return summaries
 
 
@@ -206,14 +202,8 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
     if args.json:
-        findings = [
-            {k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in result.findings
-        ]
-        print(
-            json.dumps(
-                {"findings": findings, "ranks": [asdict(r) for r in result.ranks]}, indent=2, default=str
-            )
-        )
+        findings = [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in result.findings]
+        print(json.dumps({"findings": findings, "ranks": [asdict(r) for r in result.ranks]}, indent=2, default=str))
     else:
         print_findings(result.findings, as_json=False)
         print()

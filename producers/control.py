@@ -140,9 +140,7 @@ class ControlListener:
     or seen before are skipped. ``on_request`` runs on the listener's thread and must be quick.
     """
 
-    def __init__(
-        self, config: ControlListenerConfig, job: str, on_request: Callable[[ControlRequest], None]
-    ) -> None:
+    def __init__(self, config: ControlListenerConfig, job: str, on_request: Callable[[ControlRequest], None]) -> None:
         self.config = config
         self.job = job
         self._on_request = on_request
@@ -203,10 +201,7 @@ class ControlListener:
                     wanted = [TopicPartition(topic, p, since_ms) for p in sorted(meta.partitions)]
                     offsets = consumer.offsets_for_times(wanted, timeout=5.0)
                     consumer.assign(
-                        [
-                            TopicPartition(topic, o.partition, o.offset if o.offset >= 0 else OFFSET_END)
-                            for o in offsets
-                        ]
+                        [TopicPartition(topic, o.partition, o.offset if o.offset >= 0 else OFFSET_END) for o in offsets]
                     )
                     return True
             except KafkaException as exc:
@@ -232,9 +227,7 @@ class ControlListener:
         if request.end_at_ns <= time.time_ns():
             return
         self.received += 1
-        logger.info(
-            "control request %s: %s for %.1f s", request.request_id, request.action, request.duration_s
-        )
+        logger.info("control request %s: %s for %.1f s", request.request_id, request.action, request.duration_s)
         try:
             self._on_request(request)
         except Exception as exc:

@@ -501,9 +501,7 @@ _ID_COLUMNS = ("name_id", "op_id", "pg_id")
 _PUBLISH_ORDER = (EventKind.PYTHON, EventKind.COLLECTIVES, EventKind.KERNELS)
 
 
-def _batches(
-    header: BatchHeader, names: list[str], columns: dict[EventKind, Cols], size: int
-) -> Iterator[EventBatch]:
+def _batches(header: BatchHeader, names: list[str], columns: dict[EventKind, Cols], size: int) -> Iterator[EventBatch]:
     """Chunks of ``size`` events, each with its own names dictionary; ``seq`` counts from 0."""
     streams = tuple(k.value for k in EventKind if k in columns and columns[k]["start_ns"].size)
     seq = 0

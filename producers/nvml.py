@@ -100,9 +100,7 @@ class NvmlStats:
     xid_events: int = 0
 
 
-def node_targets(
-    job: str, first_rank: int, world_size: int, host: str = ""
-) -> Callable[[int], RankIdentity | None]:
+def node_targets(job: str, first_rank: int, world_size: int, host: str = "") -> Callable[[int], RankIdentity | None]:
     """GPU i of this node serves rank ``first_rank + i`` (torchrun with one process per GPU)."""
 
     def target(index: int) -> RankIdentity | None:

@@ -78,9 +78,7 @@ def _import_pynvml() -> Any:
     try:
         import pynvml
     except ImportError as exc:
-        raise ImportError(
-            "the NVML sampler needs nvidia-ml-py: pip install 'fleetscope[nvml]'", name=exc.name
-        ) from exc
+        raise ImportError("the NVML sampler needs nvidia-ml-py: pip install 'fleetscope[nvml]'", name=exc.name) from exc
     return pynvml
 
 
@@ -216,9 +214,7 @@ class FakeGpu:
 class FakeNvml:
     """``NvmlApi`` for tests: deterministic counters driven by ``clock_us`` (wall clock by default)."""
 
-    def __init__(
-        self, gpus: Sequence[FakeGpu] | None = None, clock_us: Callable[[], int] | None = None
-    ) -> None:
+    def __init__(self, gpus: Sequence[FakeGpu] | None = None, clock_us: Callable[[], int] | None = None) -> None:
         self.gpus = list(gpus) if gpus is not None else [FakeGpu()]
         self.clock_us = clock_us or (lambda: time.time_ns() // 1000)
         self.t0_us = self.clock_us()

@@ -76,9 +76,7 @@ class RankIdentity:
         run_id = e.get("TORCHELASTIC_RUN_ID", "")
         if run_id in ("", "none") and e.get("MASTER_ADDR") and e.get("MASTER_PORT"):
             run_id = f"torchrun-{e['MASTER_ADDR']}-{e['MASTER_PORT']}"  # torchrun's default id is "none"
-        job = e.get("FLEETSCOPE_JOB") or (
-            run_id if run_id not in ("", "none") else f"local-{host}-{os.getpid()}"
-        )
+        job = e.get("FLEETSCOPE_JOB") or (run_id if run_id not in ("", "none") else f"local-{host}-{os.getpid()}")
         return cls(
             job=job.replace("/", "_"),
             rank=int(e.get("RANK", "0")),

@@ -201,9 +201,7 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     cfg = config if config is not None else load_config(os.environ.get("FLEETSCOPE_CONFIG") or None)
     k = cfg.kafka
     if not k.bootstrap_servers:
-        logger.warning(
-            "fleetscope: no broker configured (FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS); not monitoring"
-        )
+        logger.warning("fleetscope: no broker configured (FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS); not monitoring")
         return None
     identity = RankIdentity.from_env()
     if job:
@@ -336,9 +334,7 @@ def profile(seconds: float, *, start_at_ns: int | None = None, reason: str = "lo
     mon = _monitor
     if mon is not None:
         at = time.time_ns() if start_at_ns is None else start_at_ns
-        mon.request_window(
-            ControlRequest(job=mon.identity.job, duration_s=seconds, start_at_ns=at, reason=reason)
-        )
+        mon.request_window(ControlRequest(job=mon.identity.job, duration_s=seconds, start_at_ns=at, reason=reason))
 
 
 def stats() -> RecorderStats | None:

@@ -113,9 +113,7 @@ def _group(group: Any) -> tuple[str, int, str]:
     return info
 
 
-def _record_collective(
-    mon: Instrumented, op: str, size_arg: Any, group: Any, start_ns: int, result: Any
-) -> None:
+def _record_collective(mon: Instrumented, op: str, size_arg: Any, group: Any, start_ns: int, result: Any) -> None:
     name, size, backend = _group(group)
     seq = next(_group_seq.setdefault(name, itertools.count()))
     nbytes = _nbytes(size_arg)
@@ -123,9 +121,7 @@ def _record_collective(
     if size > 1:  # the windower then waits for this rank's collectives before closing a step
         recorder.declare(EventKind.COLLECTIVES)
     if result is None:  # synchronous: the call itself is the collective
-        recorder.collective(
-            f"{backend}:{op}", op, name, seq, size, nbytes, start_ns, time.time_ns() - start_ns
-        )
+        recorder.collective(f"{backend}:{op}", op, name, seq, size, nbytes, start_ns, time.time_ns() - start_ns)
         return
 
     def done(_fut: Any) -> None:
@@ -238,9 +234,7 @@ def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
 
     def done(f: Any) -> Any:
         if info is not None:
-            mon.recorder.guard(
-                "collective_done", mon.recorder.collective, *info, start, time.time_ns() - start
-            )
+            mon.recorder.guard("collective_done", mon.recorder.collective, *info, start, time.time_ns() - start)
         return f.value()[0]
 
     return fut.then(done)

@@ -46,9 +46,7 @@ def window_batches(
     for e in events:
         activity = str(e.activity_type())
         if activity in _GPU_ACTIVITIES:
-            gpu.append(
-                (e.name(), e.start_ns(), e.duration_ns(), e.device_resource_id(), e.linked_correlation_id())
-            )
+            gpu.append((e.name(), e.start_ns(), e.duration_ns(), e.device_resource_id(), e.linked_correlation_id()))
         elif activity in _LAUNCH_ACTIVITIES:
             launch_at[e.correlation_id()] = e.start_ns()
         elif activity in _HOST_ACTIVITIES:

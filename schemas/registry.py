@@ -120,8 +120,7 @@ def _registry_client(config: RegistryConfig) -> Any:
         from confluent_kafka.schema_registry import SchemaRegistryClient
     except ImportError as exc:  # the extras (httpx2, authlib, cachetools, attrs) are missing
         raise ImportError(
-            f"a schema registry needs confluent-kafka's registry client ({exc}): "
-            "pip install 'fleetscope[registry]'"
+            f"a schema registry needs confluent-kafka's registry client ({exc}): pip install 'fleetscope[registry]'"
         ) from exc
     return SchemaRegistryClient(config.client_settings())
 
@@ -132,9 +131,7 @@ def _wrap(exc: Exception, what: str, *, missing_is_bad_message: bool = False) ->
     status = getattr(exc, "http_status_code", None)
     if missing_is_bad_message and status == 404:
         return SchemaError(f"{what}: not in the schema registry ({exc})")
-    detail = (
-        f"answered {status}: {exc}" if isinstance(status, int) and status > 0 else f"unavailable: {exc!r}"
-    )
+    detail = f"answered {status}: {exc}" if isinstance(status, int) and status > 0 else f"unavailable: {exc!r}"
     return RegistryError(f"{what}: schema registry {detail}")
 
 
@@ -205,10 +202,6 @@ class RegistryResolver:
         return {subject: self.schema_id(subject) for subject in self._catalog.subjects()}
 
 
-def registry_resolver(
-    url: str, *, topic_prefix: str, username: str = "", password: str = ""
-) -> RegistryResolver:
+def registry_resolver(url: str, *, topic_prefix: str, username: str = "", password: str = "") -> RegistryResolver:
     """A resolver for the registry at ``url`` (comma-separated for several)."""
-    return RegistryResolver(
-        RegistryConfig(url=url, topic_prefix=topic_prefix, username=username, password=password)
-    )
+    return RegistryResolver(RegistryConfig(url=url, topic_prefix=topic_prefix, username=username, password=password))

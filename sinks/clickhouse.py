@@ -81,9 +81,7 @@ class ClickHouseConfig:
         errors: list[str] = []
         scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
         if scheme not in ("chdb", "http", "https"):
-            errors.append(
-                f"url: expected chdb://PATH, chdb://memory or http(s)://HOST:PORT, got {self.url!r}"
-            )
+            errors.append(f"url: expected chdb://PATH, chdb://memory or http(s)://HOST:PORT, got {self.url!r}")
         elif scheme == "chdb" and not self.url[len("chdb://") :]:
             errors.append("url: chdb:// needs a path or 'memory'")
         elif scheme != "chdb" and urlsplit(self.url).password:
@@ -206,11 +204,7 @@ class RetryPolicy:
     max_backoff_ms: int = 5_000
 
     def __post_init__(self) -> None:
-        if (
-            self.max_attempts < 1
-            or self.initial_backoff_ms < 0
-            or self.max_backoff_ms < self.initial_backoff_ms
-        ):
+        if self.max_attempts < 1 or self.initial_backoff_ms < 0 or self.max_backoff_ms < self.initial_backoff_ms:
             raise ValueError(f"invalid RetryPolicy: {self}")
 
     def delay_s(self, attempt: int) -> float:
@@ -340,9 +334,7 @@ class ClickHouseWriter:
             logger.debug("%s: %d replayed records skipped", table, len(records) - len(fresh))
         return fresh
 
-    def _insert_records(
-        self, table: str, fields: list[tuple[str, Any]], records: Sequence[Mapping[str, Any]]
-    ) -> int:
+    def _insert_records(self, table: str, fields: list[tuple[str, Any]], records: Sequence[Mapping[str, Any]]) -> int:
         if not records:
             return 0
         names = [name for name, _ in fields]
@@ -352,9 +344,7 @@ class ClickHouseWriter:
 
     def _insert(self, table: str, names: list[str], data: list[Any]) -> None:
         def call() -> None:
-            self._client.insert(
-                table, data, column_names=names, database=self._database, column_oriented=True
-            )
+            self._client.insert(table, data, column_names=names, database=self._database, column_oriented=True)
 
         with_retries(call, self._retry, what=f"insert into {self._database}.{table}")
 
@@ -458,9 +448,7 @@ def run_sql(
     query = _single_statement(query)
     is_read = bool(_READ_STATEMENT.match(_LEADING_NOISE.sub("", query)))
     if readonly and not is_read:
-        raise PermissionError(
-            "read-only SQL accepts SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statements only"
-        )
+        raise PermissionError("read-only SQL accepts SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statements only")
     if readonly and _INTO_OUTFILE.search(_SQL_TOKENS.sub(" ", query)):
         # chDB writes the file in-process even with readonly=1.
         raise PermissionError("read-only SQL cannot write files (INTO OUTFILE)")
@@ -471,9 +459,7 @@ def run_sql(
     return list(result.column_names), [tuple(row) for row in result.result_rows]
 
 
-_SQL_TOKENS = re.compile(
-    r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`(?:[^`\\]|\\.)*`|--[^\n]*|/\*.*?\*/|;", re.DOTALL
-)
+_SQL_TOKENS = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`(?:[^`\\]|\\.)*`|--[^\n]*|/\*.*?\*/|;", re.DOTALL)
 
 
 _INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
@@ -497,8 +483,6 @@ def _single_statement(query: str) -> str:
 def table_counts(client: Client, database: str) -> dict[str, int]:
     """Rows per table (before background deduplication) and distinct findings in the view."""
     db = _check_database(database)
-    parts = " UNION ALL ".join(
-        f"SELECT '{t}' AS name, count() AS n FROM `{db}`.{t}" for t in (*TABLES, FINDINGS)
-    )
+    parts = " UNION ALL ".join(f"SELECT '{t}' AS name, count() AS n FROM `{db}`.{t}" for t in (*TABLES, FINDINGS))
     rows = client.query(parts).result_rows
     return {str(name): int(n) for name, n in rows}

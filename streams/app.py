@@ -283,7 +283,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                     drec.took(job, msg, None)
                     continue
                 counters.pattern_records += 1
-                out += jd.add(record)
+                out += jd.add(record, clock.now_ns())
                 drec.took(job, msg, int(record["iteration"]))
             await emit_findings(out)
             released = await drec.checkpoint(touched) if epoch == gate.epoch else []
@@ -295,20 +295,14 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     @app.agent(raw_events, name="windower")
     async def windower(stream: faust.StreamT) -> None:
         async for batch in stream.take_events(cfg.take_max_events, within=within_s):
-            clock.working()
-            try:
+            with clock.busy():
                 await windower_batch(batch)
-            finally:
-                clock.waiting()
 
     @app.agent(patterns, name="differential")
     async def differential(stream: faust.StreamT) -> None:
         async for batch in stream.take_events(cfg.take_max_events, within=within_s):
-            clock.working()
-            try:
+            with clock.busy():
                 await differential_batch(batch)
-            finally:
-                clock.waiting()
 
     @app.timer(interval=0.25)
     async def close_idle() -> None:

@@ -25,13 +25,14 @@ This module holds the shared machinery and the windower's side; ``job_state`` th
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import json
 import logging
 import time
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -83,6 +84,15 @@ class InputClock:
 
     def now_ns(self) -> int:
         return self._banked + (time.monotonic_ns() - self._since if self._busy == 0 else 0)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Stop the clock while an agent works on a batch."""
+        self.working()
+        try:
+            yield
+        finally:
+            self.waiting()
 
     def working(self) -> None:
         if self._busy == 0:

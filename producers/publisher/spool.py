@@ -127,7 +127,21 @@ class DropLog:
             self._logged_at, self._unlogged = now, 0
 
 
-class MemorySpool:
+class _DropCounted:
+    """What both spools report of the data they had to drop."""
+
+    _drops: DropLog
+
+    @property
+    def dropped(self) -> int:
+        return self._drops.dropped
+
+    @property
+    def dropped_events(self) -> int:
+        return self._drops.dropped_events
+
+
+class MemorySpool(_DropCounted):
     """The spool without a directory: same contract, lost when the process ends."""
 
     def __init__(self, max_bytes: int) -> None:
@@ -140,14 +154,6 @@ class MemorySpool:
         self._read = 0
         self._bytes = 0
         self._drops = DropLog("spool in memory", max_bytes)
-
-    @property
-    def dropped(self) -> int:
-        return self._drops.dropped
-
-    @property
-    def dropped_events(self) -> int:
-        return self._drops.dropped_events
 
     @property
     def head(self) -> int:
@@ -213,7 +219,7 @@ class _Segment:
         return self.first + len(self.events)
 
 
-class DiskSpool:
+class DiskSpool(_DropCounted):
     """Append-only segment files in ``directory`` (exclusively locked); survives a process restart."""
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int, segment_bytes: int = 0) -> None:
@@ -247,14 +253,6 @@ class DiskSpool:
             logger.info("spool %s holds %d messages from an earlier run", self.dir, self.records)
 
     # -- state ---------------------------------------------------------------------------------------------
-    @property
-    def dropped(self) -> int:
-        return self._drops.dropped
-
-    @property
-    def dropped_events(self) -> int:
-        return self._drops.dropped_events
-
     @property
     def head(self) -> int:
         first = next((s.first for s in self._segments if s.end > self._head), self._tail)

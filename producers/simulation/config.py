@@ -105,10 +105,7 @@ class SimulatorConfig:
             ("jitter", 0.0 <= self.jitter < 0.5, "in [0, 0.5)"),
             ("clock_skew_ms", math.isfinite(self.clock_skew_ms) and self.clock_skew_ms >= 0, ">= 0"),
             ("first_step", self.first_step >= 0, ">= 0"),
-            *(
-                (n, 0.0 <= getattr(self, n) <= 1.0, "in [0, 1]")
-                for n in ("gc_rate", "glitch_rate", "pause_rate")
-            ),
+            *((n, 0.0 <= getattr(self, n) <= 1.0, "in [0, 1]") for n in ("gc_rate", "glitch_rate", "pause_rate")),
             ("hang_tail_iterations", 0.0 <= self.hang_tail_iterations <= 1000, "in [0, 1000]"),
         ]
         p += [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in checks if not ok]
@@ -144,9 +141,7 @@ class SimulatorConfig:
             hangs += fault.kind == "hang"
             key = (fault.kind, target, value)
             if key in seen:
-                p.append(
-                    f"faults[{i}]: duplicate {fault.kind} fault on {target} {value}".replace(" None", "")
-                )
+                p.append(f"faults[{i}]: duplicate {fault.kind} fault on {target} {value}".replace(" None", ""))
             seen.add(key)
         if hangs > 1:
             p.append("at most one hang fault: the job stops at the first")

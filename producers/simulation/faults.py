@@ -101,9 +101,7 @@ class Fault:
     def __post_init__(self) -> None:
         p: list[str] = []
         if self.kind not in FAULT_KINDS:
-            raise ValueError(
-                f"invalid fault: unknown fault kind {self.kind!r} (valid: {', '.join(FAULT_KINDS)})"
-            )
+            raise ValueError(f"invalid fault: unknown fault kind {self.kind!r} (valid: {', '.join(FAULT_KINDS)})")
         target = TARGETS[self.kind]
         if target == "rank":
             if not _is_int(self.rank) or self.rank < 0:
@@ -130,9 +128,7 @@ class Fault:
         elif self.factor is None:
             object.__setattr__(self, "factor", DEFAULT_FACTORS[self.kind])
         factor = self.factor
-        if self.kind != "hang" and (
-            not isinstance(factor, int | float) or not math.isfinite(factor) or factor <= 1.0
-        ):
+        if self.kind != "hang" and (not isinstance(factor, int | float) or not math.isfinite(factor) or factor <= 1.0):
             p.append(f"factor must be a finite slowdown > 1, got {factor!r}")
         if self.kind == "host_slow":
             if not self.function:

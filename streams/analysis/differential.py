@@ -20,6 +20,9 @@ class DifferentialConfig:
     job_level: JobLevelConfig = field(default_factory=JobLevelConfig)
     missing_rank_wait_iterations: int = 3
     """An iteration still missing ranks is scored anyway once this many later iterations are complete."""
+    missing_rank_timeout_ms: int = 10_000
+    """...or once every rank it lacks has sent nothing for this long (the worker's input clock, which stands
+    still while a backlog is worked off, so a lagging partition is not taken for a lost rank)."""
 
 
 class JobDifferential:
@@ -37,6 +40,8 @@ class JobDifferential:
         self._hang = HangCheck()
         self._hosts: dict[int, str] = {}
         self._missing_run: dict[int, int] = {}
+        self._last_seen_ns: dict[int, int] = {}
+        self._first_seen_ns: int | None = None
         self._functions = FunctionIndex()
         self.iterations_scored = 0
         self.late_records = 0
@@ -50,22 +55,31 @@ class JobDifferential:
         """Pickled state leaves out the records still waiting for ranks: a replay of their messages brings them back."""
         state = self.__dict__.copy()
         state["_pending"] = {}
+        state["_last_seen_ns"], state["_first_seen_ns"] = {}, None  # another process's clock
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """State records written before the function index existed restore with an empty one."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_functions", FunctionIndex())
+        self.__dict__.setdefault("_last_seen_ns", {})
+        self.__dict__.setdefault("_first_seen_ns", None)
 
-    def add(self, record: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one rank's pattern record; return finding records ready to emit."""
+    def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
+        """Take one rank's pattern record; return finding records ready to emit.
+
+        ``now_ns`` is the worker's input clock; without it (offline) an iteration waits for all its ranks."""
         it = int(record["iteration"])
+        if now_ns is not None:
+            self._last_seen_ns[int(record["rank"])] = now_ns
+            if self._first_seen_ns is None:
+                self._first_seen_ns = now_ns
         if it <= self._scored_upto:
             self.late_records += 1
             return []
         self._world_size = max(self._world_size, int(record["world_size"]))
         self._pending.setdefault(it, {})[int(record["rank"])] = record
-        return self._score_ready()
+        return self._score_ready(now_ns)
 
     def add_progress(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one rank's stall/resume report; return a hang finding when the whole job stopped."""
@@ -83,17 +97,30 @@ class JobDifferential:
     def _complete(self, it: int) -> bool:
         return len(self._pending[it]) >= self._world_size
 
-    def _score_ready(self) -> list[dict[str, Any]]:
+    def _score_ready(self, now_ns: int | None = None) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         wait = self.config.missing_rank_wait_iterations
         while self._pending:
             first = min(self._pending)
             if not self._complete(first):
                 later_complete = sum(1 for it in self._pending if it > first and self._complete(it))
-                if later_complete < wait:
+                # A rank that never reports again leaves every later iteration incomplete: once it has been
+                # silent long enough, score without it (it then becomes a hang) rather than stall the job.
+                if later_complete < wait and not self._lacks_only_silent_ranks(first, now_ns):
                     break
             out += self._score(first)
         return out
+
+    def _lacks_only_silent_ranks(self, it: int, now_ns: int | None) -> bool:
+        if now_ns is None or self._first_seen_ns is None:
+            return False
+        timeout_ns = self.config.missing_rank_timeout_ms * 1_000_000
+        present = self._pending[it].keys()
+        return all(
+            now_ns - self._last_seen_ns.get(rank, self._first_seen_ns) >= timeout_ns
+            for rank in range(self._world_size)
+            if rank not in present
+        )
 
     def _score(self, it: int) -> list[dict[str, Any]]:
         records = list(self._pending.pop(it).values())

@@ -65,9 +65,7 @@ class FindingTracker:
                 tr = self._tracks[key] = _Track(flags=deque(maxlen=cfg.window_iterations))
             tr.flags.append(iteration)
             tr.clear_run = 0
-            tr.recent = [(i, s) for i, s in tr.recent if i > iteration - cfg.window_iterations] + [
-                (iteration, sig)
-            ]
+            tr.recent = [(i, s) for i, s in tr.recent if i > iteration - cfg.window_iterations] + [(iteration, sig)]
             if tr.finding_id:
                 self._accumulate(tr, sig, iteration)
                 if iteration - tr.emitted_iteration >= cfg.update_every:

@@ -165,9 +165,7 @@ class RankWindower:
                 latest = int(np.maximum.reduce(cols[time_col]))
             self._watermark[kind] = max(self._watermark.get(kind, -(2**62)), latest)
             buf = self._buffers.get(kind)
-            self._buffers[kind] = (
-                cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
-            )
+            self._buffers[kind] = cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
         return self._close(force=False, now_ns=now_ns)
 
     def take_progress(self) -> list[dict[str, Any]]:
@@ -299,9 +297,7 @@ class RankWindower:
         self._pgs.update(np.unique(c["pg_id"]).tolist())
         n = c["seq"].size
         # One process group: its sequence numbers align ranks; several: fall back to arrival order.
-        seq = (
-            c["seq"] if len(self._pgs) == 1 else np.arange(self._collectives_seen, self._collectives_seen + n)
-        )
+        seq = c["seq"] if len(self._pgs) == 1 else np.arange(self._collectives_seen, self._collectives_seen + n)
         self._collectives_seen += n
         spans = self._period_detector.feed(key, seq, c["start_ns"], c["start_ns"] + c["dur_ns"])
         self._add_spans("collective_period", spans)
@@ -346,9 +342,7 @@ class RankWindower:
         while self._steps:
             step = min(self._steps)
             start, end = self._steps[step]
-            if not (
-                force or len(self._steps) > self.config.max_open_steps or self._ready(start, end, now_ns)
-            ):
+            if not (force or len(self._steps) > self.config.max_open_steps or self._ready(start, end, now_ns)):
                 break
             closed.append(self._close_step(step, start, end))
         return closed

@@ -119,9 +119,7 @@ def test_a_finding_of_the_pipeline_reaches_the_follower_within_5_s(
     thread.start()
     try:
         assert follower.ready.wait(10)
-        sim = SimulatorConfig(
-            job="alert-job", ranks=8, iterations=10, faults=(parse_fault("slow_gpu:3:1.5"),)
-        )
+        sim = SimulatorConfig(job="alert-job", ranks=8, iterations=10, faults=(parse_fault("slow_gpu:3:1.5"),))
         result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
         deadline = time.monotonic() + MAX_DELAY_S
         while len(received) < sum(f["version"] for f in result.findings) and time.monotonic() < deadline:

@@ -71,9 +71,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator
     client = connect(config.store)
     # A second job, healthy three days ago and with a slow GPU since yesterday (written without Kafka).
     offline = OfflinePipeline(keep_patterns=True)
-    offline.add_all(
-        simulate(SimulatorConfig(job="regress", ranks=8, iterations=6, start_ns=NOW_NS - 3 * DAY_NS))
-    )
+    offline.add_all(simulate(SimulatorConfig(job="regress", ranks=8, iterations=6, start_ns=NOW_NS - 3 * DAY_NS)))
     slow = SimulatorConfig(
         job="regress", ranks=8, iterations=6, first_step=6, start_ns=NOW_NS - DAY_NS,
         faults=(parse_fault("slow_gpu:2:1.5"),),
@@ -102,9 +100,7 @@ def test_the_cookbook_has_the_promised_investigations() -> None:
 
 
 @pytest.mark.parametrize("heading,query", cookbook(), ids=[h.split(".")[0] for h, _ in cookbook()])
-def test_every_query_runs_read_only_and_returns_rows(
-    store: tuple[Any, str], heading: str, query: str
-) -> None:
+def test_every_query_runs_read_only_and_returns_rows(store: tuple[Any, str], heading: str, query: str) -> None:
     assert run(store, query), f"{heading}: no rows"
 
 

@@ -61,9 +61,7 @@ def test_the_pipeline_finds_the_same_fault_with_registry_ids(
             # process set-up installs the registry resolver, as in every fleetscope process.
             assert main(["init", "--config", str(config_file)]) == 0
             assert set(registry.subjects) == {f"{prefix}.{s}-value" for s in CATALOG.subjects()}
-            sim = SimulatorConfig(
-                job="sr-job", ranks=8, iterations=10, faults=(parse_fault("slow_gpu:6:1.5"),)
-            )
+            sim = SimulatorConfig(job="sr-job", ranks=8, iterations=10, faults=(parse_fault("slow_gpu:6:1.5"),))
             result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
         finally:
             use_resolver(previous)

@@ -38,9 +38,7 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Ite
             "kafka.topic_prefix": f"rp{uuid.uuid4().hex[:6]}",
         },
     )
-    sim = SimulatorConfig(
-        job="rep", ranks=16, iterations=12, faults=(parse_fault(f"slow_gpu:{SLOW_RANK}:1.5"),)
-    )
+    sim = SimulatorConfig(job="rep", ranks=16, iterations=12, faults=(parse_fault(f"slow_gpu:{SLOW_RANK}:1.5"),))
     result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
     assert [f["rank"] for f in result.findings] == [SLOW_RANK]
     yield config, connect(config.store)
@@ -79,9 +77,7 @@ def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Any]) -
     assert "gpu_slow" in page and "+50%" in page
 
 
-def test_the_cli_writes_the_report_quickly(
-    demo_store: tuple[Config, Any], tmp_path: Path, capsys: Any
-) -> None:
+def test_the_cli_writes_the_report_quickly(demo_store: tuple[Config, Any], tmp_path: Path, capsys: Any) -> None:
     config, _ = demo_store
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"store": {"url": config.store.url, "database": config.store.database}}))
@@ -92,8 +88,6 @@ def test_the_cli_writes_the_report_quickly(
     summary = json.loads(capsys.readouterr().out)
     assert summary["top_deviation"]["rank"] == SLOW_RANK and summary["findings"] == 1
     assert out.stat().st_size > 20_000
-    print(
-        f"report of 16 ranks x 12 iterations: {seconds:.2f} s by the CLI, {summary['seconds']:.3f} s to write"
-    )
+    print(f"report of 16 ranks x 12 iterations: {seconds:.2f} s by the CLI, {summary['seconds']:.3f} s to write")
     assert seconds < 10
     assert main(["report", "--job", "no-such-job", "-o", str(tmp_path / "x.html"), "--config", str(cfg)]) == 1

@@ -49,9 +49,7 @@ def store(chdb_path: Path) -> Iterator[tuple[Client, str]]:
 def _create_topics(bootstrap: str, topics: Topics) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     names = [topics.iterations, topics.patterns, topics.findings, topics.deadletter]
-    for future in admin.create_topics(
-        [NewTopic(n, num_partitions=2, replication_factor=1) for n in names]
-    ).values():
+    for future in admin.create_topics([NewTopic(n, num_partitions=2, replication_factor=1) for n in names]).values():
         future.result(10)
 
 
@@ -93,9 +91,7 @@ def _wait_for(condition: Callable[[], bool], sink: Sink | None = None, timeout_s
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(
-                f"condition not met within {timeout_s}s; sink stats {sink.stats if sink else None}"
-            )
+            raise AssertionError(f"condition not met within {timeout_s}s; sink stats {sink.stats if sink else None}")
         if sink is None:
             time.sleep(0.05)
         else:
@@ -128,20 +124,14 @@ def test_sink_writes_topics_to_clickhouse_and_dead_letters_garbage(
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
     for rank in range(4):
         for it in range(5):
-            producer.produce(
-                topics.iterations, encode("iterations", _iteration(rank, it)), key=rank_key("job-k", rank)
-            )
+            producer.produce(topics.iterations, encode("iterations", _iteration(rank, it)), key=rank_key("job-k", rank))
         producer.produce(topics.patterns, encode("patterns", _patterns(rank, 1, ["a", "b", "c"])),
                          key=rank_key("job-k", rank))  # fmt: skip
     for version, status in ((1, "open"), (2, "update"), (3, "closed")):
-        producer.produce(
-            topics.findings, encode("findings", _finding("f1", version, status)), key=job_key("job-k")
-        )
+        producer.produce(topics.findings, encode("findings", _finding("f1", version, status)), key=job_key("job-k"))
     producer.produce(topics.findings, encode("findings", _finding("f2", 1, "open")), key=job_key("job-k"))
     producer.produce(topics.patterns, b"\x00\x00\x00\x01garbage", key=b"job-k/9")
-    producer.produce(
-        topics.iterations, encode("findings", _finding("f3", 1, "open")), key=b"job-k"
-    )  # wrong topic
+    producer.produce(topics.iterations, encode("findings", _finding("f3", 1, "open")), key=b"job-k")  # wrong topic
     assert producer.flush(10) == 0
 
     config = SinkConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, group_id=f"g-{prefix}",
@@ -163,9 +153,7 @@ def test_sink_writes_topics_to_clickhouse_and_dead_letters_garbage(
     assert stats["last_flush_ns"] > 0
     assert table_counts(client, database) == {**expected, "findings": 3}
     found = {f["finding_id"]: f for f in current_findings(client, database)}
-    assert (
-        found["f1"]["status"] == "closed" and found["f1"]["version"] == 3 and found["f2"]["status"] == "open"
-    )
+    assert found["f1"]["status"] == "closed" and found["f1"]["version"] == 3 and found["f2"]["status"] == "open"
     assert "f3" in found  # the subject, not the topic, picks the table
 
     letters = _read_all(kafka_bootstrap, topics.deadletter, expected=1)
@@ -173,11 +161,7 @@ def test_sink_writes_topics_to_clickhouse_and_dead_letters_garbage(
     headers = {k: v.decode() for k, v in letters[0].headers()}
     assert letters[0].value() == b"\x00\x00\x00\x01garbage"
     assert headers["topic"] == topics.patterns and headers["reason"].startswith("decode:")
-    assert (
-        "unknown schema id" in headers["reason"]
-        and headers["offset"].isdigit()
-        and headers["partition"].isdigit()
-    )
+    assert "unknown schema id" in headers["reason"] and headers["offset"].isdigit() and headers["partition"].isdigit()
 
     # Every consumed offset was committed for the group, so a restart replays nothing.
     probe = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": config.group_id})
@@ -245,12 +229,8 @@ def test_sink_pauses_through_outages_and_dead_letters_rejected_records(
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
     for it in range(3):
         producer.produce(topics.iterations, encode("iterations", _iteration(0, it)), key=rank_key("job-k", 0))
-    producer.produce(
-        topics.patterns, encode("patterns", _patterns(0, 1, ["a", "b"])), key=rank_key("job-k", 0)
-    )
-    producer.produce(
-        topics.patterns, encode("patterns", _patterns(1, 1, ["poison"])), key=rank_key("job-k", 1)
-    )
+    producer.produce(topics.patterns, encode("patterns", _patterns(0, 1, ["a", "b"])), key=rank_key("job-k", 0))
+    producer.produce(topics.patterns, encode("patterns", _patterns(1, 1, ["poison"])), key=rank_key("job-k", 1))
     assert producer.flush(10) == 0
     config = SinkConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, group_id=f"g-{prefix}",
                         session_timeout_ms=2000, flush_interval_ms=50)  # fmt: skip

@@ -70,8 +70,7 @@ dist.destroy_process_group()
 def _rows_by_rank(stack: EmbeddedStack, database: str, job: str) -> dict[int, int]:
     assert stack.client is not None
     rows = stack.client.query(
-        f"SELECT rank, uniqExact(iteration) FROM {database}.iterations "
-        "WHERE job = {job:String} GROUP BY rank",
+        f"SELECT rank, uniqExact(iteration) FROM {database}.iterations WHERE job = {{job:String}} GROUP BY rank",
         parameters={"job": job},
     ).result_rows
     return {int(r): int(n) for r, n in rows}
@@ -139,9 +138,7 @@ def test_two_rank_cpu_training_reaches_clickhouse_both_ways(
         assert [p.returncode for p in ranks] == [0, 0], outputs
         stats = [line.split()[1:] for out in outputs for line in out.splitlines() if line.startswith("STATS")]
         # per step: marker, dataloader.next, optimizer.step and one DDP bucket all-reduce
-        assert [s[1:] for s in stats] == [["0", "0"], ["0", "0"]] and all(
-            int(s[0]) >= 4 * STEPS for s in stats
-        )
+        assert [s[1:] for s in stats] == [["0", "0"], ["0", "0"]] and all(int(s[0]) >= 4 * STEPS for s in stats)
 
         # 2. Zero code change: `fleetscope run -- torchrun ...` on a script without fleetscope.
         run = subprocess.run(

@@ -26,9 +26,7 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 DASHBOARD = json.loads((ROOT / "deploy/grafana/dashboards/fleetscope.json").read_text())
 DATASOURCES = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/clickhouse.yaml").read_text())
-FLEETSCOPE_SERVICES = [
-    name for name, s in SERVICES.items() if str(s.get("image", "")).startswith("fleetscope:")
-]
+FLEETSCOPE_SERVICES = [name for name, s in SERVICES.items() if str(s.get("image", "")).startswith("fleetscope:")]
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -73,9 +71,7 @@ def test_start_order_waits_for_health_and_has_no_cycle() -> None:
             assert dep in SERVICES, f"{name} depends on unknown service {dep}"
             assert condition in ("service_healthy", "service_completed_successfully"), (name, dep)
             if condition == "service_healthy":
-                assert "healthcheck" in SERVICES[dep], (
-                    f"{name} waits for {dep} to be healthy; it has no check"
-                )
+                assert "healthcheck" in SERVICES[dep], f"{name} waits for {dep} to be healthy; it has no check"
             else:
                 assert SERVICES[dep].get("restart") == "no", f"{dep} is one-shot; it must not restart"
     for name in ("kafka", "schema-registry", "clickhouse", "worker", "sink", "grafana"):
@@ -127,9 +123,7 @@ def test_mounted_files_exist_and_grafana_is_provisioned() -> None:
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
     (source,) = DATASOURCES["datasources"]
     assert source["type"] == "grafana-clickhouse-datasource"
-    assert (
-        source["jsonData"]["host"] == "clickhouse" and source["jsonData"]["defaultDatabase"] == "fleetscope"
-    )
+    assert source["jsonData"]["host"] == "clickhouse" and source["jsonData"]["defaultDatabase"] == "fleetscope"
     uids = {p["datasource"]["uid"] for p in DASHBOARD["panels"]} | {
         t["datasource"]["uid"] for p in DASHBOARD["panels"] for t in p["targets"]
     }
@@ -148,12 +142,9 @@ def grafana_sql(sql: str, job: str) -> str:
     """Expand the ClickHouse plugin's macros (pkg/macros/macros.go) and the ${job} variable."""
     macros = {
         r"\$__timeFilter_ms\(([^)]+)\)": lambda m: (
-            f"{m[1]} >= fromUnixTimestamp64Milli({FROM_S * 1000}) "
-            f"AND {m[1]} <= fromUnixTimestamp64Milli({TO_S * 1000})"
+            f"{m[1]} >= fromUnixTimestamp64Milli({FROM_S * 1000}) AND {m[1]} <= fromUnixTimestamp64Milli({TO_S * 1000})"
         ),
-        r"\$__timeFilter\(([^)]+)\)": lambda m: (
-            f"{m[1]} >= toDateTime({FROM_S}) AND {m[1]} <= toDateTime({TO_S})"
-        ),
+        r"\$__timeFilter\(([^)]+)\)": lambda m: f"{m[1]} >= toDateTime({FROM_S}) AND {m[1]} <= toDateTime({TO_S})",
         r"\$__timeInterval\(([^)]+)\)": lambda m: (
             f"toStartOfInterval(toDateTime({m[1]}), INTERVAL {INTERVAL_S} second)"
         ),

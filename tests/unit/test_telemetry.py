@@ -77,9 +77,7 @@ def test_exposition_has_help_type_and_values_of_registered_components() -> None:
     assert dead == {"header": 1.0, "schema": 2.0}
     rows = {s.labels["table"]: s.value for s in fams["fleetscope_sink_rows_written"].samples}
     assert rows == {"iterations": 320.0, "function_patterns": 0.0, "finding_updates": 0.0}
-    assert fams["fleetscope_sink_last_flush_timestamp_seconds"].samples[0].value == pytest.approx(
-        1_767_225_600
-    )
+    assert fams["fleetscope_sink_last_flush_timestamp_seconds"].samples[0].value == pytest.approx(1_767_225_600)
     assert fams["fleetscope_sink_consumer_lag"].samples[0].value == -1
     assert "fleetscope_publisher_messages_dropped" not in fams, "no publisher in this process"
     assert any(name.startswith("fleetscope_process_") for name in fams)

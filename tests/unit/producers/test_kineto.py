@@ -205,9 +205,7 @@ def test_collective_metadata_on_the_kernel(tmp_path: Path) -> None:
             "Group size": 4, "dtype": "BFloat16", "Process Group Name": "3", "Seq": 17}  # fmt: skip
     doc = {
         "distributedInfo": {"rank": 1, "world_size": 8},
-        "traceEvents": [
-            x("kernel", "ncclDevKernel_AllGather_RING_LL(x)", 10, 5, pid=0, correlation=1, **meta)
-        ],
+        "traceEvents": [x("kernel", "ncclDevKernel_AllGather_RING_LL(x)", 10, 5, pid=0, correlation=1, **meta)],
     }
     (b,) = parse_trace(write(tmp_path / "t.json", doc)).batches
     assert b.kind is EventKind.COLLECTIVES
@@ -236,10 +234,7 @@ def test_collective_metadata_only_on_the_cpu_op(tmp_path: Path) -> None:
     doc = {"distributedInfo": {"rank": 0, "world_size": 8}, "traceEvents": events}
     trace = parse_trace(write(tmp_path / "t.json", doc))
     (b,) = [b for b in trace.batches if b.kind is EventKind.COLLECTIVES]
-    got = [
-        (b.names[b["op_id"][i]], b.names[b["pg_id"][i]], int(b["nbytes"][i]), int(b["seq"][i]))
-        for i in range(4)
-    ]
+    got = [(b.names[b["op_id"][i]], b.names[b["pg_id"][i]], int(b["nbytes"][i]), int(b["seq"][i])) for i in range(4)]
     assert got == [("allreduce", "0", 4000, 0), ("broadcast", "5", 80, 0), ("reduce_scatter", "0", 0, 1),
                    ("allreduce", "0", 0, 2)]  # fmt: skip
     assert b["group_size"].tolist() == [8, 8, 8, 8]  # from distributedInfo.world_size
@@ -305,9 +300,7 @@ def test_bad_files_raise_one_line_naming_the_file(tmp_path: Path, name: str) -> 
         parse_trace(tmp_path / "missing.json")
 
 
-def test_analyze_skips_bad_files_and_analyses_the_rest(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_analyze_skips_bad_files_and_analyses_the_rest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = {"distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": [x("user_annotation", "s", 0, 1)]}
     write(tmp_path / "d" / "sub" / "good.json", good)
     for name in ("garbage.json", "truncated.json", "list.json"):

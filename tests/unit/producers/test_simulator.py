@@ -53,9 +53,7 @@ def ranks_of(ev: Events) -> list[int]:
     return sorted(ev)
 
 
-def kernel_ms(
-    ev: Events, rank: int, name: str = "ampere_bf16_s16816gemm_bf16_256x128_ldg8_f2f_nn"
-) -> np.ndarray:
+def kernel_ms(ev: Events, rank: int, name: str = "ampere_bf16_s16816gemm_bf16_256x128_ldg8_f2f_nn") -> np.ndarray:
     k = ev[rank][EventKind.KERNELS]
     return k["dur_ns"][k["name"] == name] / 1e6
 
@@ -253,9 +251,7 @@ def test_stage_imbalance_slows_every_rank_of_the_stage_alike_and_needs_a_pipelin
     ev = events("stage_imbalance:1:1.2", tp=2, pp=2, layers=4, microbatches=4)
     stage1 = [float(np.median(kernel_ms(ev, r))) for r in range(8, 16)]
     stage0 = [float(np.median(kernel_ms(ev, r))) for r in range(8)]
-    assert np.ptp(stage1) / np.mean(stage1) < 0.03 and np.mean(stage1) / np.mean(stage0) == pytest.approx(
-        1.2, rel=0.03
-    )
+    assert np.ptp(stage1) / np.mean(stage1) < 0.03 and np.mean(stage1) / np.mean(stage0) == pytest.approx(1.2, rel=0.03)
     with pytest.raises(ValueError, match="needs a pipeline"):
         SimulatorConfig(faults=(parse_fault("stage_imbalance:0"),))
 
@@ -390,10 +386,7 @@ def test_net_congestion_fluctuates_alike_on_every_rank_of_the_host_and_slows_the
 def test_job_slowdown_slows_everyone_alike_from_its_start() -> None:
     ev = events("job_slowdown:-:1.2@4")
     gemm = np.array(
-        [
-            [np.median(kernel_ms(ev, r)[i * 12 : (i + 1) * 12]) for i in range(ITERATIONS)]
-            for r in range(RANKS)
-        ]
+        [[np.median(kernel_ms(ev, r)[i * 12 : (i + 1) * 12]) for i in range(ITERATIONS)] for r in range(RANKS)]
     )
     assert np.ptp(gemm[:, 5]) / gemm[:, 5].mean() < 0.03  # no peer outlier
     assert gemm[:, 4:].mean() / gemm[:, :4].mean() == pytest.approx(1.2, rel=0.02)
@@ -424,8 +417,7 @@ def test_a_hang_stops_the_job_inside_the_iteration_while_samples_continue() -> N
 def test_intermittent_faults_act_only_on_their_iterations() -> None:
     ev = events("slow_gpu:7:1.5@2/3")
     ratio = [
-        np.median(kernel_ms(ev, 7)[i * 12 : (i + 1) * 12])
-        / np.median(kernel_ms(ev, 6)[i * 12 : (i + 1) * 12])
+        np.median(kernel_ms(ev, 7)[i * 12 : (i + 1) * 12]) / np.median(kernel_ms(ev, 6)[i * 12 : (i + 1) * 12])
         for i in range(ITERATIONS)
     ]
     slow = [i for i, x in enumerate(ratio) if x > 1.3]
@@ -436,9 +428,7 @@ def test_intermittent_faults_act_only_on_their_iterations() -> None:
 def test_two_faults_at_once_each_show_on_their_own_rank() -> None:
     ev = events("slow_gpu:1:1.4", "dataloader_stall:10:1.2")
     assert np.median(kernel_ms(ev, 1)) / np.median(kernel_ms(ev, 2)) == pytest.approx(1.4, rel=0.03)
-    assert np.median(python_ms(ev, 10, "dataloader.next")) > 4 * np.median(
-        python_ms(ev, 2, "dataloader.next")
-    )
+    assert np.median(python_ms(ev, 10, "dataloader.next")) > 4 * np.median(python_ms(ev, 2, "dataloader.next"))
 
 
 # -- noise for negative controls ---------------------------------------------------------------------
@@ -447,10 +437,7 @@ def test_two_faults_at_once_each_show_on_their_own_rank() -> None:
 def test_glitches_are_one_off_slow_iterations_of_single_ranks() -> None:
     ev = events(glitch_rate=0.1, seed=4)
     ratio = np.array(
-        [
-            [np.median(kernel_ms(ev, r)[i * 12 : (i + 1) * 12]) for i in range(ITERATIONS)]
-            for r in range(RANKS)
-        ]
+        [[np.median(kernel_ms(ev, r)[i * 12 : (i + 1) * 12]) for i in range(ITERATIONS)] for r in range(RANKS)]
     )
     ratio /= np.median(ratio, axis=0)
     slow = ratio > 1.15
@@ -513,9 +500,7 @@ def test_expected_findings_map_each_fault_to_its_category_and_culprits() -> None
         "cpu_contention:9", "net_congestion:node001:1.5@3", "stage_imbalance:1", "job_slowdown:-:1.1@5",
         "hang:2@6",
     )  # fmt: skip
-    cfg = SimulatorConfig(
-        ranks=16, pp=2, iterations=10, first_step=100, faults=tuple(map(parse_fault, specs))
-    )
+    cfg = SimulatorConfig(ranks=16, pp=2, iterations=10, first_step=100, faults=tuple(map(parse_fault, specs)))
     got = cfg.expected_findings()
     assert [(f.category, f.kind) for f in got] == [
         ("gpu_slow", "slow_gpu"), ("link_slow", "slow_link"), ("link_slow", "pcie_downgrade"),

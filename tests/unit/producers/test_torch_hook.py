@@ -46,9 +46,7 @@ class FakePublisher:
 
 def _python(script: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
-    return subprocess.run(
-        [sys.executable, "-c", script], env=clean | env, capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, "-c", script], env=clean | env, capture_output=True, text=True, timeout=60)
 
 
 def test_importing_the_producers_never_imports_torch() -> None:

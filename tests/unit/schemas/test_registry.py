@@ -53,9 +53,7 @@ class RegistryStandIn:
         self.schemas: dict[int, str] = {}
         self.subjects: dict[str, list[int]] = {}
         self.requests: list[tuple[str, str]] = []
-        self._auth = (
-            "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode() if username else ""
-        )
+        self._auth = "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode() if username else ""
         self._lock = threading.Lock()
         stand_in = self
 
@@ -116,9 +114,7 @@ class RegistryStandIn:
         canonical = json.dumps(json.loads(text), sort_keys=True)
         with self._lock:
             same = [
-                i
-                for i, known in self.schemas.items()
-                if json.dumps(json.loads(known), sort_keys=True) == canonical
+                i for i, known in self.schemas.items() if json.dumps(json.loads(known), sort_keys=True) == canonical
             ]
             schema_id = same[0] if same else len(self.schemas) + 1
             self.schemas.setdefault(schema_id, text)
@@ -263,9 +259,7 @@ def test_an_older_writer_schema_in_the_registry_resolves_to_the_newest_reader(
     v1 = CATALOG.by_id(101)
     assert v1 is not None and v1.subject == "kernels" and CATALOG.latest("kernels").version == 2
     old_id = registry.register("fs.kernels-value", schema_text(v1))
-    record = {
-        k: v for k, v in kernel_batch().to_record().items() if k in {f["name"] for f in v1.parsed["fields"]}
-    }
+    record = {k: v for k, v in kernel_batch().to_record().items() if k in {f["name"] for f in v1.parsed["fields"]}}
     buf = io.BytesIO()
     buf.write(struct.pack(">bI", 0, old_id))
     schemaless_writer(buf, v1.parsed, record)
@@ -302,9 +296,7 @@ def test_basic_auth_credentials_reach_the_registry_and_are_never_in_repr() -> No
             resolver_for(secured).schema_id("findings")
         resolver = resolver_for(secured, username="svc", password="s3cret")
         message = encode("findings", FINDING, resolver=resolver)
-        assert (
-            decode(message, resolver=resolver_for(secured, username="svc", password="s3cret"))[1] == FINDING
-        )
+        assert decode(message, resolver=resolver_for(secured, username="svc", password="s3cret"))[1] == FINDING
         assert "s3cret" not in repr(resolver.config)
 
 

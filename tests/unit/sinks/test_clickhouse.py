@@ -91,9 +91,7 @@ def count(client: Client, database: str, table: str, final: bool = False) -> int
     return int(client.query(f"SELECT count() FROM `{database}`.{table}{suffix}").result_rows[0][0])
 
 
-def test_migrate_twice_is_idempotent_and_keeps_data(
-    client: Client, writer: ClickHouseWriter, database: str
-) -> None:
+def test_migrate_twice_is_idempotent_and_keeps_data(client: Client, writer: ClickHouseWriter, database: str) -> None:
     writer.write_iterations([iteration(0, 1)])
     migrate(client, database)
     migrate(client, database)
@@ -137,17 +135,13 @@ def test_iterations_round_trip_every_field(client: Client, writer: ClickHouseWri
     records = [iteration(rank, it) for rank in range(4) for it in range(3)]
     assert writer.write_iterations(records) == 12
     columns, rows = run_sql(client, database, "SELECT * EXCEPT (start_at, inserted_at) FROM iterations")
-    got = sorted(
-        (dict(zip(columns, row, strict=True)) for row in rows), key=lambda r: (r["rank"], r["iteration"])
-    )
+    got = sorted((dict(zip(columns, row, strict=True)) for row in rows), key=lambda r: (r["rank"], r["iteration"]))
     assert got == sorted(records, key=lambda r: (r["rank"], r["iteration"]))
     start_at = client.query(f"SELECT toUnixTimestamp64Milli(min(start_at)) FROM `{database}`.iterations")
     assert start_at.result_rows[0][0] == T0 // 1_000_000
 
 
-def test_patterns_explode_to_one_row_per_function(
-    client: Client, writer: ClickHouseWriter, database: str
-) -> None:
+def test_patterns_explode_to_one_row_per_function(client: Client, writer: ClickHouseWriter, database: str) -> None:
     batches = [
         pattern_batch(0, 5, ["gemm", "memcpy", "ncclDevKernel_AllReduce", "dataloader.next"]),
         pattern_batch(1, 5, ["gemm", "ncclDevKernel_AllReduce"]),
@@ -252,9 +246,7 @@ def test_replayed_batches_leave_no_duplicates_after_merge(
         "SELECT 1 INTO OUTFILE 'x.csv'",
     ],
 )
-def test_readonly_sql_rejects_writes(
-    client: Client, writer: ClickHouseWriter, database: str, statement: str
-) -> None:
+def test_readonly_sql_rejects_writes(client: Client, writer: ClickHouseWriter, database: str, statement: str) -> None:
     writer.write_iterations([iteration(0, 0)])
     with pytest.raises(PermissionError):
         run_sql(client, database, statement)

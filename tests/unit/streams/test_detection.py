@@ -37,9 +37,7 @@ def test_healthy_job_with_clock_skew_has_no_findings():
 
 
 def test_slow_gpu_is_found_despite_clock_skew_between_hosts():
-    cfg = SimulatorConfig(
-        ranks=16, iterations=10, clock_skew_ms=8.0, faults=(parse_fault("slow_gpu:13:1.3"),)
-    )
+    cfg = SimulatorConfig(ranks=16, iterations=10, clock_skew_ms=8.0, faults=(parse_fault("slow_gpu:13:1.3"),))
     _, _, findings = analyse(cfg)
     assert [(f["rank"], f["category"]) for f in findings] == [(13, "gpu_slow")]
 
@@ -47,9 +45,7 @@ def test_slow_gpu_is_found_despite_clock_skew_between_hosts():
 def test_every_iteration_of_every_rank_is_cut_once():
     cfg = SimulatorConfig(ranks=4, iterations=7)
     iterations, patterns, _ = analyse(cfg)
-    assert sorted((i["rank"], i["iteration"]) for i in iterations) == [
-        (r, s) for r in range(4) for s in range(7)
-    ]
+    assert sorted((i["rank"], i["iteration"]) for i in iterations) == [(r, s) for r in range(4) for s in range(7)]
     for it in iterations:
         assert it["gpu_busy_ns"] <= it["duration_ns"]
         assert it["compute_ns"] <= it["gpu_busy_ns"]
@@ -115,3 +111,39 @@ def test_findings_need_persistence_within_a_window_and_close_after_recovery():
     closed = tracker.observe(13, [])
     assert [(r["status"], r["version"]) for r in closed] == [("closed", 2)]
     assert np.isclose(closed[0]["est_loss_ns"], 10)
+
+
+def _feed(patterns, skip, arrival_s):
+    """Feed pattern records in iteration order with the worker's input clock; return the stage and findings."""
+    from fleetscope.streams.analysis.differential import JobDifferential
+
+    differential = JobDifferential(patterns[0]["job"])
+    findings = []
+    records = [p for p in patterns if not skip(p)]
+    for p in sorted(records, key=lambda p: (arrival_s(p), p["iteration"], p["rank"])):
+        findings += differential.add(p, now_ns=int(arrival_s(p) * 1e9))
+    return differential, findings
+
+
+def test_a_rank_that_stops_reporting_does_not_stall_the_job_and_is_reported_as_hung():
+    iterations, gone_after = 30, 4
+    _, patterns, _ = analyse(SimulatorConfig(ranks=8, iterations=iterations, seed=5))
+    differential, findings = _feed(
+        patterns, skip=lambda p: p["rank"] == 5 and p["iteration"] > gone_after, arrival_s=lambda p: p["iteration"]
+    )
+    assert differential.scored_upto == iterations - 1  # iterations without rank 5 are scored, not held
+    assert {(f["rank"], f["category"], f["metric"]) for f in findings} == {(5, "hang", "missing_iterations")}
+    assert findings[0]["status"] == "open"
+    assert json.loads(findings[0]["evidence"])["missing_since_iteration"] == gone_after + 1
+    offline, _ = _feed(patterns, skip=lambda p: p["rank"] == 5 and p["iteration"] > gone_after, arrival_s=lambda p: 0)
+    assert offline.scored_upto == gone_after  # no clock: the job's records wait for its flush
+
+
+def test_a_rank_whose_records_lag_behind_its_peers_is_waited_for_not_reported():
+    _, patterns, _ = analyse(SimulatorConfig(ranks=8, iterations=30, seed=5))
+    lag_s = 6  # rank 5's partition is worked off 6 iterations (seconds of input clock) behind the others
+    differential, findings = _feed(
+        patterns, skip=lambda p: False, arrival_s=lambda p: p["iteration"] + (lag_s if p["rank"] == 5 else 0)
+    )
+    assert differential.late_records == 0 and differential.scored_upto == 29
+    assert findings == []

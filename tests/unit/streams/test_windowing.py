@@ -12,10 +12,7 @@ def rank0_batches(iterations: int = 8):
 
 
 def collectives_per_iteration(closed):
-    return {
-        c.iteration["iteration"]: sum(k == FunctionKind.COLLECTIVE for k in c.patterns["kind"])
-        for c in closed
-    }
+    return {c.iteration["iteration"]: sum(k == FunctionKind.COLLECTIVE for k in c.patterns["kind"]) for c in closed}
 
 
 def test_a_lagging_declared_stream_holds_steps_open_until_it_arrives():
