@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,8 +41,10 @@ class JobDifferential:
         self._hang = HangCheck()
         self._hosts: dict[int, str] = {}
         self._missing_run: dict[int, int] = {}
-        self._last_seen_ns: dict[int, int] = {}
+        self._last_seen_ns: OrderedDict[int, int] = OrderedDict()
+        """Input-clock time of each rank's last record, oldest first."""
         self._first_seen_ns: int | None = None
+        self._unseen: tuple[int, list[int]] = (-1, [])
         self._functions = FunctionIndex()
         self.iterations_scored = 0
         self.late_records = 0
@@ -55,15 +58,17 @@ class JobDifferential:
         """Pickled state leaves out the records still waiting for ranks: a replay of their messages brings them back."""
         state = self.__dict__.copy()
         state["_pending"] = {}
-        state["_last_seen_ns"], state["_first_seen_ns"] = {}, None  # another process's clock
+        for clock_field in ("_last_seen_ns", "_first_seen_ns", "_unseen"):  # another process's clock
+            del state[clock_field]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """State records written before the function index existed restore with an empty one."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_functions", FunctionIndex())
-        self.__dict__.setdefault("_last_seen_ns", {})
+        self.__dict__.setdefault("_last_seen_ns", OrderedDict())
         self.__dict__.setdefault("_first_seen_ns", None)
+        self.__dict__.setdefault("_unseen", (-1, []))
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit.
@@ -72,6 +77,7 @@ class JobDifferential:
         it = int(record["iteration"])
         if now_ns is not None:
             self._last_seen_ns[int(record["rank"])] = now_ns
+            self._last_seen_ns.move_to_end(int(record["rank"]))
             if self._first_seen_ns is None:
                 self._first_seen_ns = now_ns
         if it <= self._scored_upto:
@@ -112,15 +118,23 @@ class JobDifferential:
         return out
 
     def _lacks_only_silent_ranks(self, it: int, now_ns: int | None) -> bool:
+        """Whether every rank missing from ``it`` has been silent for the timeout. Called on every record, so
+        it walks only the silent ranks (oldest first, usually none), never the whole world."""
         if now_ns is None or self._first_seen_ns is None:
             return False
-        timeout_ns = self.config.missing_rank_timeout_ms * 1_000_000
-        present = self._pending[it].keys()
-        return all(
-            now_ns - self._last_seen_ns.get(rank, self._first_seen_ns) >= timeout_ns
-            for rank in range(self._world_size)
-            if rank not in present
-        )
+        cutoff = now_ns - self.config.missing_rank_timeout_ms * 1_000_000
+        present = self._pending[it]
+        silent_missing = 0
+        for rank, seen in self._last_seen_ns.items():
+            if seen > cutoff:
+                break
+            silent_missing += rank not in present
+        if len(self._last_seen_ns) < self._world_size and self._first_seen_ns <= cutoff:
+            if self._unseen[0] != len(self._last_seen_ns):
+                unseen = [r for r in range(self._world_size) if r not in self._last_seen_ns]
+                self._unseen = (len(self._last_seen_ns), unseen)
+            silent_missing += sum(1 for r in self._unseen[1] if r not in present)
+        return silent_missing >= self._world_size - len(present)
 
     def _score(self, it: int) -> list[dict[str, Any]]:
         records = list(self._pending.pop(it).values())
