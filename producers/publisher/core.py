@@ -306,12 +306,7 @@ class Publisher:
             reason, self._trouble = self._trouble, None
         self._spool.rewind()  # spooled messages that were in flight go again (acked ones are skipped)
         self._feed.clear()
-        for _, record in rescued:
-            self._append(record)
-        self._spool.flush()
-        self._update_gauges()
-        with self._route:
-            self._in_transit -= 1
+        self._spool_in_transit(rescued)
         return len(rescued), reason
 
     def _probe(self) -> None:
@@ -394,7 +389,11 @@ class Publisher:
         with self._route:
             moved = self._backlog.take_all()
             self._in_transit += 1
-        for _, record in moved:
+        self._spool_in_transit(moved)
+
+    def _spool_in_transit(self, records: list[tuple[int, SpoolRecord]]) -> None:
+        """Spool records taken out of the producer or the backlog, then stop counting them as in transit."""
+        for _, record in records:
             self._append(record)
         self._spool.flush()
         self._update_gauges()
