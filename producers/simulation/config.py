@@ -80,6 +80,9 @@ class SimulatorConfig:
     """Probability per iteration of a job-wide ``checkpoint.save`` pause of 20-100 ms on every rank."""
     hang_tail_iterations: float = 8.0
     """After a hang, throughput samples go on for this many mean iteration times, then the stream ends."""
+    flush_interval_ms: float = 0.0
+    """0: one batch per rank, kind and iteration; > 0: batches cut as the real producers flush them (the
+    ``Recorder`` and the NVML sampler: every 500 ms, at most ``MAX_BATCH_EVENTS`` events; see ``coalesce``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", tuple(self.faults))  # a list from a CLI stays hashable
@@ -107,6 +110,7 @@ class SimulatorConfig:
             ("first_step", self.first_step >= 0, ">= 0"),
             *((n, 0.0 <= getattr(self, n) <= 1.0, "in [0, 1]") for n in ("gc_rate", "glitch_rate", "pause_rate")),
             ("hang_tail_iterations", 0.0 <= self.hang_tail_iterations <= 1000, "in [0, 1000]"),
+            ("flush_interval_ms", 0.0 <= self.flush_interval_ms <= 60_000, "in [0, 60000]"),
         ]
         p += [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in checks if not ok]
         if self.tp >= 1 and self.pp >= 1 and self.ranks % (self.tp * self.pp):

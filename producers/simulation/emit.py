@@ -6,8 +6,9 @@ as little as possible per rank (row views, shared read-only id columns, one head
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from fleetscope.producers.simulation.engine import PYTHON_NAMES, Layout, Timelin
 from fleetscope.producers.simulation.faults import host_name
 from fleetscope.producers.simulation.samples import METRICS, Samples, grid_ns
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, step_marker_name
+from fleetscope.schemas.records import OPTIONAL_COLUMNS
 
 MAX_BATCH_EVENTS = 4096
 COMPUTE_STREAM = 7
@@ -165,3 +167,56 @@ class Emitter:
             self.seq[r] += 1
             chunk = cols if size <= MAX_BATCH_EVENTS else {k: v[sl] for k, v in cols.items()}
             yield EventBatch(kind=kind, header=header, names=names, columns=chunk)
+
+
+def coalesce(
+    batches: Iterable[EventBatch], interval_ns: int, max_events: int = MAX_BATCH_EVENTS
+) -> Iterator[EventBatch]:
+    """Regroup one-iteration batches as the real producers ship them: one message per rank and kind for
+    each ``interval_ns`` of event time (their flush interval), at most ``max_events`` events.
+
+    Why: the ``Recorder`` and the NVML sampler flush every 500 ms, so their messages span several
+    iterations; per-rank producer sequence numbers are renumbered in the new emission order."""
+    pending: dict[tuple[str, int, EventKind], list[EventBatch]] = {}
+    sizes: dict[tuple[str, int, EventKind], int] = {}
+    seq: dict[tuple[str, int], int] = {}
+
+    def ship(group: list[EventBatch]) -> EventBatch:
+        h = group[0].header
+        n = seq.get((h.job, h.rank), 0)
+        seq[(h.job, h.rank)] = n + 1
+        return _merged(group, n)
+
+    for b in batches:
+        key = (b.header.job, b.header.rank, b.kind)
+        group = pending.get(key)
+        if group and (sizes[key] + len(b) > max_events or b.header.sent_ns - group[0].header.sent_ns >= interval_ns):
+            yield ship(pending.pop(key))
+            group = None
+        if group is None:
+            pending[key], sizes[key] = [b], len(b)
+        else:
+            group.append(b)
+            sizes[key] += len(b)
+    for group in pending.values():
+        yield ship(group)
+
+
+def _merged(group: list[EventBatch], seq: int) -> EventBatch:
+    """One batch holding the group's events in order, with one string dictionary for all of them."""
+    first = group[0]
+    header = dataclasses.replace(first.header, seq=seq, sent_ns=max(b.header.sent_ns for b in group))
+    if len(group) == 1:
+        return EventBatch(kind=first.kind, header=header, names=first.names, columns=first.columns)
+    index: dict[str, int] = {}
+    parts: dict[str, list[npt.NDArray[Any]]] = {name: [] for name in first.columns}
+    for b in group:
+        remap = np.fromiter((index.setdefault(s, len(index)) for s in b.names), np.int32, len(b.names))
+        for name, col in b.columns.items():
+            parts[name].append(remap[col] if name.endswith("_id") else col)
+    columns = {
+        name: np.concatenate(cols)
+        for name, cols in parts.items()
+        if name not in OPTIONAL_COLUMNS or all(c.size == len(b) for c, b in zip(cols, group, strict=True))
+    }
+    return EventBatch(kind=first.kind, header=header, names=list(index), columns=columns)

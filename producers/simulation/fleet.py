@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from fleetscope.producers.simulation.config import SimulatorConfig
-from fleetscope.producers.simulation.emit import Emitter
+from fleetscope.producers.simulation.emit import Emitter, coalesce
 from fleetscope.producers.simulation.engine import Engine, Inputs, Layout, Timeline
 from fleetscope.producers.simulation.faults import GC_FUNCTION, HOST_FUNCTIONS, host_index
 from fleetscope.producers.simulation.samples import (
@@ -151,4 +151,7 @@ def simulate(config: SimulatorConfig) -> Iterator[EventBatch]:
     rank-iteration; 512 ranks x 20 iterations at the defaults take a few seconds. For big layouts keep
     ``layers`` small (8-16) and raise ``sample_interval_us`` (2000-5000): kernels and samples dominate.
     """
-    yield from Fleet(config).run()
+    batches = Fleet(config).run()
+    if config.flush_interval_ms > 0:
+        batches = coalesce(batches, int(config.flush_interval_ms * 1e6))
+    yield from batches

@@ -19,7 +19,7 @@ import numpy as np
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
-from fleetscope.streams.analysis.stats import F64, I64, RobustScores, quiet_nan_warnings, robust_scores
+from fleetscope.streams.analysis.stats import F64, I64, RobustScores, nan_median, quiet_nan_warnings, robust_scores
 
 LINK_FAMILIES = ("nvlink", "pcie")
 LINK_IN_USE_SHARE = 0.25
@@ -424,13 +424,7 @@ def _median_by_group(x: F64, group: I64, n_groups: int) -> F64:
     out = np.full((n_groups, x.shape[1]), np.nan)
     for size in np.unique(sizes[sizes > 0]).tolist():
         groups = np.flatnonzero(sizes == size)
-        block = np.sort(x[order[starts[groups][:, None] + np.arange(size)]], axis=1)  # NaN sorts last
-        count = size - np.isnan(block).sum(axis=1, keepdims=True)
-        high = count // 2
-        low = np.where(count % 2 == 1, high, high - 1)
-        pair = np.take_along_axis(block, np.clip(np.concatenate([low, high], axis=1), 0, size - 1), axis=1)
-        with np.errstate(invalid="ignore"):
-            out[groups] = np.where(count[:, 0] > 0, (pair[:, 0] + pair[:, 1]) / 2, np.nan)
+        out[groups] = nan_median(x[order[starts[groups][:, None] + np.arange(size)]], axis=1)
     return out
 
 
@@ -456,7 +450,7 @@ def score_hosts(
     active_mean = _median_by_group(pm.features["pcie_mean_bps"], host_idx, len(hosts))
     with quiet_nan_warnings():
         transfer = np.nanmin(pm.features["mean_ns"], axis=0)
-    calls = np.nanmedian(pm.features["calls"], axis=0)
+    calls = nan_median(pm.features["calls"])
     sc, sm = score(per_host), score(active_mean)
     # On/off: full speed while it sends, stalled in between; the hosts it paces run at partial rates.
     flag = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.host_min_relative_gap) & (sm.z >= cfg.z_threshold)
