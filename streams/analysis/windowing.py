@@ -11,7 +11,7 @@ Events that arrive for an already closed step are counted as late and dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from functools import lru_cache
 from typing import Any
 
@@ -112,6 +112,10 @@ class RankWindower:
     _clock_ns: int = -(2**62)
     _durations: list[int] = field(default_factory=list)
     _stalled: bool = False
+    _progress_span_ns: dict[EventKind, int] = field(default_factory=dict)
+    """Per progress stream, the time its latest batch covered. A stream's events arrive up to one batch
+    behind the rank's clock (producers flush every 500 ms, samples run ahead): the stall threshold
+    allows for the least of these lags, as the freshest stream keeps the rank's progress."""
     _mode: str = ""
     _host_detector: HostSequenceDetector = field(default_factory=HostSequenceDetector)
     _period_detector: CollectivePeriodDetector = field(default_factory=CollectivePeriodDetector)
@@ -194,6 +198,15 @@ class RankWindower:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A state saved by an older version lacks the fields added since: they start at their defaults."""
+        missing = {
+            f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+            for f in fields(self)
+            if f.name not in state
+        }
+        self.__dict__.update(missing, **state)
+
     def _mean_iteration_ns(self) -> float:
         return self._mean_ns
 
@@ -205,6 +218,7 @@ class RankWindower:
             self._clock_ns = max(self._clock_ns, latest)
         else:
             end = int(np.maximum.reduce(batch["start_ns"] + batch["dur_ns"]))
+            self._progress_span_ns[batch.kind] = end - int(np.minimum.reduce(batch["start_ns"]))
             self._last_progress_ns = max(self._last_progress_ns, end)
             self._clock_ns = max(self._clock_ns, end)
         mean = self._mean_iteration_ns()
@@ -213,7 +227,8 @@ class RankWindower:
         return latest
 
     def _check_stall(self, clock_ns: int, mean_ns: float) -> None:
-        stalled = clock_ns - self._last_progress_ns >= self.config.stall_factor * mean_ns
+        batch_lag = min(self._progress_span_ns.values(), default=0)
+        stalled = clock_ns - self._last_progress_ns >= self.config.stall_factor * mean_ns + batch_lag
         if stalled == self._stalled or self.header is None:
             return
         self._stalled = stalled

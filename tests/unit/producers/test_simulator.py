@@ -483,6 +483,29 @@ def test_large_batches_are_split_and_keep_the_sequence() -> None:
     assert th.names == list(METRICS) and len(METRICS) == 8
 
 
+def test_producer_shaped_batches_hold_the_same_events_in_fewer_messages_with_a_gapless_sequence() -> None:
+    def span_ns(b: EventBatch) -> int:
+        return b.header.sent_ns - int(b["t_ns" if b.kind == EventKind.THROUGHPUT else "start_ns"].min())
+
+    per_iteration, shaped = run(), run(flush_interval_ms=500)
+    assert len(shaped) < len(per_iteration) / 2
+    before, after = events(), events(flush_interval_ms=500)  # names resolved through each batch's dictionary
+    assert before.keys() == after.keys()
+    for rank, kinds in before.items():
+        assert kinds.keys() == after[rank].keys()
+        for kind, cols in kinds.items():
+            assert cols.keys() == after[rank][kind].keys()
+            same = [np.array_equal(v, after[rank][kind][c]) for c, v in cols.items() if not c.endswith("_id")]
+            assert all(same), (rank, kind)
+    longest_one_iteration = max(map(span_ns, per_iteration))
+    for rank in range(RANKS):
+        mine = [b for b in shaped if b.header.rank == rank]
+        assert [b.header.seq for b in mine] == list(range(len(mine)))
+        for b in mine:
+            assert len(b) <= MAX_BATCH_EVENTS and len(set(b.names)) == len(b.names)
+            assert span_ns(b) < 500_000_000 + longest_one_iteration
+
+
 def test_first_step_numbers_markers_and_collective_sequence() -> None:
     batches = list(simulate(SimulatorConfig(ranks=2, iterations=2, first_step=100, buckets=3)))
     py = [b for b in batches if b.kind == EventKind.PYTHON and b.header.rank == 1]

@@ -48,3 +48,16 @@ def test_an_idle_rank_closes_its_last_step():
         closed += w.add(b, now_ns=0)
     assert [c.iteration["iteration"] for c in closed] == [0, 1]
     assert [c.iteration["iteration"] for c in w.poll(now_ns=200_000_000)] == [2]
+
+
+def test_a_state_saved_before_a_field_existed_restores_with_that_field_at_its_default():
+    w = RankWindower()
+    for b in rank0_batches(3):
+        w.add(b, 0)
+    state = dict(w.__dict__)
+    del state["_progress_span_ns"]
+    restored = RankWindower.__new__(RankWindower)
+    restored.__setstate__(state)
+    assert restored._progress_span_ns == {} and restored._names == w._names
+    for b in rank0_batches(5)[-4:]:
+        restored.add(b, 0)  # and it goes on working
