@@ -18,7 +18,7 @@ import multiprocessing
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
@@ -38,6 +38,7 @@ class Scenario:
     noise: bool = True
     clock_skew_ms: float = 3.0
     magnitude: float = 0.0
+    flush_interval_ms: float = 0.0
 
     def config(self) -> SimulatorConfig:
         extra: dict[str, Any] = {}
@@ -46,7 +47,7 @@ class Scenario:
         return SimulatorConfig(
             job=self.name, ranks=self.ranks, iterations=self.iterations, seed=self.seed, tp=self.tp, pp=self.pp,
             faults=tuple(parse_fault(f) for f in self.faults), clock_skew_ms=self.clock_skew_ms,
-            layers=8 if self.ranks >= 256 else 12, **extra,
+            layers=8 if self.ranks >= 256 else 12, flush_interval_ms=self.flush_interval_ms, **extra,
         )  # fmt: skip
 
 
@@ -189,8 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller suite (no 512-rank runs)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", help="also write per-scenario outcomes to this file")
+    ap.add_argument(
+        "--flush-interval-ms",
+        type=float,
+        default=0.0,
+        help="batches cut as the real producers flush (500 ms); 0: one batch per rank-iteration",
+    )
     args = ap.parse_args(argv)
-    scenarios = suite(args.quick)
+    scenarios = [replace(sc, flush_interval_ms=args.flush_interval_ms) for sc in suite(args.quick)]
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
