@@ -129,7 +129,6 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         return app.topic(*names, key_serializer="raw", value_serializer="raw")
 
     raw_events = raw(*topics.raw_all)
-    iterations_out = raw(topics.iterations)
     patterns = raw(topics.patterns)
     findings_out = raw(topics.findings)
     deadletter = raw(topics.deadletter)
@@ -184,10 +183,12 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         fresh = wrec.fresh(closed)
         counters.replayed_skipped += len(closed) - len(fresh)
         sent: list[Awaitable[Any]] = []
+        send = app.producer.send  # straight to the Kafka producer: Faust's channel layer costs more than encoding
         for c in fresh:
             it, pat = c.iteration, c.patterns
-            sent.append(await iterations_out.send(key=rank_key(it["job"], it["rank"]), value=encode("iterations", it)))
-            sent.append(await patterns.send(key=job_key(pat["job"]), value=encode("patterns", pat)))
+            key = rank_key(it["job"], it["rank"])
+            sent.append(await send(topics.iterations, key, encode("iterations", it), None, None, None))
+            sent.append(await send(topics.patterns, job_key(pat["job"]), encode("patterns", pat), None, None, None))
             counters.iterations += 1
         await asyncio.gather(*sent)
         if epoch != gate.epoch:
