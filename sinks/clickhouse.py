@@ -258,7 +258,7 @@ class ClickHouseWriter:
         self._kind_names = np.full(max(FunctionKind) + 1, "unknown", dtype=object)
         for kind in FunctionKind:
             self._kind_names[kind.value] = kind.name.lower()
-        # clickhouse-connect imports pandas on the first insert (about 0.4 CPU s): pay it here, not while
+        # clickhouse-connect imports pandas on the first insert (0.2-0.4 CPU s): pay it here, not while
         # the first rows, and the first findings, wait.
         _ = ch_options.pd
 
