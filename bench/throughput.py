@@ -10,10 +10,11 @@ with ``encode_event_batch``. Then, on the same messages:
 (a) decode only with fastavro (``decode_event_batch(fast=False)``: fastavro + numpy columns), one
     core: the reference the ratios are taken against; (a') the same with the numpy decoder
     (``decode_event_batch``, ``schemas/fastdecode.py``), which every other stage uses;
-(b) decode + windowing + pattern statistics (``RankWindower.add`` per rank, as the worker does, then
-    ``flush``), one core; (b take) the same decoding ``--take`` messages at a time with
-    ``decode_event_batches`` (one vector pass for a take's numbers), as a worker would that decodes
-    its ``take_events`` batch at once; (b') (b) plus the differential (``JobDifferential.add``);
+(b) decode + windowing + pattern statistics (``RankWindower.add`` per rank, then ``flush``; the
+    iterations each message closes summarized together), one core; (b take) the same ``--take``
+    messages at a time, as the worker's agent does with its ``take_events`` batch: one vector pass
+    decodes them (``decode_event_batches``) and one numpy pass summarizes every iteration they close,
+    of every rank (``summarize_closed``); (b') (b) plus the differential (``JobDifferential.add``);
 (c) end to end: the embedded stack (Tansu broker, a Faust worker process, the in-process ClickHouse
     sink) in a temporary data dir; the batches are published with ``Publisher`` from a child process
     (the training hosts' side: its CPU is printed, not counted) and the clock runs from the first
@@ -54,7 +55,7 @@ from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batc
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.windowing import RankWindower
+from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -79,39 +80,42 @@ def decode_only(messages: list[bytes], fast: bool) -> int:
     return sum(len(decode_event_batch(m, fast=fast)) for m in messages)
 
 
-def decoded(messages: list[bytes], take: int) -> Iterator[EventBatch]:
-    """The messages' batches, decoded one by one or ``take`` at a time."""
+def takes(messages: list[bytes], take: int) -> Iterator[list[EventBatch]]:
+    """The messages' batches, decoded one message at a time or ``take`` at a time (one vector pass)."""
     if take <= 1:
-        yield from map(decode_event_batch, messages)
+        for m in messages:
+            yield [decode_event_batch(m)]
         return
     for i in range(0, len(messages), take):
-        for b in decode_event_batches(messages[i : i + take]):
-            if isinstance(b, EventBatch):
-                yield b
+        yield [b for b in decode_event_batches(messages[i : i + take]) if isinstance(b, EventBatch)]
 
 
 def windowing(messages: list[bytes], differential: bool = False, take_messages: int = 1) -> int:
-    """Decode and window every message per rank, as the worker's agent does; return closed iterations."""
+    """Decode and window every message per rank, and summarize what each take closed (one batch), as
+    the worker's agent does; return closed iterations."""
     windowers: dict[tuple[str, int], RankWindower] = {}
     jobs: dict[str, JobDifferential] = {}
     closed = 0
 
-    def take(items: list[Any]) -> None:
+    def settle(items: list[ClosedIteration]) -> None:
         nonlocal closed
+        summarize_closed(items)
         closed += len(items)
         if differential:
             for c in items:
                 job = c.patterns["job"]
                 jobs.setdefault(job, JobDifferential(job)).add(c.patterns)
 
-    for b in decoded(messages, take_messages):
-        key = (b.header.job, b.header.rank)
-        w = windowers.get(key)
-        if w is None:
-            w = windowers[key] = RankWindower()
-        take(w.add(b, 0))
-    for w in windowers.values():
-        take(w.flush())
+    for batches in takes(messages, take_messages):
+        items: list[ClosedIteration] = []
+        for b in batches:
+            key = (b.header.job, b.header.rank)
+            w = windowers.get(key)
+            if w is None:
+                w = windowers[key] = RankWindower()
+            items += w.add(b, 0)
+        settle(items)
+    settle([c for w in windowers.values() for c in w.flush()])
     for jd in jobs.values():
         jd.flush()
     return closed

@@ -32,7 +32,7 @@ from fleetscope.schemas import (
 )
 from fleetscope.schemas.topics import job_key, rank_key
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower
+from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
 from fleetscope.streams.intake import intake
 from fleetscope.streams.job_state import DifferentialRecovery
 from fleetscope.streams.recovery import (
@@ -182,6 +182,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         messages of these and the ``touched`` ranks that replay no longer needs. Caller holds ``windower_lock``."""
         fresh = wrec.fresh(closed)
         counters.replayed_skipped += len(closed) - len(fresh)
+        summarize_closed(fresh)
         sent: list[Awaitable[Any]] = []
         send = app.producer.send  # straight to the Kafka producer: Faust's channel layer costs more than encoding
         for c in fresh:

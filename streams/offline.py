@@ -13,7 +13,7 @@ from typing import Any
 from fleetscope.schemas import EventBatch
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
 from fleetscope.streams.analysis.outliers import OutlierScorer
-from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
+from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig, summarize_closed
 
 
 @dataclass
@@ -89,6 +89,7 @@ class OfflinePipeline:
             self.result.finding_updates += self._job(rec["job"]).add_progress(rec)
 
     def _take(self, closed: list[ClosedIteration]) -> None:
+        summarize_closed(closed)
         for c in closed:
             self.result.iterations.append(c.iteration)
             if self.keep_patterns:

@@ -253,9 +253,8 @@ class WindowerRecovery:
         """The iterations not emitted before a restart (replay rebuilds older steps, partly)."""
         out = []
         for c in closed:
-            key = (c.iteration["job"], int(c.iteration["rank"]))
-            last = self.emitted.get(key)
-            if last is None or int(c.iteration["iteration"]) > last[0]:
+            last = self.emitted.get((c.job, c.rank))
+            if last is None or c.step > last[0]:
                 out.append(c)
         return out
 
@@ -263,8 +262,7 @@ class WindowerRecovery:
         """Note delivered iterations and write each rank's latest as its state record; return the ranks."""
         latest: dict[RankId, tuple[int, int]] = {}
         for c in emitted:
-            it = c.iteration
-            latest[(it["job"], int(it["rank"]))] = (int(it["iteration"]), int(it["end_ns"]))
+            latest[(c.job, c.rank)] = (c.step, c.end_ns)
         self.emitted.update(latest)
         for (job, rank), (step, end_ns) in latest.items():
             value = json.dumps({"job": job, "rank": rank, "step": step, "end_ns": end_ns}).encode()

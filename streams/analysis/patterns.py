@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,7 @@ def size_bucket_label(nbytes: int) -> str:
     return f"{1 << exp}B"
 
 
+@functools.lru_cache(maxsize=4096)
 def collective_function_name(op: str, pg: str, nbytes: int) -> str:
     """One function per process-group instance: only members of one group finish a collective together,
     so only they can be compared for arrival lateness."""
@@ -94,42 +96,132 @@ def _empty(n: int = 0) -> npt.NDArray[np.int64]:
 
 
 def _gpu_time(comp_s: I64, comp_e: I64, comm_s: I64, comm_e: I64, lo: int, hi: int) -> tuple[int, int, int, int]:
-    """Busy, compute and collective time inside [lo, hi] (unions of intervals) and the largest idle gap.
-
-    The three unions come from one merge: the compute, the collective and all the intervals, clipped,
-    are shifted into disjoint time ranges (one per class), so no segment spans two classes.
-    """
-    width = hi - lo
-    if not 0 <= width < 2**60:  # shifted times would overflow: one merge per class
-        seg_s, seg_e = merge_intervals(clip(np.concatenate([comp_s, comm_s]), lo, hi),
-                                       clip(np.concatenate([comp_e, comm_e]), lo, hi))  # fmt: skip
-        gaps = np.concatenate((seg_s, [hi])) - np.concatenate(([lo], seg_e))
-        busy = int(np.sum(seg_e - seg_s))
-        return busy, covered_ns(comp_s, comp_e, lo, hi), covered_ns(comm_s, comm_e, lo, hi), int(np.max(gaps))
-    span = width + 1
-    shift = np.repeat(np.array([-lo, span - lo, 2 * span - lo]), [comp_s.size, comm_s.size, comp_s.size + comm_s.size])
-    seg_s, seg_e = merge_intervals(clip(np.concatenate([comp_s, comm_s, comp_s, comm_s]), lo, hi) + shift,
-                                   clip(np.concatenate([comp_e, comm_e, comp_e, comm_e]), lo, hi) + shift)  # fmt: skip
-    cut = seg_s.searchsorted(np.array([span, 2 * span])).tolist()
-    total = np.cumsum(seg_e - seg_s).tolist()
-    covered = [0, *total]
-    compute, comm, busy = covered[cut[0]], covered[cut[1]] - covered[cut[0]], covered[-1] - covered[cut[1]]
-    gaps = np.concatenate((seg_s[cut[1] :], [2 * span + width])) - np.concatenate(([2 * span], seg_e[cut[1] :]))
-    return busy, compute, comm, int(np.maximum.reduce(gaps))
+    """Busy, compute and collective time inside [lo, hi] (unions of intervals) and the largest idle gap,
+    for an iteration whose span is too wide to shift (see ``_gpu_times``): one merge per class."""
+    seg_s, seg_e = merge_intervals(clip(np.concatenate([comp_s, comm_s]), lo, hi),
+                                   clip(np.concatenate([comp_e, comm_e]), lo, hi))  # fmt: skip
+    gaps = np.concatenate((seg_s, [hi])) - np.concatenate(([lo], seg_e))
+    busy = int(np.sum(seg_e - seg_s))
+    return busy, covered_ns(comp_s, comp_e, lo, hi), covered_ns(comm_s, comm_e, lo, hi), int(np.max(gaps))
 
 
-def _first_ids(ids: npt.NDArray[np.integer], n_names: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int64]]:
-    """``np.unique(ids, return_inverse=True)`` for ids that index a name list, through a presence table."""
-    present = np.zeros(n_names, dtype=bool)
-    present[ids] = True
+def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) -> npt.NDArray[np.int64]:
+    """Per iteration: busy, compute and collective time inside [lo, lo + width] and the largest idle gap.
+
+    All unions come from one merge: every iteration's compute, collective and all intervals, clipped,
+    are shifted into disjoint time ranges (three per iteration, one per class), so no segment spans two
+    classes or two iterations; each range's covered time is a difference of one cumulative sum."""
+    m = lo.size
+    hi = lo + np.asarray(width, dtype=np.int64)
+    span = hi - lo + 1
+    base = np.cumsum(3 * span) - 3 * span
+    edges = base[:, None] + np.arange(3) * span[:, None]
+    shift = edges - lo[:, None]
+
+    def clipped(iv: _Intervals, cls: int) -> tuple[I64, I64]:
+        a, b, sh = lo[iv.it], hi[iv.it], shift[iv.it, cls]
+        return clip(iv.start, a, b) + sh, clip(iv.end, a, b) + sh
+
+    parts = [clipped(comp, 0), clipped(comm, 1), clipped(comp, 2), clipped(comm, 2)]
+    seg_s, seg_e = merge_intervals(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    cuts = edges.ravel()
+    at = seg_s.searchsorted(np.append(cuts, base[-1] + 3 * span[-1]))
+    covered = np.concatenate(([0], np.cumsum(seg_e - seg_s)))
+    per_class = (covered[at[1:]] - covered[at[:-1]]).reshape(m, 3)
+    # The idle gaps of the all-intervals class: between its segments and to the range's two ends.
+    first, stop = at[2::3], at[3::3]
+    some = stop > first
+    open_at = edges[:, 2]
+    prev_end = np.roll(seg_e, 1)
+    prev_end[first[some]] = open_at[some]
+    last_end = np.where(some, np.append(seg_e, 0)[np.maximum(stop - 1, 0)], open_at)
+    max_gap = open_at + (hi - lo) - last_end
+    block = cuts.searchsorted(seg_s, side="right") - 1
+    mine = block % 3 == 2
+    np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
+    return np.column_stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap))
+
+
+@dataclass(frozen=True, slots=True)
+class _Intervals:
+    start: I64
+    end: I64
+    it: npt.NDArray[np.intp]
+    """Iteration (index into the batch) of each interval."""
+
+
+def _distinct(keys: I64, size: int) -> tuple[I64, I64]:
+    """``np.unique(keys, return_inverse=True)`` for keys in [0, size): a presence table when it is small."""
+    if size > 1 << 22:
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    present = np.zeros(size, dtype=bool)
+    present[keys] = True
     uniq = present.nonzero()[0]
-    rank = np.zeros(n_names, dtype=np.int64)
+    rank = np.zeros(size, dtype=np.int64)
     rank[uniq] = np.arange(uniq.size)
-    return uniq, rank[ids]
+    return uniq, rank[keys]
+
+
+def _by_iteration(ufunc: np.ufunc, values: I64, counts: I64, out: I64) -> None:
+    """``out[i] = ufunc(out[i], ufunc.reduce(block i of values))`` where the blocks are consecutive."""
+    some = counts > 0
+    if values.size:
+        starts = (np.cumsum(counts) - counts)[some]
+        out[some] = ufunc(out[some], ufunc.reduceat(values, starts))
+
+
+class _Batch:
+    """One kind of events of every iteration of a batch, concatenated in iteration order."""
+
+    def __init__(self, parts: list[Cols], columns: dict[str, type[np.generic]]) -> None:
+        self.counts = np.array([p[next(iter(columns))].size if p else 0 for p in parts], dtype=np.int64)
+        self.it = np.repeat(np.arange(len(parts)), self.counts)
+        self.cols = {
+            name: np.concatenate([p[name] for p in parts if p] or [np.zeros(0, dtype)]).astype(dtype, copy=False)
+            for name, dtype in columns.items()
+        }
+
+    def __getitem__(self, name: str) -> npt.NDArray[Any]:
+        return self.cols[name]
+
+
+def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 | None:
+    """Per iteration, what moves every time its link statistics compare (samples, function intervals,
+    the step) into a range of its own, the ranges consecutive in iteration order; None when iterations
+    are too wide for that, or for ``_gpu_times``'s shifts (they then go one by one)."""
+    k, c, p, s = batches
+    t_lo, t_hi = lo.copy(), lo + np.maximum(np.asarray(width), 0)
+    for batch in (k, c, p):
+        _by_iteration(np.minimum, batch["start_ns"], batch.counts, t_lo)
+        _by_iteration(np.maximum, batch["start_ns"] + batch["dur_ns"], batch.counts, t_hi)
+    _by_iteration(np.minimum, s["t_ns"], s.counts, t_lo)
+    _by_iteration(np.maximum, s["t_ns"], s.counts, t_hi)
+    low = t_lo.tolist()
+    ranges = [b - a for a, b in zip(low, t_hi.tolist(), strict=True)]
+    if min(low) < -_MAX_SHIFTED or not all(0 <= w < _MAX_SHIFTED for w in width + ranges):
+        return None
+    if 3 * sum(width) + sum(ranges) + 4 * len(width) >= _MAX_SHIFTED:
+        return None
+    size = np.array(ranges, dtype=np.int64) + 1
+    return np.cumsum(size) - size - t_lo
+
+
+_SPANS = {"start_ns": np.int64, "dur_ns": np.int64, "name_id": np.int32}
+_COLLECTIVES = {"start_ns": np.int64, "dur_ns": np.int64, "op_id": np.int32, "pg_id": np.int32,
+                "nbytes": np.int64, "group_size": np.int32}  # fmt: skip
+_SAMPLES = {"t_ns": np.int64, "metric_id": np.int32, "value": np.float64}
+_MAX_SHIFTED = 2**61
+"""Batched iterations are shifted into consecutive time ranges; wider than this they go one by one."""
 
 
 def summarize_iteration(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Return (iteration figures, pattern columns) for one rank's iteration.
+    """Return (iteration figures, pattern columns) for one rank's iteration (see ``summarize_iterations``)."""
+    return summarize_iterations([ev])[0]
+
+
+def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Return (iteration figures, pattern columns) for each iteration, of any ranks, in one numpy pass.
 
     Steps: 1. iteration figures from the union of GPU intervals (busy, compute, collective,
     exposed collective = busy minus compute, idle and the largest idle gap inside the step);
@@ -137,118 +229,124 @@ def summarize_iteration(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, 
     functions by name; 3. duration statistics per function; 4. collectives get message size and
     algorithm/bus bandwidth (nccl-tests); 5. link throughput samples inside each function's
     executions give the peak, the mean of the active samples and the CV of all samples.
+    Functions are numbered across the batch (iteration by iteration) and every iteration's times are
+    shifted into a range of its own, so one group-by serves all: the cost of a numpy call is paid per
+    batch, not per iteration. The result equals summarizing each iteration alone, bit for bit.
     """
-    names = ev.names
-    table = (ev.table or NameTable()).update(names)
-    k, c, p = ev.kernels, ev.collectives, ev.python
-    k_start, k_dur = k.get("start_ns", _empty()), k.get("dur_ns", _empty())
-    c_start, c_dur = c.get("start_ns", _empty()), c.get("dur_ns", _empty())
-    p_start, p_dur = p.get("start_ns", _empty()), p.get("dur_ns", _empty())
-    duration = max(ev.end_ns - ev.start_ns, 1)
+    m = len(evs)
+    if m == 0:
+        return []
+    k = _Batch([ev.kernels for ev in evs], _SPANS)
+    c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
+    p = _Batch([ev.python for ev in evs], _SPANS)
+    s = _Batch([ev.samples for ev in evs], _SAMPLES)
+    lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
+    width = [ev.end_ns - ev.start_ns for ev in evs]
+    duration = [max(w, 1) for w in width]
+
+    shift = _link_shifts((k, c, p, s), lo, width) if m > 1 else None
+    if m > 1 and shift is None:
+        return [summarize_iterations([ev])[0] for ev in evs]
+
+    # Names: each rank's table, concatenated; an id plus its iteration's base indexes the concatenation.
+    ev_tables = [ev.table if ev.table is not None else NameTable() for ev in evs]
+    tables: dict[int, NameTable] = {}
+    for ev, table in zip(evs, ev_tables, strict=True):
+        tables.setdefault(id(table), table).update(ev.names)
+    offsets, size = {}, 0
+    for key, table in tables.items():
+        offsets[key], size = size, size + table.kind.size
+    kind_of = np.concatenate([t.kind for t in tables.values()])
+    family_of = np.concatenate([t.family for t in tables.values()])
+    name_base = np.array([offsets[id(table)] for table in ev_tables], dtype=np.int64)
+    n_names = max(max(len(ev.names) for ev in evs), 1)
 
     # 1. Iteration figures.
-    k_ids = k.get("name_id", np.zeros(0, dtype=np.int32))
-    k_end, c_end = k_start + k_dur, c_start + c_dur
-    is_comm_kernel = table.kind[k_ids] == _COLLECTIVE
-    if is_comm_kernel.any():
-        comp_s, comp_e = k_start[~is_comm_kernel], k_end[~is_comm_kernel]
-        comm_s = np.concatenate([c_start, k_start[is_comm_kernel]])
-        comm_e = np.concatenate([c_end, k_end[is_comm_kernel]])
+    k_start, k_end = k["start_ns"], k["start_ns"] + k["dur_ns"]
+    c_start, c_end = c["start_ns"], c["start_ns"] + c["dur_ns"]
+    is_comm = kind_of[k["name_id"] + name_base[k.it]] == _COLLECTIVE
+    comp = _Intervals(k_start[~is_comm], k_end[~is_comm], k.it[~is_comm])
+    comm = _Intervals(np.concatenate([c_start, k_start[is_comm]]), np.concatenate([c_end, k_end[is_comm]]),
+                      np.concatenate([c.it, k.it[is_comm]]))  # fmt: skip
+    if m == 1 and not 0 <= width[0] < _MAX_SHIFTED:
+        gpu = np.array([_gpu_time(comp.start, comp.end, comm.start, comm.end, evs[0].start_ns, evs[0].end_ns)])
     else:
-        comp_s, comp_e, comm_s, comm_e = k_start, k_end, c_start, c_end
-    busy, compute, comm, max_gap = _gpu_time(comp_s, comp_e, comm_s, comm_e, ev.start_ns, ev.end_ns)
-    iteration = {
-        "iteration": ev.step,
-        "start_ns": ev.start_ns,
-        "end_ns": ev.end_ns,
-        "duration_ns": duration,
-        "gpu_busy_ns": busy,
-        "compute_ns": compute,
-        "collective_ns": comm,
-        "exposed_collective_ns": max(busy - compute, 0),
-        "idle_ns": max(duration - busy, 0),
-        "max_idle_gap_ns": max(max_gap, 0),
-        "kernels": int(k_start.size + c_start.size),
-    }
+        gpu = _gpu_times(comp, comm, lo, width)
+    kernels = (k.counts + c.counts).tolist()
 
-    # 2. Functions: one integer group per function across the three sources.
-    fn_names: list[str] = []
-    fn_kind: list[int] = []
-    k_group = np.zeros(0, dtype=np.int64)
-    if k_ids.size:
-        uniq, k_group = _first_ids(k_ids, len(names))
-        fn_names += [names[i] for i in uniq.tolist()]
-        fn_kind += table.kind[uniq].tolist()
-    c_group = np.zeros(0, dtype=np.int64)
-    c_rows: list[tuple[int, int, int]] = []
-    if c_start.size:
-        nbytes = c["nbytes"]
-        exp = np.where(nbytes > 0, np.ceil(np.log2(np.maximum(nbytes, 1))), 0).astype(np.int64)
-        uniq_rows, inv = _collective_keys(c["op_id"], c["pg_id"], exp, len(names))
-        c_group = inv + len(fn_names)
-        for op_id, pg_id, e in uniq_rows:
-            fn_names.append(collective_function_name(names[op_id], names[pg_id], 1 << e if e else 0))
-            fn_kind.append(int(FunctionKind.COLLECTIVE))
-            c_rows.append((op_id, pg_id, e))
-    p_group = np.zeros(0, dtype=np.int64)
-    if p_start.size:
-        uniq, p_group = _first_ids(p["name_id"], len(names))
-        p_group += len(fn_names)
-        fn_names += [names[i] for i in uniq.tolist()]
-        fn_kind += [int(FunctionKind.PYTHON)] * len(uniq)
+    # 2. Functions, numbered iteration by iteration: its kernels, collectives, then host functions.
+    k_uniq, k_inv = _distinct(k.it * n_names + k["name_id"], m * n_names)
+    k_it, k_id = k_uniq // n_names, k_uniq % n_names
+    nbytes = c["nbytes"]
+    exp = np.where(nbytes > 0, np.ceil(np.log2(np.maximum(nbytes, 1))), 0).astype(np.int64)
+    c_rows, c_inv = _collective_keys(c.it, c["op_id"], c["pg_id"], exp, n_names)
+    p_uniq, p_inv = _distinct(p.it * n_names + p["name_id"], m * n_names)
+    p_it, p_id = p_uniq // n_names, p_uniq % n_names
+    nk = np.bincount(k_it, minlength=m)
+    nc = np.bincount(c_rows[:, 0], minlength=m)
+    npy = np.bincount(p_it, minlength=m)
+    n_fn = nk + nc + npy
+    n = int(n_fn.sum())
+    first_fn = np.cumsum(n_fn) - n_fn
 
-    n = len(fn_names)
-    group = np.concatenate([k_group, c_group, p_group])
-    start = np.concatenate([k_start, c_start, p_start])
-    dur = np.concatenate([k_dur, c_dur, p_dur])
-    end = start + dur
+    def numbered(it: I64, before: I64, count: I64) -> I64:
+        return first_fn[it] + before[it] + np.arange(it.size) - (np.cumsum(count) - count)[it]
+
+    k_fn = numbered(k_it, np.zeros(m, dtype=np.int64), nk)
+    c_fn = numbered(c_rows[:, 0], nk, nc)
+    p_fn = numbered(p_it, nk + nc, npy)
+    fn_kind = np.empty(n, dtype=np.int64)
+    fn_kind[k_fn] = kind_of[k_id + name_base[k_it]]
+    fn_kind[c_fn] = _COLLECTIVE
+    fn_kind[p_fn] = int(FunctionKind.PYTHON)
+    group = np.concatenate([k_fn[k_inv], c_fn[c_inv], p_fn[p_inv]])
+    start = np.concatenate([k_start, c_start, p["start_ns"]])
+    dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
+    fn_it = np.repeat(np.arange(m), n_fn)
 
     # 3. Duration statistics.
     st = group_duration_stats(group, dur, n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).
-    nbytes_mean = np.zeros(n)
-    algbw = np.zeros(n)
+    c_group = c_fn[c_inv]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        nb = np.bincount(c_group, weights=nbytes, minlength=n)
+        nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
+        algbw = np.where(st.mean > 0, nbytes_mean / st.mean, 0.0)
     busbw = np.zeros(n)
-    if c_start.size:
-        nb = np.bincount(c_group, weights=c["nbytes"], minlength=n)
-        gsize = np.bincount(c_group, weights=c["group_size"], minlength=n)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
-            algbw = np.where(st.mean > 0, nbytes_mean / st.mean, 0.0)
-        first_c = int(c_group.min())
-        calls_l, gsize_l, algbw_l = st.calls.tolist(), gsize.tolist(), algbw.tolist()
-        for j, (op_id, _pg, _e) in enumerate(c_rows):
-            g = first_c + j
-            members = int(round(gsize_l[g] / max(calls_l[g], 1)))
-            busbw[g] = algbw_l[g] * bus_bandwidth_factor(names[op_id], members)
+    if c_rows.size:
+        gsize = np.bincount(c_group, weights=c["group_size"], minlength=n)[c_fn].tolist()
+        calls_l, algbw_l = st.calls[c_fn].tolist(), algbw[c_fn].tolist()
+        factors = [
+            bus_bandwidth_factor(evs[it].names[op], int(round(g / max(calls, 1))))
+            for (it, op, _pg, _e), g, calls in zip(c_rows.tolist(), gsize, calls_l, strict=True)
+        ]
+        busbw[c_fn] = np.asarray(algbw_l) * np.asarray(factors)
 
-    # 5. Link throughput during each function's executions, every family at once.
-    link: dict[str, np.ndarray] = {}
-    s = ev.samples
-    t, metric, value = s.get("t_ns", _empty()), s.get("metric_id", _empty()), s.get("value", np.zeros(0))
-    family = table.family[metric]
-    order = np.lexsort((t, family))  # by family, then time; stable like the per-family sorts it replaces
-    first = int(family[order].searchsorted(0))
-    order = order[first:]
-    family, t, value = family[order], t[order], value[order]
+    # 5. Link throughput during each function's executions, every family and iteration at once: samples
+    # by family, then iteration, then time (stable, like a per-iteration sort), times shifted by
+    # iteration into consecutive ranges so each search only finds its own iteration's samples.
+    family = family_of[s["metric_id"] + name_base[s.it]]
+    order = np.lexsort((s["t_ns"], s.it, family))
+    order = order[int(family[order].searchsorted(0)) :]
+    family, t_it, value = family[order], s.it[order], s["value"][order]
+    t = s["t_ns"][order] if shift is None else s["t_ns"][order] + shift[t_it]
     bounds = family.searchsorted(np.arange(len(LINK_FAMILIES) + 1)).tolist()
     # Mean while the link moves data (waiting inside a collective shows ~0 and would make every
     # waiter look slow); fluctuation over every sample, so on/off stalls of congestion count.
     active = np.zeros(value.size, dtype=bool)
-    for a, b in itertools.pairwise(bounds):
-        if b > a:
-            active[a:b] = value[a:b] >= ACTIVE_SHARE * np.maximum.reduce(value[a:b])
+    if value.size:
+        block = family.astype(np.int64) * m + t_it
+        starts = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
+        peak = np.maximum.reduceat(value, starts)
+        active = value >= np.repeat(ACTIVE_SHARE * peak, np.diff(np.append(starts, value.size)))
+    ev_it = np.concatenate([k.it, c.it, p.it])
+    end = start + dur
+    if shift is not None:
+        start, end = start + shift[ev_it], end + shift[ev_it]
     ls = link_stats(t, value, bounds, active, start, end, group, n)
-    for f, name in enumerate(LINK_FAMILIES):
-        link[f"{name}_mean_bps"] = ls.active_mean[f]
-        link[f"{name}_cv"] = ls.cv[f]
-        link[f"{name}_peak_bps"] = ls.peak[f]
 
-    patterns: dict[str, Any] = {
-        "iteration_start_ns": ev.start_ns,
-        "iteration_ns": duration,
-        "function": fn_names,
+    columns: dict[str, npt.NDArray[Any]] = {
         "kind": fn_kind,
         "calls": st.calls,
         "total_ns": st.total,
@@ -257,27 +355,72 @@ def summarize_iteration(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, 
         "p99_ns": st.p99,
         "max_ns": st.max,
         "cv": st.cv,
-        "share": st.total / duration,
+        "share": st.total / np.asarray(duration, dtype=np.float64)[fn_it],
         "nbytes": nbytes_mean.astype(np.int64),
         "algbw_gbps": algbw,
         "busbw_gbps": busbw,
-        **link,
     }
-    return iteration, patterns
+    for f, name in enumerate(LINK_FAMILIES):
+        columns[f"{name}_mean_bps"] = ls.active_mean[f]
+        columns[f"{name}_cv"] = ls.cv[f]
+        columns[f"{name}_peak_bps"] = ls.peak[f]
+
+    k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
+    k_at, c_at, p_at = (np.cumsum(x) - x for x in (nk, nc, npy))
+    gpu_l, first_l, n_l = gpu.tolist(), first_fn.tolist(), n_fn.tolist()
+    out: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for i, ev in enumerate(evs):
+        names = ev.names
+        a, b = int(k_at[i]), int(k_at[i] + nk[i])
+        fn_names = [names[j] for j in k_ids[a:b]]
+        a, b = int(c_at[i]), int(c_at[i] + nc[i])
+        fn_names += [
+            collective_function_name(names[op], names[pg], 1 << e if e else 0) for _it, op, pg, e in c_list[a:b]
+        ]
+        a, b = int(p_at[i]), int(p_at[i] + npy[i])
+        fn_names += [names[j] for j in p_ids[a:b]]
+        busy, compute, comm_ns, max_gap = gpu_l[i]
+        figures = {
+            "iteration": ev.step,
+            "start_ns": ev.start_ns,
+            "end_ns": ev.end_ns,
+            "duration_ns": duration[i],
+            "gpu_busy_ns": busy,
+            "compute_ns": compute,
+            "collective_ns": comm_ns,
+            "exposed_collective_ns": max(busy - compute, 0),
+            "idle_ns": max(duration[i] - busy, 0),
+            "max_idle_gap_ns": max(max_gap, 0),
+            "kernels": kernels[i],
+        }
+        lo_f, hi_f = first_l[i], first_l[i] + n_l[i]
+        patterns: dict[str, Any] = {
+            "iteration_start_ns": ev.start_ns,
+            "iteration_ns": duration[i],
+            "function": fn_names,
+            **{key: col[lo_f:hi_f] for key, col in columns.items()},
+        }
+        out.append((figures, patterns))
+    return out
 
 
 def _collective_keys(
-    op: npt.NDArray[np.integer], pg: npt.NDArray[np.integer], exp: npt.NDArray[np.int64], n_names: int
-) -> tuple[list[tuple[int, int, int]], npt.NDArray[np.int64]]:
-    """Distinct (op, process group, size exponent) rows in sorted order, and each call's row.
+    it: npt.NDArray[np.integer],
+    op: npt.NDArray[np.integer],
+    pg: npt.NDArray[np.integer],
+    exp: I64,
+    n_names: int,
+) -> tuple[I64, I64]:
+    """Distinct (iteration, op, process group, size exponent) rows in sorted order, and each call's row.
 
     One int64 key per call (exponents are below 64, ids below ``n_names``), so one 1-D ``np.unique``."""
-    if n_names < 2**27:
-        keys = ((op.astype(np.int64) * n_names + pg) * 64 + exp).tolist()
-        uniq = sorted(set(keys))
-        row = {key: i for i, key in enumerate(uniq)}
-        inv = np.array([row[key] for key in keys], dtype=np.int64)
-        return [(key // 64 // n_names, key // 64 % n_names, key % 64) for key in uniq], inv
-    rows = np.stack([op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
+    m = int(it.max()) + 1 if it.size else 1
+    if m * n_names * n_names * 64 < 2**62:
+        key = ((it.astype(np.int64) * n_names + op) * n_names + pg) * 64 + exp
+        uniq, inv = np.unique(key, return_inverse=True)
+        pair = uniq // 64
+        rows = np.column_stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64))
+        return rows, inv.reshape(-1)
+    rows = np.stack([it.astype(np.int64), op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
     uniq_rows, inv = np.unique(rows, axis=0, return_inverse=True)
-    return [tuple(r) for r in uniq_rows.tolist()], inv.reshape(-1).astype(np.int64)
+    return uniq_rows, inv.reshape(-1).astype(np.int64)

@@ -48,13 +48,15 @@ def group_duration_stats(group: npt.NDArray[np.integer], dur: I64, n_groups: int
     mean = total / calls_1
     var = np.maximum(sq / calls_1 - mean**2, 0.0)
     cv = np.where(mean > 0, np.sqrt(var) / np.where(mean > 0, mean, 1.0), 0.0)
-    # p50 and p99 at once: rank offset + q (calls - 1), interpolated between its two neighbours; empty
-    # groups read the NaN after the sorted durations.
+    # p50 and p99 at once: the group's offset + q (calls - 1), interpolated between its two neighbours;
+    # empty groups read the NaN after the sorted durations. The fraction is taken within the group, so
+    # a group's percentiles do not depend on its offset (summaries of one or many iterations agree).
     span = np.maximum(calls - 1, 0)
-    pos = (last - span) + _QUANTILES * span
-    lo = np.where(ok, np.floor(pos).astype(np.int64), dur.size)
+    rank = _QUANTILES * span
+    whole = np.floor(rank)
+    frac = rank - whole
+    lo = np.where(ok, (last - span) + whole.astype(np.int64), dur.size)
     hi = np.where(ok, np.minimum(lo + 1, last), dur.size)
-    frac = pos - lo
     sorted_dur = np.concatenate((sorted_int.astype(np.float64), [np.nan]))
     pct = sorted_dur[lo] * (1 - frac) + sorted_dur[hi] * frac
     return GroupStats(

@@ -11,6 +11,7 @@ Events that arrive for an already closed step are counted as late and dropped.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from functools import lru_cache
 from typing import Any
@@ -22,7 +23,7 @@ from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, pars
 from fleetscope.schemas.vocabulary import host_phase
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
-from fleetscope.streams.analysis.patterns import IterationEvents, NameTable, summarize_iteration
+from fleetscope.streams.analysis.patterns import IterationEvents, NameTable, summarize_iterations
 
 Cols = dict[str, npt.NDArray[Any]]
 
@@ -58,12 +59,58 @@ class WindowerConfig:
             raise ValueError("max_open_steps must be >= 1")
 
 
-@dataclass(frozen=True, slots=True)
 class ClosedIteration:
-    """A finished iteration: the iteration record and the pattern record, both Avro-ready dicts."""
+    """A finished iteration of one rank: its iteration record and pattern record, Avro-ready dicts.
 
-    iteration: dict[str, Any]
-    patterns: dict[str, Any]
+    The windower hands iterations out before their statistics are computed, so that ``summarize_closed``
+    computes those of many iterations, of any ranks, in one numpy pass; reading ``iteration`` or
+    ``patterns`` first computes this one alone. ``job``, ``rank``, ``step`` and ``end_ns`` are known at
+    once (replay checks need no statistics)."""
+
+    __slots__ = ("_pending", "_records", "end_ns", "job", "rank", "step")
+
+    def __init__(self, iteration: dict[str, Any], patterns: dict[str, Any]) -> None:
+        self.job, self.rank = str(iteration["job"]), int(iteration["rank"])
+        self.step, self.end_ns = int(iteration["iteration"]), int(iteration["end_ns"])
+        self._records: tuple[dict[str, Any], dict[str, Any]] | None = (iteration, patterns)
+        self._pending: tuple[IterationEvents, dict[str, Any], str] | None = None
+
+    @classmethod
+    def pending(cls, events: IterationEvents, who: dict[str, Any], detected_by: str) -> ClosedIteration:
+        closed = cls.__new__(cls)
+        closed.job, closed.rank = str(who.get("job", "")), int(who.get("rank", -1))
+        closed.step, closed.end_ns = events.step, events.end_ns
+        closed._records, closed._pending = None, (events, who, detected_by)
+        return closed
+
+    @property
+    def iteration(self) -> dict[str, Any]:
+        return self._summarized()[0]
+
+    @property
+    def patterns(self) -> dict[str, Any]:
+        return self._summarized()[1]
+
+    def _summarized(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self._records is None:
+            summarize_closed([self])
+        assert self._records is not None
+        return self._records
+
+
+def summarize_closed(closed: Iterable[ClosedIteration]) -> None:
+    """Compute the records of every iteration of ``closed`` not computed yet, in one batch."""
+    todo = [c for c in closed if c._pending is not None]
+    if not todo:
+        return
+    summaries = summarize_iterations([c._pending[0] for c in todo])  # type: ignore[index]
+    for c, (figures, patterns) in zip(todo, summaries, strict=True):
+        events, who, detected_by = c._pending  # type: ignore[misc]
+        iteration = {**who, "detected_by": detected_by, **figures, "functions": len(patterns["function"])}
+        record = {**who, "iteration": events.step}
+        for key, value in patterns.items():
+            record[key] = value.tolist() if isinstance(value, np.ndarray) else value
+        c._records, c._pending = (iteration, record), None
 
 
 @dataclass(slots=True)
@@ -394,18 +441,8 @@ class RankWindower:
             samples=parts.get(EventKind.THROUGHPUT, {}),
             table=self._table,
         )
-        figures, patterns = summarize_iteration(events)
-        self._durations = (self._durations + [figures["duration_ns"]])[-20:]
+        self._durations = (self._durations + [max(end - start, 1)])[-20:]
         self._mean_ns = float(np.add.reduce(np.asarray(self._durations), dtype=np.float64) / len(self._durations))
-        who = identity(self.header) if self.header else {}
         self.counters.iterations += 1
-        iteration = {
-            **who,
-            "detected_by": self._mode or "step_marker",
-            **figures,
-            "functions": len(patterns["function"]),
-        }
-        pattern_record = {**who, "iteration": step}
-        for key, value in patterns.items():
-            pattern_record[key] = value.tolist() if isinstance(value, np.ndarray) else value
-        return ClosedIteration(iteration=iteration, patterns=pattern_record)
+        who = identity(self.header) if self.header else {}
+        return ClosedIteration.pending(events, who, self._mode or "step_marker")

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetscope.producers import SimulatorConfig, simulate
+from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind, classify_kernel
+from fleetscope.streams.analysis import windowing
 from fleetscope.streams.analysis.patterns import (
     ACTIVE_SHARE,
     LINK_FAMILIES,
     THROUGHPUT_SUFFIX,
     IterationEvents,
     NameTable,
+    _collective_keys,
+    _distinct,
     collective_function_name,
     summarize_iteration,
+    summarize_iterations,
 )
-from fleetscope.streams.analysis.windowing import RankWindower
+from fleetscope.streams.analysis.windowing import RankWindower, summarize_closed
 
 NAMES = [
     "gemm", "ncclDevKernel_AllReduce_RING_LL", "Memcpy HtoD", "flash_fwd", "forward", "backward",
@@ -32,6 +38,7 @@ KERNELS = [0, 1, 2, 3]
 PYTHON = [4, 5]
 OPS, PGS = [6, 13], [7, 8]
 METRICS = [9, 10, 11, 12]
+Summary = tuple[dict[str, Any], dict[str, Any]]
 
 
 def union(intervals: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
@@ -168,20 +175,37 @@ def test_the_summary_matches_the_definition_on_random_iterations(ev: IterationEv
     check(ev)
 
 
-def test_the_summary_matches_the_definition_on_simulated_iterations() -> None:
+def windowed(config: SimulatorConfig, ranks: set[int]) -> list[IterationEvents]:
+    """The iterations the windower cut from ``ranks`` of a simulated job, as it hands them to the summary."""
+    windowers = {rank: RankWindower() for rank in ranks}
+    closed = [c for b in simulate(config) if b.header.rank in ranks for c in windowers[b.header.rank].add(b, 0)]
+    closed += [c for w in windowers.values() for c in w.flush()]
     captured: list[IterationEvents] = []
-    import fleetscope.streams.analysis.windowing as windowing
+    original = windowing.summarize_iterations
 
-    original = windowing.summarize_iteration
-    windowing.summarize_iteration = lambda ev: (captured.append(ev), original(ev))[1]  # type: ignore[assignment]
-    try:
-        w = RankWindower()
-        for batch in simulate(SimulatorConfig(job="ref", ranks=2, iterations=4, tp=2)):
-            if batch.header.rank == 0:
-                w.add(batch, 0)
-        w.flush()
-    finally:
-        windowing.summarize_iteration = original
+    def capture(evs: list[IterationEvents]) -> list[Summary]:
+        captured.extend(evs)
+        return original(evs)
+
+    with patch.object(windowing, "summarize_iterations", capture):
+        summarize_closed(closed)
+    return captured
+
+
+def assert_same_summary(
+    got: tuple[dict[str, Any], dict[str, Any]], want: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    """Bit for bit: the same figures, the same columns with the same dtypes and values (NaN where NaN)."""
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    for key, value in want[1].items():
+        a, b = np.asarray(got[1][key]), np.asarray(value)
+        assert a.dtype == b.dtype, key
+        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), key
+
+
+def test_the_summary_matches_the_definition_on_simulated_iterations() -> None:
+    captured = windowed(SimulatorConfig(job="ref", ranks=2, iterations=4, tp=2), {0})
     assert len(captured) == 4
     for ev in captured:
         check(ev)
@@ -195,31 +219,71 @@ def test_huge_iteration_spans_take_the_unshifted_union() -> None:
     figures, _ = summarize_iteration(ev)
     assert (figures["gpu_busy_ns"], figures["compute_ns"], figures["collective_ns"]) == (16, 11, 10)
     assert figures["max_idle_gap_ns"] == 2**62
+    plain = IterationEvents(step=1, start_ns=0, end_ns=1000, names=NAMES, kernels=ev.kernels)
+    together = summarize_iterations([plain, ev, plain])  # too wide to shift: one by one
+    assert_same_summary(together[1], (figures, summarize_iteration(ev)[1]))
+    assert_same_summary(together[0], summarize_iteration(plain))
 
 
 def test_a_name_table_kept_across_iterations_gives_the_same_summary() -> None:
-    captured: list[IterationEvents] = []
-    import fleetscope.streams.analysis.windowing as windowing
-
-    original = windowing.summarize_iteration
-    windowing.summarize_iteration = lambda ev: (captured.append(ev), original(ev))[1]  # type: ignore[assignment]
-    try:
-        w = RankWindower()
-        for batch in simulate(SimulatorConfig(job="t", ranks=2, iterations=3)):
-            if batch.header.rank == 1:
-                w.add(batch, 0)
-        w.flush()
-    finally:
-        windowing.summarize_iteration = original
+    captured = windowed(SimulatorConfig(job="t", ranks=2, iterations=3), {1})
     assert len(captured) == 3 and all(ev.table is captured[0].table for ev in captured)
     for ev in captured:
         kept = summarize_iteration(ev)
-        ev.table = None
-        fresh = summarize_iteration(ev)
+        fresh = summarize_iteration(dataclasses.replace(ev, table=None))
         assert kept[0] == fresh[0]
         for key, value in kept[1].items():
             assert np.array_equal(np.asarray(value), np.asarray(fresh[1][key]), equal_nan=key != "function"), key
-    assert NameTable().update(w._names).kind.size == len(w._names)
+    assert NameTable().update(captured[0].names).kind.size == len(captured[0].names)
+
+
+def test_iterations_of_many_ranks_summarized_together_equal_each_summarized_alone() -> None:
+    """What the worker does with a take: one batch, in any order, of iterations of ranks with their own names."""
+    config = SimulatorConfig(job="b", ranks=8, iterations=6, tp=2, seed=4, flush_interval_ms=500,
+                             faults=(parse_fault("slow_link:3:2.0"), parse_fault("slow_gpu:5:1.5")))  # fmt: skip
+    captured = windowed(config, set(range(8)))
+    assert len(captured) == 48 and len({id(ev.names) for ev in captured}) == 8
+    alone = {id(ev): summarize_iteration(ev) for ev in captured}
+    batch = list(np.random.default_rng(3).permutation(np.array(captured, dtype=object)))
+    for ev, summary in zip(batch, summarize_iterations(batch), strict=True):
+        assert_same_summary(summary, alone[id(ev)])
+
+
+def _shifted(ev: IterationEvents, by: int, step: int) -> IterationEvents:
+    def move(cols: dict[str, np.ndarray], column: str) -> dict[str, np.ndarray]:
+        return {**cols, column: cols[column] + by} if cols else cols
+
+    return dataclasses.replace(
+        ev, step=step, start_ns=ev.start_ns + by, end_ns=ev.end_ns + by, kernels=move(ev.kernels, "start_ns"),
+        collectives=move(ev.collectives, "start_ns"), python=move(ev.python, "start_ns"),
+        samples=move(ev.samples, "t_ns"),
+    )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(iterations(), st.integers(-(2**50), 2**50)), min_size=1, max_size=6))
+def test_random_iterations_summarized_together_equal_each_summarized_alone(drawn: list[Any]) -> None:
+    """Overlapping, disjoint, far apart and empty iterations: the batch's time shifts change nothing."""
+    evs = [_shifted(ev, by, step) for step, (ev, by) in enumerate(drawn)]
+    for ev, summary in zip(evs, summarize_iterations(evs), strict=True):
+        assert_same_summary(summary, summarize_iteration(ev))
+
+
+@pytest.mark.parametrize("size", [64, 1 << 23])
+def test_distinct_keys_are_numpys_unique(size: int) -> None:
+    keys = np.random.default_rng(size).integers(0, 64, 500) * (size // 64)
+    uniq, inverse = _distinct(keys, size)
+    want_uniq, want_inverse = np.unique(keys, return_inverse=True)
+    assert np.array_equal(uniq, want_uniq) and np.array_equal(inverse, want_inverse)
+
+
+def test_collective_keys_of_huge_name_lists_sort_the_same_rows() -> None:
+    rng = np.random.default_rng(0)
+    it, op, pg, exp = (rng.integers(0, hi, 200) for hi in (5, 7, 3, 40))
+    small = _collective_keys(it, op, pg, exp, 8)
+    huge = _collective_keys(it, op, pg, exp, 2**31)  # keys would overflow: sorted rows instead
+    assert np.array_equal(small[0], huge[0]) and np.array_equal(small[1], huge[1])
+    assert small[0].shape[1] == 4 and np.array_equal(small[0][small[1]], np.column_stack((it, op, pg, exp)))
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
