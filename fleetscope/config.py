@@ -20,6 +20,7 @@ from typing import Any
 
 from fleetscope.producers.publisher.config import PublisherConfig
 from fleetscope.sinks.clickhouse import ClickHouseConfig
+from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig
 
@@ -104,11 +105,22 @@ class ProducerSettings:
 @dataclass(frozen=True, kw_only=True)
 class StreamSettings:
     app_id: str = "fleetscope-streams"
+    stages: tuple[str, ...] = STAGES
+    """The stream stages this worker runs. Workers of one ``app_id`` must run the same stages (a Faust
+    app's members share all its topics); to size the stages apart, run each as an app of its own
+    ``app_id``: windowers grow with raw events, the differential with jobs and ranks."""
     take_max_events: int = 256
     take_within_ms: int = 200
     job_idle_ms: int = 2000
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
+
+    def __post_init__(self) -> None:
+        unknown = [stage for stage in self.stages if stage not in STAGES]
+        if unknown or not self.stages or len(set(self.stages)) < len(self.stages):
+            raise ValueError(
+                f"stages: expected one or both of {', '.join(STAGES)} (each once), got {list(self.stages)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +156,12 @@ def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
         return _build(tp, value, f"{path}.", errors)
     if origin in (typing.Union, types.UnionType):
         return value
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, list | tuple) and all(isinstance(item, str) for item in items):
+            return tuple(item.strip() for item in items)
+        errors.append(f"{path}: expected a list of strings, got {value!r}")
+        return None
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -42,6 +42,7 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         bootstrap_servers=k.bootstrap_servers,
         topic_prefix=k.topic_prefix,
         app_id=s.app_id,
+        stages=s.stages,
         partitions=k.derived_partitions,
         raw_partitions=k.raw_partitions,
         session_timeout_ms=k.session_timeout_ms,

@@ -3,7 +3,8 @@
 raw topics (key job/rank) -> windower -> fleetscope.iterations (job/rank), fleetscope.patterns (job)
 fleetscope.patterns -> differential -> fleetscope.findings (job)
 
-Agents stay thin: take a batch of events, decode, call the pure functions of ``analysis``, send.
+A worker runs the stages listed in ``StreamAppConfig.stages`` (both by default; one each lets them be
+sized apart). Agents stay thin: take a batch of events, decode, call the pure functions of ``analysis``, send.
 State lives per partition owner (windower per rank, differential per job). The agents ack their
 messages themselves, only once what they contributed is delivered or written to a state topic, so a
 worker killed at any moment resumes with the same state (see ``recovery``).
@@ -31,6 +32,7 @@ from fleetscope.schemas import (
     encode,
 )
 from fleetscope.schemas.topics import job_key, rank_key
+from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
 from fleetscope.streams.intake import intake
@@ -55,6 +57,7 @@ class StreamAppConfig:
     bootstrap_servers: str
     topic_prefix: str = "fleetscope"
     app_id: str = "fleetscope-streams"
+    stages: tuple[str, ...] = STAGES
     partitions: int = 4
     raw_partitions: int = 4
     session_timeout_ms: int = 6000
@@ -294,17 +297,20 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         if epoch == gate.epoch:
             ack([*released, *(event.message for event, _ in rejected)], app)
 
-    @app.agent(raw_events, name="windower")
     async def windower(stream: faust.StreamT) -> None:
         async for batch in stream.take_events(cfg.take_max_events, within=within_s):
             with clock.busy():
                 await windower_batch(batch)
 
-    @app.agent(patterns, name="differential")
     async def differential(stream: faust.StreamT) -> None:
         async for batch in stream.take_events(cfg.take_max_events, within=within_s):
             with clock.busy():
                 await differential_batch(batch)
+
+    if "windower" in cfg.stages:
+        app.agent(raw_events, name="windower")(windower)
+    if "differential" in cfg.stages:
+        app.agent(patterns, name="differential")(differential)
 
     @app.timer(interval=0.25)
     async def close_idle() -> None:

@@ -153,14 +153,24 @@ class _Intervals:
 def _distinct(keys: I64, size: int) -> tuple[I64, I64]:
     """``np.unique(keys, return_inverse=True)`` for keys in [0, size): a presence table when it is small."""
     if size > 1 << 22:
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        return uniq, inverse.reshape(-1)
+        return _unique(keys)
     present = np.zeros(size, dtype=bool)
     present[keys] = True
     uniq = present.nonzero()[0]
     rank = np.zeros(size, dtype=np.int64)
     rank[uniq] = np.arange(uniq.size)
     return uniq, rank[keys]
+
+
+def _unique(keys: I64) -> tuple[I64, I64]:
+    """``np.unique(keys, return_inverse=True)`` for 1-D int keys, by one stable sort."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    first = np.ones(ordered.size, dtype=bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    inverse = np.empty(keys.size, dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ordered[first], inverse
 
 
 def _by_iteration(ufunc: np.ufunc, values: I64, counts: I64, out: I64) -> None:
@@ -413,14 +423,14 @@ def _collective_keys(
 ) -> tuple[I64, I64]:
     """Distinct (iteration, op, process group, size exponent) rows in sorted order, and each call's row.
 
-    One int64 key per call (exponents are below 64, ids below ``n_names``), so one 1-D ``np.unique``."""
+    One int64 key per call (exponents are below 64, ids below ``n_names``), so one sort."""
     m = int(it.max()) + 1 if it.size else 1
     if m * n_names * n_names * 64 < 2**62:
         key = ((it.astype(np.int64) * n_names + op) * n_names + pg) * 64 + exp
-        uniq, inv = np.unique(key, return_inverse=True)
+        uniq, inv = _unique(key)
         pair = uniq // 64
         rows = np.column_stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64))
-        return rows, inv.reshape(-1)
+        return rows, inv
     rows = np.stack([it.astype(np.int64), op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
     uniq_rows, inv = np.unique(rows, axis=0, return_inverse=True)
     return uniq_rows, inv.reshape(-1).astype(np.int64)

@@ -356,7 +356,7 @@ class RankWindower:
             | (c["pg_id"].astype(np.int64) << 20)
             | np.ceil(np.log2(nbytes)).astype(np.int64)
         )
-        self._pgs.update(np.unique(c["pg_id"]).tolist())
+        self._pgs.update(c["pg_id"].tolist())
         n = c["seq"].size
         # One process group: its sequence numbers align ranks; several: fall back to arrival order.
         seq = c["seq"] if len(self._pgs) == 1 else np.arange(self._collectives_seen, self._collectives_seen + n)

@@ -270,11 +270,13 @@ def test_random_iterations_summarized_together_equal_each_summarized_alone(drawn
 
 
 @pytest.mark.parametrize("size", [64, 1 << 23])
-def test_distinct_keys_are_numpys_unique(size: int) -> None:
-    keys = np.random.default_rng(size).integers(0, 64, 500) * (size // 64)
+@pytest.mark.parametrize("n", [0, 1, 500])
+def test_distinct_keys_are_numpys_unique(size: int, n: int) -> None:
+    keys = np.random.default_rng(size + n).integers(0, 64, n) * (size // 64)
     uniq, inverse = _distinct(keys, size)
     want_uniq, want_inverse = np.unique(keys, return_inverse=True)
     assert np.array_equal(uniq, want_uniq) and np.array_equal(inverse, want_inverse)
+    assert inverse.dtype == np.int64 and uniq.dtype == keys.dtype
 
 
 def test_collective_keys_of_huge_name_lists_sort_the_same_rows() -> None:
