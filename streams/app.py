@@ -77,6 +77,8 @@ class StageCounters:
     raw_events: int = 0
     dead_letters: int = 0
     iterations: int = 0
+    lost_iterations: int = 0
+    """Closed iterations whose statistics failed (each logged): nothing is sent for them."""
     pattern_records: int = 0
     findings: int = 0
     per_reason: dict[str, int] = field(default_factory=dict)
@@ -185,10 +187,13 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         messages of these and the ``touched`` ranks that replay no longer needs. Caller holds ``windower_lock``."""
         fresh = wrec.fresh(closed)
         counters.replayed_skipped += len(closed) - len(fresh)
-        summarize_closed(fresh)
+        failed = summarize_closed(fresh)
+        counters.lost_iterations += len(failed)
         sent: list[Awaitable[Any]] = []
         send = app.producer.send  # straight to the Kafka producer: Faust's channel layer costs more than encoding
         for c in fresh:
+            if c.error is not None:  # recorded as emitted below all the same: its raw messages can be acked
+                continue
             it, pat = c.iteration, c.patterns
             key = rank_key(it["job"], it["rank"])
             sent.append(await send(topics.iterations, key, encode("iterations", it), None, None, None))

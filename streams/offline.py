@@ -89,8 +89,10 @@ class OfflinePipeline:
             self.result.finding_updates += self._job(rec["job"]).add_progress(rec)
 
     def _take(self, closed: list[ClosedIteration]) -> None:
-        summarize_closed(closed)
+        failed = summarize_closed(closed)
         for c in closed:
+            if c in failed:
+                continue
             self.result.iterations.append(c.iteration)
             if self.keep_patterns:
                 self.patterns.append(c.patterns)

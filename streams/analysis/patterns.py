@@ -376,19 +376,17 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         columns[f"{name}_peak_bps"] = ls.peak[f]
 
     k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
-    k_at, c_at, p_at = (np.cumsum(x) - x for x in (nk, nc, npy))
+    k_at, c_at, p_at = ([0, *np.cumsum(x).tolist()] for x in (nk, nc, npy))
     gpu_l, first_l, n_l = gpu.tolist(), first_fn.tolist(), n_fn.tolist()
     out: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for i, ev in enumerate(evs):
         names = ev.names
-        a, b = int(k_at[i]), int(k_at[i] + nk[i])
-        fn_names = [names[j] for j in k_ids[a:b]]
-        a, b = int(c_at[i]), int(c_at[i] + nc[i])
+        fn_names = [names[j] for j in k_ids[k_at[i] : k_at[i + 1]]]
         fn_names += [
-            collective_function_name(names[op], names[pg], 1 << e if e else 0) for _it, op, pg, e in c_list[a:b]
+            collective_function_name(names[op], names[pg], 1 << e if e else 0)
+            for _it, op, pg, e in c_list[c_at[i] : c_at[i + 1]]
         ]
-        a, b = int(p_at[i]), int(p_at[i] + npy[i])
-        fn_names += [names[j] for j in p_ids[a:b]]
+        fn_names += [names[j] for j in p_ids[p_at[i] : p_at[i + 1]]]
         busy, compute, comm_ns, max_gap = gpu_l[i]
         figures = {
             "iteration": ev.step,

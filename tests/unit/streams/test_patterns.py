@@ -312,3 +312,25 @@ def test_batches_with_events_out_of_time_order_close_to_the_same_iterations(shuf
                 assert np.allclose(got.patterns[key], value, rtol=1e-9, equal_nan=True), key
             else:
                 assert got.patterns[key] == value, key
+
+
+def test_an_iteration_whose_summary_fails_costs_itself_not_the_batch() -> None:
+    config = SimulatorConfig(job="f", ranks=2, iterations=4, seed=2)
+    windowers = {rank: RankWindower() for rank in range(2)}
+    closed = [c for b in simulate(config) for c in windowers[b.header.rank].add(b, 0)]
+    closed += [c for w in windowers.values() for c in w.flush()]
+    bad = closed[3]
+    original = windowing.summarize_iterations
+
+    def failing(evs: list[IterationEvents]) -> list[Summary]:
+        if any(ev.step == bad.step and ev.names is windowers[bad.rank]._names for ev in evs):
+            raise FloatingPointError("odd events")
+        return original(evs)
+
+    with patch.object(windowing, "summarize_iterations", failing):
+        failed = summarize_closed(closed)
+    assert failed == [bad] and bad.error is not None and "odd events" in bad.error
+    with pytest.raises(RuntimeError, match="odd events"):
+        _ = bad.patterns
+    good = [c for c in closed if c is not bad]
+    assert len(good) == 7 and all(c.error is None and c.iteration["iteration"] == c.step for c in good)
