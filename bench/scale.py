@@ -39,7 +39,7 @@ from fleetscope.schemas import EventKind, FunctionKind
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.outliers import gather_matrices, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
-from fleetscope.streams.analysis.windowing import RankWindower
+from fleetscope.streams.analysis.windowing import RankWindower, summarize_closed
 
 SLOW_FACTOR = 1.3
 ITERATION_NS = 400e6
@@ -200,9 +200,9 @@ def bench_windower(ranks: int, iterations: int, open_steps: int) -> None:
     closed = 0
     for rank_batches in per_rank.values():
         w = RankWindower()
-        for b in rank_batches:
-            closed += len(w.add(b, 0))
-        closed += len(w.flush())
+        for items in [*(w.add(b, 0) for b in rank_batches), w.flush()]:
+            summarize_closed(items)  # what each batch closed, summarized together (as the worker would)
+            closed += len(items)
     secs = time.perf_counter() - t0
     rank_its = ranks * iterations
     print(

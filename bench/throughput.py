@@ -320,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             e2e[key] = {k: statistics.median(r[k] for r in done) for k in done[0]}
         e2e["c_full"]["found_rank7"] = float(all(r["found_rank7"] for r in runs["c_full"]))
         latencies = ", ".join(f"{r['findings_latency_s']:.2f}" for r in runs["c_full"])
+        a_rate = rates["a"].per_core
+        per_run = {key: ", ".join(f"{events / r['wall_s'] / r['cores'] / a_rate:.3f}" for r in done)
+                   for key, done in runs.items()}  # fmt: skip
         rates["c"] = Rate("(c) end to end (broker + worker)", events, e2e["c"]["wall_s"], e2e["c"]["cores"])
         rates["c_full"] = Rate(
             "(c full) + differential + ClickHouse sink", events, e2e["c_full"]["wall_s"], e2e["c_full"]["cores"]
@@ -351,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             f"the differential too and the ClickHouse sink counted; the worker alone: "
             f"{events / full['cpu_worker']:,.0f} events per CPU second = {events / full['cpu_worker'] / a:.3f} a"
         )
+        print(f"each run: c/a {per_run['c']}; c full/a {per_run['c_full']}")
         for key, r in (("c", c), ("c full", full)):
             print(
                 f"({key}): publish {r['publish_s']:.2f} s, all iterations but the last stored at "
