@@ -89,9 +89,9 @@ class OfflinePipeline:
             self.result.finding_updates += self._job(rec["job"]).add_progress(rec)
 
     def _take(self, closed: list[ClosedIteration]) -> None:
-        failed = summarize_closed(closed)
+        summarize_closed(closed)
         for c in closed:
-            if c in failed:
+            if c.error is not None:  # logged where it failed
                 continue
             self.result.iterations.append(c.iteration)
             if self.keep_patterns:
