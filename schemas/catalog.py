@@ -23,10 +23,14 @@ _ENTRIES: tuple[tuple[int, str, int, str], ...] = (
     (301, "python", 1, "python.v1.avsc"),
     (401, "throughput", 1, "throughput.v1.avsc"),
     (501, "iterations", 1, "iterations.v1.avsc"),
+    (502, "iterations", 2, "iterations.v2.avsc"),
     (601, "patterns", 1, "patterns.v1.avsc"),
+    (602, "patterns", 2, "patterns.v2.avsc"),
     (701, "findings", 1, "findings.v1.avsc"),
+    (702, "findings", 2, "findings.v2.avsc"),
     (801, "control", 1, "control.v1.avsc"),
     (901, "progress", 1, "progress.v1.avsc"),
+    (1001, "heartbeat", 1, "heartbeat.v1.avsc"),
 )
 
 

@@ -41,8 +41,14 @@ class Topics:
         return f"{self.prefix}.control"
 
     @property
+    def heartbeats(self) -> str:
+        """Producers' heartbeats, key ``job``: partitioned like ``patterns`` so the job's differential reads them."""
+        return f"{self.prefix}.heartbeats"
+
+    @property
     def derived_all(self) -> tuple[str, ...]:
-        return (self.iterations, self.patterns, self.findings, self.deadletter, self.control)
+        """Topics keyed by job or derived from raw events: created with the derived partition count."""
+        return (self.iterations, self.patterns, self.findings, self.deadletter, self.control, self.heartbeats)
 
 
 def rank_key(job: str, rank: int) -> bytes:

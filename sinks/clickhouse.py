@@ -233,6 +233,11 @@ def _avro_fields(subject: str) -> list[tuple[str, Any]]:
     return [(f["name"], f["type"]) for f in CATALOG.latest(subject).parsed["fields"]]
 
 
+def _avro_defaults(*subjects: str) -> dict[str, Any]:
+    """Defaults of fields added by later schema versions: records built before them (or by hand) lack them."""
+    return {f["name"]: f["default"] for s in subjects for f in CATALOG.latest(s).parsed["fields"] if "default" in f}
+
+
 def _column(values: list[Any], avro_type: Any) -> npt.NDArray[Any] | list[Any]:
     dtype = _AVRO_DTYPES.get(avro_type) if isinstance(avro_type, str) else None
     if dtype is None or dtype is object:
@@ -255,6 +260,7 @@ class ClickHouseWriter:
         pattern_fields = _avro_fields("patterns")
         self._pattern_scalars = [(n, t) for n, t in pattern_fields if not _is_array(t)]
         self._pattern_arrays = [(n, t["items"]) for n, t in pattern_fields if _is_array(t)]
+        self._defaults = _avro_defaults("iterations", "findings", "patterns")
         self._kind_names = np.full(max(FunctionKind) + 1, "unknown", dtype=object)
         for kind in FunctionKind:
             self._kind_names[kind.value] = kind.name.lower()
@@ -287,7 +293,8 @@ class ClickHouseWriter:
         columns: dict[str, npt.NDArray[Any]] = {}
         for name, avro_type in self._pattern_scalars:
             dtype = _AVRO_DTYPES.get(avro_type, object) if isinstance(avro_type, str) else object
-            columns[name] = np.repeat(np.array([r[name] for r in records], dtype=dtype), counts)
+            default = self._defaults.get(name)
+            columns[name] = np.repeat(np.array([r.get(name, default) for r in records], dtype=dtype), counts)
         for name, item_type in self._pattern_arrays:
             dtype = _AVRO_DTYPES.get(item_type, object) if isinstance(item_type, str) else object
             columns[name] = np.concatenate([np.asarray(r[name], dtype=dtype) for r in records])
@@ -342,7 +349,8 @@ class ClickHouseWriter:
         if not records:
             return 0
         names = [name for name, _ in fields]
-        data = [_column([r[name] for r in records], avro_type) for name, avro_type in fields]
+        defaults = self._defaults
+        data = [_column([r.get(name, defaults.get(name)) for r in records], avro_type) for name, avro_type in fields]
         self._insert(table, names, data)
         return len(records)
 

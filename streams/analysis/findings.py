@@ -146,4 +146,6 @@ class FindingTracker:
             "est_loss_ns": int(tr.loss_sum / max(tr.flagged, 1)),
             "evidence": json.dumps(evidence, sort_keys=True, default=float),
             "emitted_ns": time.time_ns(),
+            "subject": sig.subject or f"rank:{sig.rank}",
+            "reason": "recovered" if status == "closed" else "",
         }

@@ -179,6 +179,11 @@ FINDING = {
     "est_loss_ns": 40_000_000,
     "evidence": "{}",
     "emitted_ns": 1_767_225_600_000_000_000,
+    "subject": "rank:3",
+    "reason": "",
+    "local_rank": 3,
+    "gpu_uuid": "GPU-0f3c",
+    "pci_bus_id": "00000000:3B:00.0",
 }
 
 ITERATION = {
@@ -202,6 +207,7 @@ ITERATION = {
     "max_idle_gap_ns": 2_000_000,
     "kernels": 100,
     "functions": 12,
+    "profiled": False,
 }
 
 

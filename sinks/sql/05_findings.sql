@@ -21,6 +21,11 @@ SELECT
     argMax(u_iteration_last, u_version)                          AS iteration_last,
     argMax(u_est_loss_ns, u_version)                             AS est_loss_ns,
     argMax(u_evidence, u_version)                                AS evidence,
+    argMax(u_subject, u_version)                                 AS subject,
+    argMax(u_reason, u_version)                                  AS reason,
+    argMax(u_local_rank, u_version)                              AS local_rank,
+    argMax(u_gpu_uuid, u_version)                                AS gpu_uuid,
+    argMax(u_pci_bus_id, u_version)                              AS pci_bus_id,
     min(u_emitted_ns)                                            AS first_seen_ns,
     max(u_emitted_ns)                                            AS last_seen_ns,
     min(u_emitted_at)                                            AS first_seen,
@@ -45,6 +50,11 @@ FROM
         iteration_last  AS u_iteration_last,
         est_loss_ns     AS u_est_loss_ns,
         evidence        AS u_evidence,
+        subject         AS u_subject,
+        reason          AS u_reason,
+        local_rank      AS u_local_rank,
+        gpu_uuid        AS u_gpu_uuid,
+        pci_bus_id      AS u_pci_bus_id,
         emitted_ns      AS u_emitted_ns,
         emitted_at      AS u_emitted_at
     FROM {database}.finding_updates
