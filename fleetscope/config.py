@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetscope.producers.publisher.config import PublisherConfig
-from fleetscope.sinks.clickhouse import ClickHouseConfig
+from fleetscope.sinks.store_config import ClickHouseConfig
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig

@@ -6,30 +6,34 @@ messages on the raw topics, keyed ``job/rank``. Producers speak to the rest of t
 ``fleetscope.schemas``; they never import ``streams`` or ``sinks``.
 """
 
-from fleetscope.producers.kineto import TraceError, TraceRank, parse_trace
-from fleetscope.producers.publisher import Publisher, PublisherConfig, PublisherStats
-from fleetscope.producers.simulation import (
-    FAULT_KINDS,
-    HOST_FUNCTIONS,
-    ExpectedFinding,
-    Fault,
-    SimulatorConfig,
-    parse_fault,
-    simulate,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "FAULT_KINDS",
-    "HOST_FUNCTIONS",
-    "ExpectedFinding",
-    "Fault",
-    "Publisher",
-    "PublisherConfig",
-    "PublisherStats",
-    "SimulatorConfig",
-    "TraceError",
-    "TraceRank",
-    "parse_fault",
-    "parse_trace",
-    "simulate",
-]
+_EXPORTS = {
+    "TraceError": "kineto",
+    "TraceRank": "kineto",
+    "parse_trace": "kineto",
+    "Publisher": "publisher",
+    "PublisherConfig": "publisher",
+    "PublisherStats": "publisher",
+    "FAULT_KINDS": "simulation",
+    "HOST_FUNCTIONS": "simulation",
+    "ExpectedFinding": "simulation",
+    "Fault": "simulation",
+    "SimulatorConfig": "simulation",
+    "parse_fault": "simulation",
+    "simulate": "simulation",
+}
+"""Public name -> submodule, imported on first use: a training rank that imports the torch hook loads
+neither the simulator nor the trace parser."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -24,6 +24,7 @@ from fleetscope.schemas.records import (
 from fleetscope.schemas.topics import Topics
 from fleetscope.schemas.vocabulary import (
     CATEGORIES,
+    Category,
     bus_bandwidth_factor,
     classify_kernel,
     parse_step_marker,
@@ -34,6 +35,7 @@ __all__ = [
     "CATALOG",
     "CATEGORIES",
     "COLUMNS",
+    "Category",
     "BatchHeader",
     "EventBatch",
     "EventKind",

@@ -5,11 +5,26 @@ One definition each, so the parser, the simulator and the windower cannot drift 
 
 from __future__ import annotations
 
+import enum
 import re
 
 from fleetscope.schemas.records import FunctionKind
 
-CATEGORIES = ("gpu_slow", "link_slow", "host_slow", "straggler", "stage_imbalance", "job_regression", "hang")
+
+class Category(enum.StrEnum):
+    """What a finding says is wrong. Stable names: alert consumers match on them. The one list: the
+    findings schema, the report, the README and the simulator's expectations are checked against it."""
+
+    GPU_SLOW = "gpu_slow"
+    LINK_SLOW = "link_slow"
+    HOST_SLOW = "host_slow"
+    STRAGGLER = "straggler"
+    STAGE_IMBALANCE = "stage_imbalance"
+    JOB_REGRESSION = "job_regression"
+    HANG = "hang"
+
+
+CATEGORIES: tuple[str, ...] = tuple(c.value for c in Category)
 
 _STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 _NCCL_RE = re.compile(r"^(nccl(Dev)?Kernel_|ncclKernel|nccl:)", re.IGNORECASE)

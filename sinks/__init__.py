@@ -9,35 +9,35 @@ The store is chDB in-process by default (``chdb://<path>``; one path per process
 or a ClickHouse server (``http(s)://host:port``). DDL lives in ``sql/*.sql`` and runs on every start.
 """
 
-from fleetscope.sinks.clickhouse import (
-    FINDING_UPDATES,
-    FINDINGS,
-    FUNCTION_PATTERNS,
-    ITERATIONS,
-    ClickHouseConfig,
-    ClickHouseWriter,
-    RetryPolicy,
-    connect,
-    current_findings,
-    migrate,
-    run_sql,
-    table_counts,
-)
-from fleetscope.sinks.sink import Sink, SinkConfig
+import importlib
+from typing import Any
 
-__all__ = [
-    "FINDINGS",
-    "FINDING_UPDATES",
-    "FUNCTION_PATTERNS",
-    "ITERATIONS",
-    "ClickHouseConfig",
-    "ClickHouseWriter",
-    "RetryPolicy",
-    "Sink",
-    "SinkConfig",
-    "connect",
-    "current_findings",
-    "migrate",
-    "run_sql",
-    "table_counts",
-]
+_EXPORTS = {
+    "FINDINGS": "clickhouse",
+    "FINDING_UPDATES": "clickhouse",
+    "FUNCTION_PATTERNS": "clickhouse",
+    "ITERATIONS": "clickhouse",
+    "ClickHouseWriter": "clickhouse",
+    "RetryPolicy": "clickhouse",
+    "connect": "clickhouse",
+    "current_findings": "clickhouse",
+    "migrate": "clickhouse",
+    "run_sql": "clickhouse",
+    "table_counts": "clickhouse",
+    "ClickHouseConfig": "store_config",
+    "Sink": "sink",
+    "SinkConfig": "sink",
+}
+"""Public name -> submodule. Imported on first use, so ``fleetscope.sinks.store_config`` (read by every
+process that loads the configuration) does not pull in the ClickHouse driver."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

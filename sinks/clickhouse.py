@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -30,6 +30,7 @@ from clickhouse_connect.driver import exceptions as ch_errors
 from clickhouse_connect.driver import options as ch_options
 
 from fleetscope.schemas import CATALOG, FunctionKind
+from fleetscope.sinks.store_config import ClickHouseConfig, check_database
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ NATURAL_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
 one PatternBatch, one finding state change. A record whose key is stored already is a replay."""
 _KEY_CHUNK = 5_000
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _READ_STATEMENT = re.compile(r"^(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.IGNORECASE)
 _LEADING_NOISE = re.compile(r"^(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/|\()+", re.DOTALL)
 _AVRO_DTYPES: dict[str, type[np.generic] | type[object]] = {
@@ -62,55 +62,6 @@ _AVRO_DTYPES: dict[str, type[np.generic] | type[object]] = {
 }
 # ClickHouse error codes worth a retry: overload, timeouts, network, a replica or keeper hiccup.
 _TRANSIENT_CODES = frozenset({3, 32, 159, 202, 203, 209, 210, 236, 241, 242, 252, 319, 394, 425, 999, 1000})
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClickHouseConfig:
-    """Where the store lives. ``chdb://<path>`` (relative to the working directory or absolute) or
-    ``chdb://memory`` runs ClickHouse in-process; ``http(s)://host:port`` reaches a server.
-
-    ``flush_rows``/``flush_interval_ms`` are the batching hints for whoever drives a writer."""
-
-    url: str = "chdb://.fleetscope/store"
-    database: str = "fleetscope"
-    username: str = "default"
-    password: str = field(default="", repr=False)
-    flush_rows: int = 50_000
-    flush_interval_ms: int = 500
-
-    def __post_init__(self) -> None:
-        errors: list[str] = []
-        scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
-        if scheme not in ("chdb", "http", "https"):
-            errors.append(f"url: expected chdb://PATH, chdb://memory or http(s)://HOST:PORT, got {self.url!r}")
-        elif scheme == "chdb" and not self.url[len("chdb://") :]:
-            errors.append("url: chdb:// needs a path or 'memory'")
-        elif scheme != "chdb" and urlsplit(self.url).password:
-            errors.append("url: put the password in `password`, not in the URL (URLs get logged)")
-        if not _IDENTIFIER.match(self.database):
-            errors.append(f"database: {self.database!r} is not an identifier [A-Za-z_][A-Za-z0-9_]*")
-        if self.flush_rows <= 0:
-            errors.append(f"flush_rows: must be > 0, got {self.flush_rows}")
-        if self.flush_interval_ms <= 0:
-            errors.append(f"flush_interval_ms: must be > 0, got {self.flush_interval_ms}")
-        if errors:
-            raise ValueError("invalid ClickHouseConfig: " + "; ".join(errors))
-
-    @property
-    def chdb_path(self) -> str | None:
-        """Absolute chDB directory, ``":memory:"`` for chdb://memory, None for a server URL."""
-        if not self.url.startswith("chdb://"):
-            return None
-        location = self.url[len("chdb://") :]
-        if location in ("memory", ":memory:"):
-            return ":memory:"
-        return os.path.realpath(os.path.expanduser(location))
-
-
-def _check_database(database: str) -> str:
-    if not _IDENTIFIER.match(database):
-        raise ValueError(f"database {database!r} is not an identifier [A-Za-z_][A-Za-z0-9_]*")
-    return database
 
 
 # One chDB engine per process: clients are cached per (path, database) so repeated connect() calls reuse
@@ -158,7 +109,7 @@ def connect(config: ClickHouseConfig) -> Client:
 
 
 def _ensure_database(client: Client, database: str) -> None:
-    client.command(f"CREATE DATABASE IF NOT EXISTS `{_check_database(database)}`", use_database=False)
+    client.command(f"CREATE DATABASE IF NOT EXISTS `{check_database(database)}`", use_database=False)
 
 
 def _bound(client: Client, database: str) -> Client:
@@ -176,7 +127,7 @@ def _bound(client: Client, database: str) -> Client:
 
 def ddl_statements(database: str) -> list[str]:
     """Every statement of ``sql/*.sql`` in file order, with the database substituted."""
-    quoted = f"`{_check_database(database)}`"
+    quoted = f"`{check_database(database)}`"
     folder = resources.files("fleetscope.sinks").joinpath("sql")
     statements: list[str] = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
@@ -253,7 +204,7 @@ class ClickHouseWriter:
 
     def __init__(self, client: Client, database: str, *, retry: RetryPolicy | None = None) -> None:
         self._client = client
-        self._database = _check_database(database)
+        self._database = check_database(database)
         self._retry = retry or RetryPolicy()
         self._iteration_fields = _avro_fields("iterations")
         self._finding_fields = _avro_fields("findings")
@@ -428,7 +379,7 @@ def current_findings(client: Client, database: str, job: str | None = None) -> l
     """Current state of every finding (open and closed), biggest estimated loss first; JSON-ready."""
     where = "WHERE job = {job:String}" if job is not None else ""
     query = (
-        f"SELECT {', '.join(_FINDING_COLUMNS)} FROM `{_check_database(database)}`.{FINDINGS} {where} "
+        f"SELECT {', '.join(_FINDING_COLUMNS)} FROM `{check_database(database)}`.{FINDINGS} {where} "
         "ORDER BY est_loss_ns DESC, job, finding_id"
     )
     result = client.query(query, parameters={"job": job} if job is not None else None)
@@ -456,7 +407,7 @@ def run_sql(
 
     Read-only mode is enforced by ClickHouse itself (setting readonly=1, which also blocks writing table
     functions and changing settings); the statement check only gives a clearer message earlier."""
-    bound = _bound(client, _check_database(database))
+    bound = _bound(client, check_database(database))
     query = _single_statement(query)
     is_read = bool(_READ_STATEMENT.match(_LEADING_NOISE.sub("", query)))
     if readonly and not is_read:
@@ -494,7 +445,7 @@ def _single_statement(query: str) -> str:
 
 def table_counts(client: Client, database: str) -> dict[str, int]:
     """Rows per table (before background deduplication) and distinct findings in the view."""
-    db = _check_database(database)
+    db = check_database(database)
     parts = " UNION ALL ".join(f"SELECT '{t}' AS name, count() AS n FROM `{db}`.{t}" for t in (*TABLES, FINDINGS))
     rows = client.query(parts).result_rows
     return {str(name): int(n) for name, n in rows}

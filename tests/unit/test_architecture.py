@@ -1,0 +1,120 @@
+"""Guard rails of the house: which package may import which, what a training rank loads, one category list.
+
+See docs/architecture.md. These read the source as text (AST), so they hold for code paths no test runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetscope.schemas import CATALOG, Category
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"fleetscope": "fleetscope", "producers": "producers", "streams": "streams", "schemas": "schemas",
+            "sinks": "sinks"}  # fmt: skip
+"""Top-level folder -> the name it is imported under (``fleetscope.<folder>``, the CLI package itself)."""
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module an import statement of ``path`` names, at any depth (lazy imports count too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from fleetscope import telemetry`` imports fleetscope.telemetry: name what is imported
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _sources(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _violations(folder: str, allowed: re.Pattern[str]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _sources(folder)
+        for name in sorted(_imports(path))
+        if name.startswith("fleetscope") and not allowed.match(name)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("folder", "allowed"),
+    [
+        ("producers", r"^fleetscope(\.producers|\.schemas|\.telemetry|\.config)?(\.|$)"),
+        ("sinks", r"^fleetscope(\.sinks|\.schemas|\.telemetry)?(\.|$)"),
+        ("schemas", r"^fleetscope\.schemas(\.|$)"),
+        ("streams", r"^fleetscope(\.streams|\.schemas|\.telemetry)(\.|$)"),
+    ],
+)
+def test_data_flows_one_way_between_packages(folder: str, allowed: str) -> None:
+    """producers -> schemas -> streams -> sinks: producers never import streams or sinks, sinks never import
+    producers or streams, schemas imports nothing of the project but itself."""
+    assert _violations(folder, re.compile(allowed)) == []
+
+
+def test_analysis_imports_only_numpy_the_standard_library_and_schemas() -> None:
+    """The maths stays pure: no Faust, Kafka or ClickHouse under ``streams/analysis``."""
+    bad = []
+    for path in _sources("streams/analysis"):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top == "numpy":
+                continue
+            if re.match(r"^fleetscope\.(schemas|streams\.analysis)(\.|$)", name):
+                continue
+            bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert bad == []
+
+
+def test_a_training_rank_loads_neither_the_store_driver_nor_the_stream_engine_nor_the_simulator() -> None:
+    """The torch hook runs in every rank: importing it and loading the configuration (as monitoring does at
+    start) must not import clickhouse-connect, chDB, Faust, aiokafka, the simulator or the trace parser."""
+    probe = (
+        "import sys\n"
+        "import fleetscope.producers.torch_hook\n"
+        "from fleetscope.config import load_config\n"
+        "load_config(env={})\n"
+        "heavy = ('clickhouse_connect', 'chdb', 'faust', 'aiokafka', 'pandas', 'fleetscope.producers.simulation',\n"
+        "         'fleetscope.producers.kineto', 'fleetscope.sinks.clickhouse', 'fleetscope.streams.app')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_every_place_that_lists_finding_categories_lists_the_same_ones() -> None:
+    """``Category`` is the one list; the findings schema's contract, the report's colours, the README's
+    table and the simulator's expected findings must all name exactly these."""
+    want = {c.value for c in Category}
+    field = next(f for f in CATALOG.latest("findings").parsed["fields"] if f["name"] == "category")
+    assert {c.strip() for c in field["doc"].split("|")} == want
+
+    from fleetscope.svgcharts import CATEGORY_COLORS
+
+    assert set(CATEGORY_COLORS) == want
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("## How it decides", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"^\| `([a-z_]+)`", table, flags=re.MULTILINE)) == want
+
+    from fleetscope.producers.simulation import CATEGORIES as FAULT_CATEGORIES
+
+    assert set(FAULT_CATEGORIES.values()) <= want
+
+
+def test_the_findings_schema_file_matches_the_catalog() -> None:
+    """The .avsc on disk is what the catalog serves (a hand edit without a new version would drift)."""
+    latest = CATALOG.latest("findings")
+    on_disk = json.loads((ROOT / "schemas" / "avro" / f"findings.v{latest.version}.avsc").read_text())
+    assert [f["name"] for f in on_disk["fields"]] == [f["name"] for f in latest.parsed["fields"]]
