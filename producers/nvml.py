@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fleetscope.producers.nvml_api import (
     _COUNTERS,
@@ -386,7 +387,11 @@ class NvmlSampler:
         table: dict[str, int] = {}
         ids = np.fromiter((table.setdefault(m, len(table)) for m in metric), np.int32, len(metric))
         header = gpu.identity.header(producer_id=gpu.producer_id, seq=seq, streams=self._streams)
-        columns = {"t_ns": np.asarray(t, np.int64), "metric_id": ids, "value": np.asarray(value, np.float64)}
+        columns: dict[str, npt.NDArray[Any]] = {
+            "t_ns": np.asarray(t, np.int64),
+            "metric_id": ids,
+            "value": np.asarray(value, np.float64),
+        }
         batch = EventBatch(kind=EventKind.THROUGHPUT, header=header, names=list(table), columns=columns)
         if self._sink is None:
             return

@@ -28,7 +28,7 @@ import zlib
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import BinaryIO, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class DiskSpool(_DropCounted):
         self._drops = DropLog(f"spool {self.dir}", max_bytes)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._lock: IO[bytes] | None = open(self.dir / "lock", "ab")  # noqa: SIM115 (held while open)
+            self._lock: BinaryIO | None = open(self.dir / "lock", "ab")  # noqa: SIM115 (held while open)
         except OSError as exc:
             raise SpoolError(f"cannot use spool directory {self.dir}: {exc}") from exc
         try:
@@ -241,7 +241,7 @@ class DiskSpool(_DropCounted):
             raise SpoolError(f"spool directory {self.dir} is in use by another process") from exc
         self._segments = [s for s in map(self._scan, sorted(self.dir.glob(f"*{_SUFFIX}"))) if s is not None]
         self._segments.sort(key=lambda s: s.first)
-        self._active: tuple[_Segment, IO[bytes]] | None = None  # the segment appended to, and its file
+        self._active: tuple[_Segment, BinaryIO] | None = None  # the segment appended to, and its file
         cursor = self._read_cursor()
         self._tail = self._segments[-1].end if self._segments else cursor  # ids never repeat across runs
         self._head = min(cursor, self._tail)
@@ -300,7 +300,7 @@ class DiskSpool(_DropCounted):
         if self._active is not None:
             self._active[1].flush()
 
-    def _roll(self) -> tuple[_Segment, IO[bytes]]:
+    def _roll(self) -> tuple[_Segment, BinaryIO]:
         self._close_writer()
         path = self.dir / f"{self._tail:020d}{_SUFFIX}"
         segment = _Segment(path, self._tail, 0, array("I"))
@@ -434,7 +434,7 @@ class DiskSpool(_DropCounted):
         self._cursor_at = time.monotonic()
 
 
-def _read_record(f: IO[bytes]) -> SpoolRecord | None:
+def _read_record(f: BinaryIO) -> SpoolRecord | None:
     frame = f.read(_FRAME.size)
     if len(frame) < _FRAME.size:
         return None
