@@ -102,6 +102,11 @@ class StreamWorkerProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The running worker's process id (None when stopped)."""
+        return self._proc.pid if self.alive() and self._proc is not None else None
+
     def stop(self, timeout_s: float = 15.0) -> None:
         proc, self._proc = self._proc, None
         stop_process(proc, timeout_s, "stream worker")
