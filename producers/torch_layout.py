@@ -25,6 +25,7 @@ from fleetscope.schemas.layout import JobLayout, ProcessGroup, derive_layout, la
 
 ENV_TP, ENV_PP = "FLEETSCOPE_TP", "FLEETSCOPE_PP"
 _P2P_FUNCTIONS = {"send": ("send", "dst"), "isend": ("send", "dst"), "recv": ("recv", "src"), "irecv": ("recv", "src")}
+_PATCHED = ("send", "recv")
 _MAX_PEERS = 64
 
 
@@ -62,12 +63,35 @@ def _wrap_p2p(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``batch_isend_irecv`` (Megatron's 1F1B p2p): each ``P2POp`` names its op and global peer."""
+
+    @functools.wraps(orig)
+    def wrapper(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            me = dist.get_rank()
+            for p in list(p2p_op_list)[:_MAX_PEERS]:
+                name = getattr(getattr(p, "op", None), "__name__", "")
+                if isinstance(p.peer, int) and name in _P2P_FUNCTIONS:
+                    PEERS.note(_P2P_FUNCTIONS[name][0], me, p.peer)
+        except Exception:  # noqa: S110 - bookkeeping must never fail the training call
+            pass
+        return orig(p2p_op_list, *args, **kwargs)
+
+    wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
 def install_p2p_patches() -> None:
-    """Record the peers of ``dist.send/recv/isend/irecv`` (idempotent)."""
-    for fname in _P2P_FUNCTIONS:
+    """Record the peers of ``dist.send/recv/batch_isend_irecv`` (idempotent). ``isend``/``irecv`` stay
+    unwrapped: ``P2POp`` accepts only the original functions (an identity check)."""
+    for fname in _PATCHED:
         orig = getattr(dist, fname, None)
         if orig is not None and not hasattr(orig, "__fleetscope_original__"):
             setattr(dist, fname, _wrap_p2p(fname, orig))
+    batch = getattr(dist, "batch_isend_irecv", None)
+    if batch is not None and not hasattr(batch, "__fleetscope_original__"):
+        dist.batch_isend_irecv = _wrap_batch(batch)
 
 
 def process_groups() -> list[ProcessGroup]:

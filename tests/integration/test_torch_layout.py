@@ -49,10 +49,13 @@ def run(rank, world, port, style, out):
         from torch.distributed.device_mesh import init_device_mesh
         init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         x = torch.zeros(4)
-        if rank < 2:
-            dist.send(x, rank + 2)
+        if rank < 2:  # Megatron's way: batched P2POps (the patch must keep them valid)
+            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, rank + 2)]):
+                req.wait()
         else:
             dist.recv(x, rank - 2)
+        peers = sorted(torch_layout.PEERS.edges)
+        assert peers == ([(rank, rank + 2)] if rank < 2 else [(rank - 2, rank)]), peers
     tracker.refresh()  # a step boundary after the groups exist
     h = recorder.next_header()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
