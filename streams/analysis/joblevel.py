@@ -33,7 +33,7 @@ class JobLevelConfig:
     history_iterations: int = 50
     regression_threshold: float = 0.05
     """The smallest step reported, as a share of the baseline."""
-    noise_z: float = 5.0
+    noise_z: float = 6.0
     """...and the step must exceed this many standard errors of the two medians (noise-adaptive)."""
     stall_factor: float = 5.0
 
@@ -68,19 +68,18 @@ def step_test(baseline: Sequence[float], recent: Sequence[float], config: JobLev
 
     Levels are medians, so one slow iteration (checkpoint, GC pause) in either moves nothing. The step
     must exceed ``regression_threshold`` and ``noise_z`` standard errors of the two medians, the noise
-    being the pooled spread around them (a long baseline drops its largest deviation: one spike does not
-    blind the test for ``history_iterations``); and all but one of the segment's iterations must be
-    slower than the baseline's slowest (its second slowest once it is long), so a few slow iterations
-    among fast ones are no step."""
+    being the pooled spread around them (a long baseline leaves out its largest eighth of deviations, so
+    checkpoints do not blind the test for ``history_iterations``); and all but one of the segment's
+    iterations must be slower than the baseline's slowest (that eighth left out), so a few slow
+    iterations among fast ones are no step."""
     b_arr, r_arr = np.asarray(baseline, dtype=np.float64), np.asarray(recent, dtype=np.float64)
     b, m = float(np.median(b_arr)), float(np.median(r_arr))
-    long = b_arr.size >= 8
-    dev_b = np.sort(np.abs(b_arr - b))[: b_arr.size - 1] if long else np.abs(b_arr - b)
-    dev = np.concatenate([dev_b, np.abs(r_arr - m)])
+    spikes = b_arr.size // 8  # a long baseline's slowest eighth (checkpoints, GC) is no noise
+    dev = np.concatenate([np.sort(np.abs(b_arr - b))[: b_arr.size - spikes], np.abs(r_arr - m)])
     noise = max(float(np.sqrt(np.sum(dev**2) / max(dev.size - 2, 1))), 0.005 * b)
     stderr = noise * float(np.sqrt(1 / b_arr.size + 1 / r_arr.size))
     threshold = max(config.regression_threshold, config.noise_z * stderr / b) if b > 0 else np.inf
-    top = float(np.sort(b_arr)[-2]) if long else float(b_arr.max())
+    top = float(np.sort(b_arr)[-1 - spikes])
     return StepTest(
         baseline_ns=b, recent_ns=m, step=m / b - 1 if b > 0 else 0.0, threshold=float(threshold),
         noise_ns=noise, above_baseline=int(np.count_nonzero(r_arr > top)),
