@@ -86,3 +86,17 @@ def host_phase(name: str) -> str | None:
     if name == "optimizer.step" or name.startswith("Optimizer.step#"):
         return "optimizer"
     return None
+
+
+_SYNC_RE = re.compile(
+    r"^(cuda(Stream|Device|Event|Ctx)Synchronize|cudaStreamWaitEvent|cuStreamSynchronize|cuCtxSynchronize"
+    r"|cuEventSynchronize|cudaStreamQuery|aten::item|aten::_local_scalar_dense|c10d::wait|ProcessGroupNCCL::wait"
+    r"|torch\.cuda\.synchronize|torch\.distributed\.barrier|c10d::barrier|aten::equal)$"
+    r"|\.item(\(\))?$|(^|[.:])(wait|synchronize|barrier)(\(\))?$"
+)
+
+
+def is_sync_call(name: str) -> bool:
+    """A host call that blocks until the GPU or the peers are done (``cudaStreamSynchronize``, ``.item()``,
+    a collective's ``wait``): its time is waiting, not work, so it is never a rank's own host time."""
+    return _SYNC_RE.search(name) is not None

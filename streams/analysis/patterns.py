@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
+from fleetscope.schemas.vocabulary import is_sync_call
 from fleetscope.streams.analysis.stats import (
     clip,
     covered_ns,
@@ -37,6 +38,8 @@ class NameTable:
         """``FunctionKind`` of the name as a GPU activity (``classify_kernel``)."""
         self.family = np.zeros(0, dtype=np.int8)
         """Index into ``LINK_FAMILIES`` of a link throughput metric; -1 for any other name."""
+        self.sync = np.zeros(0, dtype=bool)
+        """A host call that blocks (``is_sync_call``): waiting, never own host time."""
 
     def update(self, names: list[str]) -> NameTable:
         """Cover every name of ``names``, of which the names seen before must be a prefix."""
@@ -46,6 +49,7 @@ class NameTable:
             families = [_link_family(n) for n in new]
             self.kind = np.concatenate((self.kind, np.array(kinds, dtype=np.int8)))
             self.family = np.concatenate((self.family, np.array(families, dtype=np.int8)))
+            self.sync = np.concatenate((self.sync, np.array([is_sync_call(n) for n in new], dtype=bool)))
         return self
 
 
@@ -221,6 +225,7 @@ _SPANS = {"start_ns": np.int64, "dur_ns": np.int64, "name_id": np.int32}
 _COLLECTIVES = {"start_ns": np.int64, "dur_ns": np.int64, "op_id": np.int32, "pg_id": np.int32,
                 "nbytes": np.int64, "group_size": np.int32}  # fmt: skip
 _SAMPLES = {"t_ns": np.int64, "metric_id": np.int32, "value": np.float64}
+_HOST_SPANS = {**_SPANS, "depth": np.int32}
 _MAX_SHIFTED = 2**61
 """Batched iterations are shifted into consecutive time ranges; wider than this they go one by one."""
 
@@ -248,7 +253,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         return []
     k = _Batch([ev.kernels for ev in evs], _SPANS)
     c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
-    p = _Batch([ev.python for ev in evs], _SPANS)
+    p = _Batch([_with_depth(ev.python) for ev in evs], _HOST_SPANS)
     s = _Batch([ev.samples for ev in evs], _SAMPLES)
     lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
     width = [ev.end_ns - ev.start_ns for ev in evs]
@@ -268,6 +273,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         offsets[key], size = size, size + table.kind.size
     kind_of = np.concatenate([t.kind for t in tables.values()])
     family_of = np.concatenate([t.family for t in tables.values()])
+    sync_of = np.concatenate([t.sync for t in tables.values()])
     name_base = np.array([offsets[id(table)] for table in ev_tables], dtype=np.int64)
     n_names = max(max(len(ev.names) for ev in evs), 1)
 
@@ -314,8 +320,10 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
     fn_it = np.repeat(np.arange(m), n_fn)
 
-    # 3. Duration statistics.
+    # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
     st = group_duration_stats(group, dur, n)
+    p_self = host_self_ns(p.it, p["start_ns"], p["dur_ns"], p["depth"], sync_of[p["name_id"] + name_base[p.it]])
+    self_total = np.bincount(group, weights=np.concatenate([k["dur_ns"], c["dur_ns"], p_self]), minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).
     c_group = c_fn[c_inv]
@@ -360,6 +368,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         "kind": fn_kind,
         "calls": st.calls,
         "total_ns": st.total,
+        "self_ns": self_total.astype(np.int64),
         "mean_ns": st.mean,
         "p50_ns": st.p50,
         "p99_ns": st.p99,
@@ -410,6 +419,49 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         }
         out.append((figures, patterns))
     return out
+
+
+def _with_depth(python: Cols) -> Cols:
+    """Host spans with their nesting depth (0 for every span where the source sent none)."""
+    if not python or "depth" in python:
+        return python
+    return {**python, "depth": np.zeros(python["start_ns"].size, dtype=np.int32)}
+
+
+def host_self_ns(it: I64, start: I64, dur: I64, depth: npt.NDArray[np.integer], sync: npt.NDArray[np.bool_]) -> I64:
+    """Each host span's self time: its duration minus its direct children's (depth + 1, inside it, same
+    iteration), and 0 for a blocking call (``is_sync_call``), whose time is waiting for the GPU or peers.
+
+    So an annotation that only waits (``## backward ##`` around ``cudaStreamSynchronize``) has no self
+    time. The parent of a child is the last span one level up that starts no later than it (spans of
+    one thread nest); starts are ranked once so that one sorted key (iteration, depth, start rank)
+    finds every parent with one ``searchsorted``.
+    """
+    n = start.size
+    own = dur.astype(np.int64, copy=True)
+    if n == 0:
+        return own
+    d = depth.astype(np.int64)
+    order = np.lexsort((d, start))  # a parent that starts with its child ranks first
+    srank = np.empty(n, dtype=np.int64)
+    srank[order] = np.arange(n)
+    levels = int(d.max()) + 2
+    key = (it.astype(np.int64) * levels + d) * n + srank
+    by_key = np.argsort(key, kind="stable")
+    sorted_key = key[by_key]
+    child = np.flatnonzero(d > 0)
+    if child.size:
+        want_group = it[child].astype(np.int64) * levels + d[child] - 1
+        pos = sorted_key.searchsorted(want_group * n + srank[child], side="right") - 1
+        ok = pos >= 0
+        ok[ok] = sorted_key[pos[ok]] // n == want_group[ok]
+        parent = by_key[np.where(ok, pos, 0)]
+        end = start + dur
+        inside = ok & (start[child] < end[parent])
+        overlap = np.minimum(end[child], end[parent]) - start[child]
+        own -= np.bincount(parent[inside], weights=overlap[inside], minlength=n).astype(np.int64)
+    own[sync] = 0
+    return np.maximum(own, 0)
 
 
 def _collective_keys(
