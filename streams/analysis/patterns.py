@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
 from fleetscope.schemas.vocabulary import is_sync_call
+from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
     clip,
     covered_ns,
@@ -253,7 +254,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         return []
     k = _Batch([ev.kernels for ev in evs], _SPANS)
     c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
-    p = _Batch([_with_depth(ev.python) for ev in evs], _HOST_SPANS)
+    p = _Batch([with_depth(ev.python) for ev in evs], _HOST_SPANS)
     s = _Batch([ev.samples for ev in evs], _SAMPLES)
     lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
     width = [ev.end_ns - ev.start_ns for ev in evs]
@@ -419,49 +420,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         }
         out.append((figures, patterns))
     return out
-
-
-def _with_depth(python: Cols) -> Cols:
-    """Host spans with their nesting depth (0 for every span where the source sent none)."""
-    if not python or "depth" in python:
-        return python
-    return {**python, "depth": np.zeros(python["start_ns"].size, dtype=np.int32)}
-
-
-def host_self_ns(it: I64, start: I64, dur: I64, depth: npt.NDArray[np.integer], sync: npt.NDArray[np.bool_]) -> I64:
-    """Each host span's self time: its duration minus its direct children's (depth + 1, inside it, same
-    iteration), and 0 for a blocking call (``is_sync_call``), whose time is waiting for the GPU or peers.
-
-    So an annotation that only waits (``## backward ##`` around ``cudaStreamSynchronize``) has no self
-    time. The parent of a child is the last span one level up that starts no later than it (spans of
-    one thread nest); starts are ranked once so that one sorted key (iteration, depth, start rank)
-    finds every parent with one ``searchsorted``.
-    """
-    n = start.size
-    own = dur.astype(np.int64, copy=True)
-    if n == 0:
-        return own
-    d = depth.astype(np.int64)
-    order = np.lexsort((d, start))  # a parent that starts with its child ranks first
-    srank = np.empty(n, dtype=np.int64)
-    srank[order] = np.arange(n)
-    levels = int(d.max()) + 2
-    key = (it.astype(np.int64) * levels + d) * n + srank
-    by_key = np.argsort(key, kind="stable")
-    sorted_key = key[by_key]
-    child = np.flatnonzero(d > 0)
-    if child.size:
-        want_group = it[child].astype(np.int64) * levels + d[child] - 1
-        pos = sorted_key.searchsorted(want_group * n + srank[child], side="right") - 1
-        ok = pos >= 0
-        ok[ok] = sorted_key[pos[ok]] // n == want_group[ok]
-        parent = by_key[np.where(ok, pos, 0)]
-        end = start + dur
-        inside = ok & (start[child] < end[parent])
-        overlap = np.minimum(end[child], end[parent]) - start[child]
-        own -= np.bincount(parent[inside], weights=overlap[inside], minlength=n).astype(np.int64)
-    own[sync] = 0
-    return np.maximum(own, 0)
 
 
 def _collective_keys(

@@ -7,8 +7,8 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
+from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.outliers import score_iteration
-from fleetscope.streams.analysis.patterns import host_self_ns
 from fleetscope.streams.analysis.roles import explain_victims
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.offline import OfflinePipeline
