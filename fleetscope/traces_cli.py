@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -81,9 +82,30 @@ def find_traces(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def _parsed(
+    paths: Iterable[str | Path],
+    job: str | None,
+    progress: Progress,
+    verb: str,
+    on_skip: SkipHandler,
+    tp: int = 0,
+    pp: int = 0,
+) -> Iterable[TraceRank]:
+    """Parse the files one by one (only the compact batches stay), then fill every rank's coordinates
+    from the job's layout (its process groups and p2p peers, or the given ``tp``/``pp``)."""
+    from fleetscope.producers.trace_layout import job_layouts, with_layout
+
+    traces = deque(_parsed_files(paths, job, progress, verb, on_skip))
+    layouts = job_layouts(traces, tp=tp, pp=pp)
+    while traces:
+        trace = traces.popleft()
+        yield with_layout(trace, layouts[trace.job])
+        del trace
+
+
+def _parsed_files(
     paths: Iterable[str | Path], job: str | None, progress: Progress, verb: str, on_skip: SkipHandler
 ) -> Iterable[TraceRank]:
-    """Parse the files one by one (the previous one is garbage by the time the next is read)."""
+    """Parse the files one by one (the parsed JSON is garbage by the time the next is read)."""
     files = find_traces(paths)
     if not files:
         raise ValueError(f"no trace files (*.json, *.json.gz) in {', '.join(map(str, paths))}")
@@ -114,6 +136,8 @@ def replay_traces(
     job: str | None = None,
     progress: Progress | None = None,
     on_skip: SkipHandler | None = None,
+    tp: int = 0,
+    pp: int = 0,
 ) -> list[RankSummary]:
     """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
     from fleetscope.broker import ensure_topics
@@ -129,7 +153,7 @@ def replay_traces(
     ensure_topics(admin, Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
     summaries: list[RankSummary] = []
     with Publisher(publisher_config(config)) as publisher:
-        for trace in _parsed(paths, job, progress, "replay", on_skip or _stderr_skip("replay")):
+        for trace in _parsed(paths, job, progress, "replay", on_skip or _stderr_skip("replay"), tp, pp):
             for batch in trace.batches:
                 publisher.publish(batch)
             summaries.append(RankSummary.of(trace))
@@ -155,6 +179,8 @@ def analyze_traces(
     job: str | None = None,
     progress: Progress | None = None,
     on_skip: SkipHandler | None = None,
+    tp: int = 0,
+    pp: int = 0,
 ) -> AnalyzeResult:
     """Window and compare the traces in-process, one file at a time; findings plus per-rank summaries."""
     from fleetscope.streams.offline import OfflinePipeline
@@ -164,7 +190,7 @@ def analyze_traces(
     progress = progress or Progress(enabled=False)
     summaries: list[RankSummary] = []
     seen = 0
-    for trace in _parsed(paths, job, progress, "analyze", on_skip or _stderr_skip("analyze")):
+    for trace in _parsed(paths, job, progress, "analyze", on_skip or _stderr_skip("analyze"), tp, pp):
         for batch in trace.batches:
             pipeline.add(batch)
         pipeline.close_rank(trace.job, trace.rank)
@@ -197,7 +223,9 @@ _RANK_COLUMNS = (
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import FINDING_FIELDS, print_findings, print_table
 
-    result = analyze_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
+    result = analyze_traces(
+        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
+    )
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
@@ -214,7 +242,9 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
 def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import print_table
 
-    ranks = replay_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
+    ranks = replay_traces(
+        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
+    )
     columns = ("job", "rank", "host", "batches", "events", "kernels", "collectives", "host_spans")
     print_table(columns, [[getattr(r, c) for c in columns] for r in ranks])
     return 0 if ranks else 1
@@ -249,3 +279,5 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="DIR_OR_FILE", help="trace files or directories of them")
     p.add_argument("--job", help="job id for every trace (default: each file's directory name)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--tp", type=int, default=0, help="tensor-parallel size (default: from the process groups)")
+    p.add_argument("--pp", type=int, default=0, help="pipeline-parallel size (default: from the process groups)")

@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.producers.trace_layout import GroupNotes, groups_from_pg_config
 from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, FunctionKind, classify_kernel
 from fleetscope.schemas import parse_step_marker as _step
+from fleetscope.schemas.layout import ProcessGroup
 from fleetscope.schemas.vocabulary import normalize_collective
 
 DEFAULT_BATCH_EVENTS = 4096
@@ -84,6 +86,12 @@ class TraceRank:
     """Events of a used category with a missing or malformed field."""
     parse_s: float
     batches: tuple[EventBatch, ...] = field(repr=False)
+    groups: tuple[ProcessGroup, ...] = ()
+    """Process groups this rank is in: ``distributedInfo.pg_config`` and the NCCL calls' args."""
+    p2p: tuple[tuple[int, int], ...] = ()
+    """Distinct point-to-point edges (global ``src -> dst``) of this rank's sends and receives."""
+    first_p2p: str = ""
+    """``"send"`` or ``"recv"``: this rank's first point-to-point operation (the first stage sends)."""
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -104,6 +112,10 @@ class _Meta:
     group_size: int | None = None
     pg: str | None = None
     seq: int | None = None
+    desc: str | None = None
+    ranks: tuple[int, ...] | None = None
+    peer: int | None = None
+    """The other end of a send/recv (``Dst Rank``/``Src Rank``), as written: group-local or global."""
 
     def fill(self, other: _Meta | None) -> None:
         if other is not None:
@@ -172,7 +184,26 @@ def _meta_from_args(args: Mapping[str, Any], op: str | None = None) -> _Meta:
     pg = args.get("Process Group Name")
     meta.pg = pg if type(pg) is str and pg else (str(pg) if type(pg) is int else None)
     meta.seq = _int(args.get("Seq"))
+    desc = args.get("Process Group Description")
+    meta.desc = desc if type(desc) is str and desc else None
+    meta.ranks = _rank_list(args.get("Process Group Ranks"))
+    for key in ("Dst Rank", "Src Rank"):
+        peer = _int(args.get(key))
+        if peer is not None and peer >= 0 and meta.peer is None:
+            meta.peer = peer
     return meta
+
+
+def _rank_list(value: Any) -> tuple[int, ...] | None:
+    """``"[0, 1, 2]"`` (how PyTorch writes ``Process Group Ranks``) or a JSON list -> global ranks."""
+    if type(value) is str:
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if type(value) is not list or not value or not all(type(r) is int and 0 <= r < 2**31 for r in value):
+        return None
+    return tuple(value)
 
 
 def _input_dims_bytes(dims: Any, types: Any) -> int | None:
@@ -213,8 +244,9 @@ def nbytes_of(meta: _Meta) -> int:
 class _Extractor:
     """One pass over ``traceEvents`` into compact columns; NCCL kernels are resolved afterwards."""
 
-    def __init__(self, base_ns: int) -> None:
+    def __init__(self, base_ns: int, rank: int) -> None:
         self.base = base_ns
+        self.notes = GroupNotes(rank)
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self._kind: dict[str, FunctionKind] = {}
@@ -330,6 +362,7 @@ class _Extractor:
             meta.op = meta.op or _op_from_kernel(name) or "unknown"
             pg = meta.pg = meta.pg or DEFAULT_PROCESS_GROUP
             meta.group_size = meta.group_size or pg_sizes.get(pg) or world_size
+            self.notes.note(meta.op, pg, meta.desc, meta.ranks, meta.peer)
             n = ordinal[pg] = ordinal.get(pg, -1) + 1
             seq = n if meta.seq is None else max(min(meta.seq, _LIMIT_NS), -_LIMIT_NS)
             rows.append(
@@ -385,8 +418,8 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _identity(
     doc: dict[str, Any], path: Path, job: str | None, rank: int | None, world_size: int | None
-) -> tuple[BatchHeader, dict[str, int]]:
-    """Who the rank is: distributedInfo, then the file name, then the caller; process-group sizes."""
+) -> tuple[BatchHeader, dict[str, int], list[ProcessGroup]]:
+    """Who the rank is: distributedInfo, then the file name, then the caller; process groups and sizes."""
     info = doc.get("distributedInfo")
     info = info if type(info) is dict else {}
     r = _int(info.get("rank"))
@@ -414,7 +447,7 @@ def _identity(
     job = _text(job or path.absolute().parent.name or "trace")
     host = _text(host or stem or path.name)
     header = BatchHeader(job=job, rank=r, world_size=ws, producer_id=f"kineto-{job}-{r}", seq=0, host=host)
-    return header, pg_sizes
+    return header, pg_sizes, groups_from_pg_config(info)
 
 
 def parse_trace(
@@ -435,11 +468,11 @@ def parse_trace(
     p = Path(path)
     t0 = time.perf_counter()
     doc = _load(p)
-    header, pg_sizes = _identity(doc, p, job, rank, world_size)
+    header, pg_sizes, configured = _identity(doc, p, job, rank, world_size)
     base = doc.get("baseTimeNanoseconds")
     base_ns = base if type(base) is int and 0 <= base < _LIMIT_NS else None
     n_events = len(doc["traceEvents"])
-    ex = _Extractor(base_ns or 0)
+    ex = _Extractor(base_ns or 0, header.rank)
     ex.feed(doc["traceEvents"])
     del doc  # the parsed JSON is by far the largest object: free it before building batches
     coll = ex.resolve_collectives(header.world_size, pg_sizes)
@@ -448,6 +481,8 @@ def parse_trace(
     steps = sorted((t, s) for t, s in zip(ex.p["start"], ex.p["step"], strict=True) if s >= 0)
     device = ex.gpu_device if ex.gpu_device is not None and 0 <= ex.gpu_device < 2**31 else 0
     header = replace(header, local_rank=device)
+    groups = ex.notes.groups(configured)
+    p2p, first_p2p = ex.notes.p2p(groups)
     return TraceRank(
         path=p,
         job=header.job,
@@ -466,6 +501,9 @@ def parse_trace(
         skipped_events=ex.skipped,
         parse_s=time.perf_counter() - t0,
         batches=tuple(_batches(header, ex.names, _columns(ex, coll), batch_events)),
+        groups=groups,
+        p2p=p2p,
+        first_p2p=first_p2p,
     )
 
 
