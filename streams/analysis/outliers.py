@@ -11,6 +11,8 @@ a whole pipeline stage that computes longer than the other stages is a stage fin
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -215,16 +217,17 @@ def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budge
 
 def _late_arrivals(
     pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
-) -> tuple[dict[int, RankSignal], F64]:
+) -> tuple[dict[int, RankSignal], F64, F64]:
     """Ranks that arrive last at collectives: they wait least, so their collectives are the shortest;
-    and every rank's arrival lateness (largest over its collectives, NaN where none is compared).
+    every rank's arrival lateness (largest over its collectives, NaN where none is compared); and the
+    time each rank waited longer than its peers in collectives (a rank held up by a slow partner,
+    tensor-parallel or pipeline, waits there first: ``roles.explain_victims`` reads it).
 
-    Uses durations on each rank's own clock only, so clock skew between hosts does not matter. A
-    straggler's evidence ``waited_ns`` is the time it waited longer than its peers in its other
-    collectives: a rank held up by a slow partner (tensor-parallel, pipeline) waits there first.
+    Uses durations on each rank's own clock only, so clock skew between hosts does not matter.
     """
     if not pm.functions:
-        return {}, np.full(pm.ranks.size, np.nan)
+        nothing = np.full(pm.ranks.size, np.nan)
+        return {}, nothing, np.zeros(pm.ranks.size)
     mean = pm.features["mean_ns"]
     sc = scorer(mean)
     flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
@@ -233,7 +236,7 @@ def _late_arrivals(
     loss = np.nanmax(np.nan_to_num(lateness), axis=1)
     with quiet_nan_warnings():
         arrival = np.nanmax(np.where(np.isnan(sc.z), np.nan, sc.median - mean), axis=1)
-    waiting = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.min_relative_gap)
+    waited = _waited_ns(pm, cfg, scorer)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(lateness[i]))
@@ -244,11 +247,36 @@ def _late_arrivals(
             evidence={
                 "functions": _top(pm.functions, lateness[i], mean[i], sc.median, sc.z[i]),
                 "flagged_collectives": int(flag[i].sum()),
-                "waited_ns": float(np.nansum(np.where(waiting[i], mean[i] - sc.median, 0.0)
-                                             * np.nan_to_num(pm.features["calls"][i]))),
+                "waited_ns": float(waited[i]),
             },
         )  # fmt: skip
-    return out, arrival
+    return out, arrival, waited
+
+
+@functools.lru_cache(maxsize=65536)
+def collective_class(function: str) -> str:
+    """A collective function without its process-group instance (``nccl:recv[pg=pp3,<=8MiB]`` ->
+    ``nccl:recv[<=8MiB]``): the same role's groups of different replicas (each rank's own tensor or
+    pipeline group) compare as one."""
+    return _PG_RE.sub("[", function)
+
+
+_PG_RE = re.compile(r"\[pg=[^,\]]*,?")
+
+
+def _waited_ns(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer) -> F64:
+    """Per rank, the time it spent in collectives beyond its peers' median, per class of collective
+    (``collective_class``), where the excess is significant: the time it waited for a partner."""
+    classes = [collective_class(f) for f in pm.functions]
+    index = {c: k for k, c in enumerate(dict.fromkeys(classes))}
+    onehot = np.zeros((len(classes), len(index)))
+    onehot[np.arange(len(classes)), [index[c] for c in classes]] = 1.0
+    time = pm.features["mean_ns"] * pm.features["calls"]
+    present = ~np.isnan(time)
+    per_class = np.where(present.astype(np.float64) @ onehot > 0, np.nan_to_num(time) @ onehot, np.nan)
+    sc = scorer(per_class)
+    waiting = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.min_relative_gap)
+    return np.where(waiting, per_class - sc.median, 0.0).sum(axis=1)
 
 
 def score_peer_group(
@@ -284,7 +312,7 @@ def _score_group(
     """
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
-    late, arrival = _late_arrivals(collectives, cfg, score, budget)
+    late, arrival, waited = _late_arrivals(collectives, cfg, score, budget)
     causes = [
         bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival),
         bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival),
@@ -295,6 +323,7 @@ def _score_group(
         for i, sig in found.items():
             if i in late:
                 sig.evidence["arrival_lateness_ns"] = late[i].loss_ns
+            sig.evidence["waited_ns"] = float(waited[i])
             signals.append(sig)
     explained = {i for found in causes for i in found}
     signals += [sig for i, sig in late.items() if i not in explained]
@@ -413,8 +442,9 @@ def score_iteration(
         else:
             group = pms.rows(rows)
         signals += _score_group(group, cfg, score, roles[rows])
-    signals = explain_victims(signals, records)
-    signals = group_by_host(signals, records, cfg.host_group_min_share)
     compute = gathered.of_kind(_COMPUTE) if gathered is not None and is_staged else None
-    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + score_stages(records, cfg, compute)
+    stages = score_stages(records, cfg, compute)
+    signals = explain_victims(signals, records, stages)
+    signals = group_by_host(signals, records, cfg.host_group_min_share)
+    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + stages
     return split_shares(signals, records)

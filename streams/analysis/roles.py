@@ -60,48 +60,61 @@ def absent_as_zero(total: np.ndarray, role: I64) -> np.ndarray:
     return np.where(present, total, np.where(runs[role], 0.0, np.nan))
 
 
-def explain_victims(signals: list[RankSignal], records: Sequence[dict[str, Any]]) -> list[RankSignal]:
-    """Drop late arrivals that a cause explains; the cause's evidence lists them (``delays_ranks``).
+def explain_victims(
+    signals: list[RankSignal], records: Sequence[dict[str, Any]], stages: Sequence[RankSignal] = ()
+) -> list[RankSignal]:
+    """Drop the signals of ranks that only wait on a cause; the cause's evidence lists them (``delays_ranks``).
 
-    1. A straggler in the model replica (``dp_rank``) of a rank with a cause (slow GPU, host, link) is
-       held up by it: through the tensor-parallel collectives and the pipeline's p2p, every rank of the
-       replica waits for it, then arrives late at its own data-parallel collective.
-    2. Among several stragglers of one replica and no cause, those that waited in their other
-       collectives (tensor-parallel, p2p) for at least half their lateness were held up; the one
-       that did not wait is the cause (kept). If all waited, the one that waited least is kept.
-    Without a layout (``dp_rank`` -1) nothing is dropped: there is no way to tell who waits on whom.
+    A rank signal *waited* when the time it waited longer than its peers in its collectives
+    (``waited_ns``: tensor-parallel partners, pipeline neighbours) is at least half its loss: its host
+    annotations and its late arrivals then come from waiting, not from its own work. A *root* is a rank
+    signal that did not wait, or a stage finding. Then:
+    1. every straggler of a model replica (``dp_rank``) with a root cause (slow GPU, host, link) is
+       held up by it: through the tensor-parallel collectives and the pipeline, every rank of the
+       replica waits for it, then arrives late at its own data-parallel collective;
+    2. a signal that waited, in a replica with a root (or in a job with a slow stage), is a victim;
+    3. among stragglers of one replica that all waited and no root, the one that waited least is kept.
+    Without a layout (``dp_rank`` -1) only a slow stage explains anything: who waits on whom is unknown.
     """
     replica = {int(r["rank"]): _coordinate(r, "dp_rank") for r in records}
-    causes: dict[int, RankSignal] = {}
-    for s in signals:
-        if s.category in CAUSE_CATEGORIES and s.rank >= 0 and replica.get(s.rank, -1) >= 0:
-            causes.setdefault(replica[s.rank], s)
-    late_by_replica: dict[int, list[RankSignal]] = {}
-    for s in signals:
-        if s.category == "straggler" and replica.get(s.rank, -1) >= 0:
-            late_by_replica.setdefault(replica[s.rank], []).append(s)
+
+    def rep(s: RankSignal) -> int:
+        return replica.get(s.rank, -1) if s.rank >= 0 else -1
+
+    roots: dict[int, RankSignal] = {}
+    for s in sorted(signals, key=lambda s: (_waited(s), -s.loss_ns)):
+        if s.rank >= 0 and not _waited(s) and rep(s) >= 0:
+            if s.category in CAUSE_CATEGORIES or rep(s) not in roots:
+                roots.setdefault(rep(s), s)
+    stage = stages[0] if stages else None
     dropped: set[int] = set()
-    for rep, late in late_by_replica.items():
-        cause = causes.get(rep)
-        if cause is not None:
-            victims = late
-        elif len(late) > 1:
-            held = [s for s in late if _waited_ns(s) >= VICTIM_WAIT_SHARE * s.loss_ns]
-            free = [s for s in late if s not in held]
-            if not free:
-                least = min(late, key=_waited_ns)
-                held = [s for s in late if s is not least]
-                free = [least]
-            cause = max(free, key=lambda s: s.loss_ns)
-            victims = held
-        else:
-            continue
-        for v in victims:
-            if v is not cause:
-                cause.evidence.setdefault("delays_ranks", []).append(v.rank)
-                dropped.add(id(v))
+
+    def blame(victim: RankSignal, cause: RankSignal) -> None:
+        if victim is not cause:
+            cause.evidence.setdefault("delays_ranks", []).append(victim.rank)
+            dropped.add(id(victim))
+
+    by_replica: dict[int, list[RankSignal]] = {}
+    for s in signals:
+        if s.rank >= 0:
+            by_replica.setdefault(rep(s), []).append(s)
+    for r, members in by_replica.items():
+        root = roots.get(r) if r >= 0 else None
+        for s in members:
+            if s is root:
+                continue
+            if root is not None and (_waited(s) or (s.category == "straggler" and root.category in CAUSE_CATEGORIES)):
+                blame(s, root)
+            elif _waited(s) and stage is not None and s.rank not in stage.member_ranks():
+                blame(s, stage)
+        if root is None and r >= 0:
+            late = [s for s in members if s.category == "straggler" and id(s) not in dropped]
+            if len(late) > 1:
+                keep = min(late, key=lambda s: float(s.evidence.get("waited_ns", 0.0)))
+                for s in late:
+                    blame(s, keep)
     return [s for s in signals if id(s) not in dropped]
 
 
-def _waited_ns(sig: RankSignal) -> float:
-    return float(sig.evidence.get("waited_ns", 0.0))
+def _waited(sig: RankSignal) -> bool:
+    return float(sig.evidence.get("waited_ns", 0.0)) >= VICTIM_WAIT_SHARE * max(sig.loss_ns, 1.0)
