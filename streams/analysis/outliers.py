@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
@@ -88,7 +89,14 @@ def _signal(pm: PeerMatrix, i: int, **fields: Any) -> RankSignal:
 
 
 def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
-    """Ranks whose compute kernels take longer than the same kernels on their peers (gpu_slow)."""
+    """Ranks whose compute kernels take longer than the same kernels on their peers (gpu_slow).
+
+    Two ways: kernels that each stand out (robust z and relative gap per kernel), or a uniform
+    slowdown of many short kernels whose per-kernel excess is lost in the peers' spread (a x1.2 on
+    kernels of a few µs): the rank's typical ratio to its peers' medians (the mean over its kernels)
+    stands out among the ranks' ratios. Either way the excess must cost ``budget`` (a share of the
+    iteration's time), so short kernels are judged by what they add to the iteration, not skipped.
+    """
     if not pm.functions:
         return {}
     mean = pm.features["mean_ns"]
@@ -102,20 +110,39 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
         some[np.isnan(some)] = 0.0  # as nansum counts them, without copying the whole matrix
         excess[suspects] = some
     loss = excess.sum(axis=1)
+    uniform = _uniformly_slow(mean, sc.median, cfg, scorer) & (loss < budget)
+    rows = np.flatnonzero(uniform)
+    if rows.size:  # every kernel's excess, net of the ones it runs faster
+        calls = np.nan_to_num(pm.feature_rows("calls", rows))
+        excess[rows] = np.nan_to_num((mean[rows] - sc.median) * calls)
+        loss[rows] = excess[rows].sum(axis=1)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(excess[i]))
+        evidence = {
+            "functions": _top(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
+            "flagged_functions": int(flag[i].sum()),
+            "compared_functions": int(np.sum(~np.isnan(mean[i]))),
+        }
+        if uniform[i]:
+            with quiet_nan_warnings():
+                evidence["typical_ratio"] = round(float(np.nanmean(mean[i] / sc.median)), 4)
         out[i] = _signal(
             pm, i, category="gpu_slow", function=pm.functions[j], metric="mean_ns",
             value=float(mean[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
-            loss_ns=float(loss[i]),
-            evidence={
-                "functions": _top(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
-                "flagged_functions": int(flag[i].sum()),
-                "compared_functions": int(np.sum(~np.isnan(mean[i]))),
-            },
+            loss_ns=float(loss[i]), evidence=evidence,
         )  # fmt: skip
     return out
+
+
+def _uniformly_slow(mean: F64, median: F64, cfg: ScoringConfig, scorer: OutlierScorer) -> npt.NDArray[np.bool_]:
+    """Rows whose typical kernel (mean ratio to the column medians) is slower than the other rows' by
+    the z threshold and the relative gap."""
+    with quiet_nan_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+        typical = np.nanmean(np.where(median > 0, mean / median, np.nan), axis=1)[:, None]
+    st = scorer(typical)
+    with np.errstate(invalid="ignore"):
+        return ((st.z >= cfg.z_threshold) & (st.rel_gap >= cfg.min_relative_gap))[:, 0]
 
 
 def _slow_host(

@@ -122,3 +122,29 @@ def test_self_time_reaches_the_pattern_records(pipeline_job):
     self_ns, total = np.asarray(rec["self_ns"]), np.asarray(rec["total_ns"])
     assert np.array_equal(self_ns[kinds != FunctionKind.PYTHON], total[kinds != FunctionKind.PYTHON])
     assert np.all(self_ns <= total)
+
+
+def _spread_kernels(records: list[dict], slow_rank: int, factor: float, seed: int) -> list[dict]:
+    """Compute kernels that differ by rank (±8 %, as ranks of a real job do: more than a x1.2 shows per kernel) and one rank x ``factor``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in records:
+        kinds = np.asarray(r["kind"])
+        mean = np.asarray(r["mean_ns"], dtype=np.float64).copy()
+        compute = kinds == FunctionKind.COMPUTE
+        mean[compute] *= rng.uniform(0.92, 1.08, int(compute.sum()))
+        if r["rank"] == slow_rank:
+            mean[compute] *= factor
+        out.append(dict(r, mean_ns=mean))
+    return out
+
+
+def test_a_uniform_slowdown_hidden_in_the_spread_of_short_kernels_is_judged_by_the_iteration_time():
+    patterns, _ = analyse(SimulatorConfig(ranks=16, iterations=3, seed=4))
+    records = _iteration(patterns, 1)
+    healthy = _spread_kernels(records, slow_rank=-1, factor=1.0, seed=1)
+    assert score_iteration(healthy) == []
+    slow = _spread_kernels(records, slow_rank=11, factor=1.2, seed=1)
+    signals = score_iteration(slow)
+    assert [(s.rank, s.category) for s in signals] == [(11, "gpu_slow")]
+    assert signals[0].evidence["typical_ratio"] > 1.1
