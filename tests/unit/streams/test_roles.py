@@ -125,7 +125,8 @@ def test_self_time_reaches_the_pattern_records(pipeline_job):
 
 
 def _spread_kernels(records: list[dict], slow_rank: int, factor: float, seed: int) -> list[dict]:
-    """Compute kernels that differ by rank (±8 %, as ranks of a real job do: more than a x1.2 shows per kernel) and one rank x ``factor``."""
+    """Compute kernels that differ by rank (±8 %, as ranks of a real job do: more than a x1.2 shows per
+    kernel) and one rank x ``factor``."""
     rng = np.random.default_rng(seed)
     out = []
     for r in records:
