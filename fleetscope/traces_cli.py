@@ -227,7 +227,9 @@ def analyze_traces(
             "iterations": len(t.iterations),
             "last_arrivals": t.last_arrivals(),
             "longest_compute": t.longest_compute(),
-            "unopened_signals": t.unopened_signals(scoring) if job not in with_findings else [],
+            "unopened_signals": t.unopened_signals(scoring)
+            if job not in with_findings and len(t.iterations) < lifecycle.persist_iterations
+            else [],
             "reasons": t.reasons(lifecycle.persist_iterations, scoring.min_peers),
         }
         for job, t in sorted(tallies.items())
@@ -264,12 +266,16 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _short(name: str, width: int = 60) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
 def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
     """What a job's traces show beyond its findings, as text."""
     out = [f"{job}: {ex['iterations']} iteration(s)"]
     if ex["last_arrivals"]:
         out.append("  last to arrive (waits least) at each collective:")
-        out += [f"    {a['function']:<48} rank {a['rank']} ({a['iterations']}/{a['of']} iterations)"
+        out += [f"    {_short(a['function']):<48} rank {a['rank']} ({a['iterations']}/{a['of']} iterations)"
                 for a in ex["last_arrivals"]]  # fmt: skip
         counts: dict[int, int] = {}
         for a in ex["last_arrivals"]:
@@ -281,7 +287,7 @@ def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
         out.append(f"  computes longest{where}: rank {c['rank']} ({c['iterations']}/{c['of']} iterations), "
                    f"{c['compute_ms']:.3f} ms vs median {c['peer_median_ms']:.3f} ms")  # fmt: skip
     for sig in ex["unopened_signals"]:
-        out.append(f"  signal, not a finding: {sig['category']} on {sig['subject']} ({sig['function']}), "
+        out.append(f"  signal, not a finding: {sig['category']} on {sig['subject']} ({_short(sig['function'])}), "
                    f"{sig['iterations']} iteration(s), up to {sig['est_loss_ms']:.3f} ms lost")  # fmt: skip
     out += [f"  no finding could open: {reason}" for reason in ex["reasons"]]
     return out
