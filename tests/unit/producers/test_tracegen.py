@@ -1,0 +1,166 @@
+"""The independent trace generator writes real-format Kineto traces whose layout the parser recovers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleetscope.producers.kineto import parse_trace
+from fleetscope.producers.trace_layout import job_layouts, with_layout
+from fleetscope.producers.tracegen import EXPERT_GEMM, TraceJob, documents, main, write_traces
+from fleetscope.schemas import EventKind
+from fleetscope.streams.offline import OfflinePipeline
+from fleetscope.traces_cli import analyze_traces
+
+JOBS = {
+    "pp4_dp4": TraceJob(dp=4, pp=4, steps=3),
+    "dp2_pp2_tp2_mesh": TraceJob(dp=2, pp=2, tp=2, names="mesh", steps=3),
+    "tp_pp_dp_order": TraceJob(dp=2, pp=2, tp=2, order=("tp", "pp", "dp"), steps=3),
+    "unnamed": TraceJob(dp=2, pp=3, tp=2, names="none", layers=6, steps=3),
+    "unnamed_pp_first": TraceJob(dp=2, pp=2, order=("pp", "dp", "tp"), names="none", steps=3),
+    "zero_moe": TraceJob(dp=4, ep=2, zero=True, steps=3),
+}
+
+
+def traces_of(job: TraceJob, directory: Path) -> list:
+    return [parse_trace(p, job="gen") for p in write_traces(job, directory)]
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_parsed_layout_equals_the_generated_one(name: str, tmp_path: Path) -> None:
+    job = JOBS[name]
+    traces = traces_of(job, tmp_path)
+    layout = job_layouts(traces)["gen"]
+    for r in range(job.world_size):
+        want = job.coordinates(r)
+        role = layout.role(r)
+        assert (role.tp_rank, role.pp_rank, role.dp_rank) == (want["tp"], want["pp"], want["dp"]), (r, layout.sources)
+        assert (role.tp_size, role.pp_size, role.dp_size) == (job.tp, job.pp, job.dp)
+        if job.ep > 1:
+            assert (role.ep_rank, role.ep_size) == (want["ep"], job.ep)
+    if job.zero:
+        assert layout.role(0).shard_size == job.dp  # the optimizer shards over the data-parallel group
+    header = with_layout(traces[3], layout).batches[0].header
+    assert (header.pp_rank, header.dp_rank, header.pp_size) == (
+        layout.role(traces[3].rank).pp_rank,
+        layout.role(traces[3].rank).dp_rank,
+        job.pp,
+    )
+
+
+def test_unnamed_reversed_stage_order_follows_the_p2p_direction(tmp_path: Path) -> None:
+    """pp fastest and unnamed groups: the pipeline family is found by its p2p traffic, stage 0 by its first send."""
+    job = TraceJob(dp=2, pp=4, order=("pp", "dp", "tp"), names="none", steps=2)
+    traces = traces_of(job, tmp_path)
+    layout = job_layouts(traces)["gen"]
+    assert layout.sources["pp"] == "traffic"
+    assert {t.rank: t.first_p2p for t in traces}[0] == "send" and {t.rank: t.first_p2p for t in traces}[3] == "recv"
+    assert [layout.role(r).pp_rank for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_overrides_and_no_metadata(tmp_path: Path) -> None:
+    traces = traces_of(TraceJob(dp=4, pp=2, steps=2), tmp_path)
+    given = job_layouts(traces, tp=2)["gen"]
+    assert given.role(3).header_fields()["tp_rank"] == 1 and given.role(3).pp_size == 1
+    bare = [t for t in traces]
+    for t in bare:
+        object.__setattr__(t, "groups", ())
+        object.__setattr__(t, "p2p", ())
+    assert not job_layouts(bare)["gen"].known
+    assert with_layout(bare[0], job_layouts(bare)["gen"]).batches[0].header.pp_rank == -1
+
+
+def test_documents_are_modern_kineto(tmp_path: Path) -> None:
+    job = TraceJob(dp=2, pp=2, tp=2, steps=4, gpus_per_host=4, skew_ms=8.0, seed=3)
+    docs = documents(job)
+    d = docs[5]
+    info = d["distributedInfo"]
+    assert info["rank"] == 5 and info["world_size"] == 8 and d["baseTimeNanoseconds"] % 1000 == 0
+    descs = {"default_pg", "TENSOR_MODEL_PARALLEL_GROUP", "DATA_PARALLEL_GROUP", "PIPELINE_MODEL_PARALLEL_GROUP"}
+    assert {g["pg_desc"] for g in info["pg_config"]} == descs
+    kernels = [e for e in d["traceEvents"] if e.get("cat") == "kernel"]
+    nccl = [e for e in kernels if e["name"].startswith("ncclDevKernel_")]
+    assert nccl and all(json.loads(e["args"]["Process Group Ranks"]) for e in nccl)
+    p2p = [e for e in nccl if e["args"]["Collective name"] in ("send", "recv")]
+    assert p2p and all(("Dst Rank" in e["args"]) != ("Src Rank" in e["args"]) for e in p2p)
+    steps = [e["name"] for e in d["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")]
+    assert steps == [f"ProfilerStep#{10 + i}" for i in range(4)]
+    # Hosts' clocks disagree by milliseconds: the same step starts apart on the two hosts.
+    first = [min(e["ts"] for e in doc["traceEvents"] if e.get("name") == "ProfilerStep#10") for doc in docs]
+    assert max(abs(first[0] - first[4]), abs(first[1] - first[5])) > 1000.0
+    trace = parse_trace(write_traces(job, tmp_path)[5])
+    assert (
+        trace.steps == (10, 11, 12, 13)
+        and trace.skipped_events == 0
+        and trace.count(EventKind.COLLECTIVES) == len(nccl)
+    )
+
+
+def compute_ms(doc: dict) -> float:
+    return (
+        sum(e["dur"] for e in doc["traceEvents"] if e.get("cat") == "kernel" and not e["name"].startswith("nccl"))
+        / 1000
+    )
+
+
+@pytest.mark.parametrize(
+    ("job", "factor"),
+    [
+        (TraceJob(dp=4, pp=2, steps=3, fault="slow_stage"), 1.25),
+        (TraceJob(dp=4, pp=2, tp=2, steps=3, fault="slow_worker", fault_rank=5), 2.35),
+        (TraceJob(dp=4, ep=4, steps=3, fault="a2a_imbalance", fault_rank=2), None),
+        (TraceJob(dp=4, pp=2, steps=3), 1.0),
+    ],
+)
+def test_faults_act_on_their_culprits_only(job: TraceJob, factor: float | None) -> None:
+    docs = documents(job)
+    ms = np.array([compute_ms(d) for d in docs])
+    culprits = list(job.culprits())
+    others = [r for r in range(job.world_size) if r not in culprits]
+    assert np.ptp(ms[others]) / np.median(ms[others]) < 0.05  # healthy peers agree within noise
+    if job.fault == "healthy":
+        assert culprits == []
+    elif factor is not None:
+        assert ms[culprits].mean() / np.median(ms[others]) == pytest.approx(factor, rel=0.04)
+    else:  # twice the tokens: the expert GEMMs of one rank take twice as long
+        expert = [
+            sum(e["dur"] for e in d["traceEvents"] if e.get("cat") == "kernel" and e["name"] == EXPERT_GEMM)
+            for d in docs
+        ]
+        assert expert[2] / np.median([expert[r] for r in others]) == pytest.approx(2.0, rel=0.05)
+
+
+def test_slow_stage_makes_the_next_stages_wait_in_recv() -> None:
+    """Physics: the stage after a slow one spends longer in ``recv`` than in a healthy run."""
+
+    def recv_ms(job: TraceJob, rank: int) -> float:
+        doc = documents(job)[rank]
+        return sum(e["dur"] for e in doc["traceEvents"] if e.get("args", {}).get("Collective name") == "recv") / 1000
+
+    healthy, slow = TraceJob(dp=1, pp=4, steps=3), TraceJob(dp=1, pp=4, steps=3, fault="slow_stage")
+    assert recv_ms(slow, 0) > recv_ms(healthy, 0) * 1.2  # gradients come back later from the slow last stage
+
+
+def test_iterations_carry_the_coordinates_from_metadata(tmp_path: Path) -> None:
+    """Generated trace -> parser -> job layout -> headers -> the windower's iteration records."""
+    job = TraceJob(dp=2, pp=2, tp=2, steps=4)
+    write_traces(job, tmp_path / "job", compress=True)
+    traces = [parse_trace(p, job="gen") for p in sorted((tmp_path / "job").iterdir())]
+    layout = job_layouts(traces)["gen"]
+    pipeline = OfflinePipeline()
+    for t in traces:
+        pipeline.add_all(with_layout(t, layout).batches)
+    iterations = pipeline.finish().iterations
+    assert len(iterations) >= 8 * 3
+    for it in iterations:
+        c = job.coordinates(it["rank"])
+        assert (it["tp_rank"], it["pp_rank"], it["dp_rank"]) == (c["tp"], c["pp"], c["dp"])
+    assert {r.rank for r in analyze_traces([tmp_path / "job"]).ranks} == set(range(8))
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path), "--dp", "2", "--pp", "2", "--steps", "2", "--fault", "slow_stage"]) == 0
+    assert len(capsys.readouterr().out.split()) == 4 and (tmp_path / "rank-3.pt.trace.json").exists()
