@@ -340,11 +340,9 @@ def _score_group(
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
     late, arrival, waited = _late_arrivals(collectives, cfg, score, budget)
-    causes = [
-        bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival),
-        bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival),
-        _slow_links(collectives, cfg, score, budget),
-    ]
+    gpu = bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival)
+    host = bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival)
+    causes = [gpu, _without_gpu_echo(host, gpu), _slow_links(collectives, cfg, score, budget)]
     signals: list[RankSignal] = []
     for found in causes:
         for i, sig in found.items():
@@ -355,6 +353,25 @@ def _score_group(
     explained = {i for found in causes for i in found}
     signals += [sig for i, sig in late.items() if i not in explained]
     return signals
+
+
+GPU_ECHO_SHARE = 1.25
+"""A host span that grows by no more than this times its rank's GPU excess only waits for its GPU."""
+
+
+def _without_gpu_echo(host: dict[int, RankSignal], gpu: dict[int, RankSignal]) -> dict[int, RankSignal]:
+    """Host signals less those of ranks whose slow GPU explains them: a CPU annotation around GPU work
+    (``## backward ##`` that ends when its kernels end) grows with the kernels; the GPU's evidence
+    keeps what the host spans waited (``host_wait_ns``)."""
+    out = {}
+    for i, sig in host.items():
+        cause = gpu.get(i)
+        host_excess = float(sig.evidence.get("excess_ns", sig.loss_ns))
+        if cause is not None and host_excess <= GPU_ECHO_SHARE * float(cause.evidence.get("excess_ns", cause.loss_ns)):
+            cause.evidence["host_wait_ns"] = host_excess
+            continue
+        out[i] = sig
+    return out
 
 
 def group_by_host(signals: list[RankSignal], records: Sequence[dict[str, Any]], min_share: float) -> list[RankSignal]:

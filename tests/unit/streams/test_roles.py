@@ -149,3 +149,16 @@ def test_a_uniform_slowdown_hidden_in_the_spread_of_short_kernels_is_judged_by_t
     signals = score_iteration(slow)
     assert [(s.rank, s.category) for s in signals] == [(11, "gpu_slow")]
     assert signals[0].evidence["typical_ratio"] > 1.1
+
+
+def test_a_host_annotation_that_grows_with_its_own_slow_gpu_is_no_host_finding(tmp_path):
+    """ZeRO job from the independent trace generator: the slow worker's ``## backward ##`` ends with its
+    kernels; it is the GPU, once."""
+    from fleetscope.producers.tracegen import TraceJob, write_traces
+    from fleetscope.traces_cli import analyze_traces
+
+    job = TraceJob(dp=8, zero=True, fault="slow_worker", fault_rank=3, steps=6)
+    write_traces(job, tmp_path / "zero")
+    findings = analyze_traces([tmp_path / "zero"]).findings
+    assert [(f["rank"], f["category"]) for f in findings] == [(3, "gpu_slow")]
+    assert json.loads(findings[0]["evidence"])["host_wait_ns"] > 0
