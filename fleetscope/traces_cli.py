@@ -173,6 +173,8 @@ class AnalyzeResult:
     explanations: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per job: who arrives last at each collective, who computes longest, signals that did not
     persist, and why no finding could open (``streams.analysis.explain``)."""
+    finding_updates: list[dict[str, Any]] = field(default_factory=list)
+    """Every open/update/closed record, in emission order (when each finding opened)."""
 
 
 def analyze_traces(
@@ -234,7 +236,7 @@ def analyze_traces(
         }
         for job, t in sorted(tallies.items())
     }
-    return AnalyzeResult(findings=result.findings, ranks=summaries, explanations=explanations)
+    return AnalyzeResult(result.findings, summaries, explanations, result.finding_updates)
 
 
 _RANK_COLUMNS = (

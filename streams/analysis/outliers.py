@@ -488,6 +488,8 @@ def score_iteration(
         signals += _score_group(group, cfg, score, roles[rows])
     compute = gathered.of_kind(_COMPUTE) if gathered is not None and is_staged else None
     stages = score_stages(records, cfg, compute)
+    signals += [s for s in stages if s.rank >= 0]  # slow members of a stage too small to compare inside
+    stages = [s for s in stages if s.rank < 0]
     signals = explain_victims(signals, records, stages)
     signals = group_by_host(signals, records, cfg.host_group_min_share)
     signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + stages

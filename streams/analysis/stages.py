@@ -41,10 +41,26 @@ def p2p_ns(rec: dict[str, Any]) -> int:
     )
 
 
+def _slow_member(
+    rec: dict[str, Any], compute: float, others: float, stage: int, size: int, cfg: ScoringConfig
+) -> RankSignal:
+    """A rank that makes its stage slow while its stage-mates are not: gpu_slow on it, compared with
+    the other stages (its stage holds fewer ranks than a peer group needs to compare them inside it)."""
+    rank = int(rec["rank"])
+    return RankSignal(
+        rank=rank, host=str(rec["host"]), category="gpu_slow", function="compute", metric="compute_ns",
+        value=compute, peer_median=others, score=(compute / others - 1) / cfg.min_relative_gap,
+        loss_ns=compute - others, subject=f"rank:{rank}",
+        evidence={"stage": stage, "compared_with": "the other stages' median", "stage_ranks": size,
+                  "excess_ns": compute - others},
+    )  # fmt: skip
+
+
 def score_stages(
     records: Sequence[dict[str, Any]], config: ScoringConfig | None = None, compute: PeerMatrix | None = None
 ) -> list[RankSignal]:
-    """The stage whose ranks compute longer than the other stages' (stage_imbalance), or none.
+    """The stage whose ranks compute longer than the other stages' (stage_imbalance), or none; or,
+    where only some of that stage's ranks compute longer, gpu_slow on those ranks.
 
     1. Per stage, the median compute time of its ranks; the slowest stage against the median of the
        others: its relative gap and its excess. 2. The time the other stages wait for it: their p2p
@@ -73,6 +89,10 @@ def score_stages(
     excess = med[slowest] - others
     if gap < cfg.min_relative_gap or excess < budget:
         return []
+    members = np.flatnonzero(stage_of == slowest)
+    slow = members[comp[members] >= others * (1 + cfg.min_relative_gap)]
+    if 0 < slow.size < members.size:  # not the stage: some of its ranks, too few to be told apart inside it
+        return [_slow_member(records[i], comp[i], others, slowest, members.size, cfg) for i in slow.tolist()]
     p2p = np.array([p2p_ns(rec) for rec in records], dtype=np.float64)
     p2p_med = {s: float(np.median(p2p[stage_of == s])) for s in stages}
     waits = {s: max(v - p2p_med[slowest], 0.0) for s, v in p2p_med.items() if s != slowest}
