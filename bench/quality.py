@@ -4,7 +4,10 @@
 
 Each scenario is a simulated job (fault kind x rank x magnitude x layout x size, plus healthy runs
 with realistic noise as negative controls) analysed by ``OfflinePipeline`` (the worker's windower
-and differential, without Kafka). A finding matches an injected fault when their ranks overlap
+and differential, without Kafka). ``tg:`` scenarios are Kineto traces of dp x tp x pp, ZeRO and
+mixture-of-experts jobs from the independent trace generator (``producers.tracegen``: its own
+timing model, host clock skew), analysed by ``fleetscope analyze`` with the layout read from the
+traces' process-group metadata, never given. A finding matches an injected fault when their ranks overlap
 (host and stage findings cover several ranks); it is a true positive for precision whatever its
 category, and category accuracy counts the matches whose category is the expected one. Detection
 delay = the iteration at which the finding opened minus the fault's onset.
@@ -17,12 +20,15 @@ import json
 import multiprocessing
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.producers.tracegen import TraceJob, write_traces
 from fleetscope.streams.offline import OfflinePipeline
+from fleetscope.traces_cli import analyze_traces
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,71 @@ class Scenario:
             faults=tuple(parse_fault(f) for f in self.faults), clock_skew_ms=self.clock_skew_ms,
             layers=8 if self.ranks >= 256 else 12, flush_interval_ms=self.flush_interval_ms, **extra,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TraceScenario:
+    """A job of the independent trace generator, written as Kineto files and analysed from them."""
+
+    name: str
+    kind: str  # "tg:<fault>" or "healthy"
+    job: TraceJob
+    magnitude: float = 0.0
+
+    @property
+    def ranks(self) -> int:
+        return self.job.world_size
+
+    @property
+    def iterations(self) -> int:
+        return self.job.steps
+
+
+@dataclass(frozen=True)
+class Expected:
+    category: str
+    ranks: tuple[int, ...]
+    onset: int
+
+
+TRACE_CATEGORIES = {"slow_stage": "stage_imbalance", "slow_worker": "gpu_slow", "a2a_imbalance": "gpu_slow"}
+"""An expert rank that gets twice the tokens computes longer than its peers: gpu_slow on it."""
+TRACE_MAGNITUDES = {"slow_stage": 1.25, "slow_worker": 2.35, "a2a_imbalance": 2.0}
+TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
+    {"dp": 4, "pp": 4},
+    {"dp": 4, "pp": 4, "names": "mesh"},
+    {"dp": 2, "tp": 2, "pp": 4, "names": "none"},
+    {"dp": 4, "tp": 2, "pp": 2},
+    {"dp": 8, "zero": True},
+    {"dp": 8, "ep": 4},
+    {"dp": 4, "tp": 2, "pp": 2, "order": ("tp", "pp", "dp")},
+    {"dp": 1, "pp": 8},
+    {"dp": 2, "pp": 4, "names": "none"},
+    {"dp": 8, "tp": 2, "pp": 2},
+)
+
+
+def trace_suite(quick: bool = False) -> list[TraceScenario]:
+    """Generated traces: every layout healthy and with one slow worker (a rank in the middle of it), the
+    pipelined ones with a slow last stage, the expert one with an imbalanced all-to-all."""
+    out: list[TraceScenario] = []
+    seed = 100
+    for i, layout in enumerate(TRACE_LAYOUTS if not quick else TRACE_LAYOUTS[::2]):
+        world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
+        faults = [("healthy", 0), ("slow_worker", (5 * i + 3) % world)]
+        if layout.get("pp", 1) > 1:
+            faults.append(("slow_stage", 0))
+        if layout.get("ep", 1) > 1:
+            faults.append(("a2a_imbalance", (3 * i + 2) % world))
+        for fault, rank in faults:
+            seed += 1
+            job = TraceJob(**layout, fault=fault, fault_rank=rank, seed=seed)
+            shape = "x".join(f"{d}{layout.get(d, 1)}" for d in ("dp", "tp", "pp", "ep")) + ("-zero" if job.zero else "")
+            shape += "" if job.order == ("tp", "dp", "pp") else "-" + "".join(job.order)
+            name = f"tg-{fault}-{shape}-{job.names}" + (f"-r{rank}" if rank else "")
+            kind = "healthy" if fault == "healthy" else f"tg:{fault}"
+            out.append(TraceScenario(name, kind, job, TRACE_MAGNITUDES.get(fault, 0.0)))
+    return out
 
 
 RANK_FAULTS = ("slow_gpu", "slow_link", "pcie_downgrade", "host_slow", "dataloader_stall", "cpu_contention")
@@ -103,7 +174,7 @@ def suite(quick: bool = False) -> list[Scenario]:
 
 @dataclass
 class Outcome:
-    scenario: Scenario
+    scenario: Scenario | TraceScenario
     findings: list[dict[str, Any]]
     expected: list[Any]
     rank_iterations: int
@@ -116,13 +187,18 @@ def _opened_at(updates: list[dict[str, Any]]) -> dict[str, int]:
     return {u["finding_id"]: u["iteration_last"] for u in updates if u["status"] == "open"}
 
 
-def run(scenario: Scenario) -> Outcome:
+def run(scenario: Scenario | TraceScenario) -> Outcome:
     t0 = time.perf_counter()
-    cfg = scenario.config()
-    result = OfflinePipeline().add_all(simulate(cfg)).finish()
-    opened = _opened_at(result.finding_updates)
-    findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
-    out = Outcome(scenario, findings, list(cfg.expected_findings()), len(result.iterations), time.perf_counter() - t0)
+    if isinstance(scenario, TraceScenario):
+        out = _run_traces(scenario)
+    else:
+        cfg = scenario.config()
+        result = OfflinePipeline().add_all(simulate(cfg)).finish()
+        opened = _opened_at(result.finding_updates)
+        findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
+        out = Outcome(scenario, findings, list(cfg.expected_findings()), len(result.iterations), 0.0)
+    out.seconds = time.perf_counter() - t0
+    findings = out.findings
     used: set[str] = set()
     for exp in out.expected:
         want = set(exp.ranks)
@@ -138,6 +214,23 @@ def run(scenario: Scenario) -> Outcome:
         if f["finding_id"] not in used and not any(set(f["ranks"]) & set(e.ranks) for e in out.expected)
     ]  # fmt: skip
     return out
+
+
+def _run_traces(scenario: TraceScenario) -> Outcome:
+    """Write the job's traces, analyse the folder as ``fleetscope analyze`` does."""
+    job = scenario.job
+    with tempfile.TemporaryDirectory(prefix="fleetscope-quality-") as folder:
+        write_traces(job, folder)
+        result = analyze_traces([folder])
+    opened = _opened_at(result.finding_updates)
+    findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
+    expected = []
+    if job.fault != "healthy":
+        category = TRACE_CATEGORIES[job.fault]
+        if job.world_size == job.pp:  # a rank alone in its stage is its stage: nothing tells the two apart
+            category = "stage_imbalance"
+        expected.append(Expected(category, job.culprits(), job.first_step))
+    return Outcome(scenario, findings, expected, sum(r.iterations for r in result.ranks), 0.0)
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
@@ -197,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         help="batches cut as the real producers flush (500 ms); 0: one batch per rank-iteration",
     )
     args = ap.parse_args(argv)
-    scenarios = [replace(sc, flush_interval_ms=args.flush_interval_ms) for sc in suite(args.quick)]
+    scenarios: list[Scenario | TraceScenario] = [
+        replace(sc, flush_interval_ms=args.flush_interval_ms) for sc in suite(args.quick)
+    ]
+    scenarios += trace_suite(args.quick)
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:

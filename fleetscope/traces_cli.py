@@ -14,7 +14,7 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,11 @@ def replay_traces(
 class AnalyzeResult:
     findings: list[dict[str, Any]]
     ranks: list[RankSummary]
+    explanations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per job: who arrives last at each collective, who computes longest, signals that did not
+    persist, and why no finding could open (``streams.analysis.explain``)."""
+    finding_updates: list[dict[str, Any]] = field(default_factory=list)
+    """Every open/update/closed record, in emission order (when each finding opened)."""
 
 
 def analyze_traces(
@@ -183,10 +188,13 @@ def analyze_traces(
     pp: int = 0,
 ) -> AnalyzeResult:
     """Window and compare the traces in-process, one file at a time; findings plus per-rank summaries."""
+    from fleetscope.streams.analysis.explain import JobTally, tally_jobs
     from fleetscope.streams.offline import OfflinePipeline
 
     s = config.streams if config is not None else None
-    pipeline = OfflinePipeline(s.windower if s else None, s.differential if s else None)
+    pipeline = OfflinePipeline(s.windower if s else None, s.differential if s else None, keep_patterns=True)
+    lifecycle, scoring = pipeline.differential_config.lifecycle, pipeline.differential_config.scoring
+    tallies: dict[str, JobTally] = {}
     progress = progress or Progress(enabled=False)
     summaries: list[RankSummary] = []
     seen = 0
@@ -194,6 +202,8 @@ def analyze_traces(
         for batch in trace.batches:
             pipeline.add(batch)
         pipeline.close_rank(trace.job, trace.rank)
+        tally_jobs(pipeline.patterns, tallies, lifecycle.persist_iterations)
+        pipeline.patterns.clear()  # the tally keeps what it needs, compactly
         its = pipeline.result.iterations[seen:]
         seen = len(pipeline.result.iterations)
         its = [it for it in its if it.get("job") == trace.job and it.get("rank") == trace.rank]
@@ -209,9 +219,24 @@ def analyze_traces(
         )
         del trace
     result = pipeline.finish()
+    tally_jobs(pipeline.patterns, tallies, lifecycle.persist_iterations)
+    pipeline.patterns.clear()
     progress.done(f"analyze: {len(summaries)} ranks, {len(result.iterations)} rank-iterations")
     summaries.sort(key=lambda r: (r.job, r.rank, r.path))
-    return AnalyzeResult(findings=result.findings, ranks=summaries)
+    with_findings = {f["job"] for f in result.findings}
+    explanations = {
+        job: {
+            "iterations": len(t.iterations),
+            "last_arrivals": t.last_arrivals(),
+            "longest_compute": t.longest_compute(),
+            "unopened_signals": t.unopened_signals(scoring)
+            if job not in with_findings and len(t.iterations) < lifecycle.persist_iterations
+            else [],
+            "reasons": t.reasons(lifecycle.persist_iterations, scoring.min_peers),
+        }
+        for job, t in sorted(tallies.items())
+    }
+    return AnalyzeResult(result.findings, summaries, explanations, result.finding_updates)
 
 
 _RANK_COLUMNS = (
@@ -231,12 +256,43 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
         return 1
     if args.json:
         findings = [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in result.findings]
-        print(json.dumps({"findings": findings, "ranks": [asdict(r) for r in result.ranks]}, indent=2, default=str))
+        doc = {"findings": findings, "ranks": [asdict(r) for r in result.ranks], "explanations": result.explanations}
+        print(json.dumps(doc, indent=2, default=str))
     else:
         print_findings(result.findings, as_json=False)
         print()
         print_table(_RANK_COLUMNS, [[getattr(r, c) for c in _RANK_COLUMNS] for r in result.ranks])
+        for job, ex in result.explanations.items():
+            print()
+            print("\n".join(explanation_lines(job, ex)))
     return 0
+
+
+def _short(name: str, width: int = 60) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
+    """What a job's traces show beyond its findings, as text."""
+    out = [f"{job}: {ex['iterations']} iteration(s)"]
+    if ex["last_arrivals"]:
+        out.append("  last to arrive (waits least) at each collective:")
+        out += [f"    {_short(a['function']):<48} rank {a['rank']} ({a['iterations']}/{a['of']} iterations)"
+                for a in ex["last_arrivals"]]  # fmt: skip
+        counts: dict[int, int] = {}
+        for a in ex["last_arrivals"]:
+            counts[a["rank"]] = counts.get(a["rank"], 0) + 1
+        rank = max(counts, key=lambda r: counts[r])
+        out.append(f"  most often last: rank {rank}, at {counts[rank]} of {len(ex['last_arrivals'])} collectives")
+    for c in ex["longest_compute"]:
+        where = "" if c["stage"] < 0 else f" in stage {c['stage']}"
+        out.append(f"  computes longest{where}: rank {c['rank']} ({c['iterations']}/{c['of']} iterations), "
+                   f"{c['compute_ms']:.3f} ms vs median {c['peer_median_ms']:.3f} ms")  # fmt: skip
+    for sig in ex["unopened_signals"]:
+        out.append(f"  signal, not a finding: {sig['category']} on {sig['subject']} ({_short(sig['function'])}), "
+                   f"{sig['iterations']} iteration(s), up to {sig['est_loss_ms']:.3f} ms lost")  # fmt: skip
+    out += [f"  no finding could open: {reason}" for reason in ex["reasons"]]
+    return out
 
 
 def cmd_replay(args: argparse.Namespace, config: Config) -> int:

@@ -12,6 +12,7 @@ event inside a good file is skipped and counted, never fatal.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import math
@@ -32,7 +33,7 @@ from fleetscope.producers.trace_layout import GroupNotes, groups_from_pg_config
 from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, FunctionKind, classify_kernel
 from fleetscope.schemas import parse_step_marker as _step
 from fleetscope.schemas.layout import ProcessGroup
-from fleetscope.schemas.vocabulary import normalize_collective
+from fleetscope.schemas.vocabulary import is_sync_call, normalize_collective
 
 DEFAULT_BATCH_EVENTS = 4096
 DEFAULT_PROCESS_GROUP = "0"  # PyTorch's name for the default (world) process group
@@ -276,7 +277,7 @@ class _Extractor:
             if type(cat) is not str:
                 continue
             if cat == "cpu_op":  # the bulk of a trace; only comms ops and step markers matter
-                if type(name) is not str or not name.startswith(_CPU_OP_PREFIXES):
+                if type(name) is not str or not (name.startswith(_CPU_OP_PREFIXES) or _blocks(name)):
                     continue
             elif cat not in _USED_CATS:
                 continue
@@ -295,6 +296,8 @@ class _Extractor:
                 corr = _int(args.get("correlation"))
                 if corr is not None:
                     self.launch[corr] = (ts, _thread(e))
+                if _blocks(name):  # a host span: the annotations around it wait, they do not work
+                    self._host(cat, name, ts, dur, e, args)
             else:
                 self._host(cat, name, ts, dur, e, args)
 
@@ -331,7 +334,7 @@ class _Extractor:
                 self.comm_by_ext.setdefault(ext, meta).fill(meta)
             self.comm_by_thread.setdefault(_thread(e), []).append((ts, ts + dur, meta))
         step = _step(name) if name.startswith("ProfilerStep#") else None
-        if cat == "cpu_op" and step is None:
+        if cat == "cpu_op" and step is None and not _blocks(name):
             return
         thread = self.threads.setdefault(_thread(e), len(self.threads))
         p = self.p
@@ -371,6 +374,12 @@ class _Extractor:
                  min(nbytes_of(meta), _LIMIT_NS), launch[0] if launch else ts)
             )  # fmt: skip
         return {c: [r[j] for r in rows] for j, c in enumerate(COLUMNS[EventKind.COLLECTIVES])}
+
+
+@functools.lru_cache(maxsize=8192)
+def _blocks(name: str) -> bool:
+    """A blocking call (``is_sync_call``: ``cudaStreamSynchronize``, ``aten::item``...), kept as a host span."""
+    return is_sync_call(name)
 
 
 def _thread(e: dict[str, Any]) -> Any:

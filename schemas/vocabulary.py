@@ -110,3 +110,17 @@ PROFILING_WINDOW = "fleetscope#profiling_window"
 def is_profiling_window(name: str) -> bool:
     """Whether a host span marks a profiler window (not a host function: never scored)."""
     return name == PROFILING_WINDOW
+
+
+_SYNC_RE = re.compile(
+    r"^(cuda(Stream|Device|Event|Ctx)Synchronize|cudaStreamWaitEvent|cuStreamSynchronize|cuCtxSynchronize"
+    r"|cuEventSynchronize|cudaStreamQuery|aten::item|aten::_local_scalar_dense|c10d::wait|ProcessGroupNCCL::wait"
+    r"|torch\.cuda\.synchronize|torch\.distributed\.barrier|c10d::barrier|aten::equal)$"
+    r"|\.item(\(\))?$|(^|[.:])(wait|synchronize|barrier)(\(\))?$"
+)
+
+
+def is_sync_call(name: str) -> bool:
+    """A host call that blocks until the GPU or the peers are done (``cudaStreamSynchronize``, ``.item()``,
+    a collective's ``wait``): its time is waiting, not work, so it is never a rank's own host time."""
+    return _SYNC_RE.search(name) is not None

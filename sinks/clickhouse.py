@@ -248,7 +248,7 @@ class ClickHouseWriter:
             columns[name] = np.repeat(np.array([r.get(name, default) for r in records], dtype=dtype), counts)
         for name, item_type in self._pattern_arrays:
             dtype = _AVRO_DTYPES.get(item_type, object) if isinstance(item_type, str) else object
-            columns[name] = np.concatenate([np.asarray(r[name], dtype=dtype) for r in records])
+            columns[name] = np.concatenate([np.asarray(_entries(r, name), dtype=dtype) for r in records])
         kind = columns["kind"]
         if kind.min() < 0 or kind.max() > 255:
             raise ValueError("pattern kind outside 0..255")
@@ -347,9 +347,23 @@ def pattern_rows(record: Mapping[str, Any]) -> int:
     """Rows a PatternBatch explodes into; ValueError when its column arrays differ in length."""
     n = len(record["function"])
     for name in _pattern_array_names():
-        if len(record[name]) != n:
+        if len(_entries(record, name)) != n:
             raise ValueError(f"pattern column {name!r} has {len(record[name])} entries, function has {n}")
     return n
+
+
+@functools.cache
+def _optional_arrays() -> frozenset[str]:
+    """Pattern arrays added later with default ``[]``: a record from an older producer has none."""
+    return frozenset(n for n, v in _avro_defaults("patterns").items() if v == [] and n in _pattern_array_names())
+
+
+def _entries(record: Mapping[str, Any], name: str) -> Any:
+    """A pattern column; an optional one the record lacks (absent or empty) is zeros."""
+    values = record.get(name)
+    if name in _optional_arrays() and not (values is not None and len(values)):
+        return np.zeros(len(record["function"]), dtype=np.int64)
+    return record[name]
 
 
 _FINDING_COLUMNS = (

@@ -11,93 +11,31 @@ a whole pipeline stage that computes longer than the other stages is a stage fin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
-from fleetscope.streams.analysis.stats import F64, I64, RobustScores, nan_median, quiet_nan_warnings, robust_scores
+from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
+from fleetscope.streams.analysis.signals import OutlierScorer, RankSignal, ScoringConfig
+from fleetscope.streams.analysis.stages import score_stages, staged
+from fleetscope.streams.analysis.stats import F64, I64, nan_median, quiet_nan_warnings
+from fleetscope.streams.analysis.timelost import bound_by_lateness, split_shares
+
+__all__ = [  # names other modules import from here
+    "OutlierScorer", "RankSignal", "ScoringConfig", "build_matrices", "gather_matrices", "group_by_host",
+    "peer_group_rows", "score_hosts", "score_iteration", "score_peer_group", "score_stages",
+]  # fmt: skip
 
 LINK_FAMILIES = ("nvlink", "pcie")
 LINK_IN_USE_SHARE = 0.25
 """A rank whose link peaks below this share of the best rank's during a collective does not route
 that collective over this link (e.g. p2p inside a host never touches PCIe): it is not compared."""
-
-
-class OutlierScorer(Protocol):
-    """Scores each row of a (ranks x functions) matrix against its column's peers; ``x`` is shared
-    by several tests, so a scorer must not write to it."""
-
-    def __call__(self, x: F64, abs_scale_floor: float = 0.0) -> RobustScores: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoringConfig:
-    """Thresholds of the per-iteration differential test."""
-
-    z_threshold: float = 5.0
-    min_relative_gap: float = 0.05
-    min_loss_fraction: float = 0.01
-    min_peers: int = 4
-    rel_scale_floor: float = 0.01
-    host_share_floor: float = 0.002
-    """Scale floor for host functions compared as a share of the iteration (0.2 %)."""
-    host_min_relative_gap: float = 0.2
-    """Hosts' link fluctuation must differ this much: hosts are few and their traffic mixes."""
-    host_group_min_share: float = 0.75
-    """Ranks of one host flagged together become a host finding when they are this share of it."""
-
-    def __post_init__(self) -> None:
-        errors = []
-        if self.z_threshold <= 0:
-            errors.append("z_threshold must be > 0")
-        if not 0 <= self.min_relative_gap < 1:
-            errors.append("min_relative_gap must be in [0, 1)")
-        if not 0 <= self.min_loss_fraction < 1:
-            errors.append("min_loss_fraction must be in [0, 1)")
-        if self.min_peers < 3:
-            errors.append("min_peers must be >= 3 (a median of fewer is no peer group)")
-        if not 0 < self.host_group_min_share <= 1:
-            errors.append("host_group_min_share must be in (0, 1]")
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    def scorer(self) -> OutlierScorer:
-        def score(x: F64, abs_scale_floor: float = 0.0) -> RobustScores:
-            return robust_scores(x, self.rel_scale_floor, abs_scale_floor, self.min_peers)
-
-        return score
-
-
-@dataclass(frozen=True, slots=True)
-class RankSignal:
-    """One rank (or host, stage) that stands out in one iteration, for one category, with evidence.
-
-    ``rank`` is -1 for a group; ``subject`` names what the finding is about ("rank:7",
-    "host:node003", "stage:2", "job") so that findings of different scopes never merge.
-    """
-
-    rank: int
-    host: str
-    category: str
-    function: str
-    metric: str
-    value: float
-    peer_median: float
-    score: float
-    loss_ns: float
-    evidence: dict[str, Any] = field(default_factory=dict)
-    ranks: tuple[int, ...] = ()
-    subject: str = ""
-
-    def key(self) -> tuple[str, str]:
-        return (self.subject or f"rank:{self.rank}", self.category)
-
-    def member_ranks(self) -> tuple[int, ...]:
-        return self.ranks or (self.rank,)
 
 
 _COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
@@ -109,7 +47,7 @@ READS: dict[int, tuple[str, ...]] = {
         "pcie_mean_bps",
         *(f"{f}_{x}" for f in LINK_FAMILIES for x in ("peak_bps", "cv")),
     ),
-    _PYTHON: ("total_ns",),
+    _PYTHON: ("self_ns",),
 }
 """What the tests below read, by kind of function; gather converts no more. Stages add compute totals."""
 _STAGE_READS = {**READS, _COMPUTE: (*READS[_COMPUTE], "total_ns")}
@@ -151,7 +89,14 @@ def _signal(pm: PeerMatrix, i: int, **fields: Any) -> RankSignal:
 
 
 def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
-    """Ranks whose compute kernels take longer than the same kernels on their peers (gpu_slow)."""
+    """Ranks whose compute kernels take longer than the same kernels on their peers (gpu_slow).
+
+    Two ways: kernels that each stand out (robust z and relative gap per kernel), or a uniform
+    slowdown of many short kernels whose per-kernel excess is lost in the peers' spread (a x1.2 on
+    kernels of a few µs): the rank's typical ratio to its peers' medians (the mean over its kernels)
+    stands out among the ranks' ratios. Either way the excess must cost ``budget`` (a share of the
+    iteration's time), so short kernels are judged by what they add to the iteration, not skipped.
+    """
     if not pm.functions:
         return {}
     mean = pm.features["mean_ns"]
@@ -165,48 +110,73 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
         some[np.isnan(some)] = 0.0  # as nansum counts them, without copying the whole matrix
         excess[suspects] = some
     loss = excess.sum(axis=1)
+    uniform = _uniformly_slow(mean, sc.median, cfg, scorer) & (loss < budget)
+    rows = np.flatnonzero(uniform)
+    if rows.size:  # every kernel's excess, net of the ones it runs faster
+        calls = np.nan_to_num(pm.feature_rows("calls", rows))
+        excess[rows] = np.nan_to_num((mean[rows] - sc.median) * calls)
+        loss[rows] = excess[rows].sum(axis=1)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(excess[i]))
+        evidence = {
+            "functions": _top(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
+            "flagged_functions": int(flag[i].sum()),
+            "compared_functions": int(np.sum(~np.isnan(mean[i]))),
+        }
+        if uniform[i]:
+            with quiet_nan_warnings():
+                evidence["typical_ratio"] = round(float(np.nanmean(mean[i] / sc.median)), 4)
         out[i] = _signal(
             pm, i, category="gpu_slow", function=pm.functions[j], metric="mean_ns",
             value=float(mean[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
-            loss_ns=float(loss[i]),
-            evidence={
-                "functions": _top(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
-                "flagged_functions": int(flag[i].sum()),
-                "compared_functions": int(np.sum(~np.isnan(mean[i]))),
-            },
+            loss_ns=float(loss[i]), evidence=evidence,
         )  # fmt: skip
     return out
 
 
-def _slow_host(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
-    """Ranks that spend a larger share of the iteration in a host function than their peers.
+def _uniformly_slow(mean: F64, median: F64, cfg: ScoringConfig, scorer: OutlierScorer) -> npt.NDArray[np.bool_]:
+    """Rows whose typical kernel (mean ratio to the column medians) is slower than the other rows' by
+    the z threshold and the relative gap."""
+    with quiet_nan_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+        typical = np.nanmean(np.where(median > 0, mean / median, np.nan), axis=1)[:, None]
+    st = scorer(typical)
+    with np.errstate(invalid="ignore"):
+        return ((st.z >= cfg.z_threshold) & (st.rel_gap >= cfg.min_relative_gap))[:, 0]
 
-    Host functions are compared as time per iteration, absent counting as zero, so a function that
-    only the culprit runs (a GC pause, a stall) still stands out against its peers' zero.
+
+def _slow_host(
+    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float, role: I64 | None = None
+) -> dict[int, RankSignal]:
+    """Ranks that spend a larger share of the iteration in a host function's own work than their peers.
+
+    Host functions are compared by self time per iteration (time in nested spans and in blocking
+    calls left out: an annotation that only waits for the GPU or the peers is no work), absent
+    counting as zero where ranks of the same role run the function (``roles.absent_as_zero``), so a
+    function that only the culprit runs (a GC pause, a stall) still stands out against its peers'
+    zero, and one that only some stages or tensor slots run is not compared on the others.
     """
     if not pm.functions:
         return {}
     it = float(np.median(pm.iteration_ns))
-    share = np.nan_to_num(pm.features["total_ns"]) / it
+    own = pm.features["self_ns"]
+    share = (absent_as_zero(own, role) if role is not None else np.nan_to_num(own)) / it
     sc = scorer(share, cfg.host_share_floor)
     flag = (sc.z >= cfg.z_threshold) & (share - sc.median >= cfg.min_loss_fraction / 2)
-    excess = np.where(flag, (share - sc.median) * it, 0.0)
+    excess = np.where(flag, np.nan_to_num((share - sc.median) * it), 0.0)
     loss = excess.sum(axis=1)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.argmax(excess[i]))
         total = share[i] * it
         out[i] = _signal(
-            pm, i, category="host_slow", function=pm.functions[j], metric="total_ns",
+            pm, i, category="host_slow", function=pm.functions[j], metric="self_ns",
             value=float(total[j]), peer_median=float(sc.median[j] * it), score=float(sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
                 "functions": _top(pm.functions, excess[i], total, sc.median * it, sc.z[i]),
                 "flagged_functions": int(flag[i].sum()),
-                "compared_functions": len(pm.functions),
+                "compared_functions": int(np.sum(~np.isnan(share[i]))),
             },
         )  # fmt: skip
     return out
@@ -272,19 +242,28 @@ def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budge
     return out
 
 
-def _late_arrivals(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
-    """Ranks that arrive last at collectives: they wait least, so their collectives are the shortest.
+def _late_arrivals(
+    pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
+) -> tuple[dict[int, RankSignal], F64, F64]:
+    """Ranks that arrive last at collectives: they wait least, so their collectives are the shortest;
+    every rank's arrival lateness (largest over its collectives, NaN where none is compared); and the
+    time each rank waited longer than its peers in collectives (a rank held up by a slow partner,
+    tensor-parallel or pipeline, waits there first: ``roles.explain_victims`` reads it).
 
     Uses durations on each rank's own clock only, so clock skew between hosts does not matter.
     """
     if not pm.functions:
-        return {}
+        nothing = np.full(pm.ranks.size, np.nan)
+        return {}, nothing, np.zeros(pm.ranks.size)
     mean = pm.features["mean_ns"]
     sc = scorer(mean)
     flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
     # A late rank delays the job by its lateness once, however many collectives it is late for.
     lateness = np.where(flag, sc.median - mean, 0.0)
     loss = np.nanmax(np.nan_to_num(lateness), axis=1)
+    with quiet_nan_warnings():
+        arrival = np.nanmax(np.where(np.isnan(sc.z), np.nan, sc.median - mean), axis=1)
+    waited = _waited_ns(pm, cfg, scorer)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(lateness[i]))
@@ -295,9 +274,36 @@ def _late_arrivals(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bu
             evidence={
                 "functions": _top(pm.functions, lateness[i], mean[i], sc.median, sc.z[i]),
                 "flagged_collectives": int(flag[i].sum()),
+                "waited_ns": float(waited[i]),
             },
         )  # fmt: skip
-    return out
+    return out, arrival, waited
+
+
+@functools.lru_cache(maxsize=65536)
+def collective_class(function: str) -> str:
+    """A collective function without its process-group instance (``nccl:recv[pg=pp3,<=8MiB]`` ->
+    ``nccl:recv[<=8MiB]``): the same role's groups of different replicas (each rank's own tensor or
+    pipeline group) compare as one."""
+    return _PG_RE.sub("[", function)
+
+
+_PG_RE = re.compile(r"\[pg=[^,\]]*,?")
+
+
+def _waited_ns(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer) -> F64:
+    """Per rank, the time it spent in collectives beyond its peers' median, per class of collective
+    (``collective_class``), where the excess is significant: the time it waited for a partner."""
+    classes = [collective_class(f) for f in pm.functions]
+    index = {c: k for k, c in enumerate(dict.fromkeys(classes))}
+    onehot = np.zeros((len(classes), len(index)))
+    onehot[np.arange(len(classes)), [index[c] for c in classes]] = 1.0
+    time = pm.features["mean_ns"] * pm.features["calls"]
+    present = ~np.isnan(time)
+    per_class = np.where(present.astype(np.float64) @ onehot > 0, np.nan_to_num(time) @ onehot, np.nan)
+    sc = scorer(per_class)
+    waiting = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.min_relative_gap)
+    return np.where(waiting, per_class - sc.median, 0.0).sum(axis=1)
 
 
 def score_peer_group(
@@ -309,33 +315,63 @@ def score_peer_group(
     cfg = config or ScoringConfig()
     if len(records) < cfg.min_peers:
         return []
+    records = with_self_time(records)
     pms = gather_matrices(records) or build_matrices(records)
-    return _score_group(pms, cfg, scorer or cfg.scorer())
+    return _score_group(pms, cfg, scorer or cfg.scorer(), role_codes(records))
 
 
-def _score_group(pms: PeerMatrices, cfg: ScoringConfig, score: OutlierScorer) -> list[RankSignal]:
+def with_self_time(records: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+    """The records, each with host self times: a producer that predates ``self_ns`` sent none (its
+    total stands in for it)."""
+    if all(len(r.get("self_ns", ())) == len(r["function"]) for r in records):
+        return records
+    return [r if len(r.get("self_ns", ())) == len(r["function"]) else {**r, "self_ns": r["total_ns"]} for r in records]
+
+
+def _score_group(
+    pms: PeerMatrices, cfg: ScoringConfig, score: OutlierScorer, role: I64 | None = None
+) -> list[RankSignal]:
     """1. A rank's excess time must cost at least ``min_loss_fraction`` of the median iteration to
-    matter; 2. gpu_slow from compute kernels, host_slow from host functions, link_slow from link
-    throughput during collectives; 3. a late arrival with none of these causes is a straggler; with
-    a cause, it corroborates the cause.
+    matter; 2. gpu_slow from compute kernels, host_slow from host functions' self time, link_slow
+    from link throughput during collectives; 3. a late arrival with none of these causes is a
+    straggler; with a cause, it corroborates the cause; 4. a cause's loss is the time saved if it
+    were fixed (``timelost``). ``role``: each row's role code (``roles.role_codes``).
     """
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
-    causes = [
-        _slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget),
-        _slow_host(pms.of_kind(_PYTHON), cfg, score, budget),
-        _slow_links(collectives, cfg, score, budget),
-    ]
-    late = _late_arrivals(collectives, cfg, score, budget)
+    late, arrival, waited = _late_arrivals(collectives, cfg, score, budget)
+    gpu = bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival)
+    host = bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival)
+    causes = [gpu, _without_gpu_echo(host, gpu), _slow_links(collectives, cfg, score, budget)]
     signals: list[RankSignal] = []
     for found in causes:
         for i, sig in found.items():
             if i in late:
                 sig.evidence["arrival_lateness_ns"] = late[i].loss_ns
+            sig.evidence["waited_ns"] = float(waited[i])
             signals.append(sig)
     explained = {i for found in causes for i in found}
     signals += [sig for i, sig in late.items() if i not in explained]
     return signals
+
+
+GPU_ECHO_SHARE = 1.25
+"""A host span that grows by no more than this times its rank's GPU excess only waits for its GPU."""
+
+
+def _without_gpu_echo(host: dict[int, RankSignal], gpu: dict[int, RankSignal]) -> dict[int, RankSignal]:
+    """Host signals less those of ranks whose slow GPU explains them: a CPU annotation around GPU work
+    (``## backward ##`` that ends when its kernels end) grows with the kernels; the GPU's evidence
+    keeps what the host spans waited (``host_wait_ns``)."""
+    out = {}
+    for i, sig in host.items():
+        cause = gpu.get(i)
+        host_excess = float(sig.evidence.get("excess_ns", sig.loss_ns))
+        if cause is not None and host_excess <= GPU_ECHO_SHARE * float(cause.evidence.get("excess_ns", cause.loss_ns)):
+            cause.evidence["host_wait_ns"] = host_excess
+            continue
+        out[i] = sig
+    return out
 
 
 def group_by_host(signals: list[RankSignal], records: Sequence[dict[str, Any]], min_share: float) -> list[RankSignal]:
@@ -362,57 +398,6 @@ def group_by_host(signals: list[RankSignal], records: Sequence[dict[str, Any]], 
             )
         )  # fmt: skip
     return out
-
-
-def score_stages(
-    records: Sequence[dict[str, Any]], config: ScoringConfig | None = None, compute: PeerMatrix | None = None
-) -> list[RankSignal]:
-    """A pipeline stage whose ranks compute longer than the other stages' (stage_imbalance).
-
-    Every rank of a slow stage is slow alike, so no rank stands out within the stage; the stage
-    stands out against the others, and the other stages pay for it waiting in p2p receives.
-    ``compute``, when given, holds the compute kernels' ``total_ns`` of every record.
-    """
-    cfg = config or ScoringConfig()
-    pp = [int(rec.get("pp_rank", -1)) for rec in records]
-    stages = dict.fromkeys(pp)
-    if not _staged(stages):
-        return []
-    if compute is not None:
-        compute_ns = np.nansum(compute.features["total_ns"], axis=1)
-    else:
-        compute_ns = np.array([_compute_ns(rec) for rec in records], dtype=np.float64)
-    stage_of = np.array(pp, dtype=np.int64)
-    med = {s: float(np.median(compute_ns[stage_of == s])) for s in stages}
-    slowest = max(med, key=lambda s: med[s])
-    others = float(np.median([v for s, v in med.items() if s != slowest]))
-    if others <= 0:
-        return []
-    gap = med[slowest] / others - 1
-    budget = cfg.min_loss_fraction * float(np.median([r["iteration_ns"] for r in records]))
-    loss = med[slowest] - others
-    if gap < cfg.min_relative_gap or loss < budget:
-        return []
-    ranks = tuple(sorted(int(rec["rank"]) for rec, s in zip(records, pp, strict=True) if s == slowest))
-    return [
-        RankSignal(
-            rank=-1, host="", category="stage_imbalance", function="compute", metric="compute_ns",
-            value=med[slowest], peer_median=others, score=gap / cfg.min_relative_gap, loss_ns=loss,
-            evidence={"stage": slowest, "stage_compute_ns": {str(s): v for s, v in sorted(med.items())},
-                      "relative_gap": round(gap, 4)},
-            ranks=ranks, subject=f"stage:{slowest}",
-        )
-    ]  # fmt: skip
-
-
-def _staged(stages: Iterable[int]) -> bool:
-    """Pipeline stages are known and there are several to compare."""
-    stages = set(stages)
-    return len(stages) >= 2 and -1 not in stages
-
-
-def _compute_ns(rec: dict[str, Any]) -> int:
-    return sum(t for t, k in zip(rec["total_ns"], rec["kind"], strict=True) if k == FunctionKind.COMPUTE)
 
 
 def _median_by_group(x: F64, group: I64, n_groups: int) -> F64:
@@ -473,54 +458,25 @@ def score_hosts(
     return out
 
 
-def explain_late_ranks(signals: list[RankSignal], records: Sequence[dict[str, Any]]) -> list[RankSignal]:
-    """Drop stragglers that a found cause delays: the other ranks of its model replica.
-
-    A slow rank holds up its TP group (they wait for it layer by layer), the stages of its pipeline
-    (they wait for its activations and gradients) and so, transitively, every rank with its
-    data-parallel index; those ranks then arrive late at their own data-parallel collectives. They
-    are symptoms; the cause's evidence lists them.
-    """
-    replica = {int(r["rank"]): int(r.get("dp_rank", -1)) for r in records}
-    causes = [s for s in signals if s.category in ("gpu_slow", "host_slow", "link_slow") and s.rank >= 0]
-    out: list[RankSignal] = []
-    for sig in signals:
-        if sig.category == "straggler" and replica.get(sig.rank, -1) >= 0:
-            for cause in causes:
-                if replica.get(cause.rank, -2) == replica[sig.rank]:
-                    cause.evidence.setdefault("delays_ranks", []).append(sig.rank)
-                    break
-            else:
-                out.append(sig)
-        else:
-            out.append(sig)
-    return out
-
-
-def peer_group_rows(records: Sequence[dict[str, Any]]) -> list[I64]:
-    """Rows of ranks that should behave alike: the same pipeline stage (all ranks when unknown)."""
-    groups: dict[int, list[int]] = {}
-    for i, rec in enumerate(records):
-        groups.setdefault(int(rec.get("pp_rank", -1)), []).append(i)
-    return [np.array(rows, dtype=np.int64) for rows in groups.values()]
-
-
 def score_iteration(
     records: Sequence[dict[str, Any]],
     config: ScoringConfig | None = None,
     scorer: OutlierScorer | None = None,
     index: FunctionIndex | None = None,
 ) -> list[RankSignal]:
-    """Every signal of one iteration of one job: per peer group, grouped by host, plus hosts and stages.
+    """Every signal of one iteration of one job: per peer group (ranks of one pipeline stage), victims
+    explained by their causes, grouped by host, plus hosts and stages; each with its time saved.
 
     One set of matrices serves every test; ``index`` (the job's, kept across iterations) spares
     re-interning function names. Where ``gather`` cannot be used, ``PeerMatrix.build`` per group.
     """
     cfg = config or ScoringConfig()
     score = scorer or cfg.scorer()
-    staged = _staged(int(rec.get("pp_rank", -1)) for rec in records)
-    gathered = gather_matrices(records, index, staged)
+    records = with_self_time(records)
+    is_staged = staged(int(rec.get("pp_rank", -1)) for rec in records)
+    gathered = gather_matrices(records, index, is_staged)
     pms = gathered or build_matrices(records)
+    roles = role_codes(records)
     signals: list[RankSignal] = []
     for rows in peer_group_rows(records):
         if rows.size < cfg.min_peers:
@@ -529,8 +485,12 @@ def score_iteration(
             group = build_matrices([records[i] for i in rows.tolist()])
         else:
             group = pms.rows(rows)
-        signals += _score_group(group, cfg, score)
-    signals = explain_late_ranks(signals, records)
+        signals += _score_group(group, cfg, score, roles[rows])
+    compute = gathered.of_kind(_COMPUTE) if gathered is not None and is_staged else None
+    stages = score_stages(records, cfg, compute)
+    signals += [s for s in stages if s.rank >= 0]  # slow members of a stage too small to compare inside
+    stages = [s for s in stages if s.rank < 0]
+    signals = explain_victims(signals, records, stages)
     signals = group_by_host(signals, records, cfg.host_group_min_share)
-    compute = gathered.of_kind(_COMPUTE) if gathered is not None and staged else None
-    return signals + score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + score_stages(records, cfg, compute)
+    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + stages
+    return split_shares(signals, records)

@@ -11,6 +11,8 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
+from fleetscope.schemas.vocabulary import is_sync_call
+from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
     clip,
     covered_ns,
@@ -37,6 +39,8 @@ class NameTable:
         """``FunctionKind`` of the name as a GPU activity (``classify_kernel``)."""
         self.family = np.zeros(0, dtype=np.int8)
         """Index into ``LINK_FAMILIES`` of a link throughput metric; -1 for any other name."""
+        self.sync = np.zeros(0, dtype=bool)
+        """A host call that blocks (``is_sync_call``): waiting, never own host time."""
 
     def update(self, names: list[str]) -> NameTable:
         """Cover every name of ``names``, of which the names seen before must be a prefix."""
@@ -46,6 +50,7 @@ class NameTable:
             families = [_link_family(n) for n in new]
             self.kind = np.concatenate((self.kind, np.array(kinds, dtype=np.int8)))
             self.family = np.concatenate((self.family, np.array(families, dtype=np.int8)))
+            self.sync = np.concatenate((self.sync, np.array([is_sync_call(n) for n in new], dtype=bool)))
         return self
 
 
@@ -221,6 +226,7 @@ _SPANS = {"start_ns": np.int64, "dur_ns": np.int64, "name_id": np.int32}
 _COLLECTIVES = {"start_ns": np.int64, "dur_ns": np.int64, "op_id": np.int32, "pg_id": np.int32,
                 "nbytes": np.int64, "group_size": np.int32}  # fmt: skip
 _SAMPLES = {"t_ns": np.int64, "metric_id": np.int32, "value": np.float64}
+_HOST_SPANS = {**_SPANS, "depth": np.int32}
 _MAX_SHIFTED = 2**61
 """Batched iterations are shifted into consecutive time ranges; wider than this they go one by one."""
 
@@ -248,7 +254,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         return []
     k = _Batch([ev.kernels for ev in evs], _SPANS)
     c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
-    p = _Batch([ev.python for ev in evs], _SPANS)
+    p = _Batch([with_depth(ev.python) for ev in evs], _HOST_SPANS)
     s = _Batch([ev.samples for ev in evs], _SAMPLES)
     lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
     width = [ev.end_ns - ev.start_ns for ev in evs]
@@ -268,6 +274,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         offsets[key], size = size, size + table.kind.size
     kind_of = np.concatenate([t.kind for t in tables.values()])
     family_of = np.concatenate([t.family for t in tables.values()])
+    sync_of = np.concatenate([t.sync for t in tables.values()])
     name_base = np.array([offsets[id(table)] for table in ev_tables], dtype=np.int64)
     n_names = max(max(len(ev.names) for ev in evs), 1)
 
@@ -314,8 +321,10 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
     fn_it = np.repeat(np.arange(m), n_fn)
 
-    # 3. Duration statistics.
+    # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
     st = group_duration_stats(group, dur, n)
+    p_self = host_self_ns(p.it, p["start_ns"], p["dur_ns"], p["depth"], sync_of[p["name_id"] + name_base[p.it]])
+    self_total = np.bincount(group, weights=np.concatenate([k["dur_ns"], c["dur_ns"], p_self]), minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).
     c_group = c_fn[c_inv]
@@ -360,6 +369,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         "kind": fn_kind,
         "calls": st.calls,
         "total_ns": st.total,
+        "self_ns": self_total.astype(np.int64),
         "mean_ns": st.mean,
         "p50_ns": st.p50,
         "p99_ns": st.p99,

@@ -102,7 +102,7 @@ def test_migrate_twice_is_idempotent_and_keeps_data(client: Client, writer: Clic
 
 def test_ddl_substitutes_only_the_validated_database_name() -> None:
     statements = ddl_statements("fleet_1")
-    assert len(statements) == 5 + 7  # five tables and views, seven added columns
+    assert len(statements) == 5 + 8  # five tables and views, eight added columns
     assert all("`fleet_1`." in s and "{database}" not in s for s in statements)
     with pytest.raises(ValueError, match="identifier"):
         ddl_statements("x; DROP TABLE y")

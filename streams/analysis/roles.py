@@ -1,0 +1,120 @@
+"""Who is a peer of whom, and who is a cause rather than a victim, from the job's layout.
+
+In a dp x tp x pp job, ranks in different roles do different work: only the first pipeline stage runs
+the data loader, stages hold different layers. So ranks are compared only within their pipeline stage
+(``peer_group_rows``), and a host function absent on a rank counts as zero only where ranks of the
+same role (stage and tensor slot) run it (``role_codes``): a function only some roles call is never
+"absent = zero" for the others.
+
+A slow rank makes the ranks that wait on it look late: its tensor-parallel partners and the other
+stages of its model replica wait for it, then arrive late at their own data-parallel collectives
+(``explain_victims``). The layout (each record's ``tp_rank``/``pp_rank``/``dp_rank``) says who waits on
+whom; where it is unknown (-1), every rank is one peer group and nothing is explained away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fleetscope.streams.analysis.signals import RankSignal
+from fleetscope.streams.analysis.stats import I64
+
+CAUSE_CATEGORIES = ("gpu_slow", "host_slow", "link_slow")
+"""Rank findings with evidence on the rank itself; a straggler has none (it only arrives late)."""
+VICTIM_WAIT_SHARE = 0.5
+"""A straggler that waited in other collectives for at least this share of its lateness was held up."""
+
+
+def _coordinate(rec: dict[str, Any], name: str) -> int:
+    return int(rec.get(name, -1))
+
+
+def peer_group_rows(records: Sequence[dict[str, Any]]) -> list[I64]:
+    """Rows of ranks that should behave alike: the same pipeline stage (all ranks when unknown)."""
+    groups: dict[int, list[int]] = {}
+    for i, rec in enumerate(records):
+        groups.setdefault(_coordinate(rec, "pp_rank"), []).append(i)
+    return [np.array(rows, dtype=np.int64) for rows in groups.values()]
+
+
+def role_codes(records: Sequence[dict[str, Any]]) -> I64:
+    """One code per record for its role: (pipeline stage, tensor slot); unknown coordinates share one."""
+    roles: dict[tuple[int, int], int] = {}
+    return np.fromiter(
+        (roles.setdefault((_coordinate(r, "pp_rank"), _coordinate(r, "tp_rank")), len(roles)) for r in records),
+        dtype=np.int64,
+        count=len(records),
+    )
+
+
+def absent_as_zero(total: np.ndarray, role: I64) -> np.ndarray:
+    """Per-iteration totals (NaN = the function is absent on that rank) with an absence read as zero
+    only where another rank of the same role runs the function; elsewhere it stays NaN (not compared)."""
+    present = ~np.isnan(total)
+    n_roles = int(role.max()) + 1 if role.size else 0
+    runs = np.zeros((n_roles, total.shape[1]), dtype=bool)
+    np.logical_or.at(runs, role, present)
+    return np.where(present, total, np.where(runs[role], 0.0, np.nan))
+
+
+def explain_victims(
+    signals: list[RankSignal], records: Sequence[dict[str, Any]], stages: Sequence[RankSignal] = ()
+) -> list[RankSignal]:
+    """Drop the signals of ranks that only wait on a cause; the cause's evidence lists them (``delays_ranks``).
+
+    A rank signal *waited* when the time it waited longer than its peers in its collectives
+    (``waited_ns``: tensor-parallel partners, pipeline neighbours) is at least half its loss: its host
+    annotations and its late arrivals then come from waiting, not from its own work. A *root* is a rank
+    signal that did not wait, or a stage finding. Then:
+    1. every straggler of a model replica (``dp_rank``) with a root cause (slow GPU, host, link) is
+       held up by it: through the tensor-parallel collectives and the pipeline, every rank of the
+       replica waits for it, then arrives late at its own data-parallel collective;
+    2. a signal that waited, in a replica with a root (or in a job with a slow stage), is a victim;
+    3. among stragglers of one replica that all waited and no root, the one that waited least is kept.
+    Without a layout (``dp_rank`` -1) only a slow stage explains anything: who waits on whom is unknown.
+    """
+    replica = {int(r["rank"]): _coordinate(r, "dp_rank") for r in records}
+
+    def rep(s: RankSignal) -> int:
+        return replica.get(s.rank, -1) if s.rank >= 0 else -1
+
+    roots: dict[int, RankSignal] = {}
+    for s in sorted(signals, key=lambda s: (_waited(s), -s.loss_ns)):
+        if s.rank >= 0 and not _waited(s) and rep(s) >= 0:
+            if s.category in CAUSE_CATEGORIES or rep(s) not in roots:
+                roots.setdefault(rep(s), s)
+    stage = stages[0] if stages else None
+    dropped: set[int] = set()
+
+    def blame(victim: RankSignal, cause: RankSignal) -> None:
+        if victim is not cause:
+            cause.evidence.setdefault("delays_ranks", []).append(victim.rank)
+            dropped.add(id(victim))
+
+    by_replica: dict[int, list[RankSignal]] = {}
+    for s in signals:
+        if s.rank >= 0:
+            by_replica.setdefault(rep(s), []).append(s)
+    for r, members in by_replica.items():
+        root = roots.get(r) if r >= 0 else None
+        for s in members:
+            if s is root:
+                continue
+            if root is not None and (_waited(s) or (s.category == "straggler" and root.category in CAUSE_CATEGORIES)):
+                blame(s, root)
+            elif _waited(s) and stage is not None and s.rank not in stage.member_ranks():
+                blame(s, stage)
+        if root is None and r >= 0:
+            late = [s for s in members if s.category == "straggler" and id(s) not in dropped]
+            if len(late) > 1:
+                keep = min(late, key=lambda s: float(s.evidence.get("waited_ns", 0.0)))
+                for s in late:
+                    blame(s, keep)
+    return [s for s in signals if id(s) not in dropped]
+
+
+def _waited(sig: RankSignal) -> bool:
+    return float(sig.evidence.get("waited_ns", 0.0)) >= VICTIM_WAIT_SHARE * max(sig.loss_ns, 1.0)

@@ -1,0 +1,85 @@
+"""What the differential's tests produce (``RankSignal``) and the thresholds they share.
+
+Kept apart from the tests themselves so that the modules that read layouts, stages and time lost can
+use them without importing every detector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fleetscope.streams.analysis.stats import F64, RobustScores, robust_scores
+
+
+class OutlierScorer(Protocol):
+    """Scores each row of a (ranks x functions) matrix against its column's peers; ``x`` is shared
+    by several tests, so a scorer must not write to it."""
+
+    def __call__(self, x: F64, abs_scale_floor: float = 0.0) -> RobustScores: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoringConfig:
+    """Thresholds of the per-iteration differential test."""
+
+    z_threshold: float = 5.0
+    min_relative_gap: float = 0.05
+    min_loss_fraction: float = 0.01
+    min_peers: int = 4
+    rel_scale_floor: float = 0.01
+    host_share_floor: float = 0.002
+    """Scale floor for host functions compared as a share of the iteration (0.2 %)."""
+    host_min_relative_gap: float = 0.2
+    """Hosts' link fluctuation must differ this much: hosts are few and their traffic mixes."""
+    host_group_min_share: float = 0.75
+    """Ranks of one host flagged together become a host finding when they are this share of it."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.z_threshold <= 0:
+            errors.append("z_threshold must be > 0")
+        if not 0 <= self.min_relative_gap < 1:
+            errors.append("min_relative_gap must be in [0, 1)")
+        if not 0 <= self.min_loss_fraction < 1:
+            errors.append("min_loss_fraction must be in [0, 1)")
+        if self.min_peers < 3:
+            errors.append("min_peers must be >= 3 (a median of fewer is no peer group)")
+        if not 0 < self.host_group_min_share <= 1:
+            errors.append("host_group_min_share must be in (0, 1]")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def scorer(self) -> OutlierScorer:
+        def score(x: F64, abs_scale_floor: float = 0.0) -> RobustScores:
+            return robust_scores(x, self.rel_scale_floor, abs_scale_floor, self.min_peers)
+
+        return score
+
+
+@dataclass(frozen=True, slots=True)
+class RankSignal:
+    """One rank (or host, stage) that stands out in one iteration, for one category, with evidence.
+
+    ``rank`` is -1 for a group; ``subject`` names what the finding is about ("rank:7",
+    "host:node003", "stage:2", "job") so that findings of different scopes never merge.
+    """
+
+    rank: int
+    host: str
+    category: str
+    function: str
+    metric: str
+    value: float
+    peer_median: float
+    score: float
+    loss_ns: float
+    evidence: dict[str, Any] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()
+    subject: str = ""
+
+    def key(self) -> tuple[str, str]:
+        return (self.subject or f"rank:{self.rank}", self.category)
+
+    def member_ranks(self) -> tuple[int, ...]:
+        return self.ranks or (self.rank,)

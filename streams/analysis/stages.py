@@ -1,0 +1,113 @@
+"""Pipeline stages compared with each other: a stage that computes longer than the others.
+
+Every rank of a slow stage is slow alike, so no rank stands out within the stage; the stage stands
+out against the other stages, which pay for it waiting in their p2p receives and sends. The finding
+names the stage, its ranks, its compute excess and the time the other stages wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fleetscope.schemas import FunctionKind
+from fleetscope.streams.analysis.peermatrix import PeerMatrix
+from fleetscope.streams.analysis.signals import RankSignal, ScoringConfig
+
+P2P_PREFIXES = ("nccl:send[", "nccl:recv[")
+"""Pattern names of pipeline p2p transfers (``collective_function_name`` of send/recv)."""
+
+
+def staged(stages: Iterable[int]) -> bool:
+    """Pipeline stages are known and there are several to compare."""
+    stages = set(stages)
+    return len(stages) >= 2 and -1 not in stages
+
+
+def compute_ns(rec: dict[str, Any]) -> int:
+    """A record's compute-kernel time in its iteration."""
+    return sum(t for t, k in zip(rec["total_ns"], rec["kind"], strict=True) if k == FunctionKind.COMPUTE)
+
+
+def p2p_ns(rec: dict[str, Any]) -> int:
+    """A record's time in pipeline p2p transfers (waiting for the neighbouring stages included)."""
+    kinds, names = rec["kind"], rec["function"]
+    return sum(
+        t
+        for t, k, f in zip(rec["total_ns"], kinds, names, strict=True)
+        if k == FunctionKind.COLLECTIVE and f.startswith(P2P_PREFIXES)
+    )
+
+
+def _slow_member(
+    rec: dict[str, Any], compute: float, others: float, stage: int, size: int, cfg: ScoringConfig
+) -> RankSignal:
+    """A rank that makes its stage slow while its stage-mates are not: gpu_slow on it, compared with
+    the other stages (its stage holds fewer ranks than a peer group needs to compare them inside it)."""
+    rank = int(rec["rank"])
+    return RankSignal(
+        rank=rank, host=str(rec["host"]), category="gpu_slow", function="compute", metric="compute_ns",
+        value=compute, peer_median=others, score=(compute / others - 1) / cfg.min_relative_gap,
+        loss_ns=compute - others, subject=f"rank:{rank}",
+        evidence={"stage": stage, "compared_with": "the other stages' median", "stage_ranks": size,
+                  "excess_ns": compute - others},
+    )  # fmt: skip
+
+
+def score_stages(
+    records: Sequence[dict[str, Any]], config: ScoringConfig | None = None, compute: PeerMatrix | None = None
+) -> list[RankSignal]:
+    """The stage whose ranks compute longer than the other stages' (stage_imbalance), or none; or,
+    where only some of that stage's ranks compute longer, gpu_slow on those ranks.
+
+    1. Per stage, the median compute time of its ranks; the slowest stage against the median of the
+       others: its relative gap and its excess. 2. The time the other stages wait for it: their p2p
+       time minus the slow stage's (the slow stage waits least). 3. Time saved if fixed (what-if,
+       approximated): the compute excess, bounded by that wait when p2p transfers were recorded (a
+       stage whose excess the others do not wait for costs nothing). ``compute``, when given, holds
+       the compute kernels' ``total_ns`` of every record.
+    """
+    cfg = config or ScoringConfig()
+    pp = [int(rec.get("pp_rank", -1)) for rec in records]
+    stages = dict.fromkeys(pp)
+    if not staged(stages):
+        return []
+    if compute is not None:
+        comp = np.nansum(compute.features["total_ns"], axis=1)
+    else:
+        comp = np.array([compute_ns(rec) for rec in records], dtype=np.float64)
+    stage_of = np.array(pp, dtype=np.int64)
+    med = {s: float(np.median(comp[stage_of == s])) for s in stages}
+    slowest = max(med, key=lambda s: med[s])
+    others = float(np.median([v for s, v in med.items() if s != slowest]))
+    if others <= 0:
+        return []
+    gap = med[slowest] / others - 1
+    budget = cfg.min_loss_fraction * float(np.median([r["iteration_ns"] for r in records]))
+    excess = med[slowest] - others
+    if gap < cfg.min_relative_gap or excess < budget:
+        return []
+    members = np.flatnonzero(stage_of == slowest)
+    slow = members[comp[members] >= others * (1 + cfg.min_relative_gap)]
+    if 0 < slow.size < members.size:  # not the stage: some of its ranks, too few to be told apart inside it
+        return [_slow_member(records[i], comp[i], others, slowest, members.size, cfg) for i in slow.tolist()]
+    p2p = np.array([p2p_ns(rec) for rec in records], dtype=np.float64)
+    p2p_med = {s: float(np.median(p2p[stage_of == s])) for s in stages}
+    waits = {s: max(v - p2p_med[slowest], 0.0) for s, v in p2p_med.items() if s != slowest}
+    wait = float(np.median(list(waits.values())))
+    saved = min(excess, wait) if p2p_med[slowest] > 0 or wait > 0 else excess
+    ranks = tuple(sorted(int(rec["rank"]) for rec, s in zip(records, pp, strict=True) if s == slowest))
+    return [
+        RankSignal(
+            rank=-1, host="", category="stage_imbalance", function="compute", metric="compute_ns",
+            value=med[slowest], peer_median=others, score=gap / cfg.min_relative_gap, loss_ns=saved,
+            evidence={"stage": slowest, "stage_ranks": list(ranks),
+                      "stage_compute_ns": {str(s): v for s, v in sorted(med.items())},
+                      "compute_excess_ns": excess, "relative_gap": round(gap, 4),
+                      "others_wait_ns": {str(s): v for s, v in sorted(waits.items())},
+                      "saved_ns": {"rank": 0.0, "stage": saved}},
+            ranks=ranks, subject=f"stage:{slowest}",
+        )
+    ]  # fmt: skip
