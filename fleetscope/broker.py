@@ -45,6 +45,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def preferred_port(port: int) -> int:
+    """``port`` when it is free on loopback, else (or for 0) any free port."""
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                log.warning("port %d is in use; taking a free one", port)
+    return free_port()
+
+
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str) -> None:
     """SIGTERM, wait up to ``timeout_s``, then SIGKILL; nothing to do for a missing or ended process."""
     if proc is None or proc.poll() is not None:

@@ -134,7 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BROKER_CLIENT_COMMANDS = frozenset(
+    {"simulate", "replay", "alerts", "run", "profile", "agent", "worker", "sink", "init"}
+)
+"""Commands that publish to or read from a broker: without one configured, they use the broker of the
+``up`` running on the data directory."""
+
+
 def _config(args: argparse.Namespace) -> Config:
+    from fleetscope.endpoint import running_endpoint
+
     overrides: dict[str, Any] = {}
     if args.data_dir:
         overrides["data_dir"] = args.data_dir
@@ -142,7 +151,13 @@ def _config(args: argparse.Namespace) -> Config:
         overrides["kafka.bootstrap_servers"] = args.bootstrap
     if args.log_level:
         overrides["log_level"] = args.log_level
-    return load_config(args.config, overrides=overrides)
+    config = load_config(args.config, overrides=overrides)
+    if not config.kafka.bootstrap_servers and args.command in BROKER_CLIENT_COMMANDS:
+        endpoint = running_endpoint(config.data_dir)
+        if endpoint is not None:
+            overrides["kafka.bootstrap_servers"] = endpoint.bootstrap_servers
+            config = load_config(args.config, overrides=overrides)
+    return config
 
 
 def _simulator_config(args: argparse.Namespace) -> Any:
@@ -245,9 +260,13 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.stack import EmbeddedStack
 
     with EmbeddedStack(config) as stack:
-        print(f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store.url}")
         servers = stack.config.kafka.bootstrap_servers
-        print(f"publish with: fleetscope simulate --bootstrap {servers}; Ctrl-C stops")
+        served = stack.store_server.url if stack.store_server is not None else stack.config.store.url
+        print(f"fleetscope is up: broker {servers}, store {served} (tokens in {config.data_dir}/endpoint.json)")
+        print("a training job publishes with:")
+        print(f"  export FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS={servers}")
+        print("  fleetscope run -- torchrun --nproc-per-node 8 train.py")
+        print("from this folder: fleetscope simulate | sql | findings | report | alerts; Ctrl-C stops")
         sys.stdout.flush()
         _wait_for_interrupt()
     return 0
@@ -292,13 +311,11 @@ def cmd_simulate(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _open_store(config: Config) -> tuple[Any, str]:
-    from fleetscope.sinks import connect, migrate
+def _open_store(config: Config, write: bool = False) -> tuple[Any, str]:
+    from fleetscope.endpoint import open_store
 
-    ch = config.store
-    client = connect(ch)
-    migrate(client, ch.database)
-    return client, ch.database
+    client, database, _ = open_store(config, write=write)
+    return client, database
 
 
 def cmd_sql(args: argparse.Namespace, config: Config) -> int:
@@ -310,7 +327,7 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
         if not sep:
             raise ConfigError([f"--param {item!r}: expected NAME=VALUE"])
         params[name] = value
-    client, database = _open_store(config)
+    client, database = _open_store(config, write=args.write)
     columns, rows = run_sql(client, database, args.query, params or None, readonly=not args.write)
     if args.json:
         print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))

@@ -118,14 +118,12 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_report(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.endpoint import open_store
     from fleetscope.report import write_report
-    from fleetscope.sinks import connect, migrate
 
-    ch = config.store
-    client = connect(ch)
-    migrate(client, ch.database)
+    client, database, _ = open_store(config)
     t0 = time.monotonic()
-    data = write_report(client, ch.database, args.job, args.output)
+    data = write_report(client, database, args.job, args.output)
     seconds = time.monotonic() - t0
     rank, function, gap = data.heatmap.top_outlier()
     summary = {
