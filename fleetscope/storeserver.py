@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gzip
 import hmac
-import io
 import json
 import logging
 import os
@@ -138,13 +137,14 @@ def decompress(data: bytes, encoding: str) -> bytes:
             rest = d.unused_data if d.eof else b""
         return bytes(out)
     if encoding == "zstd":
-        import zstandard
+        from backports import zstd  # clickhouse-connect's own zstd (the stdlib's compression.zstd in 3.14)
 
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
-        return bytes(reader.read())
+        return bytes(zstd.decompress(data))
     if encoding == "br":
-        import brotli  # type: ignore[import-not-found]
-
+        try:
+            import brotli  # type: ignore[import-not-found]
+        except ImportError:
+            raise QueryRefused(1, "UNSUPPORTED_METHOD", "br bodies need the brotli package; use lz4") from None
         return bytes(brotli.decompress(data))
     raise QueryRefused(1, "UNSUPPORTED_METHOD", f"unknown Content-Encoding {encoding!r}")
 
