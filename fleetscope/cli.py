@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ def _common() -> argparse.ArgumentParser:
     g.add_argument("--data-dir", help="where the embedded store and logs live (default .fleetscope)")
     g.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (default: embedded broker)")
     g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    g.add_argument("--debug", action="store_true", help="print the traceback when a command fails")
     return p
 
 
@@ -301,12 +303,16 @@ def cmd_sink(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.broker import require_broker
     from fleetscope.demo import publish_simulation
     from fleetscope.progress import Progress
 
-    if not config.kafka.bootstrap_servers:
-        raise ConfigError(["kafka.bootstrap_servers: simulate needs a broker (--bootstrap or configuration)"])
-    n = publish_simulation(config, _simulator_config(args), Progress())
+    k = config.kafka
+    if not k.bootstrap_servers:
+        raise ConfigError(["kafka.bootstrap_servers: simulate needs a broker (--bootstrap, or `fleetscope up` here)"])
+    sim = _simulator_config(args)
+    require_broker({"bootstrap.servers": k.bootstrap_servers, **k.client_settings()})
+    n = publish_simulation(config, sim, Progress())
     print(f"published {n} batches of job {args.job} to {config.kafka.bootstrap_servers}")
     return 0
 
@@ -328,7 +334,21 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
             raise ConfigError([f"--param {item!r}: expected NAME=VALUE"])
         params[name] = value
     client, database = _open_store(config, write=args.write)
-    columns, rows = run_sql(client, database, args.query, params or None, readonly=not args.write)
+    try:
+        columns, rows = run_sql(client, database, args.query, params or None, readonly=not args.write)
+    except PermissionError:
+        # Not a read statement by its first word: let the engine parse it, so `SELEC 1` is reported as
+        # the syntax error it is rather than as a write attempt.
+        from fleetscope.errors import syntax_error_of
+
+        prefix = "EXPLAIN AST "
+        try:
+            client.query(prefix + args.query, parameters=params or None, settings={"readonly": 1})
+        except Exception as exc:
+            syntax = syntax_error_of(args.query, exc, prefix)
+            if syntax is not None:
+                raise syntax from None
+        raise
     if args.json:
         print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
     elif len(columns) == 1 and len(rows) == 1:
@@ -372,14 +392,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         configure_process(config, args.command)
         return int(args.handler(args, config))
-    except ConfigError as exc:
-        print(f"fleetscope: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
-        print(f"fleetscope {args.command}: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # every failure: a few lines a person reads; the traceback with --debug
+        from fleetscope.errors import describe
+
+        if args.debug:
+            traceback.print_exc()
+        lines, status = describe(exc, args.command)
+        print("\n".join(lines), file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.broker import notice_logger
     from fleetscope.sinks.alerts import (
         AlertFollower,
         AlertsConfig,
@@ -176,6 +177,8 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
         if webhook is not None:
             webhook.submit(alert)
 
+    # librdkafka logs through this logger: one line per 30 s while the broker is away, not 20 a second
+    extra: dict[str, Any] = {**k.client_settings(), "logger": notice_logger("alerts", k.bootstrap_servers)}
     follower = AlertFollower(
         AlertsConfig(
             bootstrap_servers=k.bootstrap_servers,
@@ -184,7 +187,7 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
             from_beginning=args.from_beginning,
             group_id=args.group,
             session_timeout_ms=k.session_timeout_ms,
-            extra=k.client_settings(),
+            extra=extra,
         ),
         on_alert,
         on_ready=lambda: print(

@@ -10,6 +10,7 @@ working across restarts.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetscope.config import Config, ConfigError
+from fleetscope.errors import StoreLocked
 from fleetscope.storeserver import Tokens
 
 ENDPOINT_FILE = "endpoint.json"
@@ -132,9 +134,48 @@ def open_store(config: Config, *, write: bool = False) -> tuple[Any, str, str]:
                 "or pass the --data-dir that holds it"
             ]
         )
+    if path is not None and path != ":memory:" and store_locked(path):
+        raise StoreLocked(
+            f"the store at {path} is open in another process (chDB admits one): stop that `demo` or `sink`, "
+            "or run `fleetscope up` here, which serves the store to other commands"
+        )
     client = connect(ch)
     migrate(client, ch.database)
     return client, ch.database, ch.url
+
+
+def _this_process_opened(path: Path) -> bool:
+    """Whether this process has ``path`` open (its own chDB engine holds the lock then)."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        return False
+    target = str(path.resolve())
+    for fd in fds.iterdir():
+        try:
+            if os.readlink(fd) == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def store_locked(path: str) -> bool:
+    """True when another process holds the chDB store's lock (ClickHouse flocks ``<path>/status``)."""
+    status = Path(path) / "status"
+    if _this_process_opened(status):
+        return False
+    try:
+        fd = os.open(status, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def served_client(endpoint: Endpoint, *, write: bool = False) -> Any:

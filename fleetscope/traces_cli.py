@@ -117,7 +117,7 @@ def replay_traces(
 ) -> list[RankSummary]:
     """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
     from fleetscope.broker import ensure_topics
-    from fleetscope.demo import publisher_config
+    from fleetscope.demo import check_delivered, publisher_config
     from fleetscope.producers import Publisher
     from fleetscope.schemas import Topics
 
@@ -135,9 +135,8 @@ def replay_traces(
             summaries.append(RankSummary.of(trace))
             del trace
         publisher.flush(60.0)
-        stats = publisher.stats
-    if stats.dropped or stats.failed:
-        raise RuntimeError(f"publisher lost batches: {stats.dropped} dropped, {stats.failed} failed")
+    stats = publisher.stats
+    check_delivered(stats, k.bootstrap_servers)
     progress.done(f"replay: {len(summaries)} ranks, {stats.published} batches, {stats.events_published} events")
     return summaries
 
