@@ -194,14 +194,14 @@ _RANK_COLUMNS = (
 
 
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.cli import FINDING_FIELDS, print_findings, print_table
+    from fleetscope.cli import findings_json, print_findings, print_table
 
     result = analyze_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
     if args.json:
-        findings = [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in result.findings]
+        findings = findings_json(result.findings)
         print(json.dumps({"findings": findings, "ranks": [asdict(r) for r in result.ranks]}, indent=2, default=str))
     else:
         print_findings(result.findings, as_json=False)
