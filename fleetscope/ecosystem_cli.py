@@ -118,14 +118,17 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_report(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope import verdict
     from fleetscope.endpoint import open_store
     from fleetscope.report import write_report
+    from fleetscope.schemas import units
 
     client, database, _ = open_store(config)
     t0 = time.monotonic()
     data = write_report(client, database, args.job, args.output)
     seconds = time.monotonic() - t0
     rank, function, gap = data.heatmap.top_outlier()
+    lead = verdict.headline(data.findings)
     summary = {
         "path": args.output,
         "job": args.job,
@@ -133,15 +136,30 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
         "iterations": [data.first_iteration, data.last_iteration],
         "findings": len(data.findings),
         "open_findings": sum(f["status"] != "closed" for f in data.findings),
+        "verdict": verdict.sentence(data.findings, data.median_iteration_ns),
+        "headline": None
+        if lead is None
+        else {
+            "subject": units.subject(lead),
+            "category": lead["category"],
+            "function": lead["function"],
+            "est_loss_ns": lead["est_loss_ns"],
+            "gpu": units.gpu(lead),
+        },
         "top_deviation": {"rank": rank, "function": function, "gap": round(gap, 4)},
-        "seconds": round(seconds, 3),
+        "build_seconds": round(seconds, 3),
     }
     if args.json:
         print(json.dumps(summary))
     else:
+        if lead is None:
+            head = f"no findings; largest deviation: rank {rank} {function} {gap:+.0%}"
+        else:
+            loss = units.duration(lead["est_loss_ns"])
+            head = f"headline: {units.subject(lead)} {lead['category']}, {loss} per iteration"
         print(
-            f"wrote {args.output}: job {args.job}, {len(data.ranks)} ranks, {len(data.findings)} findings; "
-            f"largest deviation: rank {rank} {function} {gap:+.0%} ({seconds:.2f} s)"
+            f"wrote {args.output} in {seconds:.2f} s: job {args.job}, {len(data.ranks)} ranks, "
+            f"{len(data.findings)} findings; {head}"
         )
     return 0
 
