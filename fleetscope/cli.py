@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -52,9 +53,19 @@ def _sim_options(p: argparse.ArgumentParser) -> None:
         metavar="KIND:TARGET[:FACTOR][@START][/EVERY]",
         help="inject a fault, repeatable. Kinds: slow_gpu, slow_link, pcie_downgrade, host_slow (GC pauses), "
         "dataloader_stall, cpu_contention (TARGET a rank), net_congestion (a host), stage_imbalance (a pipeline "
-        "stage), job_slowdown (TARGET -), hang (a rank, no factor). E.g. slow_gpu:7:1.5, slow_link:12, "
+        "stage), job_slowdown (TARGET -), hang (a rank, no factor; it stops halfway unless @START). "
+        "E.g. slow_gpu:7:1.5, slow_link:12, "
         "host_slow:3, net_congestion:node001:1.5, job_slowdown:-:1.1@30, slow_gpu:5:1.3@10/3 (every 3rd).",
     )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fleetscope")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find why distributed training jobs are slow: stream per-rank events through Kafka, "
         "compare every rank with its peers, store findings in ClickHouse.",
     )
+    parser.add_argument("--version", action="version", version=f"fleetscope {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -111,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Publish a simulated job's raw events to the broker given by --bootstrap or the configuration.",
     )
     _sim_options(p)
+    p.add_argument("--json", action="store_true", help="print what was published as JSON")
 
     p = sub.add_parser(
         "sql",
@@ -166,16 +179,29 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _simulator_config(args: argparse.Namespace) -> Any:
+    """The simulated job the options describe; its layout (``--tp``/``--pp``) validated with the ranks."""
+    from dataclasses import replace as with_fields
+
     from fleetscope.producers import SimulatorConfig, parse_fault
 
-    faults = tuple(parse_fault(spec) for spec in args.fault)
+    faults = []
+    for spec in args.fault:
+        fault = parse_fault(spec)
+        if fault.kind == "hang" and "@" not in spec:
+            # A rank that hangs before its first iteration leaves nothing to compare: halfway through.
+            fault = with_fields(fault, start=args.iterations // 2)
+        faults.append(fault)
     return SimulatorConfig(
         job=args.job,
         ranks=args.ranks,
         iterations=args.iterations,
         seed=args.seed,
-        faults=faults,
+        faults=tuple(faults),
         clock_skew_ms=args.clock_skew_ms,
+        tp=args.tp,
+        pp=args.pp,
+        # dated now (a minute back), so dashboards' "last hours" show it
+        start_ns=time.time_ns() - 60 * 10**9,
     )
 
 
@@ -308,8 +334,11 @@ def cmd_simulate(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError(["kafka.bootstrap_servers: simulate needs a broker (--bootstrap, or `fleetscope up` here)"])
     sim = _simulator_config(args)
     require_broker({"bootstrap.servers": k.bootstrap_servers, **k.client_settings()})
-    n = publish_simulation(config, sim, Progress())
-    print(f"published {n} batches of job {args.job} to {config.kafka.bootstrap_servers}")
+    n = publish_simulation(config, sim, Progress(enabled=not args.json))
+    if args.json:
+        print(json.dumps({"job": args.job, "batches": n, "bootstrap_servers": k.bootstrap_servers}))
+    else:
+        print(f"published {n} batches of job {args.job} to {k.bootstrap_servers}")
     return 0
 
 

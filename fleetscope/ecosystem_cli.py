@@ -59,6 +59,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "topic with the configured partition counts, register the Avro schemas when a schema registry is "
         "configured, and create the ClickHouse database and tables. Safe to run again.",
     )
+    p.add_argument("--json", action="store_true", help="print what was prepared as JSON")
     p.set_defaults(handler=cmd_init)
 
     p = sub.add_parser(
@@ -107,12 +108,16 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
         k.raw_partitions,
         k.derived_partitions,
     )
-    print(f"topics ready: {', '.join((*topics.raw_all, *topics.derived_all))}")
-    if k.registry_url:
-        ids = _registry(config).register_catalog()
-        print("schemas registered: " + ", ".join(f"{s}={i}" for s, i in sorted(ids.items())))
+    names = [*topics.raw_all, *topics.derived_all]
+    ids = _registry(config).register_catalog() if k.registry_url else {}
     ch = config.store
     migrate(connect(ch), ch.database)
+    if args.json:
+        print(json.dumps({"topics": names, "schemas": dict(sorted(ids.items())), "database": ch.database}))
+        return 0
+    print(f"topics ready: {', '.join(names)}")
+    if ids:
+        print("schemas registered: " + ", ".join(f"{s}={i}" for s, i in sorted(ids.items())))
     print(f"store ready: database {ch.database}")
     return 0
 

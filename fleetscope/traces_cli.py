@@ -214,6 +214,9 @@ def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import print_table
 
     ranks = replay_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
+    if args.json:
+        print(json.dumps({"bootstrap_servers": config.kafka.bootstrap_servers, "ranks": [asdict(r) for r in ranks]}))
+        return 0 if ranks else 1
     columns = ("job", "rank", "host", "batches", "events", "kernels", "collectives", "host_spans")
     print_table(columns, [[getattr(r, c) for c in columns] for r in ranks])
     return 0 if ranks else 1
@@ -230,6 +233,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "A directory stands for every *.json and *.json.gz file below it.",
     )
     _trace_options(p)
+    p.add_argument("--json", action="store_true", help='print {"bootstrap_servers": ..., "ranks": [...]}')
     p.set_defaults(handler=cmd_replay)
     p = sub.add_parser(
         "analyze",
