@@ -298,7 +298,7 @@ max-width:1180px}h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 
 .sub{color:#5b6570;margin:0 0 14px}.cap{color:#5b6570;font-size:13px;margin:2px 0 8px;max-width:1000px}
 .kpi{display:inline-block;margin:6px 26px 6px 0}.kpi b{display:block;font-size:20px}
 .kpi span{color:#5b6570;font-size:12px}table{border-collapse:collapse;font-size:12.5px;margin-top:6px}
-th,td{border-bottom:1px solid #e3e6ea;padding:4px 8px;text-align:left}th{background:#f5f6f8}
+th,td{border-bottom:1px solid #e3e6ea;padding:4px 8px;text-align:left;white-space:nowrap}th{background:#f5f6f8}
 td.fn{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11.5px}.ok{color:#2a7d2a}
 .dot{display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px}
 .note{color:#8a5a00;font-size:12px}.verdict{font-size:16px;line-height:1.45;background:#fff6e5;
