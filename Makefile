@@ -12,7 +12,7 @@ DEMO_ARGS ?= --ranks 32 --iterations 40 --fault slow_gpu:7:1.5
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	touch $(STAMP)
 

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from fleetscope.errors import BrokerUnreachable
 from fleetscope.schemas import Topics
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,48 @@ log = logging.getLogger(__name__)
 
 class BrokerError(RuntimeError):
     pass
+
+
+CLIENT_LOG = logging.getLogger("fleetscope.kafka.client")
+"""librdkafka's own log lines (a dead broker makes ~20 a second): shown only at log level DEBUG."""
+CLIENT_LOG.addFilter(lambda record: logging.getLogger().isEnabledFor(logging.DEBUG))
+
+
+class BrokerDownNotice(logging.Filter):
+    """Turns librdkafka's connection failures into one stderr line per ``every_s`` seconds."""
+
+    def __init__(self, what: str, servers: str, every_s: float = 30.0) -> None:
+        super().__init__()
+        self.what, self.servers, self.every_s = what, servers, every_s
+        self._last = -float("inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR and ("Connect to" in message or "failed" in message):
+            now = time.monotonic()
+            if now - self._last >= self.every_s:
+                self._last = now
+                print(f"fleetscope {self.what}: broker {self.servers} unreachable; retrying", file=sys.stderr)
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def notice_logger(what: str, servers: str) -> logging.Logger:
+    """A librdkafka ``logger`` for a long-running client: bounded one-line retry messages."""
+    client_log = logging.getLogger(f"fleetscope.kafka.{what}")
+    client_log.filters.clear()
+    client_log.addFilter(BrokerDownNotice(what, servers))
+    return client_log
+
+
+def require_broker(admin_config: dict[str, str], timeout_s: float = 5.0) -> None:
+    """Raise ``BrokerUnreachable`` unless a broker answers a metadata request within ``timeout_s``."""
+
+    servers = admin_config.get("bootstrap.servers", "")
+    admin = AdminClient({**admin_config, "logger": CLIENT_LOG})
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise BrokerUnreachable(servers, f"no answer within {timeout_s:g} s: {exc.args[0].str()}") from exc
 
 
 def tansu_binary() -> Path:
@@ -43,6 +87,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def preferred_port(port: int) -> int:
+    """``port`` when it is free on loopback, else (or for 0) any free port."""
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                log.warning("port %d is in use; taking a free one", port)
+    return free_port()
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str) -> None:
@@ -105,7 +161,7 @@ class TansuBroker:
                 self.stop()
                 raise BrokerError(f"Tansu did not listen within {timeout_s} s")
             time.sleep(0.02)
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "logger": CLIENT_LOG})
         while time.monotonic() < deadline:
             try:
                 admin.list_topics(timeout=1.0)
@@ -136,8 +192,12 @@ def ensure_topics(
     timeout_s: float = 15.0,
 ) -> None:
     """Create every pipeline topic that does not exist yet (idempotent)."""
-    admin = AdminClient(admin_config)
-    existing = set(admin.list_topics(timeout=timeout_s).topics)
+
+    admin = AdminClient({**admin_config, "logger": CLIENT_LOG})
+    try:
+        existing = set(admin.list_topics(timeout=timeout_s).topics)
+    except KafkaException as exc:
+        raise BrokerUnreachable(admin_config.get("bootstrap.servers", ""), exc.args[0].str()) from exc
     wanted = [NewTopic(t, raw_partitions, 1) for t in topics.raw_all if t not in existing]
     wanted += [NewTopic(t, derived_partitions, 1) for t in topics.derived_all if t not in existing]
     if not wanted:

@@ -9,16 +9,21 @@ import logging
 import signal
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 from fleetscope.config import Config, ConfigError, load_config
 from fleetscope.ecosystem_cli import configure_process
+from fleetscope.schemas import units
 
 FINDING_FIELDS = (
-    "job", "rank", "ranks", "host", "category", "function", "metric", "value", "peer_median", "score",
-    "iteration_first", "iteration_last", "est_loss_ns", "evidence",
+    "job", "subject", "rank", "ranks", "host", "local_rank", "gpu_uuid", "pci_bus_id", "category", "function",
+    "metric", "value", "peer_median", "score", "iteration_first", "iteration_last", "est_loss_ns", "evidence",
+    "reason",
 )  # fmt: skip
+"""The fields of a finding in ``--json`` output (raw numbers: ns, bytes/s), plus its status."""
 
 
 def _common() -> argparse.ArgumentParser:
@@ -28,6 +33,7 @@ def _common() -> argparse.ArgumentParser:
     g.add_argument("--data-dir", help="where the embedded store and logs live (default .fleetscope)")
     g.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (default: embedded broker)")
     g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    g.add_argument("--debug", action="store_true", help="print the traceback when a command fails")
     return p
 
 
@@ -47,9 +53,19 @@ def _sim_options(p: argparse.ArgumentParser) -> None:
         metavar="KIND:TARGET[:FACTOR][@START][/EVERY]",
         help="inject a fault, repeatable. Kinds: slow_gpu, slow_link, pcie_downgrade, host_slow (GC pauses), "
         "dataloader_stall, cpu_contention (TARGET a rank), net_congestion (a host), stage_imbalance (a pipeline "
-        "stage), job_slowdown (TARGET -), hang (a rank, no factor). E.g. slow_gpu:7:1.5, slow_link:12, "
+        "stage), job_slowdown (TARGET -), hang (a rank, no factor; it stops halfway unless @START). "
+        "E.g. slow_gpu:7:1.5, slow_link:12, "
         "host_slow:3, net_congestion:node001:1.5, job_slowdown:-:1.1@30, slow_gpu:5:1.3@10/3 (every 3rd).",
     )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fleetscope")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find why distributed training jobs are slow: stream per-rank events through Kafka, "
         "compare every rank with its peers, store findings in ClickHouse.",
     )
+    parser.add_argument("--version", action="version", version=f"fleetscope {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -106,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Publish a simulated job's raw events to the broker given by --bootstrap or the configuration.",
     )
     _sim_options(p)
+    p.add_argument("--json", action="store_true", help="print what was published as JSON")
 
     p = sub.add_parser(
         "sql",
@@ -134,7 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BROKER_CLIENT_COMMANDS = frozenset(
+    {"simulate", "replay", "alerts", "run", "profile", "agent", "worker", "sink", "init"}
+)
+"""Commands that publish to or read from a broker: without one configured, they use the broker of the
+``up`` running on the data directory."""
+
+
 def _config(args: argparse.Namespace) -> Config:
+    from fleetscope.endpoint import running_endpoint
+
     overrides: dict[str, Any] = {}
     if args.data_dir:
         overrides["data_dir"] = args.data_dir
@@ -142,20 +169,39 @@ def _config(args: argparse.Namespace) -> Config:
         overrides["kafka.bootstrap_servers"] = args.bootstrap
     if args.log_level:
         overrides["log_level"] = args.log_level
-    return load_config(args.config, overrides=overrides)
+    config = load_config(args.config, overrides=overrides)
+    if not config.kafka.bootstrap_servers and args.command in BROKER_CLIENT_COMMANDS:
+        endpoint = running_endpoint(config.data_dir)
+        if endpoint is not None:
+            overrides["kafka.bootstrap_servers"] = endpoint.bootstrap_servers
+            config = load_config(args.config, overrides=overrides)
+    return config
 
 
 def _simulator_config(args: argparse.Namespace) -> Any:
+    """The simulated job the options describe; its layout (``--tp``/``--pp``) validated with the ranks."""
+    from dataclasses import replace as with_fields
+
     from fleetscope.producers import SimulatorConfig, parse_fault
 
-    faults = tuple(parse_fault(spec) for spec in args.fault)
+    faults = []
+    for spec in args.fault:
+        fault = parse_fault(spec)
+        if fault.kind == "hang" and "@" not in spec:
+            # A rank that hangs before its first iteration leaves nothing to compare: halfway through.
+            fault = with_fields(fault, start=args.iterations // 2)
+        faults.append(fault)
     return SimulatorConfig(
         job=args.job,
         ranks=args.ranks,
         iterations=args.iterations,
         seed=args.seed,
-        faults=faults,
+        faults=tuple(faults),
         clock_skew_ms=args.clock_skew_ms,
+        tp=args.tp,
+        pp=args.pp,
+        # dated now (a minute back), so dashboards' "last hours" show it
+        start_ns=time.time_ns() - 60 * 10**9,
     )
 
 
@@ -176,53 +222,46 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Any 
         out.write("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
+def findings_json(findings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in findings]
+
+
+def finding_row(f: dict[str, Any]) -> list[Any]:
+    """One finding as a person reads it: who, what, by how much, since when, what it costs."""
+    metric = str(f.get("metric", ""))
+    where = units.subject(f)
+    device = units.gpu(f)
+    return [
+        f["job"],
+        where + (f" {device}" if device else ""),
+        f.get("host") or "-",
+        f["category"],
+        f["function"],
+        units.metric_name(metric),
+        units.metric_value(metric, f.get("value")),
+        units.metric_value(metric, f.get("peer_median")) if f.get("peer_median") else "-",
+        units.gap(f.get("value"), f.get("peer_median")) or "-",
+        f"{float(f.get('score') or 0.0):.1f}",
+        f"{f['iteration_first']}-{f['iteration_last']}",
+        units.duration(f.get("est_loss_ns")),
+        f.get("status", ""),
+    ]
+
+
+FINDING_COLUMNS = (
+    "job", "subject", "host", "category", "function", "metric", "value", "peers", "gap", "score", "iterations",
+    "loss/iter", "status",
+)  # fmt: skip
+
+
 def print_findings(findings: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
-        print(
-            json.dumps(
-                [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in findings],
-                indent=2,
-                default=str,
-            )
-        )
+        print(json.dumps(findings_json(findings), indent=2, default=str))
         return
     if not findings:
         print("no findings")
         return
-    cols = (
-        "job",
-        "rank",
-        "host",
-        "category",
-        "function",
-        "metric",
-        "value",
-        "peer_median",
-        "score",
-        "iteration_first",
-        "iteration_last",
-        "est_loss_ms",
-        "status",
-    )
-    rows = [
-        [
-            f["job"],
-            f["rank"],
-            f["host"],
-            f["category"],
-            f["function"],
-            f["metric"],
-            f["value"],
-            f["peer_median"],
-            f["score"],
-            f["iteration_first"],
-            f["iteration_last"],
-            f["est_loss_ns"] / 1e6,
-            f.get("status", ""),
-        ]
-        for f in findings
-    ]
-    print_table(cols, rows)
+    print_table(FINDING_COLUMNS, [finding_row(f) for f in findings])
 
 
 def _wait_for_interrupt() -> None:
@@ -245,9 +284,13 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.stack import EmbeddedStack
 
     with EmbeddedStack(config) as stack:
-        print(f"fleetscope is up: broker {stack.config.kafka.bootstrap_servers}, store {stack.config.store.url}")
         servers = stack.config.kafka.bootstrap_servers
-        print(f"publish with: fleetscope simulate --bootstrap {servers}; Ctrl-C stops")
+        served = stack.store_server.url if stack.store_server is not None else stack.config.store.url
+        print(f"fleetscope is up: broker {servers}, store {served} (tokens in {config.data_dir}/endpoint.json)")
+        print("a training job publishes with:")
+        print(f"  export FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS={servers}")
+        print("  fleetscope run -- torchrun --nproc-per-node 8 train.py")
+        print("from this folder: fleetscope simulate | sql | findings | report | alerts; Ctrl-C stops")
         sys.stdout.flush()
         _wait_for_interrupt()
     return 0
@@ -282,23 +325,28 @@ def cmd_sink(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.broker import require_broker
     from fleetscope.demo import publish_simulation
     from fleetscope.progress import Progress
 
-    if not config.kafka.bootstrap_servers:
-        raise ConfigError(["kafka.bootstrap_servers: simulate needs a broker (--bootstrap or configuration)"])
-    n = publish_simulation(config, _simulator_config(args), Progress())
-    print(f"published {n} batches of job {args.job} to {config.kafka.bootstrap_servers}")
+    k = config.kafka
+    if not k.bootstrap_servers:
+        raise ConfigError(["kafka.bootstrap_servers: simulate needs a broker (--bootstrap, or `fleetscope up` here)"])
+    sim = _simulator_config(args)
+    require_broker({"bootstrap.servers": k.bootstrap_servers, **k.client_settings()})
+    n = publish_simulation(config, sim, Progress(enabled=not args.json))
+    if args.json:
+        print(json.dumps({"job": args.job, "batches": n, "bootstrap_servers": k.bootstrap_servers}))
+    else:
+        print(f"published {n} batches of job {args.job} to {k.bootstrap_servers}")
     return 0
 
 
-def _open_store(config: Config) -> tuple[Any, str]:
-    from fleetscope.sinks import connect, migrate
+def _open_store(config: Config, write: bool = False) -> tuple[Any, str]:
+    from fleetscope.endpoint import open_store
 
-    ch = config.store
-    client = connect(ch)
-    migrate(client, ch.database)
-    return client, ch.database
+    client, database, _ = open_store(config, write=write)
+    return client, database
 
 
 def cmd_sql(args: argparse.Namespace, config: Config) -> int:
@@ -310,8 +358,22 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
         if not sep:
             raise ConfigError([f"--param {item!r}: expected NAME=VALUE"])
         params[name] = value
-    client, database = _open_store(config)
-    columns, rows = run_sql(client, database, args.query, params or None, readonly=not args.write)
+    client, database = _open_store(config, write=args.write)
+    try:
+        columns, rows = run_sql(client, database, args.query, params or None, readonly=not args.write)
+    except PermissionError:
+        # Not a read statement by its first word: let the engine parse it, so `SELEC 1` is reported as
+        # the syntax error it is rather than as a write attempt.
+        from fleetscope.errors import syntax_error_of
+
+        prefix = "EXPLAIN AST "
+        try:
+            client.query(prefix + args.query, parameters=params or None, settings={"readonly": 1})
+        except Exception as exc:
+            syntax = syntax_error_of(args.query, exc, prefix)
+            if syntax is not None:
+                raise syntax from None
+        raise
     if args.json:
         print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
     elif len(columns) == 1 and len(rows) == 1:
@@ -355,14 +417,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         configure_process(config, args.command)
         return int(args.handler(args, config))
-    except ConfigError as exc:
-        print(f"fleetscope: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
-        print(f"fleetscope {args.command}: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # every failure: a few lines a person reads; the traceback with --debug
+        from fleetscope.errors import describe
+
+        if args.debug:
+            traceback.print_exc()
+        lines, status = describe(exc, args.command)
+        print("\n".join(lines), file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

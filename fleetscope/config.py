@@ -127,6 +127,22 @@ class StreamSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EmbeddedSettings:
+    """Loopback ports of what ``fleetscope up`` starts. Fixed by default, so producers, ``alerts`` and
+    Grafana find it again after a restart; a port in use falls back to a free one (0: always free)."""
+
+    broker_port: int = 19092
+    store_port: int = 18123
+    """The store's ClickHouse-compatible HTTP interface (token-protected, see ``endpoint.json``)."""
+    serve_store: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("broker_port", "store_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} {getattr(self, name)} is not a TCP port (0 = any free port)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     data_dir: str = ".fleetscope"
     log_level: str = "WARNING"
@@ -136,6 +152,7 @@ class Config:
     producer: ProducerSettings = field(default_factory=ProducerSettings)
     store: ClickHouseConfig = field(default_factory=ClickHouseConfig)
     streams: StreamSettings = field(default_factory=StreamSettings)
+    embedded: EmbeddedSettings = field(default_factory=EmbeddedSettings)
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetscope.config import Config
-from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, simulate
+from fleetscope.errors import BrokerUnreachable
+from fleetscope.producers import Publisher, PublisherConfig, PublisherStats, SimulatorConfig, simulate
 from fleetscope.progress import Progress
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack
@@ -15,6 +16,18 @@ from fleetscope.stack import EmbeddedStack
 
 def publisher_config(config: Config) -> PublisherConfig:
     return PublisherConfig.from_config(config, queue_max_messages=1_000_000)
+
+
+def check_delivered(stats: PublisherStats, servers: str) -> None:
+    """Raise unless every published batch reached the broker: one rule for ``simulate``, ``replay`` and
+    ``demo``. Batches still in the on-disk spool go out with the next publisher run of this folder."""
+    lost = stats.dropped + stats.failed + stats.spool_dropped
+    undelivered = stats.published - stats.delivered - stats.failed - stats.spool_dropped
+    if lost or undelivered > 0:
+        kept = f"{undelivered} kept in the spool for the next run" if undelivered > 0 else "none kept"
+        raise BrokerUnreachable(
+            servers, f"{max(undelivered, 0) + lost} of {stats.published} batches undelivered: {lost} lost, {kept}"
+        )
 
 
 def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress) -> int:
@@ -26,9 +39,7 @@ def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress)
             published += 1
             progress.update(f"publishing: {published} batches")
         publisher.flush(30.0)
-        stats = publisher.stats
-    if stats.dropped or stats.failed:
-        raise RuntimeError(f"publisher lost batches: {stats.dropped} dropped, {stats.failed} failed")
+    check_delivered(publisher.stats, config.kafka.bootstrap_servers)
     return published
 
 

@@ -59,6 +59,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "topic with the configured partition counts, register the Avro schemas when a schema registry is "
         "configured, and create the ClickHouse database and tables. Safe to run again.",
     )
+    p.add_argument("--json", action="store_true", help="print what was prepared as JSON")
     p.set_defaults(handler=cmd_init)
 
     p = sub.add_parser(
@@ -107,27 +108,32 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
         k.raw_partitions,
         k.derived_partitions,
     )
-    print(f"topics ready: {', '.join((*topics.raw_all, *topics.derived_all))}")
-    if k.registry_url:
-        ids = _registry(config).register_catalog()
-        print("schemas registered: " + ", ".join(f"{s}={i}" for s, i in sorted(ids.items())))
+    names = [*topics.raw_all, *topics.derived_all]
+    ids = _registry(config).register_catalog() if k.registry_url else {}
     ch = config.store
     migrate(connect(ch), ch.database)
+    if args.json:
+        print(json.dumps({"topics": names, "schemas": dict(sorted(ids.items())), "database": ch.database}))
+        return 0
+    print(f"topics ready: {', '.join(names)}")
+    if ids:
+        print("schemas registered: " + ", ".join(f"{s}={i}" for s, i in sorted(ids.items())))
     print(f"store ready: database {ch.database}")
     return 0
 
 
 def cmd_report(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope import verdict
+    from fleetscope.endpoint import open_store
     from fleetscope.report import write_report
-    from fleetscope.sinks import connect, migrate
+    from fleetscope.schemas import units
 
-    ch = config.store
-    client = connect(ch)
-    migrate(client, ch.database)
+    client, database, _ = open_store(config)
     t0 = time.monotonic()
-    data = write_report(client, ch.database, args.job, args.output)
+    data = write_report(client, database, args.job, args.output)
     seconds = time.monotonic() - t0
     rank, function, gap = data.heatmap.top_outlier()
+    lead = verdict.headline(data.findings)
     summary = {
         "path": args.output,
         "job": args.job,
@@ -135,20 +141,36 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
         "iterations": [data.first_iteration, data.last_iteration],
         "findings": len(data.findings),
         "open_findings": sum(f["status"] != "closed" for f in data.findings),
+        "verdict": verdict.sentence(data.findings, data.median_iteration_ns),
+        "headline": None
+        if lead is None
+        else {
+            "subject": units.subject(lead),
+            "category": lead["category"],
+            "function": lead["function"],
+            "est_loss_ns": lead["est_loss_ns"],
+            "gpu": units.gpu(lead),
+        },
         "top_deviation": {"rank": rank, "function": function, "gap": round(gap, 4)},
-        "seconds": round(seconds, 3),
+        "build_seconds": round(seconds, 3),
     }
     if args.json:
         print(json.dumps(summary))
     else:
+        if lead is None:
+            head = f"no findings; largest deviation: rank {rank} {function} {gap:+.0%}"
+        else:
+            loss = units.duration(lead["est_loss_ns"])
+            head = f"headline: {units.subject(lead)} {lead['category']}, {loss} per iteration"
         print(
-            f"wrote {args.output}: job {args.job}, {len(data.ranks)} ranks, {len(data.findings)} findings; "
-            f"largest deviation: rank {rank} {function} {gap:+.0%} ({seconds:.2f} s)"
+            f"wrote {args.output} in {seconds:.2f} s: job {args.job}, {len(data.ranks)} ranks, "
+            f"{len(data.findings)} findings; {head}"
         )
     return 0
 
 
 def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.broker import notice_logger
     from fleetscope.sinks.alerts import (
         AlertFollower,
         AlertsConfig,
@@ -178,6 +200,8 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
         if webhook is not None:
             webhook.submit(alert)
 
+    # librdkafka logs through this logger: one line per 30 s while the broker is away, not 20 a second
+    extra: dict[str, Any] = {**k.client_settings(), "logger": notice_logger("alerts", k.bootstrap_servers)}
     follower = AlertFollower(
         AlertsConfig(
             bootstrap_servers=k.bootstrap_servers,
@@ -186,7 +210,7 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
             from_beginning=args.from_beginning,
             group_id=args.group,
             session_timeout_ms=k.session_timeout_ms,
-            extra=k.client_settings(),
+            extra=extra,
         ),
         on_alert,
         on_ready=lambda: print(

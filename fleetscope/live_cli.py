@@ -108,9 +108,11 @@ def cmd_run(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_profile(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.broker import require_broker
     from fleetscope.producers.control import request_profile
 
     _require_broker(config, "profile")
+    require_broker({"bootstrap.servers": config.kafka.bootstrap_servers, **config.kafka.client_settings()})
     user = os.environ.get("USER", "")
     request = request_profile(
         config, args.job, args.seconds, args.reason, start_in_s=args.start_in_s, requested_by=user

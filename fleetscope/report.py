@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope import svgcharts
+from fleetscope import svgcharts, verdict
+from fleetscope.schemas import units
 from fleetscope.sinks import current_findings, run_sql
 
 Array = npt.NDArray[np.float64]
@@ -72,6 +73,12 @@ class ReportData:
     findings: list[dict[str, Any]]
     generated_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def median_iteration_ns(self) -> float | None:
+        if not np.isfinite(self.iteration_ms).any():
+            return None
+        return float(np.nanmedian(self.iteration_ms)) * 1e6
 
     @property
     def flagged_ranks(self) -> list[int]:
@@ -225,7 +232,9 @@ def _per_rank_lines(data: ReportData, values: Array, y_label: str) -> str:
     return svgcharts.line_chart(data.iteration_x, series, band=band, x_label="iteration" + step, y_label=y_label)
 
 
-def _bars(data: ReportData, values: Array, unit: str) -> str:
+def _bars(data: ReportData, values: Array, unit: str, missing: str) -> str:
+    if not np.isfinite(values).any() or not np.nanmax(np.abs(values), initial=0.0) > 0:
+        return f"<p class='note'>{escape(missing)}</p>"
     colors = _colors(data)
     labels = [str(r) for r in data.ranks]
     tips = [f"rank {r} ({data.hosts.get(r, '?')}): {v:.3g} {unit}" for r, v in zip(data.ranks, values, strict=True)]
@@ -236,11 +245,13 @@ def _bars(data: ReportData, values: Array, unit: str) -> str:
 def _timeline(data: ReportData) -> str:
     spans = []
     for f in sorted(data.findings, key=lambda f: (f["iteration_first"], f["rank"])):
-        where = f"rank {f['rank']}" if f["rank"] >= 0 else "ranks " + ",".join(map(str, f["ranks"][:6]))
+        where = units.subject(f)
+        metric = str(f["metric"])
+        peers = f" vs peers {units.metric_value(metric, f['peer_median'])}" if f["peer_median"] else ""
         tip = (
-            f"{f['category']} on {where} ({f['host']}): {f['function']} {f['metric']} {f['value']:.4g} "
-            f"vs peers {f['peer_median']:.4g}, score {f['score']:.1f}, iterations {f['iteration_first']}-"
-            f"{f['iteration_last']}, {f['status']}"
+            f"{f['category']} on {where} ({f['host']}): {f['function']} {units.metric_name(metric)} "
+            f"{units.metric_value(metric, f['value'])}{peers}, score {f['score']:.1f}, iterations "
+            f"{f['iteration_first']}-{f['iteration_last']}, {f['status']}"
         )
         spans.append(
             svgcharts.Span(
@@ -259,22 +270,24 @@ def _findings_table(data: ReportData) -> str:
     if not data.findings:
         return "<p class='ok'>No findings: every rank behaves like its peers.</p>"
     head = (
-        "<tr><th>status</th><th>rank</th><th>host</th><th>category</th><th>function</th><th>metric</th>"
-        "<th>value</th><th>peer median</th><th>gap</th><th>score</th><th>iterations</th>"
+        "<tr><th>status</th><th>subject</th><th>host / GPU</th><th>category</th><th>function</th>"
+        "<th>metric</th><th>value</th><th>peer median</th><th>gap</th><th>score</th><th>iterations</th>"
         "<th>est. loss</th></tr>"
     )
     rows = []
-    for f in data.findings:
-        gap = f["value"] / f["peer_median"] - 1 if f["peer_median"] else float("nan")
+    for f in sorted(data.findings, key=lambda f: (f["status"] == "closed", -float(f["est_loss_ns"] or 0))):
         color = svgcharts.CATEGORY_COLORS.get(f["category"], "#555")
-        rank = f["rank"] if f["rank"] >= 0 else ",".join(map(str, f["ranks"][:8]))
+        metric = str(f["metric"])
+        place = ", ".join(x for x in (str(f["host"] or ""), units.gpu(f)) if x) or "-"
+        median = units.metric_value(metric, f["peer_median"]) if f["peer_median"] else "-"
         rows.append(
-            f"<tr><td>{escape(f['status'])}</td><td>{escape(str(rank))}</td><td>{escape(f['host'])}</td>"
+            f"<tr><td>{escape(f['status'])}</td><td>{escape(units.subject(f))}</td><td>{escape(place)}</td>"
             f"<td><span class='dot' style='background:{color}'></span>{escape(f['category'])}</td>"
-            f"<td class='fn'>{escape(f['function'])}</td><td>{escape(f['metric'])}</td>"
-            f"<td>{f['value']:.4g}</td><td>{f['peer_median']:.4g}</td><td>{gap:+.0%}</td>"
+            f"<td class='fn'>{escape(f['function'])}</td><td>{escape(units.metric_name(metric))}</td>"
+            f"<td>{escape(units.metric_value(metric, f['value']))}</td><td>{escape(median)}</td>"
+            f"<td>{escape(units.gap(f['value'], f['peer_median']) or '-')}</td>"
             f"<td>{f['score']:.1f}</td><td>{f['iteration_first']}-{f['iteration_last']}</td>"
-            f"<td>{f['est_loss_ns'] / 1e6:.2f} ms/iter</td></tr>"
+            f"<td>{escape(units.duration(f['est_loss_ns']))} per iteration</td></tr>"
         )
     return f"<table>{head}{''.join(rows)}</table>"
 
@@ -285,10 +298,12 @@ max-width:1180px}h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 
 .sub{color:#5b6570;margin:0 0 14px}.cap{color:#5b6570;font-size:13px;margin:2px 0 8px;max-width:1000px}
 .kpi{display:inline-block;margin:6px 26px 6px 0}.kpi b{display:block;font-size:20px}
 .kpi span{color:#5b6570;font-size:12px}table{border-collapse:collapse;font-size:12.5px;margin-top:6px}
-th,td{border-bottom:1px solid #e3e6ea;padding:4px 8px;text-align:left}th{background:#f5f6f8}
+th,td{border-bottom:1px solid #e3e6ea;padding:4px 8px;text-align:left;white-space:nowrap}th{background:#f5f6f8}
 td.fn{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11.5px}.ok{color:#2a7d2a}
 .dot{display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px}
-.note{color:#8a5a00;font-size:12px}svg{display:block;margin:4px 0 6px}footer{color:#8a939e;font-size:11px;
+.note{color:#8a5a00;font-size:12px}.verdict{font-size:16px;line-height:1.45;background:#fff6e5;
+border-left:4px solid #d08a00;padding:10px 14px;margin:8px 0 14px;max-width:1000px}
+svg{display:block;margin:4px 0 6px}footer{color:#8a939e;font-size:11px;
 margin-top:30px}
 """
 
@@ -299,20 +314,32 @@ def render_html(data: ReportData) -> str:
     flagged = frozenset(i for i, r in enumerate(heat.ranks) if r in data.flagged_ranks)
     col_labels = [str(r) for r in heat.ranks]
     open_n = sum(f["status"] != "closed" for f in data.findings)
+    median_ns = data.median_iteration_ns
+    profiled = "compute" in heat.kinds or "memory" in heat.kinds
+    no_kernels = (
+        "<p class='note'>No GPU kernels were profiled for this job, so there is no per-kernel or compute "
+        f"view: open a window with <code>fleetscope profile --job {escape(data.job)} --seconds 20</code> "
+        "while it runs.</p>"
+    )
     hosts = len(set(data.hosts.values()))
     started = data.started.strftime("%Y-%m-%d %H:%M UTC") if data.started else "?"
     kpis = [
         (str(len(data.ranks)), f"ranks on {hosts} host{'s' if hosts != 1 else ''}"),
         (f"{data.first_iteration}-{data.last_iteration}", "iterations"),
-        (f"{np.nanmedian(data.iteration_ms):.1f} ms" if data.iteration_ms.size else "-", "median iteration"),
+        (units.duration(median_ns), "median iteration"),
         (str(open_n), f"open findings ({len(data.findings)} in all)"),
     ]
+    lead = verdict.headline(data.findings)
+    gpu = units.gpu(lead) if lead else ""
+    if gpu:
+        kpis.append((gpu, f"GPU of {units.subject(lead)}"))
     kpi_html = "".join(f"<div class='kpi'><b>{escape(v)}</b><span>{escape(k)}</span></div>" for v, k in kpis)
     notes = "".join(f"<p class='note'>{escape(n)}</p>" for n in data.notes)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     sections = [
         f"<h1>fleetscope report: job {escape(data.job)}</h1>",
         f"<p class='sub'>started {started}; generated {generated}</p>",
+        f"<p class='verdict'>{escape(verdict.sentence(data.findings, median_ns))}</p>",
         kpi_html,
         "<h2>Findings</h2>",
         "<p class='cap'>One row per finding (latest state). <i>gap</i> is the rank's value against the "
@@ -328,21 +355,22 @@ def render_html(data: ReportData) -> str:
         "host shows red on Python functions. Outlined columns are ranks named by findings.</p>",
         notes,
         svgcharts.heatmap(heat.functions, col_labels, heat.gap, highlight_cols=flagged, row_notes=heat.kinds),
+        "" if profiled else no_kernels,
         "<h2>Iteration time per rank</h2>",
         "<p class='cap'>Collectives make every rank finish an iteration together, so a slow rank slows "
         "all of them alike: compare with the compute time below, which tells the ranks apart.</p>",
         _per_rank_lines(data, data.iteration_ms, "iteration time (ms)"),
         "<h2>Compute time per rank</h2>",
-        _per_rank_lines(data, data.compute_ms, "GPU compute time (ms)"),
+        _per_rank_lines(data, data.compute_ms, "GPU compute time (ms)") if profiled else no_kernels,
         "<h2>Collective bus bandwidth per rank</h2>",
         "<p class='cap'>Mean NCCL bus bandwidth over the job's collectives (bytes moved per second of "
         "collective time, normalised as in nccl-tests). A rank that waits less (it arrived last) shows a "
         "higher figure; a degraded link lowers every member's.</p>",
-        _bars(data, data.busbw_gbps, "bus bandwidth (GB/s)"),
+        _bars(data, data.busbw_gbps, "bus bandwidth (GB/s)", "No collective with a known size was recorded."),
         "<h2>Link throughput during collectives per rank</h2>",
         "<p class='cap'>Mean NVLink throughput sampled while collectives ran: a degraded link runs low and steady.</p>",
-        _bars(data, data.link_gbps, "NVLink throughput (GB/s)"),
-        f"<footer>fleetscope; data gathered in {data.generated_s * 1000:.0f} ms from the store.</footer>",
+        _bars(data, data.link_gbps, "NVLink throughput (GB/s)", "No NVLink samples (run `fleetscope agent`)."),
+        f"<footer>fleetscope; data gathered from the store in {data.generated_s * 1000:.0f} ms.</footer>",
     ]
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"

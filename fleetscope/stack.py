@@ -15,10 +15,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port, stop_process
+from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port, preferred_port, stop_process
 from fleetscope.config import Config
+from fleetscope.endpoint import Endpoint, remove_endpoint, store_tokens, write_endpoint
 from fleetscope.schemas import Topics
 from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, connect, migrate
+from fleetscope.storeserver import StoreServer
 from fleetscope.streams.app import StreamAppConfig
 
 log = logging.getLogger(__name__)
@@ -130,13 +132,15 @@ class EmbeddedStack:
         self.worker: StreamWorkerProcess | None = None
         self.sink: Sink | None = None
         self.client = None
+        self.store_server: StoreServer | None = None
 
     def start(self) -> Config:
         data_dir = Path(self.config.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.config.kafka.bootstrap_servers:
-                self.broker = TansuBroker(log_path=data_dir / "broker.log")
+                port = preferred_port(self.config.embedded.broker_port)
+                self.broker = TansuBroker(port=port, log_path=data_dir / "broker.log")
                 servers = self.broker.start()
                 self.config = self.config.replace(kafka=replace(self.config.kafka, bootstrap_servers=servers))
             k = self.config.kafka
@@ -145,6 +149,7 @@ class EmbeddedStack:
             ch = self.config.store
             self.client = connect(ch)
             migrate(self.client, ch.database)
+            self._serve_store()
             self.sink = Sink(sink_config(self.config), ClickHouseWriter(self.client, ch.database))
             self.sink.start()
             if self.with_worker:
@@ -155,6 +160,24 @@ class EmbeddedStack:
             raise
         return self.config
 
+    def _serve_store(self) -> None:
+        """Serve the chDB store to other processes and tell them where, through the data directory."""
+        ch, path = self.config.store, self.config.store.chdb_path
+        if not self.config.embedded.serve_store or path in (None, ":memory:"):
+            return
+        tokens = store_tokens(self.config.data_dir)
+        port = preferred_port(self.config.embedded.store_port)
+        self.store_server = StoreServer(path, tokens, database=ch.database, port=port).start()
+        endpoint = Endpoint(
+            pid=os.getpid(),
+            bootstrap_servers=self.config.kafka.bootstrap_servers,
+            store_url=self.store_server.url,
+            database=ch.database,
+            read_token=tokens.read,
+            write_token=tokens.write,
+        )
+        write_endpoint(self.config.data_dir, endpoint)
+
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop()
@@ -162,6 +185,10 @@ class EmbeddedStack:
         if self.sink is not None:
             self.sink.stop()
             self.sink = None
+        if self.store_server is not None:
+            remove_endpoint(self.config.data_dir)
+            self.store_server.stop()
+            self.store_server = None
         if self.broker is not None:
             self.broker.stop()
             self.broker = None

@@ -141,7 +141,7 @@ def replay_traces(
 ) -> list[RankSummary]:
     """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
     from fleetscope.broker import ensure_topics
-    from fleetscope.demo import publisher_config
+    from fleetscope.demo import check_delivered, publisher_config
     from fleetscope.producers import Publisher
     from fleetscope.schemas import Topics
 
@@ -159,9 +159,8 @@ def replay_traces(
             summaries.append(RankSummary.of(trace))
             del trace
         publisher.flush(60.0)
-        stats = publisher.stats
-    if stats.dropped or stats.failed:
-        raise RuntimeError(f"publisher lost batches: {stats.dropped} dropped, {stats.failed} failed")
+    stats = publisher.stats
+    check_delivered(stats, k.bootstrap_servers)
     progress.done(f"replay: {len(summaries)} ranks, {stats.published} batches, {stats.events_published} events")
     return summaries
 
@@ -246,7 +245,7 @@ _RANK_COLUMNS = (
 
 
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.cli import FINDING_FIELDS, print_findings, print_table
+    from fleetscope.cli import findings_json, print_findings, print_table
 
     result = analyze_traces(
         args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
@@ -255,7 +254,7 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
     if args.json:
-        findings = [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in result.findings]
+        findings = findings_json(result.findings)
         doc = {"findings": findings, "ranks": [asdict(r) for r in result.ranks], "explanations": result.explanations}
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -301,6 +300,9 @@ def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     ranks = replay_traces(
         args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
     )
+    if args.json:
+        print(json.dumps({"bootstrap_servers": config.kafka.bootstrap_servers, "ranks": [asdict(r) for r in ranks]}))
+        return 0 if ranks else 1
     columns = ("job", "rank", "host", "batches", "events", "kernels", "collectives", "host_spans")
     print_table(columns, [[getattr(r, c) for c in columns] for r in ranks])
     return 0 if ranks else 1
@@ -317,6 +319,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "A directory stands for every *.json and *.json.gz file below it.",
     )
     _trace_options(p)
+    p.add_argument("--json", action="store_true", help='print {"bootstrap_servers": ..., "ranks": [...]}')
     p.set_defaults(handler=cmd_replay)
     p = sub.add_parser(
         "analyze",

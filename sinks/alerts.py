@@ -28,7 +28,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from fleetscope.schemas import SchemaError, Topics, decode
+from fleetscope.schemas import SchemaError, Topics, decode, units
 from fleetscope.sinks.clickhouse import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,11 @@ def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
         "job": record.get("job"),
         "rank": record.get("rank"),
         "ranks": list(record.get("ranks") or []),
+        "subject": record.get("subject") or "",
         "host": record.get("host"),
+        "local_rank": record.get("local_rank", -1),
+        "gpu_uuid": record.get("gpu_uuid") or "",
+        "pci_bus_id": record.get("pci_bus_id") or "",
         "category": record.get("category"),
         "function": record.get("function"),
         "metric": record.get("metric"),
@@ -72,23 +76,19 @@ def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def format_alert(alert: Mapping[str, Any]) -> str:
-    """One human line: when, what happened, where, and the evidence in numbers."""
-    rank = alert["rank"]
-    where = f"rank {rank}" if isinstance(rank, int) and rank >= 0 else f"ranks {_ranks(alert['ranks'])}"
-    value, median = alert.get("value") or 0.0, alert.get("peer_median") or 0.0
-    gap = f" ({value / median - 1:+.0%})" if median else ""
-    loss_ms = (alert.get("est_loss_ns") or 0) / 1e6
+    """One human line: when, what happened, where, and the evidence in units (ms, µs, GB/s)."""
+    metric = str(alert.get("metric") or "")
+    value, median = alert.get("value"), alert.get("peer_median")
+    peers = f" vs peers {units.metric_value(metric, median)}" if median else ""
+    gap = units.gap(value, median)
+    device = units.gpu(alert)
     return (
-        f"{alert['emitted_at']}  {alert['event'].upper():<7}  {alert['job']}  {where} ({alert['host']})  "
-        f"{alert['category']}  {alert['function']}  "
-        f"{alert['metric']} {value:.4g} vs peers {median:.4g}{gap}  score {alert.get('score') or 0.0:.1f}  "
-        f"iterations {alert['iteration_first']}-{alert['iteration_last']}  loss {loss_ms:.2f} ms/iter  "
-        f"[{alert['finding_id']} v{alert['version']}]"
+        f"{alert['emitted_at']}  {alert['event'].upper():<7}  {alert['job']}  {units.subject(alert)} "
+        f"({alert['host'] or '-'}{', ' + device if device else ''})  {alert['category']}  {alert['function']}  "
+        f"{units.metric_name(metric)} {units.metric_value(metric, value)}{peers}{f' ({gap})' if gap else ''}  "
+        f"score {alert.get('score') or 0.0:.1f}  iterations {alert['iteration_first']}-{alert['iteration_last']}  "
+        f"loss {units.duration(alert.get('est_loss_ns') or 0)}/iter  [{alert['finding_id']} v{alert['version']}]"
     )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(str(r) for r in ranks[:8]) + ("..." if len(ranks) > 8 else "") if ranks else "-"
 
 
 # -- webhook ------------------------------------------------------------------------------------------------

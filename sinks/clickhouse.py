@@ -386,6 +386,11 @@ _FINDING_COLUMNS = (
     "evidence",
     "first_seen_ns",
     "last_seen_ns",
+    "subject",
+    "reason",
+    "local_rank",
+    "gpu_uuid",
+    "pci_bus_id",
 )
 
 

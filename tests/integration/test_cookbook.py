@@ -1,5 +1,7 @@
 """Every query of docs/sql-cookbook.md runs, read-only as ``fleetscope sql`` runs it, on a store filled by a
-demo run (16 ranks, rank 5's GPU 1.5x slow) plus a job that slowed down two days ago, and answers right."""
+demo run (16 ranks, rank 5's GPU 1.5x slow) plus a job that slowed down two days ago, and answers right:
+on the store opened directly and through the HTTP interface ``fleetscope up`` serves it on, with
+clickhouse-connect's HTTP client and the read token."""
 
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ import pytest
 
 from fleetscope.config import load_config
 from fleetscope.demo import run_demo
+from fleetscope.endpoint import Endpoint, served_client
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.progress import Progress
 from fleetscope.sinks import ClickHouseWriter, connect, run_sql
+from fleetscope.storeserver import StoreServer, Tokens
 from fleetscope.streams.offline import OfflinePipeline
 
 pytestmark = pytest.mark.integration
@@ -48,7 +52,7 @@ def cookbook() -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator[tuple[Any, str]]:
+def filled(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator[tuple[Any, str]]:
     database = f"cook_{uuid.uuid4().hex[:10]}"
     config = load_config(
         env={},
@@ -82,6 +86,23 @@ def store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator
     writer.write_patterns(offline.patterns)
     writer.write_findings(done.finding_updates)
     yield client, database
+
+
+@pytest.fixture(scope="module", params=["direct", "served"])
+def store(request: pytest.FixtureRequest, filled: tuple[Any, str], chdb_path: Path) -> Iterator[tuple[Any, str]]:
+    client, database = filled
+    if request.param == "direct":
+        yield client, database
+        return
+    tokens = Tokens(read="reader-token", write="writer-token")
+    server = StoreServer(str(chdb_path), tokens, database=database).start()
+    endpoint = Endpoint(
+        pid=0, bootstrap_servers="", store_url=server.url, database=database, read_token=tokens.read, write_token="-"
+    )
+    try:
+        yield served_client(endpoint), database
+    finally:
+        server.stop()
 
 
 def run(store: tuple[Any, str], query: str) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,41 @@ def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Any]) -
     without_ns = page.replace("http://www.w3.org/2000/svg", "")
     for external in ("http://", "https://", " src=", "<link", "<script", "url(", "@import"):
         assert external not in without_ns, external
-    assert re.search(rf"<td>open</td><td>{SLOW_RANK}</td><td>node001</td>", page)
+    assert re.search(rf"<td>open</td><td>rank {SLOW_RANK}</td><td>node001</td>", page)
     assert "gpu_slow" in page and "+50%" in page
+
+
+def test_the_report_leads_with_a_verdict_in_time_per_iteration(demo_store: tuple[Config, Any]) -> None:
+    config, client = demo_store
+    data = collect(client, config.store.database, "rep")
+    page = render_html(data)
+    verdict = re.search(r"<p class='verdict'>(.*?)</p>", page)
+    assert verdict is not None and page.index("class='verdict'") < page.index("<h2>")
+    text = verdict.group(1)
+    assert text.startswith(f"Rank {SLOW_RANK} (node001) runs its GPU kernels slower than its peers"), text
+    assert re.search(r"costs the job about [\d.]+ ms per iteration \([\d.]+% of a [\d.]+ ms iteration\)", text), text
+    assert "e+0" not in page and "nan" not in page.lower().replace("nanmedian", "")
+    assert "No GPU kernels were profiled" not in page
+
+
+def test_a_job_without_profiled_kernels_gets_a_note_not_empty_panels(demo_store: tuple[Config, Any]) -> None:
+    config, client = demo_store
+    data = collect(client, config.store.database, "rep")
+    heat = data.heatmap
+    python_only = [i for i, k in enumerate(heat.kinds) if k in ("python", "collective")]
+    unprofiled = replace(
+        data,
+        heatmap=replace(heat, functions=[heat.functions[i] for i in python_only],
+                        kinds=[heat.kinds[i] for i in python_only], gap=heat.gap[python_only],
+                        mean_ns=heat.mean_ns[python_only],
+                        peer_median_ns=heat.peer_median_ns[python_only]),
+        compute_ms=np.zeros_like(data.compute_ms),
+        link_gbps=np.full_like(data.link_gbps, np.nan),
+    )  # fmt: skip
+    page = render_html(unprofiled)
+    assert "No GPU kernels were profiled for this job" in page and "fleetscope profile --job rep" in page
+    assert "No NVLink samples" in page
+    assert "GPU compute time (ms)" not in page
 
 
 def test_the_cli_writes_the_report_quickly(demo_store: tuple[Config, Any], tmp_path: Path, capsys: Any) -> None:
@@ -87,7 +121,9 @@ def test_the_cli_writes_the_report_quickly(demo_store: tuple[Config, Any], tmp_p
     seconds = time.monotonic() - t0
     summary = json.loads(capsys.readouterr().out)
     assert summary["top_deviation"]["rank"] == SLOW_RANK and summary["findings"] == 1
+    assert summary["headline"]["subject"] == f"rank {SLOW_RANK}" and summary["headline"]["category"] == "gpu_slow"
+    assert summary["verdict"].startswith(f"Rank {SLOW_RANK} ")
     assert out.stat().st_size > 20_000
-    print(f"report of 16 ranks x 12 iterations: {seconds:.2f} s by the CLI, {summary['seconds']:.3f} s to write")
+    print(f"report of 16 ranks x 12 iterations: {seconds:.2f} s by the CLI, {summary['build_seconds']:.3f} s to write")
     assert seconds < 10
     assert main(["report", "--job", "no-such-job", "-o", str(tmp_path / "x.html"), "--config", str(cfg)]) == 1

@@ -54,7 +54,30 @@ def test_the_stack_has_every_component_of_the_design() -> None:
     assert sorted(commands.values()) == ["alerts", "init", "simulate", "sink", "worker"]
     assert SERVICES["worker"]["deploy"]["replicas"] >= 2
     assert "container_name" not in SERVICES["worker"], "a scaled service cannot have a fixed name"
-    assert "grafana-clickhouse-datasource" in SERVICES["grafana"]["environment"]["GF_INSTALL_PLUGINS"]
+    plugin, _, version = SERVICES["grafana"]["environment"]["GF_INSTALL_PLUGINS"].partition(" ")
+    grafana = tuple(int(x) for x in images["grafana"].rpartition(":")[2].split(".")[:2])
+    assert plugin == "grafana-clickhouse-datasource" and version, "the plugin is pinned with Grafana"
+    # plugin releases 4.15+ need Grafana >= 11.6; 4.0-4.14 support 9.x-11.5
+    if grafana < (11, 6):
+        assert tuple(int(x) for x in version.split(".")[:2]) <= (4, 14), version
+
+
+def test_the_dashboard_picks_a_job_and_zooms_to_its_data() -> None:
+    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
+    assert "ORDER BY max(start_at) DESC" in variables["job"]["query"]
+    assert {"job_from", "job_to"} <= set(variables)
+    assert any("from=${job_from}&to=${job_to}" in link["url"] for link in DASHBOARD["links"])
+    jobs = next(p for p in DASHBOARD["panels"] if p["title"] == "Jobs")
+    assert "from=${__data.fields.from_ms}" in jobs["fieldConfig"]["defaults"]["links"][0]["url"]
+
+
+def test_no_panel_draws_one_line_per_rank_or_host() -> None:
+    for p in DASHBOARD["panels"]:
+        if p["type"] == "timeseries":
+            sql = p["targets"][0]["rawSql"]
+            select = sql[: sql.index("FROM")]
+            assert "rank" not in select and not re.search(r"^\s*host,", select, re.M), p["title"]
+    assert any(p["type"] == "heatmap" for p in DASHBOARD["panels"])
 
 
 def test_every_image_has_an_explicit_tag() -> None:
@@ -196,6 +219,7 @@ def test_every_dashboard_query_runs_on_clickhouse(store: tuple[Any, str], title:
             "finding_updates",
             "findings",
             "per_rank",
+            "per_host",
             "peers",
         )
 
@@ -211,7 +235,12 @@ def test_dashboard_panels_answer_with_the_injected_fault(store: tuple[Any, str])
     assert rows("Open findings")[0]["open_findings"] == 1
     assert rows("Findings")[0]["rank"] == 2
     assert rows("Largest deviations from peers (rank x function)")[0]["rank"] == 2
-    per_rank = rows("Compute time per rank")
-    assert {r["rank"] for r in per_rank} == {str(r) for r in range(8)}
+    slowest = rows("Slowest ranks (top 10 by compute time against the median rank)")
+    assert slowest[0]["rank"] == 2 and slowest[0]["gap"] > 0.3 and len(slowest) == 8
+    assert all(r["gap"] < 0.05 for r in slowest[1:])
+    spread = rows("Compute time across ranks (distribution)")
+    assert spread and all(r["max_ms"] > 1.3 * r["median_ms"] for r in spread), "the slow rank is the max line"
+    assert rows("Jobs")[0]["job"] == "dash" and rows("Jobs")[0]["from_ms"] < rows("Jobs")[0]["to_ms"]
+    assert rows("Findings")[0]["subject"] == "rank:2"
     series = [t for p in DASHBOARD["panels"] if p["type"] == "timeseries" for t in p["targets"]]
     assert series and all(t["format"] == 0 and "AS time" in t["rawSql"] for t in series)

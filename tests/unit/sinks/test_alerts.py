@@ -85,13 +85,22 @@ def fast(url: str, attempts: int = 4, **kwargs: Any) -> WebhookConfig:
 def test_the_alert_line_says_what_happened_where_and_by_how_much() -> None:
     line = format_alert(alert_payload(FINDING))
     assert line.startswith("2026-01-01T00:00:00.123+00:00  NEW ")
-    parts = ["demo", "rank 7 (node000)", "gpu_slow", "mean_ns 2.13e+06 vs peers 1.4e+06 (+52%)", "score 52.1"]
-    parts += ["iterations 0-39", "loss 40.63 ms/iter", "[demo/gpu_slow/7/0 v1]"]
+    parts = ["demo", "rank 7 (node000)", "gpu_slow", "mean 2.13 ms vs peers 1.40 ms (+52%)", "score 52.1"]
+    parts += ["iterations 0-39", "loss 40.6 ms/iter", "[demo/gpu_slow/7/0 v1]"]
     for part in parts:
         assert part in line
-    assert "\n" not in line
+    assert "\n" not in line and "e+0" not in line
     closed = format_alert(alert_payload(FINDING | {"status": "closed", "rank": -1, "ranks": [3, 4]}))
     assert " CLOSED " in closed and "ranks 3,4" in closed
+    host = format_alert(alert_payload(FINDING | {"rank": -1, "ranks": [3, 4], "subject": "host:node001"}))
+    assert "host node001" in host and "rank -1" not in host
+    late = FINDING | {"category": "straggler", "metric": "arrival_lateness_ns", "value": 11.2e6, "peer_median": 0.0}
+    late_line = format_alert(alert_payload(late))
+    assert "arrival_lateness 11.2 ms  score" in late_line and "nan" not in late_line
+    on_gpu = format_alert(
+        alert_payload(FINDING | {"local_rank": 3, "gpu_uuid": "GPU-1a2b", "pci_bus_id": "0000:3b:00.0"})
+    )
+    assert "(node000, GPU 3 (GPU-1a2b, 0000:3b:00.0))" in on_gpu
     assert "UPDATED" in format_alert(alert_payload(FINDING | {"status": "update"}))
 
 

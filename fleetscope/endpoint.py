@@ -1,0 +1,194 @@
+"""Where a running ``fleetscope up`` can be reached, told through its data directory.
+
+``up`` writes ``<data_dir>/endpoint.json`` (mode 0600: it holds the store's tokens) with its broker
+address and the URL of its served store, and removes it on stop. Other commands run on the same data
+directory read it: a broker-using command gets the broker, ``sql``/``findings``/``report`` go through the
+served store (chDB admits one process per store) and, with no ``up`` running, open the store directly.
+The tokens themselves persist in ``<data_dir>/store-tokens.json`` (0600), so a Grafana datasource keeps
+working across restarts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetscope.config import Config, ConfigError
+from fleetscope.errors import StoreLocked
+from fleetscope.storeserver import Tokens
+
+ENDPOINT_FILE = "endpoint.json"
+TOKENS_FILE = "store-tokens.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """What a running ``up`` publishes about itself."""
+
+    pid: int
+    bootstrap_servers: str
+    store_url: str
+    database: str
+    read_token: str
+    write_token: str
+
+
+def _write_private(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON readable by its owner only, atomically (no half-written file is ever read)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def store_tokens(data_dir: str | Path) -> Tokens:
+    """The data directory's store tokens, created on first use."""
+    path = Path(data_dir) / TOKENS_FILE
+    try:
+        saved = json.loads(path.read_text())
+        return Tokens(read=str(saved["read"]), write=str(saved["write"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        tokens = Tokens(read=secrets.token_urlsafe(24), write=secrets.token_urlsafe(24))
+        _write_private(path, {"read": tokens.read, "write": tokens.write})
+        return tokens
+
+
+def write_endpoint(data_dir: str | Path, endpoint: Endpoint) -> Path:
+    path = Path(data_dir) / ENDPOINT_FILE
+    _write_private(path, asdict(endpoint))
+    return path
+
+
+def remove_endpoint(data_dir: str | Path) -> None:
+    """Remove the endpoint file if it is this process's own."""
+    path = Path(data_dir) / ENDPOINT_FILE
+    endpoint = _read(path)
+    if endpoint is not None and endpoint.pid == os.getpid():
+        path.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> Endpoint | None:
+    try:
+        return Endpoint(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running_endpoint(data_dir: str | Path) -> Endpoint | None:
+    """The endpoint of the ``up`` running on ``data_dir``, or None (a file left by a dead process is
+    ignored: a crash cannot leave the CLI pointing at nothing)."""
+    endpoint = _read(Path(data_dir) / ENDPOINT_FILE)
+    if endpoint is None or not _alive(endpoint.pid):
+        return None
+    return endpoint
+
+
+def store_answers(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ping", timeout=timeout_s) as response:  # noqa: S310 - our own URL
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def open_store(config: Config, *, write: bool = False) -> tuple[Any, str, str]:
+    """(client, database, where) for a command that reads the store: through the running ``up`` of the
+    data directory when there is one, else the store itself. Never creates an empty store."""
+    from fleetscope.sinks import connect, migrate
+
+    ch = config.store
+    endpoint = running_endpoint(config.data_dir) if ch.chdb_path not in (None, ":memory:") else None
+    if endpoint is not None:
+        if not store_answers(endpoint.store_url):
+            raise ConfigError(
+                [
+                    f"store: `fleetscope up` (pid {endpoint.pid}) holds the store but its server at "
+                    f"{endpoint.store_url} does not answer; retry, or stop that process"
+                ]
+            )
+        return served_client(endpoint, write=write), endpoint.database, endpoint.store_url
+    path = ch.chdb_path
+    if path is not None and path != ":memory:" and not Path(path).is_dir():
+        raise ConfigError(
+            [
+                f"store: no store at {path}; run `fleetscope up` or `fleetscope demo` first, "
+                "or pass the --data-dir that holds it"
+            ]
+        )
+    if path is not None and path != ":memory:" and store_locked(path):
+        raise StoreLocked(
+            f"the store at {path} is open in another process (chDB admits one): stop that `demo` or `sink`, "
+            "or run `fleetscope up` here, which serves the store to other commands"
+        )
+    client = connect(ch)
+    migrate(client, ch.database)
+    return client, ch.database, ch.url
+
+
+def _this_process_opened(path: Path) -> bool:
+    """Whether this process has ``path`` open (its own chDB engine holds the lock then)."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        return False
+    target = str(path.resolve())
+    for fd in fds.iterdir():
+        try:
+            if os.readlink(fd) == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def store_locked(path: str) -> bool:
+    """True when another process holds the chDB store's lock (ClickHouse flocks ``<path>/status``)."""
+    status = Path(path) / "status"
+    if _this_process_opened(status):
+        return False
+    try:
+        fd = os.open(status, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def served_client(endpoint: Endpoint, *, write: bool = False) -> Any:
+    """A clickhouse-connect HTTP client on a served store (read-only unless ``write``)."""
+    from urllib.parse import urlsplit
+
+    import clickhouse_connect
+
+    parts = urlsplit(endpoint.store_url)
+    return clickhouse_connect.get_client(
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or 8123,
+        username="fleetscope",
+        password=endpoint.write_token if write else endpoint.read_token,
+        database=endpoint.database,
+    )

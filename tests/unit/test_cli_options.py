@@ -1,0 +1,36 @@
+"""The CLI's simulated-job options reach the simulator: layouts (--tp/--pp) validated, hang as the help writes it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetscope.cli import _simulator_config, build_parser
+
+
+def sim(*argv: str) -> object:
+    return _simulator_config(build_parser().parse_args(["demo", *argv]))
+
+
+def test_tp_and_pp_reach_the_simulator() -> None:
+    cfg = sim("--pp", "4", "--fault", "stage_imbalance:2:1.3")
+    assert (cfg.tp, cfg.pp) == (1, 4)  # type: ignore[attr-defined]
+    cfg = sim("--tp", "4", "--pp", "2", "--ranks", "32")
+    assert (cfg.tp, cfg.pp, cfg.ranks) == (4, 2, 32)  # type: ignore[attr-defined]
+
+
+def test_a_layout_that_does_not_divide_the_ranks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"multiple of tp \* pp"):
+        sim("--tp", "5", "--ranks", "32")
+
+
+def test_hang_without_start_stops_the_rank_halfway() -> None:
+    (fault,) = sim("--fault", "hang:9", "--iterations", "40").faults  # type: ignore[attr-defined]
+    assert (fault.kind, fault.rank, fault.start) == ("hang", 9, 20)
+    (fault,) = sim("--fault", "hang:9@5").faults  # type: ignore[attr-defined]
+    assert fault.start == 5
+
+
+def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("fleetscope ")
