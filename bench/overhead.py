@@ -22,7 +22,14 @@ import subprocess
 import sys
 import time
 
-MODELS = {"tiny": (32, 64, 8), "wide": (1024, 2048, 64)}  # in, hidden, batch
+MODELS = {"tiny": (32, 64, 8), "wide": (1024, 2048, 64), "step50": (1024, 4096, 512)}  # in, hidden, batch
+# mode -> FLEETSCOPE_TORCH_DDP_HOOK: the default, no DDP bucket timing, and the Python comm hook forced
+MODES = {"off": None, "on": None, "on_without_ddp_timing": "0", "on_with_ddp_hook": "1"}
+
+
+def timed_steps(model_name: str, steps: int) -> int:
+    """Timed steps of a model: ``steps`` for the tiny one, fewer for the larger ones."""
+    return {"tiny": steps, "wide": max(steps // 10, 50), "step50": max(steps // 50, 30)}[model_name]
 
 
 def train(mode: str, model_name: str, steps: int, warmup: int) -> float:
@@ -74,8 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         mode, model_name = args.child
-        steps = args.steps if model_name == "tiny" else max(args.steps // 10, 50)
-        print(json.dumps({"steps_per_s": train(mode, model_name, steps, warmup=max(steps // 10, 20))}))
+        steps = timed_steps(model_name, args.steps)
+        print(json.dumps({"steps_per_s": train(mode, model_name, steps, warmup=max(steps // 10, 5))}))
         return
 
     from fleetscope.broker import TansuBroker, ensure_topics
@@ -93,23 +100,23 @@ def main() -> None:
             "OMP_NUM_THREADS": "1",
         }
         for model_name in MODELS:
-            rates: dict[str, list[float]] = {"off": [], "on": [], "on_with_ddp_hook": []}
+            rates: dict[str, list[float]] = {mode: [] for mode in MODES}
             for _ in range(args.rounds):
-                for mode in rates:
-                    extra = {"FLEETSCOPE_TORCH_DDP_HOOK": "1"} if mode == "on_with_ddp_hook" else {}
+                for mode, ddp_hook in MODES.items():
+                    extra = {"FLEETSCOPE_TORCH_DDP_HOOK": ddp_hook} if ddp_hook is not None else {}
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--child", mode, model_name]
                     out = subprocess.run(cmd, env=env | extra, capture_output=True, text=True, check=True).stdout
                     rates[mode].append(json.loads(out.strip().splitlines()[-1])["steps_per_s"])
             off = statistics.median(rates["off"])
             print(f"{model_name}: off {off:.1f} steps/s ({1e3 / off:.2f} ms/step), median of {args.rounds}")
-            for mode in ("on", "on_with_ddp_hook"):
+            for mode in list(MODES)[1:]:
                 on = statistics.median(rates[mode])
                 print(
-                    f"  {mode:15s} {on:8.1f} steps/s   slowdown {off / on - 1:+.2%}   "
+                    f"  {mode:22s} {on:8.1f} steps/s   slowdown {off / on - 1:+.2%}   "
                     f"cost {1e6 * (1 / on - 1 / off):+.1f} us/step   "
                     f"runs {[round(r, 1) for r in rates[mode]]}"
                 )
-            print(f"  {'off runs':15s} {[round(r, 1) for r in rates['off']]}")
+            print(f"  {'off runs':22s} {[round(r, 1) for r in rates['off']]}")
 
 
 if __name__ == "__main__":

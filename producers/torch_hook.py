@@ -117,6 +117,7 @@ class Monitor:
         if self._step_start_ns is not None:
             name = step_marker_name(self.step_num)
             self.recorder.python_span(name, self._step_start_ns, now - self._step_start_ns, 0)
+            self.recorder.state.step_done(self.step_num, now)
             self.step_num += 1
         self._step_start_ns = now
         self._window_tick(now)
@@ -213,7 +214,8 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     nvml = _nvml_mode()
     if nvml != "off":
         streams.add(EventKind.THROUGHPUT.value)
-    recorder = Recorder(identity, publisher, RecorderConfig(), streams=streams)
+    recorder_config = RecorderConfig(heartbeat_interval_ms=cfg.producer.heartbeat_interval_ms)
+    recorder = Recorder(identity, publisher, recorder_config, streams=streams)
     sampler = _sampler(identity, recorder) if nvml == "process" else None
     listener = None
     if os.environ.get(ENV_CONTROL, "on").lower() not in _OFF:

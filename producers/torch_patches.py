@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.rank_recorder import Recorder
 from fleetscope.schemas import EventKind
 
@@ -64,7 +65,7 @@ class Instrumented(Protocol):
 
 _installed = False
 _current: Callable[[], Instrumented | None] = lambda: None  # noqa: E731
-_group_info: dict[int, tuple[str, int, str]] = {}
+_group_info: dict[int, tuple[str, int, str, tuple[int, ...]]] = {}
 _group_seq: dict[str, itertools.count[int]] = {}
 _opt_start: dict[int, int] = {}
 _ALL_REDUCE: Callable[..., Any] = dist.all_reduce
@@ -103,41 +104,48 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _group(group: Any) -> tuple[str, int, str]:
-    """(name, size, backend) of a process group; None is the default group."""
+def _group(group: Any) -> tuple[str, int, str, tuple[int, ...]]:
+    """(name, size, backend, global ranks) of a process group; None is the default group."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     info = _group_info.get(id(pg))
     if info is None:
         name = str(dist.distributed_c10d._get_process_group_name(pg))
-        info = _group_info[id(pg)] = (name, int(pg.size()), str(dist.get_backend(pg)))
+        ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
+        info = _group_info[id(pg)] = (name, int(pg.size()), str(dist.get_backend(pg)), ranks)
     return info
 
 
-def _record_collective(mon: Instrumented, op: str, size_arg: Any, group: Any, start_ns: int, result: Any) -> None:
-    name, size, backend = _group(group)
+# A collective being called: what the flight recorder shows, and the event's name and group size.
+_Call = tuple[CollectiveEntry, str, int]
+
+
+def _enter(mon: Instrumented, op: str, size_arg: Any, group: Any) -> _Call:
+    """Number the collective in its group and tell the flight recorder the rank is inside it, before the
+    real call: a rank blocked in it still says where it is."""
+    name, size, backend, ranks = _group(group)
     seq = next(_group_seq.setdefault(name, itertools.count()))
-    nbytes = _nbytes(size_arg)
-    recorder = mon.recorder
     if size > 1:  # the windower then waits for this rank's collectives before closing a step
-        recorder.declare(EventKind.COLLECTIVES)
+        mon.recorder.declare(EventKind.COLLECTIVES)
+    entry = CollectiveEntry(op, name, ranks, seq, _nbytes(size_arg), time.time_ns())
+    mon.recorder.state.enter(entry)
+    return entry, f"{backend}:{op}", size
+
+
+def _leave(recorder: Recorder, call: _Call, end_ns: int) -> None:
+    entry, event_name, size = call
+    recorder.state.leave(entry)
+    start = entry.entered_ns
+    recorder.collective(event_name, entry.op, entry.pg, entry.seq, size, entry.nbytes, start, end_ns - start)
+
+
+def _record_collective(mon: Instrumented, call: _Call, result: Any) -> None:
+    recorder = mon.recorder
     if result is None:  # synchronous: the call itself is the collective
-        recorder.collective(f"{backend}:{op}", op, name, seq, size, nbytes, start_ns, time.time_ns() - start_ns)
+        _leave(recorder, call, time.time_ns())
         return
 
     def done(_fut: Any) -> None:
-        end = time.time_ns()
-        recorder.guard(
-            "collective_done",
-            recorder.collective,
-            f"{backend}:{op}",
-            op,
-            name,
-            seq,
-            size,
-            nbytes,
-            start_ns,
-            end - start_ns,
-        )
+        recorder.guard("collective_done", _leave, recorder, call, time.time_ns())
 
     result.get_future().add_done_callback(done)
 
@@ -153,13 +161,19 @@ def _wrap_collective(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]
         mon = _current()
         if mon is None:
             return orig(*args, **kwargs)
-        start = time.time_ns()
-        result = orig(*args, **kwargs)
         group = kwargs["group"] if "group" in kwargs else (args[gi] if len(args) > gi else None)
         size_arg = None
         if si >= 0:
             size_arg = kwargs[size_param] if size_param in kwargs else (args[si] if len(args) > si else None)
-        mon.recorder.guard("collective", _record_collective, mon, op, size_arg, group, start, result)
+        call = mon.recorder.guard("collective", _enter, mon, op, size_arg, group)
+        try:
+            result = orig(*args, **kwargs)
+        except BaseException:
+            if call is not None:
+                mon.recorder.state.leave(call[0])
+            raise
+        if call is not None:
+            mon.recorder.guard("collective", _record_collective, mon, call, result)
         return result
 
     wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
@@ -226,15 +240,15 @@ def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
     tensor = bucket.buffer()
     tensor.div_(group.size())
     mon = _current()
-    start = time.time_ns()
-    fut = _ALL_REDUCE(tensor, group=group, async_op=True).get_future()
     if mon is None:
-        return fut.then(lambda f: f.value()[0])
-    info = mon.recorder.guard("collective", _ddp_identity, mon, group, tensor)
+        return _ALL_REDUCE(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+    call = mon.recorder.guard("collective", _enter, mon, "allreduce", tensor, group)
+    fut = _ALL_REDUCE(tensor, group=group, async_op=True).get_future()
+    recorder = mon.recorder
 
     def done(f: Any) -> Any:
-        if info is not None:
-            mon.recorder.guard("collective_done", mon.recorder.collective, *info, start, time.time_ns() - start)
+        if call is not None:
+            recorder.guard("collective_done", _leave, recorder, call, time.time_ns())
         return f.value()[0]
 
     return fut.then(done)
@@ -246,14 +260,6 @@ timed_allreduce_hook.__annotations__ = {
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
-
-
-def _ddp_identity(mon: Instrumented, group: Any, tensor: Any) -> tuple[str, str, str, int, int, int]:
-    name, size, backend = _group(group)
-    if size > 1:
-        mon.recorder.declare(EventKind.COLLECTIVES)
-    seq = next(_group_seq.setdefault(name, itertools.count()))
-    return f"{backend}:allreduce", "allreduce", name, seq, size, _nbytes(tensor)
 
 
 # -- optimizer and dataloader ----------------------------------------------------------------------------

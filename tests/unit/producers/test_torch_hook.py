@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.publisher import PublisherStats
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
-from fleetscope.schemas import EventBatch, EventKind, parse_step_marker
+from fleetscope.schemas import EventBatch, EventKind, Topics, decode, parse_step_marker
 
 ME = RankIdentity(job="job", rank=1, world_size=2, host="h")
 
@@ -25,6 +26,7 @@ class FakePublisher:
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.gate = gate
         self.batches: list[EventBatch] = []
+        self.records: list[tuple[str, bytes, bytes]] = []
         self.started = self.stopped = False
 
     def start(self) -> None:
@@ -35,6 +37,20 @@ class FakePublisher:
             self.gate.wait()
         self.batches.append(batch)
         return True
+
+    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
+        self.records.append((topic, key, value))
+        return True
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(prefix="t")
+
+    def heartbeats(self) -> list[dict[str, object]]:
+        assert {(t, k) for t, k, _ in self.records} <= {("t.heartbeats", b"job")}
+        decoded = [decode(v) for _, _, v in self.records]
+        assert {subject for subject, _ in decoded} <= {"heartbeat"}
+        return [record for _, record in decoded]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stopped = True
@@ -155,6 +171,53 @@ def test_a_held_recorder_publishes_the_window_batches_before_its_host_events() -
     recorder.submit(window)
     recorder._flush()
     assert [b.kind for b in publisher.batches] == [EventKind.KERNELS, EventKind.PYTHON]
+
+
+def test_heartbeats_go_out_on_time_while_the_training_thread_is_blocked_inside_a_collective() -> None:
+    publisher = FakePublisher()
+    recorder = Recorder(ME, publisher, RecorderConfig(flush_interval_ms=10_000, heartbeat_interval_ms=20))
+    recorder.start()
+    try:
+        recorder.state.step_done(149, 1_000)
+        entry = CollectiveEntry("allreduce", "0", (0, 1), 300, 4096, 2_000)
+        recorder.state.enter(entry)
+        blocked = threading.Event()
+        threading.Thread(target=blocked.wait, args=(0.3,)).start()  # the training thread, stuck
+        time.sleep(0.3)
+        inside = publisher.heartbeats()
+        recorder.state.leave(entry)
+        recorder.hold()
+        time.sleep(0.1)
+    finally:
+        recorder.stop()
+    assert 8 <= len(inside) <= 20, len(inside)
+    last = inside[-1]
+    assert last["in_collective"] and (last["last_step"], last["last_step_ns"]) == (149, 1_000)
+    assert (last["collective_op"], last["collective_pg"], last["collective_seq"]) == ("allreduce", "0", 300)
+    assert (last["collective_group_ranks"], last["collective_nbytes"], last["collective_entered_ns"]) == (
+        [0, 1],
+        4096,
+        2_000,
+    )
+    after = publisher.heartbeats()[-1]
+    assert not after["in_collective"] and after["collective_seq"] == 300 and after["profiling"]
+    beats = publisher.heartbeats()
+    assert [b["seq"] for b in beats] == list(range(len(beats))) and recorder.stats.heartbeats == len(beats)
+    assert {(b["job"], b["rank"], b["world_size"], b["host"]) for b in beats} == {("job", 1, 2, "h")}
+
+
+def test_a_heartbeat_before_any_step_or_collective_says_so() -> None:
+    publisher = FakePublisher()
+    recorder = Recorder(ME, publisher, RecorderConfig(heartbeat_interval_ms=10_000))
+    recorder.start()
+    recorder.stop()
+    first = publisher.heartbeats()[0]
+    assert (first["last_step"], first["in_collective"], first["collective_seq"], first["profiling"]) == (
+        -1,
+        False,
+        -1,
+        False,
+    )
 
 
 # -- with torch ------------------------------------------------------------------------------------------
