@@ -9,8 +9,10 @@ the user registered a comm hook (a user hook that calls ``dist.all_reduce`` is t
 ``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) does so on NCCL only: with any Python comm hook DDP divides the
 gradients in a separate pass, a short kernel on a GPU but ~8 % of a CPU (Gloo) step (bench/overhead.py);
 ``=1`` forces it, ``=0`` opts out. Host spans come from the global optimizer
-step hooks and from ``_BaseDataLoaderIter.__next__``. Every patch is inert while no monitor records, and our
-own code on it runs under ``Recorder.guard``: training never sees our exceptions.
+step hooks, from ``_BaseDataLoaderIter.__next__`` and from ``gc.callbacks`` (a ``gc.collect`` span per
+garbage collection of at least ``GC_MIN_PAUSE_NS``: a clock read per callback, an append per pause).
+Every patch is inert while no monitor records, and our own code on it runs under ``Recorder.guard``:
+training never sees our exceptions.
 
 Timing caveat: a collective's duration is measured on the host, to the completion of its future for async
 calls. For Gloo that is the transfer; for NCCL it is only the enqueue (kernels run later on the GPU): a
@@ -20,6 +22,7 @@ profiling window gives the GPU-side NCCL kernel times.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import itertools
 import logging
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.rank_recorder import Recorder
-from fleetscope.schemas import EventKind
+from fleetscope.schemas import GC_PAUSE, EventKind
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ COLLECTIVES: dict[str, tuple[str, str | None]] = {
     "barrier": ("barrier", None),
 }
 _DISABLE_DDP_HOOK = "FLEETSCOPE_TORCH_DDP_HOOK"
+GC_MIN_PAUSE_NS = 100_000
+"""Shorter collections (most young-generation ones) are not recorded: far below what a finding needs."""
 
 
 class Instrumented(Protocol):
@@ -68,6 +73,7 @@ _current: Callable[[], Instrumented | None] = lambda: None  # noqa: E731
 _group_info: dict[int, tuple[str, int, str, tuple[int, ...]]] = {}
 _group_seq: dict[str, itertools.count[int]] = {}
 _opt_start: dict[int, int] = {}
+_gc_start_ns = 0
 _ALL_REDUCE: Callable[..., Any] = dist.all_reduce
 
 
@@ -83,6 +89,7 @@ def install(current: Callable[[], Instrumented | None]) -> None:
         ("optimizer", _patch_optimizer),
         ("dataloader", _patch_dataloader),
         ("ddp", _patch_ddp),
+        ("gc", _patch_gc),
     ):
         try:
             fn()
@@ -302,3 +309,22 @@ def _patch_dataloader() -> None:
 
     __next__.__fleetscope_original__ = orig  # type: ignore[attr-defined]
     _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
+
+
+def _patch_gc() -> None:
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+
+
+def _on_gc(phase: str, _info: dict[str, int]) -> None:
+    """A collection holds the GIL from "start" to "stop": no other thread's collection comes in between."""
+    global _gc_start_ns
+    if phase == "start":
+        _gc_start_ns = time.time_ns()
+        return
+    mon = _current()
+    if mon is None or not _gc_start_ns:
+        return
+    pause = time.time_ns() - _gc_start_ns
+    if pause >= GC_MIN_PAUSE_NS:
+        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, pause, 0)

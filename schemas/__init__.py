@@ -24,8 +24,11 @@ from fleetscope.schemas.records import (
 from fleetscope.schemas.topics import Topics
 from fleetscope.schemas.vocabulary import (
     CATEGORIES,
+    GC_PAUSE,
+    PROFILING_WINDOW,
     bus_bandwidth_factor,
     classify_kernel,
+    is_profiling_window,
     parse_step_marker,
     step_marker_name,
 )
@@ -38,6 +41,8 @@ __all__ = [
     "EventBatch",
     "EventKind",
     "FunctionKind",
+    "GC_PAUSE",
+    "PROFILING_WINDOW",
     "SchemaCatalog",
     "SchemaError",
     "Topics",
@@ -48,6 +53,7 @@ __all__ = [
     "decode_event_batches",
     "encode",
     "encode_event_batch",
+    "is_profiling_window",
     "parse_step_marker",
     "step_marker_name",
 ]

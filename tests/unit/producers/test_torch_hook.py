@@ -15,7 +15,15 @@ import pytest
 from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.publisher import PublisherStats
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
-from fleetscope.schemas import EventBatch, EventKind, Topics, decode, parse_step_marker
+from fleetscope.schemas import (
+    GC_PAUSE,
+    EventBatch,
+    EventKind,
+    Topics,
+    decode,
+    is_profiling_window,
+    parse_step_marker,
+)
 
 ME = RankIdentity(job="job", rank=1, world_size=2, host="h")
 
@@ -311,9 +319,45 @@ def test_a_profiling_window_adds_host_ops_from_the_profilers_memory(hooked) -> N
         time.sleep(0.005)
     assert fs._monitor._window is None  # closed: at least one recorded step, and its time is over
     recorder._flush()
-    names = {b.names[i] for b in publisher.batches if b.kind is EventKind.PYTHON for i in b["name_id"]}
+    spans = [
+        (b.names[i], int(start), int(dur))
+        for b in publisher.batches
+        if b.kind is EventKind.PYTHON
+        for i, start, dur in zip(b["name_id"], b["start_ns"], b["dur_ns"], strict=True)
+    ]
+    names = {name for name, _, _ in spans}
     assert "user_region" in names and any(n.startswith("aten::") for n in names)
     assert recorder.stats.hook_errors == 0 and not recorder._held
+    # one span covers the window, and the profiler's own events keep their real (epoch) timestamps inside it
+    (window,) = [(start, start + dur) for name, start, dur in spans if is_profiling_window(name)]
+    profiled = [(start, start + dur) for name, start, dur in spans if name == "user_region"]
+    assert profiled and all(window[0] <= a <= b <= window[1] for a, b in profiled)
+    steps = [(start, start + dur) for name, start, dur in spans if parse_step_marker(name) is not None]
+    inside = [s for s in steps if window[0] <= s[0] and s[1] <= window[1]]
+    assert 2 <= len(inside) < len(steps)
+
+
+def test_garbage_collections_are_host_spans(hooked) -> None:
+    import gc
+
+    fs, recorder, publisher = hooked
+    garbage = [[i] for i in range(200_000)]
+    for _ in range(3):
+        began = time.time_ns()
+        gc.collect()
+        ended = time.time_ns()
+        fs.step()
+    del garbage
+    recorder._flush()
+    pauses = [
+        (int(start), int(dur))
+        for b in publisher.batches
+        if b.kind is EventKind.PYTHON
+        for i, start, dur in zip(b["name_id"], b["start_ns"], b["dur_ns"], strict=True)
+        if b.names[i] == GC_PAUSE
+    ]
+    assert len(pauses) >= 3 and all(dur >= 100_000 for _, dur in pauses)
+    assert began <= pauses[-1][0] and pauses[-1][0] + pauses[-1][1] <= ended
 
 
 def test_the_bootstrap_loads_the_hook_only_when_the_process_imports_torch(tmp_path: Path) -> None:
