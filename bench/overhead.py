@@ -2,14 +2,14 @@
 
 Run: ``python bench/overhead.py [--rounds 3] [--steps 1500]``. Starts an embedded Tansu broker, then trains
 the same small DDP model (gloo, world size 1, one CPU thread) in fresh processes, alternating "off" (plain
-script) and "on" (``import fleetscope.producers.torch_hook as fs`` + ``fs.step()``, publishing to the
-broker), and prints the median steps/s of each, the slowdown ratio and the cost per step in µs. "on" is
-the default (on Gloo no DDP comm hook); "on with DDP hook" (``FLEETSCOPE_TORCH_DDP_HOOK=1``, the NCCL
-default) adds the extra pass over the gradients that a Python DDP comm hook costs on CPU (DDP fuses the
-1/world division into its bucket copy only without a hook). Two model sizes: the acceptance test's tiny MLP
-(a step well under a millisecond, the
-worst case for a fixed per-step cost) and a wider one closer to a real step. Not a test: numbers depend
-on the machine and its load.
+script) and the "on" modes (``import fleetscope.producers.torch_hook as fs`` + ``fs.step()``, publishing to
+the broker), and prints the median steps/s of each, the slowdown ratio and the cost per step in µs. "on" is
+the default: on Gloo DDP's gradient all-reduce is timed from the end of the backward pass, without a comm
+hook; "on_without_ddp_timing" (``FLEETSCOPE_TORCH_DDP_HOOK=0``) times no DDP all-reduce; "on_with_ddp_hook"
+(``=1``, the NCCL default) adds the extra pass over the gradients that a Python DDP comm hook costs on CPU
+(DDP fuses the 1/world division into its bucket copy only without a hook). Three model sizes: the
+acceptance test's tiny MLP (a step well under a millisecond, the worst case for a fixed per-step cost), a
+wider one, and one of about 50 ms a step. Not a test: numbers depend on the machine and its load.
 """
 
 from __future__ import annotations

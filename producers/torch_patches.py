@@ -3,12 +3,15 @@
 Why these points: they are where a training step's time goes on the host and where ranks meet, and each is
 cheap to time from Python (two clock reads and a deque append). Collectives are timed by wrapping the
 ``torch.distributed`` functions (with op, process group, group size, nccl-tests message size and a per-group
-sequence number, so ranks can be aligned without trusting wall clocks); DDP calls NCCL/Gloo from C++, so a
-DDP model gets ``timed_allreduce_hook`` (the stock ``allreduce_hook``, timed) at its first forward unless
-the user registered a comm hook (a user hook that calls ``dist.all_reduce`` is timed by the wrapper).
-``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) does so on NCCL only: with any Python comm hook DDP divides the
-gradients in a separate pass, a short kernel on a GPU but ~8 % of a CPU (Gloo) step (bench/overhead.py);
-``=1`` forces it, ``=0`` opts out. Host spans come from the global optimizer
+sequence number, so ranks can be aligned without trusting wall clocks; the flight recorder is told before
+the call, so a rank blocked inside one still says which). DDP calls NCCL/Gloo from C++: unless the user
+registered a comm hook (a user hook that calls ``dist.all_reduce`` is timed by the wrapper), a DDP model's
+gradient all-reduce is timed from its first forward: on NCCL by ``timed_allreduce_hook`` (the stock
+``allreduce_hook``, timed, one event per bucket); on any other backend (Gloo) without a comm hook, from
+the end of the backward pass to the end of DDP's wait (``_GradientSync``, one event per step), because
+with any Python comm hook DDP divides the gradients in a separate pass, a short kernel on a GPU but
+several per cent of a CPU step (bench/overhead.py). ``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) chooses
+so; ``=1`` forces the comm hook, ``=0`` times no DDP all-reduce. Host spans come from the global optimizer
 step hooks, from ``_BaseDataLoaderIter.__next__`` and from ``gc.callbacks`` (a ``gc.collect`` span per
 garbage collection of at least ``GC_MIN_PAUSE_NS``: a clock read per callback, an append per pause).
 Every patch is inert while no monitor records, and our own code on it runs under ``Recorder.guard``:
@@ -104,6 +107,8 @@ def reset_sequences() -> None:
 
 # -- collectives -----------------------------------------------------------------------------------------
 def _nbytes(value: Any) -> int:
+    if isinstance(value, int):
+        return value
     if isinstance(value, torch.Tensor):
         return int(value.numel() * value.element_size())
     if isinstance(value, list | tuple):
@@ -216,7 +221,9 @@ def _patch_ddp() -> None:
 
 
 def _ddp_first_forward(module: Any, _inputs: Any) -> None:
-    """At the first forward: time gradient buckets with the stock allreduce hook, unless the user has one."""
+    """At the first forward: time the gradient all-reduce, unless the user has a comm hook (then a
+    ``dist.all_reduce`` in it is timed by the wrapper). NCCL (or ``=1``): the stock allreduce hook, timed;
+    otherwise the whole synchronisation from the end of the backward pass (``_GradientSync``)."""
     handle = getattr(module, "_fleetscope_pre", None)
     if handle is not None:
         handle.remove()
@@ -224,11 +231,80 @@ def _ddp_first_forward(module: Any, _inputs: Any) -> None:
     if module._comm_hooks:
         return
     if os.environ.get(_DISABLE_DDP_HOOK, "auto") == "auto" and not _is_nccl(module.process_group):
+        module.register_forward_hook(_ddp_forward)  # even before a monitor records: it times only while one does
         return
-    try:  # even before a monitor records: the hook only times while one does
+    try:
         module.register_comm_hook(module.process_group, timed_allreduce_hook)
     except Exception as exc:  # e.g. a builtin comm hook is already registered
         logger.warning("fleetscope: DDP gradient buckets are not timed: %r", exc)
+
+
+def _ddp_forward(module: Any, _inputs: Any, output: Any) -> None:
+    """After a DDP forward that will synchronise gradients: time that synchronisation in its backward."""
+    mon = _current()
+    if mon is None or not torch.is_grad_enabled() or not module.require_backward_grad_sync:
+        return
+    mon.recorder.guard("ddp", _GradientSync.arm, mon, module, output)
+
+
+class _GradientSync:
+    """DDP's gradient all-reduce on one backward pass, timed without a comm hook.
+
+    Why: with any comm hook DDP no longer folds the 1/world division into its bucket copy, and the extra
+    pass over the gradients costs a CPU step several per cent. Without one, the backward pass launches the
+    buckets' all-reduces and DDP's final autograd callback waits for them. A hook on the forward's outputs
+    queues ``arrived`` at the start of the backward pass, so it runs when the pass's computation is done
+    (the last bucket launched: this rank's arrival) and before DDP's callback, queued later; ``arrived``
+    queues ``synced``, which runs after DDP's wait. One event per step: launched at arrival, done when every
+    bucket is reduced; meanwhile the flight recorder says the rank is inside it. Costs a few Python calls
+    per step, no pass over the gradients.
+    """
+
+    __slots__ = ("call", "mon", "module")
+
+    def __init__(self, mon: Instrumented, module: Any) -> None:
+        self.mon, self.module = mon, module
+        self.call: _Call | None = None
+
+    @staticmethod
+    def arm(mon: Instrumented, module: Any, output: Any) -> None:
+        tensors = [t for t in _tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        sync = _GradientSync(mon, module)
+        if len(tensors) == 1:
+            tensors[0].register_hook(sync.backward_started)
+        else:
+            torch.autograd.graph.register_multi_grad_hook(tensors, sync.backward_started, mode="any")
+
+    def backward_started(self, _grad: Any) -> None:
+        self.mon.recorder.guard("ddp", _queue_callback, self.arrived)
+
+    def arrived(self) -> None:
+        recorder = self.mon.recorder
+        nbytes = getattr(self.module, "_fleetscope_grad_bytes", None)
+        if nbytes is None:
+            nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
+            self.module._fleetscope_grad_bytes = nbytes
+        self.call = recorder.guard("ddp", _enter, self.mon, "allreduce", nbytes, self.module.process_group)
+        if self.call is not None:
+            recorder.guard("ddp", _queue_callback, self.synced)
+
+    def synced(self) -> None:
+        if self.call is not None:
+            self.mon.recorder.guard("collective_done", _leave, self.mon.recorder, self.call, time.time_ns())
+
+
+def _queue_callback(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _tree_leaves(output: Any) -> list[Any]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    from torch.utils._pytree import tree_leaves
+
+    return list(tree_leaves(output))
 
 
 def _is_nccl(process_group: Any) -> bool:

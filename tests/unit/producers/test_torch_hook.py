@@ -384,15 +384,37 @@ def _port() -> int:
     return free_port()
 
 
-def test_ddp_buckets_are_not_timed_on_gloo_by_default(hooked, monkeypatch) -> None:
-    """A Python comm hook costs a CPU (Gloo) step an extra pass over the gradients; NCCL only by default."""
+def test_on_gloo_ddp_gradient_sync_is_timed_without_a_comm_hook(hooked, monkeypatch) -> None:
+    """A Python comm hook costs a CPU (Gloo) step an extra pass over the gradients: the sync is timed from
+    the end of the backward pass instead, one event per step, and not when DDP skips the sync."""
     import torch.distributed as dist
 
     monkeypatch.delenv("FLEETSCOPE_TORCH_DDP_HOOK", raising=False)
+    fs, recorder, publisher = hooked
+    seen: list[object] = []
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
     try:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-        model(torch.ones(2, 8)).sum().backward()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(4):
+            out = model(torch.ones(2, 8))
+            if i == 2:
+                with model.no_sync():
+                    model(torch.ones(2, 8)).sum().backward()  # no all-reduce: nothing recorded
+            out.sum().backward()
+            seen.append(recorder.state.inside)
+            opt.step()
+            fs.step()
         assert not model._comm_hooks
+        with torch.no_grad():
+            model(torch.ones(2, 8))  # no backward
     finally:
         dist.destroy_process_group()
+    recorder._flush()
+    coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
+    assert [int(s) for b in coll for s in b["seq"]] == [0, 1, 2, 3]
+    assert {b.names[i] for b in coll for i in b["name_id"]} == {"gloo:allreduce"}
+    assert {int(n) for b in coll for n in b["nbytes"]} == {36} and seen == [None] * 4
+    last = recorder.state.last
+    assert last is not None and (last.op, last.pg, last.group_ranks, last.seq) == ("allreduce", "0", (0,), 3)
+    assert recorder.stats.hook_errors == 0
