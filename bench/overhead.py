@@ -32,8 +32,10 @@ def timed_steps(model_name: str, steps: int) -> int:
     return {"tiny": steps, "wide": max(steps // 10, 50), "step50": max(steps // 50, 30)}[model_name]
 
 
-def train(mode: str, model_name: str, steps: int, warmup: int) -> float:
-    """One run in this process; returns steps/s over ``steps`` after ``warmup``."""
+def train(mode: str, model_name: str, steps: int, warmup: int) -> tuple[float, float]:
+    """One run in this process; returns steps/s over ``steps`` after ``warmup``, and the process's CPU time
+    per step in ms (every thread: the recorder's and the publisher's too), which a loaded machine disturbs
+    less than the wall clock."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -53,10 +55,10 @@ def train(mode: str, model_name: str, steps: int, warmup: int) -> float:
     data = torch.utils.data.TensorDataset(torch.randn(total * batch, d_in), torch.randn(total * batch, 1))
     if fs is not None:
         fs.start()
-    began = 0.0
+    began = cpu_began = 0.0
     for i, (x, y) in enumerate(torch.utils.data.DataLoader(data, batch_size=batch)):
         if i == warmup:
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -64,13 +66,14 @@ def train(mode: str, model_name: str, steps: int, warmup: int) -> float:
         if fs is not None:
             fs.step()
     rate = steps / (time.perf_counter() - began)
+    cpu_ms = 1e3 * (time.process_time() - cpu_began) / steps
     if fs is not None:
         s = fs.stats()
         fs.stop()
         if s is None or s.dropped or s.hook_errors:
             raise SystemExit(f"the integration was not healthy: {s}")
     dist.destroy_process_group()
-    return rate
+    return rate, cpu_ms
 
 
 def main() -> None:
@@ -82,7 +85,8 @@ def main() -> None:
     if args.child:
         mode, model_name = args.child
         steps = timed_steps(model_name, args.steps)
-        print(json.dumps({"steps_per_s": train(mode, model_name, steps, warmup=max(steps // 10, 5))}))
+        rate, cpu_ms = train(mode, model_name, steps, warmup=max(steps // 10, 5))
+        print(json.dumps({"steps_per_s": rate, "cpu_ms_per_step": cpu_ms}))
         return
 
     from fleetscope.broker import TansuBroker, ensure_topics
@@ -101,19 +105,26 @@ def main() -> None:
         }
         for model_name in MODELS:
             rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+            cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
             for _ in range(args.rounds):
                 for mode, ddp_hook in MODES.items():
                     extra = {"FLEETSCOPE_TORCH_DDP_HOOK": ddp_hook} if ddp_hook is not None else {}
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--child", mode, model_name]
                     out = subprocess.run(cmd, env=env | extra, capture_output=True, text=True, check=True).stdout
-                    rates[mode].append(json.loads(out.strip().splitlines()[-1])["steps_per_s"])
-            off = statistics.median(rates["off"])
-            print(f"{model_name}: off {off:.1f} steps/s ({1e3 / off:.2f} ms/step), median of {args.rounds}")
+                    result = json.loads(out.strip().splitlines()[-1])
+                    rates[mode].append(result["steps_per_s"])
+                    cpu[mode].append(result["cpu_ms_per_step"])
+            off, off_cpu = statistics.median(rates["off"]), statistics.median(cpu["off"])
+            print(
+                f"{model_name}: off {off:.1f} steps/s ({1e3 / off:.2f} ms/step, CPU {off_cpu:.3f} ms/step), "
+                f"median of {args.rounds}"
+            )
             for mode in list(MODES)[1:]:
-                on = statistics.median(rates[mode])
+                on, on_cpu = statistics.median(rates[mode]), statistics.median(cpu[mode])
                 print(
                     f"  {mode:22s} {on:8.1f} steps/s   slowdown {off / on - 1:+.2%}   "
                     f"cost {1e6 * (1 / on - 1 / off):+.1f} us/step   "
+                    f"CPU {on_cpu / off_cpu - 1:+.2%} ({1e3 * (on_cpu - off_cpu):+.1f} us/step)   "
                     f"runs {[round(r, 1) for r in rates[mode]]}"
                 )
             print(f"  {'off runs':22s} {[round(r, 1) for r in rates['off']]}")
