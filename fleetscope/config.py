@@ -23,6 +23,7 @@ from fleetscope.sinks.clickhouse import ClickHouseConfig
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig
+from fleetscope.streams.profiling import ProfileRequestConfig
 
 ENV_PREFIX = "FLEETSCOPE__"
 
@@ -119,6 +120,8 @@ class StreamSettings:
     job_idle_ms: int = 2000
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
+    profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
+    """Automatic profile requests of the differential stage."""
 
     def __post_init__(self) -> None:
         unknown = [stage for stage in self.stages if stage not in STAGES]

@@ -96,3 +96,12 @@ def host_phase(name: str) -> str | None:
     if name == "optimizer.step" or name.startswith("Optimizer.step#"):
         return "optimizer"
     return None
+
+
+PROFILING_WINDOW = "fleetscope#profiling_window"
+"""Host span a producer publishes over each profiler window: iterations it overlaps are ``profiled``."""
+
+
+def is_profiling_window(name: str) -> bool:
+    """Whether a host span marks a profiler window (not a host function: never scored)."""
+    return name == PROFILING_WINDOW

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
 from fleetscope.streams.intake import intake
 from fleetscope.streams.job_state import DifferentialRecovery
+from fleetscope.streams.profiling import ProfilePolicy, ProfileRequestConfig
 from fleetscope.streams.recovery import (
     Gate,
     InputClock,
@@ -66,7 +66,7 @@ class StreamAppConfig:
     take_max_events: int = 256
     take_within_ms: int = 200
     job_idle_ms: int = 2000
-    profile_seconds: float = 20.0
+    profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: Any = None
     differential: Any = None
 
@@ -82,31 +82,11 @@ class StageCounters:
     pattern_records: int = 0
     findings: int = 0
     per_reason: dict[str, int] = field(default_factory=dict)
+    profile_requests_suppressed: int = 0
     held_messages: int = 0
     state_writes: int = 0
     states_restored: int = 0
     replayed_skipped: int = 0
-
-
-PROFILE_ON = frozenset({"job_regression", "hang"})
-"""Findings that ask every rank of the job for a profiling window (PerfTracker's trigger)."""
-
-
-def profile_request(finding: dict[str, Any], seconds: float, start_in_s: float = 5.0) -> dict[str, Any]:
-    """A control record asking the job's ranks for a synchronised profile (see control.v1.avsc)."""
-    now = time.time_ns()
-    # Named after the finding's state change, so a request re-emitted after a restart is recognised.
-    request_id = uuid.uuid5(uuid.NAMESPACE_URL, f"fleetscope:{finding['finding_id']}#{finding['version']}")
-    return {
-        "request_id": request_id.hex,
-        "job": finding["job"],
-        "action": "profile",
-        "duration_s": float(seconds),
-        "start_at_ns": now + int(start_in_s * 1e9),
-        "requested_by": "differential",
-        "reason": f"{finding['category']} opened: {finding['finding_id']}",
-        "issued_ns": now,
-    }
 
 
 def create_app(cfg: StreamAppConfig) -> faust.App:
@@ -140,6 +120,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     control = raw(topics.control)
 
     counters = StageCounters()
+    profiles = ProfilePolicy(cfg.profiling)
     windowers: dict[RankId, RankWindower] = {}
     job_seen: dict[str, int] = {}
     within_s = cfg.take_within_ms / 1000
@@ -215,8 +196,8 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         for rec in records:
             sent.append(await findings_out.send(key=job_key(rec["job"]), value=encode("findings", rec)))
             counters.findings += 1
-            if rec["status"] == "open" and rec["category"] in PROFILE_ON:
-                request = profile_request(rec, cfg.profile_seconds)
+            request = profiles.request(rec, time.monotonic_ns())
+            if request is not None:
                 sent.append(await control.send(key=job_key(rec["job"]), value=encode("control", request)))
         await asyncio.gather(*sent)
 
@@ -358,6 +339,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     @app.timer(interval=10.0)
     async def report() -> None:
         counters.held_messages = len(wrec.holds) + len(drec.holds)
+        counters.profile_requests_suppressed = profiles.suppressed
         counters.state_writes = wrec.log.writes + drec.log.writes
         counters.states_restored = wrec.restored + drec.restored
         log.info("stream stages: %s", counters)

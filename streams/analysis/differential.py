@@ -48,6 +48,8 @@ class JobDifferential:
         self._functions = FunctionIndex()
         self.iterations_scored = 0
         self.late_records = 0
+        self.skipped_profiled = 0
+        """Iterations profiled on some ranks only: not compared across ranks."""
 
     @property
     def scored_upto(self) -> int:
@@ -69,6 +71,7 @@ class JobDifferential:
         self.__dict__.setdefault("_last_seen_ns", OrderedDict())
         self.__dict__.setdefault("_first_seen_ns", None)
         self.__dict__.setdefault("_unseen", (-1, []))
+        self.__dict__.setdefault("skipped_profiled", 0)
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit.
@@ -140,11 +143,24 @@ class JobDifferential:
         records = list(self._pending.pop(it).values())
         self._scored_upto = it
         self.iterations_scored += 1
+        profiled = sum(1 for r in records if r.get("profiled", False))
+        if 0 < profiled < len(records):
+            # A profiler slows the ranks it runs on: compared with unprofiled ones they would all stand out.
+            self.skipped_profiled += 1
+            return self._missing_ranks(it, records)
         signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
-        regression = self._regression.observe(float(np.median([r["iteration_ns"] for r in records])))
+        iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
+        regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
+        late_open: list[dict[str, Any]] = []
         if regression is not None:
-            signals.append(replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records))))
+            regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
+            if self.tracker.is_open(regression.key()):
+                signals.append(regression)
+            else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
+                late_open = [regression]
         out = self.tracker.observe(it, signals)
+        for sig in late_open:
+            out += self.tracker.emit_now(sig, it)
         return out + self._missing_ranks(it, records)
 
     def _missing_ranks(self, it: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -111,6 +111,10 @@ class FindingTracker:
             if tr.finding_id and tr.emitted_iteration < tr.iteration_last
         ]
 
+    def is_open(self, key: tuple[str, str]) -> bool:
+        tr = self._tracks.get(key)
+        return tr is not None and bool(tr.finding_id)
+
     def open_findings(self) -> int:
         return sum(1 for tr in self._tracks.values() if tr.finding_id)
 

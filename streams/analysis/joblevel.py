@@ -1,8 +1,9 @@
 """Job-level checks: a job compared with its own history (regression) and with progress (hang).
 
 Nothing stands out among peers when every rank slows down alike or when the whole job stops, so
-these checks do not use peers. Regression follows PerfTracker: the recent iteration time against
-the recent best; a rolling median keeps one-off pauses (checkpoints) from counting. Hang: every
+these checks do not use peers. Regression: a change-point test of the recent iterations' median
+against a baseline learnt after warm-up, adaptive to the job's own noise, so that warm-up, noise and
+one-off pauses (checkpoints, GC) do not count and a sustained step does. Hang: every
 rank has stopped progressing for ``stall_factor`` mean iterations while its clock (hardware samples,
 or processing time) moves on; the rank that stopped first is the culprit. Each rank's stall is
 measured on its own clock, so clock skew between hosts does not matter.
@@ -11,6 +12,7 @@ measured on its own clock, so clock skew between hosts does not matter.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,42 +23,127 @@ from fleetscope.streams.analysis.outliers import RankSignal
 
 @dataclass(frozen=True, kw_only=True)
 class JobLevelConfig:
-    recent_iterations: int = 8
+    warmup_iterations: int = 2
+    """The job's first iterations (compilation, allocator and autotuning warm-up) never form its baseline."""
+    baseline_min_iterations: int = 4
+    recent_iterations: int = 4
+    """The segment tested for a step: its median against the baseline's."""
+    confirm_iterations: int = 2
+    """The step must hold on this many consecutive segments (one more iteration each)."""
     history_iterations: int = 50
     regression_threshold: float = 0.05
+    """The smallest step reported, as a share of the baseline."""
+    noise_z: float = 5.0
+    """...and the step must exceed this many standard errors of the two medians (noise-adaptive)."""
     stall_factor: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.recent_iterations < 1 or self.history_iterations < self.recent_iterations:
-            raise ValueError("need 1 <= recent_iterations <= history_iterations")
-        if self.regression_threshold <= 0 or self.stall_factor <= 1:
-            raise ValueError("regression_threshold must be > 0 and stall_factor > 1")
+        if self.recent_iterations < 2 or self.history_iterations < self.baseline_min_iterations:
+            raise ValueError("need recent_iterations >= 2 and baseline_min_iterations <= history_iterations")
+        if self.warmup_iterations < 0 or self.baseline_min_iterations < 2 or self.confirm_iterations < 1:
+            raise ValueError("need warmup_iterations >= 0, baseline_min_iterations >= 2, confirm_iterations >= 1")
+        if self.regression_threshold <= 0 or self.noise_z <= 0 or self.stall_factor <= 1:
+            raise ValueError("regression_threshold and noise_z must be > 0 and stall_factor > 1")
+
+
+@dataclass(frozen=True, slots=True)
+class StepTest:
+    """The change-point test of one segment against the baseline before it."""
+
+    baseline_ns: float
+    recent_ns: float
+    step: float
+    """recent / baseline - 1"""
+    threshold: float
+    noise_ns: float
+    above_baseline: int
+    """Iterations of the segment slower than every usual baseline iteration."""
+
+    def flagged(self, segment: int) -> bool:
+        return self.step >= self.threshold and self.above_baseline >= segment - 1
+
+
+def step_test(baseline: Sequence[float], recent: Sequence[float], config: JobLevelConfig) -> StepTest:
+    """Whether ``recent`` sits one sustained step above ``baseline`` (pure).
+
+    Levels are medians, so one slow iteration (checkpoint, GC pause) in either moves nothing. The step
+    must exceed ``regression_threshold`` and ``noise_z`` standard errors of the two medians, the noise
+    being the pooled spread around them (a long baseline drops its largest deviation: one spike does not
+    blind the test for ``history_iterations``); and all but one of the segment's iterations must be
+    slower than the baseline's slowest (its second slowest once it is long), so a few slow iterations
+    among fast ones are no step."""
+    b_arr, r_arr = np.asarray(baseline, dtype=np.float64), np.asarray(recent, dtype=np.float64)
+    b, m = float(np.median(b_arr)), float(np.median(r_arr))
+    long = b_arr.size >= 8
+    dev_b = np.sort(np.abs(b_arr - b))[: b_arr.size - 1] if long else np.abs(b_arr - b)
+    dev = np.concatenate([dev_b, np.abs(r_arr - m)])
+    noise = max(float(np.sqrt(np.sum(dev**2) / max(dev.size - 2, 1))), 0.005 * b)
+    stderr = noise * float(np.sqrt(1 / b_arr.size + 1 / r_arr.size))
+    threshold = max(config.regression_threshold, config.noise_z * stderr / b) if b > 0 else np.inf
+    top = float(np.sort(b_arr)[-2]) if long else float(b_arr.max())
+    return StepTest(
+        baseline_ns=b, recent_ns=m, step=m / b - 1 if b > 0 else 0.0, threshold=float(threshold),
+        noise_ns=noise, above_baseline=int(np.count_nonzero(r_arr > top)),
+    )  # fmt: skip
 
 
 class RegressionCheck:
-    """Rolling median of the job's iteration time against its best over the recent history."""
+    """The job's iteration time against a baseline learnt after warm-up: a change-point test for a sustained
+    step (``step_test``), confirmed on consecutive segments. Profiled iterations (slowed by the profiler)
+    are neither baseline nor segment. While a step holds, the baseline is frozen; when the job is back to
+    its baseline for a whole segment, the baseline learns again."""
 
     def __init__(self, config: JobLevelConfig) -> None:
         self.config = config
-        self._durations: deque[float] = deque(maxlen=config.recent_iterations)
-        self._rolling: deque[float] = deque(maxlen=config.history_iterations)
+        self._seen = 0
+        self._recent: deque[float] = deque(maxlen=config.recent_iterations)
+        self._baseline: deque[float] = deque(maxlen=config.history_iterations)
+        self._hits = 0
+        self._clear = 0
+        self._onset = -1
+        self._iterations: deque[int] = deque(maxlen=config.recent_iterations)
 
-    def observe(self, iteration_ns: float) -> RankSignal | None:
+    @property
+    def active(self) -> bool:
+        """A step was confirmed and the job has not been back to its baseline for a whole segment since."""
+        return self._hits >= self.config.confirm_iterations
+
+    def observe(self, iteration_ns: float, iteration: int = -1, profiled: bool = False) -> RankSignal | None:
         cfg = self.config
-        self._durations.append(iteration_ns)
-        if len(self._durations) < cfg.recent_iterations:
+        if profiled:
             return None
-        current = float(np.median(self._durations))
-        self._rolling.append(current)
-        best = min(self._rolling)
-        if len(self._rolling) < cfg.recent_iterations or current <= (1 + cfg.regression_threshold) * best:
+        self._seen += 1
+        if self._seen <= cfg.warmup_iterations:
+            return None
+        if len(self._recent) == self._recent.maxlen and self._hits == 0:
+            self._baseline.append(self._recent[0])
+        self._recent.append(iteration_ns)
+        self._iterations.append(iteration)
+        if len(self._recent) < cfg.recent_iterations or len(self._baseline) < cfg.baseline_min_iterations:
+            return None
+        test = step_test(self._baseline, self._recent, cfg)
+        if test.flagged(cfg.recent_iterations):
+            if self._hits == 0:
+                self._onset = self._iterations[0]
+            self._hits, self._clear = self._hits + 1, 0
+        elif self.active:
+            self._clear += 1
+            if self._clear >= cfg.recent_iterations:
+                self._hits = self._clear = 0
+            return None
+        else:
+            self._hits = 0
+            return None
+        if not self.active:
             return None
         return RankSignal(
             rank=-1, host="", category="job_regression", function="iteration", metric="iteration_ns",
-            value=current, peer_median=best, score=(current / best - 1) / cfg.regression_threshold,
-            loss_ns=current - best, subject="job",
-            evidence={"recent_median_ns": current, "recent_best_ns": best,
-                      "slowdown": round(current / best - 1, 4), "window_iterations": cfg.recent_iterations},
+            value=test.recent_ns, peer_median=test.baseline_ns, score=test.step / test.threshold,
+            loss_ns=test.recent_ns - test.baseline_ns, subject="job",
+            evidence={"baseline_ns": test.baseline_ns, "recent_median_ns": test.recent_ns,
+                      "slowdown": round(test.step, 4), "threshold": round(test.threshold, 4),
+                      "noise_ns": test.noise_ns, "onset_iteration": self._onset,
+                      "baseline_iterations": len(self._baseline), "window_iterations": cfg.recent_iterations},
         )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, parse_step_marker
-from fleetscope.schemas.vocabulary import host_phase
+from fleetscope.schemas.vocabulary import host_phase, is_profiling_window
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
 from fleetscope.streams.analysis.patterns import IterationEvents, NameTable, summarize_iterations
@@ -41,6 +41,8 @@ _KEPT = {kind: [(c, c in _ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"
 """Per kind, the batch columns the windower buffers and whether each indexes the name dictionary."""
 _MAX_STEP = 2**62
 """Step markers beyond this are ignored: their number would not fit the records' Avro long."""
+_MAX_WINDOWS = 16
+"""Profiler windows a rank remembers (the latest): enough to mark the steps still open and judge stalls."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +193,11 @@ class RankWindower:
     _marker_steps: list[int | None] = field(default_factory=list)
     """Step number of each name of ``_names`` that is a step marker."""
     _is_marker: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    _is_window: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    """Per name of ``_names``, whether it is a profiler window's span."""
+    _windows: list[tuple[int, int]] = field(default_factory=list)
+    """The rank's latest profiler windows (start, end): the steps they overlap are ``profiled``, and the
+    events a window holds back make no stall."""
     _mean_ns: float = 0.0
     _gpu_end_memo: tuple[tuple[int, int], Cols | None, Cols | None, int] | None = None
     """The last ``_gpu_end`` answer and the kernel/collective buffers it read (buffers are replaced, never
@@ -290,7 +297,9 @@ class RankWindower:
 
     def _check_stall(self, clock_ns: int, mean_ns: float) -> None:
         batch_lag = min(self._progress_span_ns.values(), default=0)
-        stalled = clock_ns - self._last_progress_ns >= self.config.stall_factor * mean_ns + batch_lag
+        # A profiler window holds the rank's events back until it closes: up to its end, that is no stall.
+        progress = max([self._last_progress_ns, *(we for ws, we in self._windows if ws <= clock_ns)])
+        stalled = clock_ns - progress >= self.config.stall_factor * mean_ns + batch_lag
         if stalled == self._stalled or self.header is None:
             return
         self._stalled = stalled
@@ -322,12 +331,20 @@ class RankWindower:
         return cols
 
     def _take_step_markers(self, cols: Cols) -> Cols:
+        """Take step markers and profiler windows out of a host batch (they are no host functions)."""
         ids = cols["name_id"]
         steps = self._marker_steps
         if len(steps) < len(self._names):
-            new = [parse_step_marker(n) for n in self._names[len(steps) :]]
+            names = self._names[len(steps) :]
+            new = [parse_step_marker(n) for n in names]
             steps += new
             self._is_marker = np.concatenate((self._is_marker, np.array([s is not None for s in new], dtype=bool)))
+            windows = np.array([is_profiling_window(n) for n in names], dtype=bool)
+            self._is_window = np.concatenate((self._is_window, windows))
+        is_window = self._is_window[ids]
+        if is_window.any():
+            cols = self._take_windows(cols, is_window)
+            ids = cols["name_id"]
         is_marker = self._is_marker[ids]
         if not is_marker.any():
             return cols
@@ -340,6 +357,17 @@ class RankWindower:
                 start = int(cols["start_ns"][i])
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
         return {k: v[~is_marker] for k, v in cols.items()}
+
+    def _take_windows(self, cols: Cols, is_window: npt.NDArray[np.bool_]) -> Cols:
+        for i in np.flatnonzero(is_window).tolist():
+            start = int(cols["start_ns"][i])
+            self._windows.append((start, start + max(int(cols["dur_ns"][i]), 0)))
+        self._windows = sorted(set(self._windows))[-_MAX_WINDOWS:]
+        return {k: v[~is_window] for k, v in cols.items()}
+
+    def _profiled(self, start: int, end: int) -> bool:
+        """Whether a profiler window overlaps the step [start, end)."""
+        return any(ws < end and we > start for ws, we in self._windows)
 
     def _add_spans(self, mode: str, spans: list[Span]) -> None:
         if not spans or self._mode not in ("", mode):
@@ -460,4 +488,5 @@ class RankWindower:
         self._mean_ns = float(np.add.reduce(np.asarray(self._durations), dtype=np.float64) / len(self._durations))
         self.counters.iterations += 1
         who = identity(self.header) if self.header else {}
+        who["profiled"] = self._profiled(start, end)
         return ClosedIteration.pending(events, who, self._mode or "step_marker")

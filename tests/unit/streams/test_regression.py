@@ -1,0 +1,64 @@
+"""job_regression: a sustained job-wide step is found within 5 iterations; warm-up, noise and spikes are not."""
+
+import numpy as np
+import pytest
+
+from fleetscope.streams.analysis.joblevel import JobLevelConfig, RegressionCheck, step_test
+
+
+def first_flag(durations, profiled=()) -> int | None:
+    check = RegressionCheck(JobLevelConfig())
+    for i, d in enumerate(durations):
+        if check.observe(float(d), i, profiled=i in profiled) is not None:
+            return i
+    return None
+
+
+def noisy(n: int, noise: float, seed: int, base: float = 50e6) -> np.ndarray:
+    return base * (1 + np.random.default_rng(seed).uniform(-noise, noise, n))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_20_percent_step_from_iteration_6_of_12_is_found_within_5_iterations(seed):
+    x = noisy(12, 0.03, seed)
+    x[6:] *= 1.2
+    flagged = first_flag(x)
+    assert flagged is not None and 6 <= flagged <= 10
+
+
+def test_a_healthy_job_with_10_percent_noise_is_never_flagged():
+    assert [s for s in range(300) if first_flag(noisy(12, 0.10, s)) is not None] == []
+    assert [s for s in range(20) if first_flag(noisy(300, 0.10, 1000 + s)) is not None] == []
+
+
+def test_warm_up_single_spikes_and_checkpoints_are_no_regression():
+    x = noisy(200, 0.03, 7)
+    x[:3] *= [5.0, 2.0, 1.3]  # warm-up: compilation, autotuning
+    x[20::25] *= 4.0  # a checkpoint every 25 iterations
+    x[33] *= 2.5  # a GC pause
+    assert first_flag(x) is None
+
+
+def test_a_faster_job_and_a_step_below_the_threshold_are_no_regression():
+    x = noisy(60, 0.01, 3)
+    x[30:] *= 0.7
+    assert first_flag(x) is None
+    y = noisy(60, 0.005, 4)
+    y[30:] *= 1.03
+    assert first_flag(y) is None
+
+
+def test_profiled_iterations_are_neither_baseline_nor_regression():
+    x = noisy(60, 0.02, 5)
+    window = set(range(20, 40))
+    x[sorted(window)] *= 1.7  # the profiler slows the steps it records
+    assert first_flag(x, profiled=window) is None
+    assert first_flag(x) is not None  # the same trace without the marks would be a regression
+
+
+def test_the_step_test_reports_its_evidence():
+    test = step_test([100.0, 101, 99, 100, 100], [121.0, 119, 120, 122], JobLevelConfig())
+    assert test.flagged(4) and test.baseline_ns == 100 and test.recent_ns == 120.5
+    assert test.step == pytest.approx(0.205) and test.threshold >= 0.05 and test.above_baseline == 4
+    spikes = step_test([100.0, 101, 99, 100, 100], [100.0, 250, 99, 260], JobLevelConfig())
+    assert not spikes.flagged(4)  # two slow iterations among normal ones: no step
