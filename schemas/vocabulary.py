@@ -16,14 +16,8 @@ _NCCL_RE = re.compile(r"^(nccl(Dev)?Kernel_|ncclKernel|nccl:)", re.IGNORECASE)
 _MEMORY_RE = re.compile(r"^(Memcpy|Memset|memcpy|memset|\[memory\])|^cudaMemcpy|^cudaMemset")
 
 
-PROFILING_WINDOW = "fleetscope#profiling_window"
-"""Host span covering a torch.profiler window: the iterations it overlaps ran under the profiler."""
 GC_PAUSE = "gc.collect"
 """Host span of a Python garbage collection (from ``gc.callbacks``): a GC-bound rank is ``host_slow`` on it."""
-
-
-def is_profiling_window(name: str) -> bool:
-    return name == PROFILING_WINDOW
 
 
 def step_marker_name(step: int) -> str:

@@ -120,9 +120,18 @@ class Live:
         ranks = [
             subprocess.Popen(
                 [sys.executable, str(self.script), str(steps), fault, str(faulty), str(at)],
-                env=self.env | {"FLEETSCOPE_JOB": name, "RANK": str(r), "LOCAL_RANK": str(r),
-                                "WORLD_SIZE": str(WORLD), "MASTER_PORT": port},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.script.parent,
+                env=self.env
+                | {
+                    "FLEETSCOPE_JOB": name,
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "WORLD_SIZE": str(WORLD),
+                    "MASTER_PORT": port,
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=self.script.parent,
             )  # fmt: skip
             for r in range(WORLD)
         ]
@@ -134,7 +143,8 @@ class Live:
         return [tuple(r) for r in rows]
 
     def iterations(self, job: str) -> dict[int, int]:
-        rows = self.query("SELECT rank, max(iteration) FROM {db}.iterations WHERE job = {{job:String}} GROUP BY rank", job)
+        sql = "SELECT rank, max(iteration) FROM {db}.iterations WHERE job = {{job:String}} GROUP BY rank"
+        rows = self.query(sql, job)
         return {int(r): int(n) for r, n in rows}
 
     def updates(self, job: str) -> list[dict[str, Any]]:
