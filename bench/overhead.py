@@ -15,6 +15,7 @@ wider one, and one of about 50 ms a step. Not a test: numbers depend on the mach
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -76,12 +77,88 @@ def train(mode: str, model_name: str, steps: int, warmup: int) -> tuple[float, f
     return rate, cpu_ms
 
 
+def paired(model_name: str, blocks: int, block_steps: int, variant: str) -> dict[str, float]:
+    """A cost in one process, robust to a loaded machine: blocks of ``block_steps`` steps alternate between
+    two setups (A, B, B, A, ...), so slow drifts of the machine's load cancel out. ``monitor``: the default
+    monitoring recording (A) or inert (B) on the same DDP model, the hot-path cost (the background thread
+    runs through both, so its cost is shared out); ``ddp_hook``: a DDP model with the timed Python comm
+    hook (A) or without one (B), both monitored. Returns the medians' difference per step (wall and CPU,
+    in µs) and B's step time."""
+    import statistics as st
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fleetscope.producers.torch_hook as fs
+    from fleetscope.broker import free_port
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    d_in, hidden, batch = MODELS[model_name]
+    torch.manual_seed(0)
+    models = [DDP(torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)))]
+    if variant == "ddp_hook":  # run with FLEETSCOPE_TORCH_DDP_HOOK=0: only this model gets the comm hook
+        from fleetscope.producers.torch_patches import timed_allreduce_hook
+
+        models.append(DDP(torch.nn.Sequential(*(copy.deepcopy(m) for m in models[0].module))))
+        models[1].register_comm_hook(models[1].process_group, timed_allreduce_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    n = block_steps * batch
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(n, d_in), torch.randn(n, 1)), batch_size=batch
+    )
+    mon = fs.start()
+    if mon is None:
+        raise SystemExit("monitoring did not start")
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for b in range(2 * blocks + 4):
+        on = b % 4 in (0, 3)
+        which = int(on and variant == "ddp_hook")
+        model, opt = models[which], opts[which]
+        fs._monitor = mon if on or variant == "ddp_hook" else None
+        began, cpu_began = time.perf_counter(), time.process_time()
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            fs.step()
+        if b >= 4:  # the first quad warms up
+            wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
+            times[on].append((wall / block_steps, cpu / block_steps))
+    fs._monitor = mon
+    s = fs.stats()
+    fs.stop()
+    dist.destroy_process_group()
+    if s is None or s.dropped or s.hook_errors:
+        raise SystemExit(f"the integration was not healthy: {s}")
+    # each A, B, B, A quad gives one difference, free of a linear drift within it; the median of those
+    quads = [
+        [(a1[i] + a2[i] - b1[i] - b2[i]) / 2 for i in (0, 1)]
+        for a1, a2, b1, b2 in zip(
+            times[True][0::2], times[True][1::2], times[False][0::2], times[False][1::2], strict=True
+        )
+    ]
+    return {
+        "step_ms": 1e3 * st.median(t[0] for t in times[False]),
+        "wall_us": 1e6 * st.median(q[0] for q in quads),
+        "cpu_us": 1e6 * st.median(q[1] for q in quads),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1500, help="timed steps of the tiny model (wide: / 10)")
+    parser.add_argument("--paired", action="store_true", help="in-process on/off blocks (hot-path cost)")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child and args.paired:
+        variant, model_name = args.child
+        block_steps = {"tiny": 200, "wide": 20, "step50": 4}[model_name]
+        print(json.dumps(paired(model_name, 8 * args.rounds, block_steps, variant)))
+        return
     if args.child:
         mode, model_name = args.child
         steps = timed_steps(model_name, args.steps)
@@ -103,6 +180,22 @@ def main() -> None:
             "FLEETSCOPE_JOB": "bench",
             "OMP_NUM_THREADS": "1",
         }
+        if args.paired:
+            for model_name in MODELS:
+                print(f"{model_name}: in-process paired blocks, {8 * args.rounds} of each")
+                for variant, ddp_hook in (("monitor", None), ("ddp_hook", "0")):
+                    extra = {"FLEETSCOPE_TORCH_DDP_HOOK": ddp_hook} if ddp_hook is not None else {}
+                    cmd = [sys.executable, __file__, "--rounds", str(args.rounds), "--paired", "--child", variant]
+                    out = subprocess.run([*cmd, model_name], env=env | extra, capture_output=True, text=True)
+                    if out.returncode:
+                        raise SystemExit(out.stderr)
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    what = "monitoring (default) vs inert" if variant == "monitor" else "Python comm hook vs none"
+                    print(
+                        f"  {what:30s} wall {r['wall_us']:+8.1f} us/step ({r['wall_us'] / 10 / r['step_ms']:+.2f} %)"
+                        f"   CPU {r['cpu_us']:+8.1f} us/step   step {r['step_ms']:.2f} ms"
+                    )
+            return
         for model_name in MODELS:
             rates: dict[str, list[float]] = {mode: [] for mode in MODES}
             cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
