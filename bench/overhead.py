@@ -116,14 +116,16 @@ def paired(model_name: str, blocks: int, block_steps: int, variant: str) -> dict
         on = b % 4 in (0, 3)
         which = int(on and variant == "ddp_hook")
         model, opt = models[which], opts[which]
-        fs._monitor = mon if on or variant == "ddp_hook" else None
+        recording = on or variant == "ddp_hook"
+        fs._monitor = mon if recording else None  # inert: as in a script without fs.step()
         began, cpu_began = time.perf_counter(), time.process_time()
         for x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            fs.step()
+            if recording:
+                fs.step()
         if b >= 4:  # the first quad warms up
             wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
             times[on].append((wall / block_steps, cpu / block_steps))

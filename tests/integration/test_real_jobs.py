@@ -221,8 +221,15 @@ def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding(liv
         time.sleep(0.3)
     assert min(live.iterations(job.name).values()) >= steps - 2
     time.sleep(3)  # the differential's last decisions, and the job's end
+    sql = (
+        "SELECT rank, groupArray(iteration) FROM (SELECT rank, iteration FROM {db}.iterations "
+        "WHERE job = {{job:String}} AND profiled ORDER BY iteration) GROUP BY rank ORDER BY rank"
+    )
+    profiled = {int(r): sorted(its) for r, its in live.query(sql, job.name)}
     found = live.updates(job.name)
-    assert found == [], _show(found)
+    assert found == [], f"{_show(found)}\nprofiled: {profiled}"
+    # the window's steps were marked profiled on every rank, and they are few
+    assert set(profiled) == set(range(WORLD)) and all(0 < len(its) < 60 for its in profiled.values()), profiled
 
 
 FAULTS = {
