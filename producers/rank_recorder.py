@@ -222,6 +222,11 @@ class Recorder:
     def running(self) -> bool:
         return self._thread is not None
 
+    def on_own_thread(self) -> bool:
+        """Whether the caller is the recorder's background thread (building batches, publishing)."""
+        thread = self._thread
+        return thread is not None and thread.ident == threading.get_ident()
+
     # -- hot paths: O(1), no lock, never raise -------------------------------------------------------
     def python_span(self, name: str, start_ns: int, dur_ns: int, depth: int = 0) -> None:
         """A host-side span (step marker, dataloader.next, optimizer.step, user annotation)."""

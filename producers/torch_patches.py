@@ -399,8 +399,8 @@ def _on_gc(phase: str, _info: dict[str, int]) -> None:
         _gc_start_ns = time.time_ns()
         return
     mon = _current()
-    if mon is None or not _gc_start_ns:
-        return
+    if mon is None or not _gc_start_ns or mon.recorder.on_own_thread():
+        return  # a collection our own thread's allocations caused is no pause of the training's
     pause = time.time_ns() - _gc_start_ns
     if pause >= GC_MIN_PAUSE_NS:
         mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, pause, 0)
