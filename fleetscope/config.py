@@ -93,8 +93,13 @@ class ProducerSettings:
     spool_max_bytes: int = 268_435_456
     delivery_timeout_ms: int = 30_000
     retry_backoff_max_ms: int = 5_000
+    heartbeat_interval_ms: int = 1000
+    """How often the PyTorch hook publishes each rank's heartbeat (its step and collective), also while the
+    training thread is blocked."""
 
     def __post_init__(self) -> None:
+        if self.heartbeat_interval_ms < 1:
+            raise ValueError(f"heartbeat_interval_ms must be >= 1, got {self.heartbeat_interval_ms}")
         PublisherConfig(  # one set of rules: the publisher's own validation
             bootstrap_servers="-",
             spool_max_bytes=self.spool_max_bytes,

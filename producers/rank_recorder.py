@@ -3,9 +3,10 @@
 Why it looks like this: it runs inside a training process, so the training thread only appends a tuple to a
 bounded deque (no lock, no I/O, O(1)); when the deque is full the event is dropped and counted. One background
 thread owns the ``Publisher``: every ``flush_interval_ms`` it drains the deque, builds column batches (one
-per kind, with the per-batch name dictionary) and publishes them. Nothing here imports torch, so it is tested
-without it. Every piece of our own code that runs on a hook goes through ``guard``: an exception is counted
-and logged once, never propagated into the training loop.
+per kind, with the per-batch name dictionary) and publishes them; every ``heartbeat_interval_ms`` it
+publishes the rank's ``heartbeat`` (``flight_recorder``), also while the training thread is blocked.
+Nothing here imports torch, so it is tested without it. Every piece of our own code that runs on a hook
+goes through ``guard``: an exception is counted and logged once, never propagated into the training loop.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from fleetscope.producers.flight_recorder import RankState, heartbeat_record
 from fleetscope.producers.publisher import PublisherStats
-from fleetscope.schemas import BatchHeader, EventBatch, EventKind
+from fleetscope.schemas import BatchHeader, EventBatch, EventKind, Topics, encode
+from fleetscope.schemas.topics import job_key
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,9 @@ class BatchPublisher(Protocol):
 
     def start(self) -> None: ...
     def publish(self, batch: EventBatch) -> bool: ...
+    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool: ...
+    @property
+    def topics(self) -> Topics: ...
     def stop(self, timeout_s: float = 10.0) -> None: ...
     @property
     def stats(self) -> PublisherStats: ...
@@ -122,13 +128,16 @@ class RecorderConfig:
     queue_max_events: int = 200_000
     max_pending_batches: int = 256
     flush_interval_ms: int = 500
+    heartbeat_interval_ms: int = 1000
+    """How often the background thread publishes the rank's heartbeat."""
     max_batch_events: int = 4096
     stop_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
+        names = ("queue_max_events", "max_pending_batches", "flush_interval_ms", "heartbeat_interval_ms")
         p = [
             f"{name} must be >= 1, got {getattr(self, name)!r}"
-            for name in ("queue_max_events", "max_pending_batches", "flush_interval_ms", "max_batch_events")
+            for name in (*names, "max_batch_events")
             if getattr(self, name) < 1
         ]
         if self.stop_timeout_s < 0:
@@ -145,6 +154,7 @@ class RecorderStats:
     dropped: int = 0
     """Events or batches refused because a bound was reached (never blocks instead)."""
     batches: int = 0
+    heartbeats: int = 0
     hook_errors: int = 0
     """Exceptions raised by our own code inside a hook, swallowed."""
     errors_by_site: Mapping[str, int] = field(default_factory=dict)
@@ -176,6 +186,11 @@ class Recorder:
         self._recorded = 0
         self._dropped = 0
         self._batches_sent = 0
+        self.state = RankState()
+        """The flight recorder the hooks write and the heartbeat reads."""
+        self._heartbeats = 0
+        self._next_beat = 0.0
+        self._heartbeat_topic = ""
         self._errors: dict[str, int] = {}
         self._logged: set[str] = set()
         self._stop = threading.Event()
@@ -192,6 +207,7 @@ class Recorder:
                 return
             self._started = True
             self._publisher.start()
+            self._heartbeat_topic = self._publisher.topics.heartbeats
             self._thread = threading.Thread(target=self._run, name="fleetscope-recorder", daemon=True)
             self._thread.start()
 
@@ -218,6 +234,11 @@ class Recorder:
     @property
     def running(self) -> bool:
         return self._thread is not None
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller is the recorder's background thread (building batches, publishing)."""
+        thread = self._thread
+        return thread is not None and thread.ident == threading.get_ident()
 
     # -- hot paths: O(1), no lock, never raise -------------------------------------------------------
     def python_span(self, name: str, start_ns: int, dur_ns: int, depth: int = 0) -> None:
@@ -300,6 +321,7 @@ class Recorder:
             recorded=self._recorded,
             dropped=self._dropped,
             batches=self._batches_sent,
+            heartbeats=self._heartbeats,
             hook_errors=sum(errors.values()),
             errors_by_site=errors,
             publisher=self._publisher.stats,
@@ -307,9 +329,36 @@ class Recorder:
 
     # -- background thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        interval = self.config.flush_interval_ms / 1000
-        while not self._stop.wait(interval):
-            self.guard("flush", self._flush)
+        flush_s = self.config.flush_interval_ms / 1000
+        beat_s = self.config.heartbeat_interval_ms / 1000
+        next_flush = time.monotonic() + flush_s
+        self.guard("heartbeat", self._beat)
+        self._next_beat = time.monotonic() + beat_s
+        while not self._stop.wait(max(0.0, min(next_flush, self._next_beat) - time.monotonic())):
+            now = time.monotonic()
+            if now >= self._next_beat:
+                self._next_beat = now + beat_s
+                self.guard("heartbeat", self._beat)
+            if now >= next_flush:
+                next_flush = now + flush_s
+                self.guard("flush", self._flush)
+
+    def _beat(self) -> None:
+        """Publish the rank's state now (on the recorder's thread; the publisher never blocks)."""
+        ident = self.identity
+        record = heartbeat_record(
+            job=ident.job,
+            rank=ident.rank,
+            host=ident.host,
+            world_size=ident.world_size,
+            producer_id=self.producer_id,
+            seq=self._heartbeats,
+            sent_ns=time.time_ns(),
+            state=self.state,
+            profiling=self._held,
+        )
+        if self._publisher.publish_record(self._heartbeat_topic, job_key(ident.job), encode("heartbeat", record)):
+            self._heartbeats += 1
 
     def _flush(self) -> None:
         with self._flush_lock:

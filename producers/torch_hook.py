@@ -21,10 +21,13 @@ Who and where come from the environment: ``FLEETSCOPE_JOB`` (else torchrun's ``T
 or neither (default: in-process when CUDA and nvidia-ml-py are there); ``FLEETSCOPE_CONTROL=off`` stops
 following the control topic.
 
-Continuous mode records ``ProfilerStep#N`` step markers, ``dataloader.next`` and ``optimizer.step`` spans and
-every ``torch.distributed`` collective (DDP buckets included); a control request opens a ``torch.profiler``
-window on every rank at the same UTC instant. Importing this module installs inert patches; nothing records,
-no thread runs and nothing connects until monitoring starts. Nothing here may block or crash training.
+Continuous mode records ``ProfilerStep#N`` step markers, ``dataloader.next`` and ``optimizer.step`` spans,
+garbage-collection pauses (``gc.collect``) and every ``torch.distributed`` collective (DDP buckets included);
+the recorder's thread publishes a heartbeat (last step, the collective the rank is in) every second, also
+while training is blocked. A control request opens a ``torch.profiler`` window on every rank at the same UTC
+instant; a ``fleetscope#profiling_window`` span covers it, so the steps it slowed are known as profiled.
+Importing this module installs inert patches; nothing records, no thread runs and nothing connects until
+monitoring starts. Nothing here may block or crash training.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from fleetscope.producers.control import ControlListener, ControlListenerConfig,
 from fleetscope.producers.publisher import Publisher, PublisherConfig
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig, RecorderStats
 from fleetscope.producers.torch_profiling import ProfilingWindow, WindowConfig, window_batches
-from fleetscope.schemas import EventKind, step_marker_name
+from fleetscope.schemas import PROFILING_WINDOW, EventKind, step_marker_name
 
 __all__ = ["Monitor", "monitor", "profile", "span", "start", "stats", "step", "stop"]
 
@@ -121,6 +124,7 @@ class Monitor:
         if self._step_start_ns is not None:
             name = step_marker_name(self.step_num)
             self.recorder.python_span(name, self._step_start_ns, now - self._step_start_ns, 0)
+            self.recorder.state.step_done(self.step_num, now)
             self.step_num += 1
         self._step_start_ns = now
         self._window_tick(now)
@@ -168,12 +172,14 @@ class Monitor:
         window, self._window = self._window, None
         if window is None:
             return
+        recorder = self.recorder
         try:
             results = window.stop()
         except Exception:
-            self.recorder.release()
+            recorder.release()
             raise
-        recorder = self.recorder
+        finally:  # the steps it covers ran under the profiler: the windower marks them profiled
+            recorder.python_span(PROFILING_WINDOW, window.started_ns, time.time_ns() - window.started_ns, 0)
         config = WindowConfig(max_batch_events=recorder.config.max_batch_events)
 
         def build() -> list[Any]:
@@ -217,7 +223,8 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     nvml = _nvml_mode()
     if nvml != "off":
         streams.add(EventKind.THROUGHPUT.value)
-    recorder = Recorder(identity, publisher, RecorderConfig(), streams=streams)
+    recorder_config = RecorderConfig(heartbeat_interval_ms=cfg.producer.heartbeat_interval_ms)
+    recorder = Recorder(identity, publisher, recorder_config, streams=streams)
     sampler = _sampler(identity, recorder) if nvml == "process" else None
     listener = None
     if os.environ.get(ENV_CONTROL, "on").lower() not in _OFF:

@@ -3,14 +3,19 @@
 Why these points: they are where a training step's time goes on the host and where ranks meet, and each is
 cheap to time from Python (two clock reads and a deque append). Collectives are timed by wrapping the
 ``torch.distributed`` functions (with op, process group, group size, nccl-tests message size and a per-group
-sequence number, so ranks can be aligned without trusting wall clocks); DDP calls NCCL/Gloo from C++, so a
-DDP model gets ``timed_allreduce_hook`` (the stock ``allreduce_hook``, timed) at its first forward unless
-the user registered a comm hook (a user hook that calls ``dist.all_reduce`` is timed by the wrapper).
-``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) does so on NCCL only: with any Python comm hook DDP divides the
-gradients in a separate pass, a short kernel on a GPU but ~8 % of a CPU (Gloo) step (bench/overhead.py);
-``=1`` forces it, ``=0`` opts out. Host spans come from the global optimizer
-step hooks and from ``_BaseDataLoaderIter.__next__``. Every patch is inert while no monitor records, and our
-own code on it runs under ``Recorder.guard``: training never sees our exceptions.
+sequence number, so ranks can be aligned without trusting wall clocks; the flight recorder is told before
+the call, so a rank blocked inside one still says which). DDP calls NCCL/Gloo from C++: unless the user
+registered a comm hook (a user hook that calls ``dist.all_reduce`` is timed by the wrapper), a DDP model's
+gradient all-reduce is timed from its first forward: on NCCL by ``timed_allreduce_hook`` (the stock
+``allreduce_hook``, timed, one event per bucket); on any other backend (Gloo) without a comm hook, from
+the end of the backward pass to the end of DDP's wait (``_GradientSync``, one event per step), because
+with any Python comm hook DDP divides the gradients in a separate pass, a short kernel on a GPU but
+several per cent of a CPU step (bench/overhead.py). ``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) chooses
+so; ``=1`` forces the comm hook, ``=0`` times no DDP all-reduce. Host spans come from the global optimizer
+step hooks, from ``_BaseDataLoaderIter.__next__`` and from ``gc.callbacks`` (a ``gc.collect`` span per
+garbage collection of at least ``GC_MIN_PAUSE_NS``: a clock read per callback, an append per pause).
+Every patch is inert while no monitor records, and our own code on it runs under ``Recorder.guard``:
+training never sees our exceptions.
 
 Timing caveat: a collective's duration is measured on the host, to the completion of its future for async
 calls. For Gloo that is the transfer; for NCCL it is only the enqueue (kernels run later on the GPU): a
@@ -20,6 +25,7 @@ profiling window gives the GPU-side NCCL kernel times.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import itertools
 import logging
@@ -31,8 +37,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.rank_recorder import Recorder
-from fleetscope.schemas import EventKind
+from fleetscope.schemas import GC_PAUSE, EventKind
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,8 @@ COLLECTIVES: dict[str, tuple[str, str | None]] = {
     "barrier": ("barrier", None),
 }
 _DISABLE_DDP_HOOK = "FLEETSCOPE_TORCH_DDP_HOOK"
+GC_MIN_PAUSE_NS = 100_000
+"""Shorter collections (most young-generation ones) are not recorded: far below what a finding needs."""
 
 
 class Instrumented(Protocol):
@@ -64,9 +73,10 @@ class Instrumented(Protocol):
 
 _installed = False
 _current: Callable[[], Instrumented | None] = lambda: None  # noqa: E731
-_group_info: dict[int, tuple[str, int, str]] = {}
+_group_info: dict[int, tuple[str, int, str, tuple[int, ...]]] = {}
 _group_seq: dict[str, itertools.count[int]] = {}
 _opt_start: dict[int, int] = {}
+_gc_start_ns = 0
 _ALL_REDUCE: Callable[..., Any] = dist.all_reduce
 
 
@@ -82,6 +92,7 @@ def install(current: Callable[[], Instrumented | None]) -> None:
         ("optimizer", _patch_optimizer),
         ("dataloader", _patch_dataloader),
         ("ddp", _patch_ddp),
+        ("gc", _patch_gc),
     ):
         try:
             fn()
@@ -96,6 +107,8 @@ def reset_sequences() -> None:
 
 # -- collectives -----------------------------------------------------------------------------------------
 def _nbytes(value: Any) -> int:
+    if isinstance(value, int):
+        return value
     if isinstance(value, torch.Tensor):
         return int(value.numel() * value.element_size())
     if isinstance(value, list | tuple):
@@ -103,41 +116,48 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _group(group: Any) -> tuple[str, int, str]:
-    """(name, size, backend) of a process group; None is the default group."""
+def _group(group: Any) -> tuple[str, int, str, tuple[int, ...]]:
+    """(name, size, backend, global ranks) of a process group; None is the default group."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     info = _group_info.get(id(pg))
     if info is None:
         name = str(dist.distributed_c10d._get_process_group_name(pg))
-        info = _group_info[id(pg)] = (name, int(pg.size()), str(dist.get_backend(pg)))
+        ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
+        info = _group_info[id(pg)] = (name, int(pg.size()), str(dist.get_backend(pg)), ranks)
     return info
 
 
-def _record_collective(mon: Instrumented, op: str, size_arg: Any, group: Any, start_ns: int, result: Any) -> None:
-    name, size, backend = _group(group)
+# A collective being called: what the flight recorder shows, and the event's name and group size.
+_Call = tuple[CollectiveEntry, str, int]
+
+
+def _enter(mon: Instrumented, op: str, size_arg: Any, group: Any) -> _Call:
+    """Number the collective in its group and tell the flight recorder the rank is inside it, before the
+    real call: a rank blocked in it still says where it is."""
+    name, size, backend, ranks = _group(group)
     seq = next(_group_seq.setdefault(name, itertools.count()))
-    nbytes = _nbytes(size_arg)
-    recorder = mon.recorder
     if size > 1:  # the windower then waits for this rank's collectives before closing a step
-        recorder.declare(EventKind.COLLECTIVES)
+        mon.recorder.declare(EventKind.COLLECTIVES)
+    entry = CollectiveEntry(op, name, ranks, seq, _nbytes(size_arg), time.time_ns())
+    mon.recorder.state.enter(entry)
+    return entry, f"{backend}:{op}", size
+
+
+def _leave(recorder: Recorder, call: _Call, end_ns: int) -> None:
+    entry, event_name, size = call
+    recorder.state.leave(entry)
+    start = entry.entered_ns
+    recorder.collective(event_name, entry.op, entry.pg, entry.seq, size, entry.nbytes, start, end_ns - start)
+
+
+def _record_collective(mon: Instrumented, call: _Call, result: Any) -> None:
+    recorder = mon.recorder
     if result is None:  # synchronous: the call itself is the collective
-        recorder.collective(f"{backend}:{op}", op, name, seq, size, nbytes, start_ns, time.time_ns() - start_ns)
+        _leave(recorder, call, time.time_ns())
         return
 
     def done(_fut: Any) -> None:
-        end = time.time_ns()
-        recorder.guard(
-            "collective_done",
-            recorder.collective,
-            f"{backend}:{op}",
-            op,
-            name,
-            seq,
-            size,
-            nbytes,
-            start_ns,
-            end - start_ns,
-        )
+        recorder.guard("collective_done", _leave, recorder, call, time.time_ns())
 
     result.get_future().add_done_callback(done)
 
@@ -153,13 +173,19 @@ def _wrap_collective(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]
         mon = _current()
         if mon is None:
             return orig(*args, **kwargs)
-        start = time.time_ns()
-        result = orig(*args, **kwargs)
         group = kwargs["group"] if "group" in kwargs else (args[gi] if len(args) > gi else None)
         size_arg = None
         if si >= 0:
             size_arg = kwargs[size_param] if size_param in kwargs else (args[si] if len(args) > si else None)
-        mon.recorder.guard("collective", _record_collective, mon, op, size_arg, group, start, result)
+        call = mon.recorder.guard("collective", _enter, mon, op, size_arg, group)
+        try:
+            result = orig(*args, **kwargs)
+        except BaseException:
+            if call is not None:
+                mon.recorder.state.leave(call[0])
+            raise
+        if call is not None:
+            mon.recorder.guard("collective", _record_collective, mon, call, result)
         return result
 
     wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
@@ -195,7 +221,9 @@ def _patch_ddp() -> None:
 
 
 def _ddp_first_forward(module: Any, _inputs: Any) -> None:
-    """At the first forward: time gradient buckets with the stock allreduce hook, unless the user has one."""
+    """At the first forward: time the gradient all-reduce, unless the user has a comm hook (then a
+    ``dist.all_reduce`` in it is timed by the wrapper). NCCL (or ``=1``): the stock allreduce hook, timed;
+    otherwise the whole synchronisation from the end of the backward pass (``_GradientSync``)."""
     handle = getattr(module, "_fleetscope_pre", None)
     if handle is not None:
         handle.remove()
@@ -203,11 +231,80 @@ def _ddp_first_forward(module: Any, _inputs: Any) -> None:
     if module._comm_hooks:
         return
     if os.environ.get(_DISABLE_DDP_HOOK, "auto") == "auto" and not _is_nccl(module.process_group):
+        module.register_forward_hook(_ddp_forward)  # even before a monitor records: it times only while one does
         return
-    try:  # even before a monitor records: the hook only times while one does
+    try:
         module.register_comm_hook(module.process_group, timed_allreduce_hook)
     except Exception as exc:  # e.g. a builtin comm hook is already registered
         logger.warning("fleetscope: DDP gradient buckets are not timed: %r", exc)
+
+
+def _ddp_forward(module: Any, _inputs: Any, output: Any) -> None:
+    """After a DDP forward that will synchronise gradients: time that synchronisation in its backward."""
+    mon = _current()
+    if mon is None or not torch.is_grad_enabled() or not module.require_backward_grad_sync:
+        return
+    mon.recorder.guard("ddp", _GradientSync.arm, mon, module, output)
+
+
+class _GradientSync:
+    """DDP's gradient all-reduce on one backward pass, timed without a comm hook.
+
+    Why: with any comm hook DDP no longer folds the 1/world division into its bucket copy, and the extra
+    pass over the gradients costs a CPU step several per cent. Without one, the backward pass launches the
+    buckets' all-reduces and DDP's final autograd callback waits for them. A hook on the forward's outputs
+    queues ``arrived`` at the start of the backward pass, so it runs when the pass's computation is done
+    (the last bucket launched: this rank's arrival) and before DDP's callback, queued later; ``arrived``
+    queues ``synced``, which runs after DDP's wait. One event per step: launched at arrival, done when every
+    bucket is reduced; meanwhile the flight recorder says the rank is inside it. Costs a few Python calls
+    per step, no pass over the gradients.
+    """
+
+    __slots__ = ("call", "mon", "module")
+
+    def __init__(self, mon: Instrumented, module: Any) -> None:
+        self.mon, self.module = mon, module
+        self.call: _Call | None = None
+
+    @staticmethod
+    def arm(mon: Instrumented, module: Any, output: Any) -> None:
+        tensors = [t for t in _tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        sync = _GradientSync(mon, module)
+        if len(tensors) == 1:
+            tensors[0].register_hook(sync.backward_started)
+        else:
+            torch.autograd.graph.register_multi_grad_hook(tensors, sync.backward_started, mode="any")
+
+    def backward_started(self, _grad: Any) -> None:
+        self.mon.recorder.guard("ddp", _queue_callback, self.arrived)
+
+    def arrived(self) -> None:
+        recorder = self.mon.recorder
+        nbytes = getattr(self.module, "_fleetscope_grad_bytes", None)
+        if nbytes is None:
+            nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
+            self.module._fleetscope_grad_bytes = nbytes
+        self.call = recorder.guard("ddp", _enter, self.mon, "allreduce", nbytes, self.module.process_group)
+        if self.call is not None:
+            recorder.guard("ddp", _queue_callback, self.synced)
+
+    def synced(self) -> None:
+        if self.call is not None:
+            self.mon.recorder.guard("collective_done", _leave, self.mon.recorder, self.call, time.time_ns())
+
+
+def _queue_callback(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _tree_leaves(output: Any) -> list[Any]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    from torch.utils._pytree import tree_leaves
+
+    return list(tree_leaves(output))
 
 
 def _is_nccl(process_group: Any) -> bool:
@@ -226,15 +323,15 @@ def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
     tensor = bucket.buffer()
     tensor.div_(group.size())
     mon = _current()
-    start = time.time_ns()
-    fut = _ALL_REDUCE(tensor, group=group, async_op=True).get_future()
     if mon is None:
-        return fut.then(lambda f: f.value()[0])
-    info = mon.recorder.guard("collective", _ddp_identity, mon, group, tensor)
+        return _ALL_REDUCE(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+    call = mon.recorder.guard("collective", _enter, mon, "allreduce", tensor, group)
+    fut = _ALL_REDUCE(tensor, group=group, async_op=True).get_future()
+    recorder = mon.recorder
 
     def done(f: Any) -> Any:
-        if info is not None:
-            mon.recorder.guard("collective_done", mon.recorder.collective, *info, start, time.time_ns() - start)
+        if call is not None:
+            recorder.guard("collective_done", _leave, recorder, call, time.time_ns())
         return f.value()[0]
 
     return fut.then(done)
@@ -246,14 +343,6 @@ timed_allreduce_hook.__annotations__ = {
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
-
-
-def _ddp_identity(mon: Instrumented, group: Any, tensor: Any) -> tuple[str, str, str, int, int, int]:
-    name, size, backend = _group(group)
-    if size > 1:
-        mon.recorder.declare(EventKind.COLLECTIVES)
-    seq = next(_group_seq.setdefault(name, itertools.count()))
-    return f"{backend}:allreduce", "allreduce", name, seq, size, _nbytes(tensor)
 
 
 # -- optimizer and dataloader ----------------------------------------------------------------------------
@@ -296,3 +385,22 @@ def _patch_dataloader() -> None:
 
     __next__.__fleetscope_original__ = orig  # type: ignore[attr-defined]
     _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
+
+
+def _patch_gc() -> None:
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+
+
+def _on_gc(phase: str, _info: dict[str, int]) -> None:
+    """A collection holds the GIL from "start" to "stop": no other thread's collection comes in between."""
+    global _gc_start_ns
+    if phase == "start":
+        _gc_start_ns = time.time_ns()
+        return
+    mon = _current()
+    if mon is None or not _gc_start_ns or mon.recorder.on_own_thread():
+        return  # a collection our own thread's allocations caused is no pause of the training's
+    pause = time.time_ns() - _gc_start_ns
+    if pause >= GC_MIN_PAUSE_NS:
+        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, pause, 0)

@@ -24,9 +24,12 @@ from fleetscope.schemas.records import (
 from fleetscope.schemas.topics import Topics
 from fleetscope.schemas.vocabulary import (
     CATEGORIES,
+    GC_PAUSE,
+    PROFILING_WINDOW,
     Category,
     bus_bandwidth_factor,
     classify_kernel,
+    is_profiling_window,
     parse_step_marker,
     step_marker_name,
 )
@@ -40,6 +43,8 @@ __all__ = [
     "EventBatch",
     "EventKind",
     "FunctionKind",
+    "GC_PAUSE",
+    "PROFILING_WINDOW",
     "SchemaCatalog",
     "SchemaError",
     "Topics",
@@ -50,6 +55,7 @@ __all__ = [
     "decode_event_batches",
     "encode",
     "encode_event_batch",
+    "is_profiling_window",
     "parse_step_marker",
     "step_marker_name",
 ]

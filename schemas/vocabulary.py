@@ -31,6 +31,10 @@ _NCCL_RE = re.compile(r"^(nccl(Dev)?Kernel_|ncclKernel|nccl:)", re.IGNORECASE)
 _MEMORY_RE = re.compile(r"^(Memcpy|Memset|memcpy|memset|\[memory\])|^cudaMemcpy|^cudaMemset")
 
 
+GC_PAUSE = "gc.collect"
+"""Host span of a Python garbage collection (from ``gc.callbacks``): a GC-bound rank is ``host_slow`` on it."""
+
+
 def step_marker_name(step: int) -> str:
     return f"ProfilerStep#{step}"
 

@@ -161,6 +161,11 @@ class Publisher:
             key = rank_key(batch.header.job, batch.header.rank)
         except Exception as exc:  # bad input must never reach the training loop
             return self._drop(f"encode:{type(exc).__name__}", f"cannot encode a batch: {exc}")
+        return self.publish_record(topic, key, value, n_events)
+
+    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
+        """Queue one encoded message (a heartbeat, say) on ``topic``: the same never-blocking route as batches,
+        behind older messages, through the bounded backlog and spool while the broker is away."""
         with self._route:
             if not self._running:
                 reason = "stopped" if self._stopped else "not_started"
@@ -192,6 +197,11 @@ class Publisher:
                 self._count(spool_dropped=lost, spool_dropped_events=lost_events)
         self._count(published=1, events_published=n_events)
         return True
+
+    @property
+    def topics(self) -> Topics:
+        """The topic names of this publisher's prefix."""
+        return self._topics
 
     @property
     def stats(self) -> PublisherStats:

@@ -12,9 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.publisher import PublisherStats
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
-from fleetscope.schemas import EventBatch, EventKind, parse_step_marker
+from fleetscope.schemas import (
+    GC_PAUSE,
+    EventBatch,
+    EventKind,
+    Topics,
+    decode,
+    is_profiling_window,
+    parse_step_marker,
+)
 
 ME = RankIdentity(job="job", rank=1, world_size=2, host="h")
 
@@ -25,6 +34,7 @@ class FakePublisher:
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.gate = gate
         self.batches: list[EventBatch] = []
+        self.records: list[tuple[str, bytes, bytes]] = []
         self.started = self.stopped = False
 
     def start(self) -> None:
@@ -35,6 +45,20 @@ class FakePublisher:
             self.gate.wait()
         self.batches.append(batch)
         return True
+
+    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
+        self.records.append((topic, key, value))
+        return True
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(prefix="t")
+
+    def heartbeats(self) -> list[dict[str, object]]:
+        assert {(t, k) for t, k, _ in self.records} <= {("t.heartbeats", b"job")}
+        decoded = [decode(v) for _, _, v in self.records]
+        assert {subject for subject, _ in decoded} <= {"heartbeat"}
+        return [record for _, record in decoded]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stopped = True
@@ -157,6 +181,53 @@ def test_a_held_recorder_publishes_the_window_batches_before_its_host_events() -
     assert [b.kind for b in publisher.batches] == [EventKind.KERNELS, EventKind.PYTHON]
 
 
+def test_heartbeats_go_out_on_time_while_the_training_thread_is_blocked_inside_a_collective() -> None:
+    publisher = FakePublisher()
+    recorder = Recorder(ME, publisher, RecorderConfig(flush_interval_ms=10_000, heartbeat_interval_ms=20))
+    recorder.start()
+    try:
+        recorder.state.step_done(149, 1_000)
+        entry = CollectiveEntry("allreduce", "0", (0, 1), 300, 4096, 2_000)
+        recorder.state.enter(entry)
+        blocked = threading.Event()
+        threading.Thread(target=blocked.wait, args=(0.3,)).start()  # the training thread, stuck
+        time.sleep(0.3)
+        inside = publisher.heartbeats()
+        recorder.state.leave(entry)
+        recorder.hold()
+        time.sleep(0.1)
+    finally:
+        recorder.stop()
+    assert 8 <= len(inside) <= 20, len(inside)
+    last = inside[-1]
+    assert last["in_collective"] and (last["last_step"], last["last_step_ns"]) == (149, 1_000)
+    assert (last["collective_op"], last["collective_pg"], last["collective_seq"]) == ("allreduce", "0", 300)
+    assert (last["collective_group_ranks"], last["collective_nbytes"], last["collective_entered_ns"]) == (
+        [0, 1],
+        4096,
+        2_000,
+    )
+    after = publisher.heartbeats()[-1]
+    assert not after["in_collective"] and after["collective_seq"] == 300 and after["profiling"]
+    beats = publisher.heartbeats()
+    assert [b["seq"] for b in beats] == list(range(len(beats))) and recorder.stats.heartbeats == len(beats)
+    assert {(b["job"], b["rank"], b["world_size"], b["host"]) for b in beats} == {("job", 1, 2, "h")}
+
+
+def test_a_heartbeat_before_any_step_or_collective_says_so() -> None:
+    publisher = FakePublisher()
+    recorder = Recorder(ME, publisher, RecorderConfig(heartbeat_interval_ms=10_000))
+    recorder.start()
+    recorder.stop()
+    first = publisher.heartbeats()[0]
+    assert (first["last_step"], first["in_collective"], first["collective_seq"], first["profiling"]) == (
+        -1,
+        False,
+        -1,
+        False,
+    )
+
+
 # -- with torch ------------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")  # installed by `make test`; the lines above need no torch
 
@@ -248,9 +319,45 @@ def test_a_profiling_window_adds_host_ops_from_the_profilers_memory(hooked) -> N
         time.sleep(0.005)
     assert fs._monitor._window is None  # closed: at least one recorded step, and its time is over
     recorder._flush()
-    names = {b.names[i] for b in publisher.batches if b.kind is EventKind.PYTHON for i in b["name_id"]}
+    spans = [
+        (b.names[i], int(start), int(dur))
+        for b in publisher.batches
+        if b.kind is EventKind.PYTHON
+        for i, start, dur in zip(b["name_id"], b["start_ns"], b["dur_ns"], strict=True)
+    ]
+    names = {name for name, _, _ in spans}
     assert "user_region" in names and any(n.startswith("aten::") for n in names)
     assert recorder.stats.hook_errors == 0 and not recorder._held
+    # one span covers the window, and the profiler's own events keep their real (epoch) timestamps inside it
+    (window,) = [(start, start + dur) for name, start, dur in spans if is_profiling_window(name)]
+    profiled = [(start, start + dur) for name, start, dur in spans if name == "user_region"]
+    assert profiled and all(window[0] <= a <= b <= window[1] for a, b in profiled)
+    steps = [(start, start + dur) for name, start, dur in spans if parse_step_marker(name) is not None]
+    inside = [s for s in steps if window[0] <= s[0] and s[1] <= window[1]]
+    assert 2 <= len(inside) < len(steps)
+
+
+def test_garbage_collections_are_host_spans(hooked) -> None:
+    import gc
+
+    fs, recorder, publisher = hooked
+    garbage = [[i] for i in range(200_000)]
+    for _ in range(3):
+        began = time.time_ns()
+        gc.collect()
+        ended = time.time_ns()
+        fs.step()
+    del garbage
+    recorder._flush()
+    pauses = [
+        (int(start), int(dur))
+        for b in publisher.batches
+        if b.kind is EventKind.PYTHON
+        for i, start, dur in zip(b["name_id"], b["start_ns"], b["dur_ns"], strict=True)
+        if b.names[i] == GC_PAUSE
+    ]
+    assert len(pauses) >= 3 and all(dur >= 100_000 for _, dur in pauses)
+    assert began <= pauses[-1][0] and pauses[-1][0] + pauses[-1][1] <= ended
 
 
 def test_the_bootstrap_loads_the_hook_only_when_the_process_imports_torch(tmp_path: Path) -> None:
@@ -277,15 +384,37 @@ def _port() -> int:
     return free_port()
 
 
-def test_ddp_buckets_are_not_timed_on_gloo_by_default(hooked, monkeypatch) -> None:
-    """A Python comm hook costs a CPU (Gloo) step an extra pass over the gradients; NCCL only by default."""
+def test_on_gloo_ddp_gradient_sync_is_timed_without_a_comm_hook(hooked, monkeypatch) -> None:
+    """A Python comm hook costs a CPU (Gloo) step an extra pass over the gradients: the sync is timed from
+    the end of the backward pass instead, one event per step, and not when DDP skips the sync."""
     import torch.distributed as dist
 
     monkeypatch.delenv("FLEETSCOPE_TORCH_DDP_HOOK", raising=False)
+    fs, recorder, publisher = hooked
+    seen: list[object] = []
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
     try:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-        model(torch.ones(2, 8)).sum().backward()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(4):
+            out = model(torch.ones(2, 8))
+            if i == 2:
+                with model.no_sync():
+                    model(torch.ones(2, 8)).sum().backward()  # no all-reduce: nothing recorded
+            out.sum().backward()
+            seen.append(recorder.state.inside)
+            opt.step()
+            fs.step()
         assert not model._comm_hooks
+        with torch.no_grad():
+            model(torch.ones(2, 8))  # no backward
     finally:
         dist.destroy_process_group()
+    recorder._flush()
+    coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
+    assert [int(s) for b in coll for s in b["seq"]] == [0, 1, 2, 3]
+    assert {b.names[i] for b in coll for i in b["name_id"]} == {"gloo:allreduce"}
+    assert {int(n) for b in coll for n in b["nbytes"]} == {36} and seen == [None] * 4
+    last = recorder.state.last
+    assert last is not None and (last.op, last.pg, last.group_ranks, last.seq) == ("allreduce", "0", (0,), 3)
+    assert recorder.stats.hook_errors == 0

@@ -1,0 +1,283 @@
+"""Acceptance (issue 16): real 4-rank PyTorch jobs (gloo on CPU, DDP, a map-style DataLoader) through the live
+loop — torch hook, real Tansu broker, real Faust worker, real chDB — are judged right: a healthy job with a
+profiling window in the middle gets no finding at all, and each fault, injected from step 30, is named on
+its rank and on no other; a rank blocked forever is named as the one that never entered the collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetscope.broker import free_port
+from fleetscope.config import Config, load_config
+from fleetscope.producers.control import request_profile
+from fleetscope.stack import EmbeddedStack
+
+pytestmark = pytest.mark.integration
+
+WORLD = 4
+FAULT_AT = 30
+
+# argv: steps, fault (none|dataloader|gc|compute|block), faulty rank, fault step
+JOB = """
+import gc, logging, os, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fleetscope.producers.torch_hook as fs
+
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("fleetscope.producers.torch_hook").setLevel(logging.INFO)
+steps, fault, faulty, at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+mine = rank == faulty
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+BATCH = 64
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return steps * BATCH
+
+    def __getitem__(self, i):
+        step = i // BATCH
+        if i % BATCH == 0:
+            time.sleep(0.008)  # reading and decoding a batch
+            if fault == "dataloader" and mine and step >= at:
+                time.sleep(0.030)
+        return torch.randn(256), torch.randn(1)
+
+
+garbage = [[i] for i in range(150_000)] if fault == "gc" and mine else []
+fs.start()
+for step, (x, y) in enumerate(torch.utils.data.DataLoader(Samples(), batch_size=BATCH)):
+    if fault == "block" and mine and step == at:
+        print("BLOCKED", time.time_ns(), flush=True)
+        threading.Event().wait()
+    out = model(x)
+    if fault == "compute" and mine and step >= at:
+        with torch.no_grad():
+            for _ in range(2):
+                model.module(x)
+    loss = torch.nn.functional.mse_loss(out, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if fault == "gc" and mine and step >= at:
+        gc.collect()
+    time.sleep(0.004)  # logging, metrics
+    fs.step()
+s = fs.stats()
+print("STATS", s.recorded, s.dropped, s.hook_errors, s.heartbeats, flush=True)
+fs.stop()
+dist.destroy_process_group()
+"""
+
+
+@dataclass
+class Job:
+    name: str
+    ranks: list[subprocess.Popen[str]]
+
+    def wait(self, timeout_s: float) -> list[str]:
+        outputs = [p.communicate(timeout=timeout_s)[0] for p in self.ranks]
+        assert [p.returncode for p in self.ranks] == [0] * WORLD, outputs
+        return outputs
+
+    def kill(self) -> list[str]:
+        for p in self.ranks:
+            if p.poll() is None:
+                p.kill()
+        return [p.communicate(timeout=30)[0] for p in self.ranks]
+
+
+@dataclass
+class Live:
+    stack: EmbeddedStack
+    config: Config
+    database: str
+    script: Path
+    env: dict[str, str]
+
+    def launch(self, fault: str = "none", faulty: int = -1, steps: int = 80, at: int = FAULT_AT) -> Job:
+        name = f"{fault}-{uuid.uuid4().hex[:6]}"
+        port = str(free_port())
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(self.script), str(steps), fault, str(faulty), str(at)],
+                env=self.env
+                | {
+                    "FLEETSCOPE_JOB": name,
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "WORLD_SIZE": str(WORLD),
+                    "MASTER_PORT": port,
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=self.script.parent,
+            )  # fmt: skip
+            for r in range(WORLD)
+        ]
+        return Job(name, ranks)
+
+    def query(self, sql: str, job: str) -> list[tuple[Any, ...]]:
+        assert self.stack.client is not None
+        rows = self.stack.client.query(sql.format(db=self.database), parameters={"job": job}).result_rows
+        return [tuple(r) for r in rows]
+
+    def iterations(self, job: str) -> dict[int, int]:
+        sql = "SELECT rank, max(iteration) FROM {db}.iterations WHERE job = {{job:String}} GROUP BY rank"
+        rows = self.query(sql, job)
+        return {int(r): int(n) for r, n in rows}
+
+    def updates(self, job: str) -> list[dict[str, Any]]:
+        rows = self.query(
+            "SELECT status, category, rank, ranks, function, iteration_first, iteration_last, subject, evidence, "
+            "emitted_ns "
+            "FROM {db}.finding_updates WHERE job = {{job:String}} ORDER BY emitted_ns",
+            job,
+        )
+        keys = ("status", "category", "rank", "ranks", "function", "iteration_first", "iteration_last", "subject")
+        return [dict(zip((*keys, "evidence", "emitted_ns"), r, strict=True)) for r in rows]
+
+    def wait_for(self, job: str, until: Any, timeout_s: float) -> list[dict[str, Any]]:
+        """Finding updates of ``job`` once ``until(updates)`` holds, or at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.updates(job)
+            if until(found) or time.monotonic() > deadline:
+                return found
+            assert self.stack.worker is not None and self.stack.worker.alive(), self.stack.worker.log_path
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, broker: str, chdb_path: Path) -> Iterator[Live]:
+    tmp = tmp_path_factory.mktemp("real_jobs")
+    prefix = f"real{uuid.uuid4().hex[:6]}"
+    database = f"t_{uuid.uuid4().hex[:12]}"
+    config = load_config(
+        env={},
+        overrides={
+            "data_dir": str(tmp),
+            "kafka.bootstrap_servers": broker,
+            "kafka.topic_prefix": prefix,
+            "store.url": f"chdb://{chdb_path}",
+            "store.database": database,
+        },
+    )
+    script = tmp / "job.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
+    env |= {
+        "FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS": broker,
+        "FLEETSCOPE__KAFKA__TOPIC_PREFIX": prefix,
+        "FLEETSCOPE__DATA_DIR": str(tmp),
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    with EmbeddedStack(config) as stack:
+        yield Live(stack, config, database, script, env)
+
+
+def _show(updates: list[dict[str, Any]]) -> str:
+    keys = ("status", "category", "rank", "ranks", "function", "iteration_first", "iteration_last")
+    return "\n".join(" ".join(str(u[k]) for k in keys) for u in updates)
+
+
+def _named(updates: list[dict[str, Any]]) -> set[int]:
+    """Ranks a finding points at; a job-wide finding (subject "job", e.g. the whole job slowed down by the
+    faulty rank) points at none."""
+    ranked = [u for u in updates if u["subject"] != "job"]
+    return {u["rank"] for u in ranked if u["rank"] >= 0} | {r for u in ranked for r in u["ranks"]}
+
+
+def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding(live: Live) -> None:
+    steps = 300
+    job = live.launch(steps=steps)
+    deadline = time.monotonic() + 90
+    while min(live.iterations(job.name).values() or [0]) < 120 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    request_profile(live.config, job.name, 1.5, "manual, mid-job", start_in_s=0.5)
+    outputs = job.wait(timeout_s=120)
+    assert all("profiling window" in out and "opened" in out for out in outputs), outputs
+    stats = [line.split()[1:] for out in outputs for line in out.splitlines() if line.startswith("STATS")]
+    assert [s[1:3] for s in stats] == [["0", "0"]] * WORLD and all(int(s[3]) > 0 for s in stats), stats
+    deadline = time.monotonic() + 40
+    while min(live.iterations(job.name).values() or [0]) < steps - 2 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert min(live.iterations(job.name).values()) >= steps - 2
+    time.sleep(3)  # the differential's last decisions, and the job's end
+    sql = (
+        "SELECT rank, groupArray(iteration) FROM (SELECT rank, iteration FROM {db}.iterations "
+        "WHERE job = {{job:String}} AND profiled ORDER BY iteration) GROUP BY rank ORDER BY rank"
+    )
+    profiled = {int(r): sorted(its) for r, its in live.query(sql, job.name)}
+    found = live.updates(job.name)
+    assert found == [], f"{_show(found)}\nprofiled: {profiled}"
+    # the window's steps were marked profiled on every rank, and they are few
+    assert set(profiled) == set(range(WORLD)) and all(0 < len(its) < 60 for its in profiled.values()), profiled
+
+
+FAULTS = {
+    "dataloader": (2, lambda u: u["category"] == "host_slow" and "dataloader" in u["function"]),
+    "gc": (3, lambda u: u["category"] == "host_slow" and u["function"] == "gc.collect"),
+    "compute": (1, lambda u: True),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_slow_rank_is_named_within_ten_iterations_and_no_other(live: Live, fault: str) -> None:
+    faulty, expected = FAULTS[fault]
+    job = live.launch(fault, faulty, steps=70)
+    try:
+        job.wait(timeout_s=120)
+        found = live.wait_for(job.name, lambda us: any(u["rank"] == faulty for u in us), timeout_s=20)
+    finally:
+        job.kill()
+    opened = [u for u in found if u["status"] == "open" and faulty in (u["rank"], *u["ranks"])]
+    assert opened, found
+    assert any(expected(u) for u in opened), opened
+    assert min(u["iteration_last"] for u in opened) <= FAULT_AT + 10, opened
+    assert _named(found) == {faulty}, _show(found)
+
+
+def test_a_rank_blocked_forever_is_named_as_the_one_that_never_entered_the_collective(live: Live) -> None:
+    at = 150
+    job = live.launch("block", 0, steps=at + 100, at=at)
+    try:
+        deadline = time.monotonic() + 120
+        while min(live.iterations(job.name).values() or [0]) < at - 5 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        stalled_ns = time.time_ns()
+        found = live.wait_for(job.name, lambda us: any(u["category"] == "hang" for u in us), timeout_s=40)
+    finally:
+        outputs = job.kill()
+    blocked = [int(line.split()[1]) for line in outputs[0].splitlines() if line.startswith("BLOCKED")]
+    assert blocked, outputs[0]
+    hangs = [u for u in found if u["category"] == "hang" and u["status"] == "open"]
+    assert hangs, found
+    hang = hangs[0]
+    assert hang["rank"] == 0 and set(hang["ranks"]) <= {0}, hang
+    assert hang["emitted_ns"] - max(blocked[0], stalled_ns - 5_000_000_000) <= 30e9, (hang, blocked)
+    evidence = json.loads(hang["evidence"])
+    text = json.dumps(evidence)
+    assert "seq" in text and ("pg" in text or "group" in text), evidence
+    assert _named(found) == {0}, _show(found)
