@@ -20,10 +20,10 @@ from fleetscope.sinks.clickhouse import (
     connect,
     current_findings,
     migrate,
-    run_sql,
     table_counts,
 )
 from fleetscope.sinks.sink import Sink, SinkConfig
+from fleetscope.sinks.user_sql import readonly_session, readonly_settings, run_sql
 
 __all__ = [
     "FINDINGS",
@@ -38,6 +38,8 @@ __all__ = [
     "connect",
     "current_findings",
     "migrate",
+    "readonly_session",
+    "readonly_settings",
     "run_sql",
     "table_counts",
 ]
