@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetscope.producers.publisher.config import PublisherConfig
+from fleetscope.schemas.limits import IntakeLimits
 from fleetscope.sinks.clickhouse import ClickHouseConfig
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
@@ -133,6 +134,8 @@ class Config:
     producer: ProducerSettings = field(default_factory=ProducerSettings)
     store: ClickHouseConfig = field(default_factory=ClickHouseConfig)
     streams: StreamSettings = field(default_factory=StreamSettings)
+    limits: IntakeLimits = field(default_factory=IntakeLimits)
+    """Bounds on raw messages: the publisher drops, the intake dead-letters what passes them."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:

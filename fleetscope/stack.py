@@ -53,6 +53,7 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         job_idle_ms=s.job_idle_ms,
         windower=s.windower,
         differential=s.differential,
+        limits=config.limits,
     )
 
 

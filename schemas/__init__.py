@@ -14,6 +14,7 @@ from fleetscope.schemas.codec import (
     encode,
     encode_event_batch,
 )
+from fleetscope.schemas.limits import CLOCKS, IntakeLimits
 from fleetscope.schemas.records import (
     COLUMNS,
     BatchHeader,
@@ -33,11 +34,13 @@ from fleetscope.schemas.vocabulary import (
 __all__ = [
     "CATALOG",
     "CATEGORIES",
+    "CLOCKS",
     "COLUMNS",
     "BatchHeader",
     "EventBatch",
     "EventKind",
     "FunctionKind",
+    "IntakeLimits",
     "SchemaCatalog",
     "SchemaError",
     "Topics",

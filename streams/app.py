@@ -26,6 +26,7 @@ from faust.types import Message
 
 from fleetscope import telemetry
 from fleetscope.schemas import (
+    IntakeLimits,
     SchemaError,
     Topics,
     decode,
@@ -69,6 +70,7 @@ class StreamAppConfig:
     profile_seconds: float = 20.0
     windower: Any = None
     differential: Any = None
+    limits: IntakeLimits = field(default_factory=IntakeLimits)
 
 
 @dataclass
@@ -124,6 +126,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         broker_rebalance_timeout=max(session_s, 2.0),
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        producer_max_request_size=max(1_048_576, cfg.limits.max_message_bytes + 65_536),  # dead letters fit
         web_enabled=False,
         web_port=cfg.web_port,
         web_bind="127.0.0.1",
@@ -180,7 +183,11 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
             "partition": str(msg.partition).encode(),
             "offset": str(msg.offset).encode(),
         }
-        await deadletter.send(key=event.key, value=event.value, headers=headers)
+        value = event.value
+        if value is not None and len(value) > cfg.limits.max_message_bytes:  # the raw topic keeps it whole
+            headers["truncated_from_bytes"] = str(len(value)).encode()
+            value = value[: cfg.limits.max_message_bytes]
+        await deadletter.send(key=event.key, value=value, headers=headers)
 
     async def emit_closed(closed: list[ClosedIteration], epoch: int, touched: Iterable[RankId]) -> list[Message]:
         """Send the iterations not emitted before, wait for their delivery, record them, and return the
@@ -233,7 +240,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         touched: dict[RankId, RankWindower] = {}
         rejected: list[tuple[faust.EventT, str]] = []
         for event in events:
-            result = intake(event.value, windowers, now, cfg.windower, wall_ns=wall)
+            result = intake(event.value, windowers, now, cfg.windower, wall_ns=wall, limits=cfg.limits)
             if result.key is not None:
                 wrec.place(result.key, event.message.partition)
             if result.reason is not None:
