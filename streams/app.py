@@ -71,6 +71,8 @@ class StreamAppConfig:
     windower: Any = None
     differential: Any = None
     limits: IntakeLimits = field(default_factory=IntakeLimits)
+    broker_credentials: Any = None
+    """Faust credentials (SASL/TLS) from ``KafkaSettings.faust_credentials``; None: PLAINTEXT."""
 
 
 @dataclass
@@ -117,6 +119,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     app = faust.App(
         cfg.app_id,
         broker=f"kafka://{cfg.bootstrap_servers}",
+        broker_credentials=cfg.broker_credentials,
         store="memory://",
         datadir=f"{cfg.data_dir}/faust",
         topic_partitions=cfg.partitions,
