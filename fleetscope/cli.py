@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fleetscope.config import Config, ConfigError, load_config
@@ -302,6 +303,7 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: a worker needs a broker (--bootstrap or configuration)"])
+    Path(config.data_dir).mkdir(parents=True, exist_ok=True)  # Faust keeps its files under <data_dir>/faust
     run_worker(stream_app_config(config, args.web_port), loglevel=config.log_level.lower(), logfile=args.logfile)
     return 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetscope.producers.publisher.config import PublisherConfig
+from fleetscope.schemas.limits import IntakeLimits
 from fleetscope.sinks.store_config import ClickHouseConfig
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
@@ -26,6 +27,8 @@ from fleetscope.streams.analysis.windowing import WindowerConfig
 from fleetscope.streams.profiling import ProfileRequestConfig
 
 ENV_PREFIX = "FLEETSCOPE__"
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+"""The SASL mechanisms both client libraries (librdkafka and aiokafka) speak with a user and password."""
 
 
 class ConfigError(ValueError):
@@ -50,6 +53,8 @@ class KafkaSettings:
     sasl_mechanism: str = ""
     sasl_username: str = ""
     sasl_password: str = field(default="", repr=False)
+    ssl_ca_location: str = ""
+    """CA bundle (PEM) that signs the brokers' certificates; empty: the system's trust store."""
     registry_url: str = ""
     """Confluent-compatible schema registry; empty: schema ids come from the embedded catalog."""
     registry_username: str = ""
@@ -67,12 +72,22 @@ class KafkaSettings:
             errors.append(f"compression {self.compression!r} is not one of none, gzip, snappy, lz4, zstd")
         if self.security_protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):
             errors.append(f"security_protocol {self.security_protocol!r} is not a Kafka security protocol")
+        if self.sasl_mechanism and self.sasl_mechanism not in SASL_MECHANISMS:
+            errors.append(f"sasl_mechanism {self.sasl_mechanism!r} is not one of {', '.join(SASL_MECHANISMS)}")
+        if self.security_protocol.startswith("SASL_") and not self.sasl_mechanism:
+            errors.append(f"security_protocol {self.security_protocol} needs a sasl_mechanism")
         if errors:
             raise ValueError("; ".join(errors))
 
+    @property
+    def uses_tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
     def client_settings(self) -> dict[str, str]:
-        """librdkafka security settings shared by every client (values never logged)."""
+        """librdkafka security settings shared by every confluent-kafka client (values never logged)."""
         out = {"security.protocol": self.security_protocol}
+        if self.uses_tls and self.ssl_ca_location:
+            out["ssl.ca.location"] = self.ssl_ca_location
         if self.sasl_mechanism:
             out |= {
                 "sasl.mechanism": self.sasl_mechanism,
@@ -80,6 +95,27 @@ class KafkaSettings:
                 "sasl.password": self.sasl_password,
             }
         return out
+
+    def admin_settings(self) -> dict[str, str]:
+        """An AdminClient's settings (topic creation by ``init``, ``replay`` and the embedded stack)."""
+        return {"bootstrap.servers": self.bootstrap_servers, **self.client_settings()}
+
+    def faust_credentials(self) -> Any:
+        """The same security for the Faust app (``broker_credentials``): every aiokafka client it creates,
+        and the recovery consumer, which takes the app's. None for PLAINTEXT."""
+        import ssl
+
+        import faust
+
+        context = ssl.create_default_context(cafile=self.ssl_ca_location or None) if self.uses_tls else None
+        if self.sasl_mechanism:
+            return faust.SASLCredentials(
+                username=self.sasl_username,
+                password=self.sasl_password,
+                mechanism=self.sasl_mechanism,
+                ssl_context=context,
+            )
+        return faust.SSLCredentials(context) if context is not None else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +194,8 @@ class Config:
     store: ClickHouseConfig = field(default_factory=ClickHouseConfig)
     streams: StreamSettings = field(default_factory=StreamSettings)
     embedded: EmbeddedSettings = field(default_factory=EmbeddedSettings)
+    limits: IntakeLimits = field(default_factory=IntakeLimits)
+    """Bounds on raw messages: the publisher drops, the intake dead-letters what passes them."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -246,6 +284,28 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def split_secrets(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
+    """``config`` as a dict without its secrets (fields hidden from ``repr``), and those secrets as the
+    ``FLEETSCOPE__...`` environment variables that put them back: a child process gets its password from
+    the environment, never from a file."""
+    env: dict[str, str] = {}
+
+    def walk(obj: Any, path: list[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                out[f.name] = walk(value, [*path, f.name])
+            elif not f.repr and isinstance(value, str):
+                if value:
+                    env[ENV_PREFIX + "__".join(p.upper() for p in [*path, f.name])] = value
+            else:
+                out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        return out
+
+    return walk(config, []), env
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

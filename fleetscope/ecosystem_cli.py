@@ -103,7 +103,7 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError(["kafka.bootstrap_servers: init needs a broker (--bootstrap or configuration)"])
     topics = Topics(prefix=k.topic_prefix)
     ensure_topics(
-        {"bootstrap.servers": k.bootstrap_servers, **k.client_settings()},
+        k.admin_settings(),
         topics,
         k.raw_partitions,
         k.derived_partitions,

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port, preferred_port, stop_process
-from fleetscope.config import Config
+from fleetscope.config import Config, split_secrets
 from fleetscope.endpoint import Endpoint, remove_endpoint, store_tokens, write_endpoint
 from fleetscope.schemas import Topics
 from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, connect, migrate
@@ -56,6 +56,8 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         windower=s.windower,
         differential=s.differential,
         profiling=s.profiling,
+        limits=config.limits,
+        broker_credentials=k.faust_credentials(),
     )
 
 
@@ -72,9 +74,10 @@ class StreamWorkerProcess:
     def start(self, ready_timeout_s: float = 60.0) -> None:
         """Start the worker and wait for it to be ready; after a ``kill()`` this is the restart."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        settings, secrets = split_secrets(self.config)
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump(self.config.to_dict(), f)
+            json.dump(settings, f)
         self.log_path.touch()
         log_from = self.log_path.stat().st_size
         cmd = [
@@ -89,7 +92,12 @@ class StreamWorkerProcess:
             "--log-level",
             "INFO",
         ]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))  # noqa: SIM115
+        self._proc = subprocess.Popen(  # noqa: S603 - our own module, no shell
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log_path, "ab"),
+            env={**os.environ, **secrets},  # noqa: SIM115
+        )
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -144,8 +152,7 @@ class EmbeddedStack:
                 servers = self.broker.start()
                 self.config = self.config.replace(kafka=replace(self.config.kafka, bootstrap_servers=servers))
             k = self.config.kafka
-            admin = {"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}
-            ensure_topics(admin, Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
+            ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
             ch = self.config.store
             self.client = connect(ch)
             migrate(self.client, ch.database)

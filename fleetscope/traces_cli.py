@@ -149,8 +149,7 @@ def replay_traces(
     if not k.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: replay needs a broker (--bootstrap, e.g. from `fleetscope up`)"])
     progress = progress or Progress(enabled=False)
-    admin = {"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}
-    ensure_topics(admin, Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
+    ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
     summaries: list[RankSummary] = []
     with Publisher(publisher_config(config)) as publisher:
         for trace in _parsed(paths, job, progress, "replay", on_skip or _stderr_skip("replay"), tp, pp):

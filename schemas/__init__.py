@@ -14,6 +14,7 @@ from fleetscope.schemas.codec import (
     encode,
     encode_event_batch,
 )
+from fleetscope.schemas.limits import CLOCKS, IntakeLimits
 from fleetscope.schemas.records import (
     COLUMNS,
     BatchHeader,
@@ -37,6 +38,7 @@ from fleetscope.schemas.vocabulary import (
 __all__ = [
     "CATALOG",
     "CATEGORIES",
+    "CLOCKS",
     "COLUMNS",
     "Category",
     "BatchHeader",
@@ -45,6 +47,7 @@ __all__ = [
     "FunctionKind",
     "GC_PAUSE",
     "PROFILING_WINDOW",
+    "IntakeLimits",
     "SchemaCatalog",
     "SchemaError",
     "Topics",

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,8 +49,6 @@ NATURAL_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
 one PatternBatch, one finding state change. A record whose key is stored already is a replay."""
 _KEY_CHUNK = 5_000
 
-_READ_STATEMENT = re.compile(r"^(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.IGNORECASE)
-_LEADING_NOISE = re.compile(r"^(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/|\()+", re.DOTALL)
 _AVRO_DTYPES: dict[str, type[np.generic] | type[object]] = {
     "int": np.int32,
     "long": np.int64,
@@ -413,53 +410,6 @@ def current_findings(client: Client, database: str, job: str | None = None) -> l
         item["evidence"] = evidence if isinstance(evidence, dict) else {"value": evidence}
         out.append(item)
     return out
-
-
-def run_sql(
-    client: Client,
-    database: str,
-    query: str,
-    parameters: dict[str, Any] | None = None,
-    readonly: bool = True,
-) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """Run user SQL with ``database`` as the default database; (column names, rows).
-
-    Read-only mode is enforced by ClickHouse itself (setting readonly=1, which also blocks writing table
-    functions and changing settings); the statement check only gives a clearer message earlier."""
-    bound = _bound(client, check_database(database))
-    query = _single_statement(query)
-    is_read = bool(_READ_STATEMENT.match(_LEADING_NOISE.sub("", query)))
-    if readonly and not is_read:
-        raise PermissionError("read-only SQL accepts SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statements only")
-    if readonly and _INTO_OUTFILE.search(_SQL_TOKENS.sub(" ", query)):
-        # chDB writes the file in-process even with readonly=1.
-        raise PermissionError("read-only SQL cannot write files (INTO OUTFILE)")
-    if not is_read:
-        bound.command(query, parameters=parameters)
-        return [], []
-    result = bound.query(query, parameters=parameters, settings={"readonly": 1} if readonly else None)
-    return list(result.column_names), [tuple(row) for row in result.result_rows]
-
-
-_SQL_TOKENS = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`(?:[^`\\]|\\.)*`|--[^\n]*|/\*.*?\*/|;", re.DOTALL)
-
-
-_INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
-
-
-def _single_statement(query: str) -> str:
-    """The query up to its first ``;`` outside literals and comments; ValueError if SQL follows it.
-
-    chDB would run every statement, and settings appended by the driver (readonly=1) would land on the
-    last one only; a trailing ``;`` is cut for the same reason."""
-    for match in _SQL_TOKENS.finditer(query):
-        if match.group() == ";":
-            rest = query[match.end() :]
-            rest = _SQL_TOKENS.sub(lambda m: "" if m.group()[:2] in ("--", "/*", ";") else m.group(), rest)
-            if rest.strip():
-                raise ValueError("one SQL statement at a time")
-            return query[: match.start()]
-    return query
 
 
 def table_counts(client: Client, database: str) -> dict[str, int]:

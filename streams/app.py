@@ -25,6 +25,7 @@ from faust.types import Message
 
 from fleetscope import telemetry
 from fleetscope.schemas import (
+    IntakeLimits,
     SchemaError,
     Topics,
     decode,
@@ -69,6 +70,9 @@ class StreamAppConfig:
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: Any = None
     differential: Any = None
+    limits: IntakeLimits = field(default_factory=IntakeLimits)
+    broker_credentials: Any = None
+    """Faust credentials (SASL/TLS) from ``KafkaSettings.faust_credentials``; None: PLAINTEXT."""
 
 
 @dataclass
@@ -95,6 +99,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     app = faust.App(
         cfg.app_id,
         broker=f"kafka://{cfg.bootstrap_servers}",
+        broker_credentials=cfg.broker_credentials,
         store="memory://",
         datadir=f"{cfg.data_dir}/faust",
         topic_partitions=cfg.partitions,
@@ -104,6 +109,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         broker_rebalance_timeout=max(session_s, 2.0),
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        producer_max_request_size=max(1_048_576, cfg.limits.max_message_bytes + 65_536),  # dead letters fit
         web_enabled=False,
         web_port=cfg.web_port,
         web_bind="127.0.0.1",
@@ -161,7 +167,11 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
             "partition": str(msg.partition).encode(),
             "offset": str(msg.offset).encode(),
         }
-        await deadletter.send(key=event.key, value=event.value, headers=headers)
+        value = event.value
+        if value is not None and len(value) > cfg.limits.max_message_bytes:  # the raw topic keeps it whole
+            headers["truncated_from_bytes"] = str(len(value)).encode()
+            value = value[: cfg.limits.max_message_bytes]
+        await deadletter.send(key=event.key, value=value, headers=headers)
 
     async def emit_closed(closed: list[ClosedIteration], epoch: int, touched: Iterable[RankId]) -> list[Message]:
         """Send the iterations not emitted before, wait for their delivery, record them, and return the
@@ -214,7 +224,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         touched: dict[RankId, RankWindower] = {}
         rejected: list[tuple[faust.EventT, str]] = []
         for event in events:
-            result = intake(event.value, windowers, now, cfg.windower, wall_ns=wall)
+            result = intake(event.value, windowers, now, cfg.windower, wall_ns=wall, limits=cfg.limits)
             if result.key is not None:
                 wrec.place(result.key, event.message.partition)
             if result.reason is not None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from fleetscope.schemas import EventBatch, EventKind, SchemaError, decode_event_batch
+from fleetscope.schemas import EventBatch, EventKind, IntakeLimits, SchemaError, decode_event_batch
 from fleetscope.streams.analysis.validation import check_batch
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
 
 log = logging.getLogger(__name__)
 
 _MAX_REASON_CHARS = 500
+_DEFAULT_LIMITS = IntakeLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +42,21 @@ def intake(
     config: WindowerConfig | None,
     *,
     wall_ns: int,
+    limits: IntakeLimits = _DEFAULT_LIMITS,
 ) -> IntakeResult:
     """Feed one raw message to its rank's windower (created on first sight); never raises.
 
     ``now_ns`` is the windower's processing clock (monotonic), ``wall_ns`` the wall clock the timestamp
-    rules compare with. Reasons start with ``schema:``, ``header:``, ``value:`` or ``windower:``."""
+    rules compare with. Reasons start with ``size:``, ``schema:``, ``header:``, ``value:`` or ``windower:``.
+    An oversized message is refused before it is decoded: it costs its length check, not a decode."""
+    size = len(message or b"")
+    if size > limits.max_message_bytes:
+        return IntakeResult(reason=f"size: message of {size} bytes > max_message_bytes {limits.max_message_bytes}")
     try:
         batch = decode_event_batch(message or b"")
     except SchemaError as exc:
         return IntakeResult(reason=_reason("schema", exc))
-    reason = check_batch(batch, wall_ns)
+    reason = check_batch(batch, wall_ns, limits)
     if reason is not None:
         return IntakeResult(reason=reason[:_MAX_REASON_CHARS])
     key = (batch.header.job, batch.header.rank)

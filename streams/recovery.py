@@ -39,6 +39,7 @@ from typing import Generic, TypeVar
 import faust
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
+from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 from faust.types import EventT, Message
 
 from fleetscope.schemas.topics import rank_key
@@ -138,6 +139,8 @@ class StateLog:
             value_serializer="raw",
         )
         self.bootstrap_servers = bootstrap_servers
+        self.security = dict(credentials_to_aiokafka_auth(app.conf.broker_credentials))
+        """The app's own SASL/TLS settings, as aiokafka arguments: the reader talks to the same brokers."""
         self.read_timeout_s = read_timeout_s
         self.writes = 0
         self._declared = False
@@ -146,6 +149,10 @@ class StateLog:
         """Queue a record in the producer; Faust delivers it before it commits any later ack."""
         await self.topic.send(key=key, value=value, partition=partition)
         self.writes += 1
+
+    def consumer(self) -> AIOKafkaConsumer:
+        """The reader's consumer (not started; needs a running event loop), secured like the app."""
+        return AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, enable_auto_commit=False, **self.security)
 
     async def read(self, partitions: Collection[int]) -> dict[int, dict[bytes, bytes]]:
         """The latest record of every key in ``partitions``, read up to a fence written now.
@@ -159,7 +166,7 @@ class StateLog:
             delivered = await self.topic.send(key=_FENCE_KEY, value=token, partition=p)
             await delivered
         out: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, enable_auto_commit=False)
+        consumer = self.consumer()
         await consumer.start()
         try:
             tps = [TopicPartition(self.name, p) for p in partitions]

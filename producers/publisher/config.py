@@ -8,6 +8,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError
 
+from fleetscope.schemas.limits import IntakeLimits
+
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
 
 # librdkafka keys the publisher owns: set through a typed field, or fixed because correctness depends on them.
@@ -22,6 +24,7 @@ _OWNED_KEYS = {
     "queue.buffering.max.kbytes": "queue_max_kbytes",
     "message.timeout.ms": "delivery_timeout_ms",
     "delivery.timeout.ms": "delivery_timeout_ms",
+    "message.max.bytes": "max_message_bytes",
     "enable.idempotence": "(fixed: true)",
     "partitioner": "(fixed: murmur2_random)",
     "allow.auto.create.topics": "(fixed: false)",
@@ -68,6 +71,8 @@ class PublisherConfig:
     spool_max_bytes: int = 268_435_456
     retry_backoff_max_ms: int = 5_000
     """Longest wait between two probes of an unreachable broker."""
+    max_message_bytes: int = IntakeLimits().max_message_bytes
+    """A batch encoding to more is dropped (and counted) here: the intake would dead-letter it."""
     extra: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +83,8 @@ class PublisherConfig:
             p.append("topic_prefix must not be empty")
         if self.compression not in COMPRESSIONS:
             p.append(f"compression must be one of {'|'.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.max_message_bytes < 1024:
+            p.append(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.linger_ms < 0:
             p.append(f"linger_ms must be >= 0, got {self.linger_ms}")
         if self.queue_max_messages < 1:
@@ -116,6 +123,7 @@ class PublisherConfig:
             "spool_dir": spool_dir,
             "spool_max_bytes": prod.spool_max_bytes,
             "retry_backoff_max_ms": prod.retry_backoff_max_ms,
+            "max_message_bytes": config.limits.max_message_bytes,
             "extra": k.client_settings(),
         }
         return cls(**(values | overrides))
@@ -135,6 +143,8 @@ class PublisherConfig:
             "message.timeout.ms": self.delivery_timeout_ms,
             "queue.buffering.max.messages": self.queue_max_messages,
             "queue.buffering.max.kbytes": self.queue_max_kbytes,
+            # librdkafka's own cap (a request, with overhead) must not be the smaller one.
+            "message.max.bytes": max(1_000_000, self.max_message_bytes + 65_536),
         }
 
 

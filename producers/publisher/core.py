@@ -161,6 +161,12 @@ class Publisher:
             key = rank_key(batch.header.job, batch.header.rank)
         except Exception as exc:  # bad input must never reach the training loop
             return self._drop(f"encode:{type(exc).__name__}", f"cannot encode a batch: {exc}")
+        if len(value) > self.config.max_message_bytes:
+            return self._drop(
+                "too_large",
+                f"a {batch.kind.value} batch of {len(value)} bytes exceeds max_message_bytes "
+                f"{self.config.max_message_bytes}: dropped (the intake would dead-letter it)",
+            )
         return self.publish_record(topic, key, value, n_events)
 
     def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:

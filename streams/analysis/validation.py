@@ -2,8 +2,9 @@
 
 Decoding proves a message has the right shape; these rules reject batches whose values would poison
 the windower or the store (a rank outside the job, a negative duration, a timestamp decades away).
-The first broken rule is returned as a one-line reason, prefixed ``header:`` or ``value:`` for the
-dead-letter topic. Wall-clock bounds apply only to batches on the ``realtime`` clock.
+The first broken rule is returned as a one-line reason, prefixed ``header:``, ``size:`` or ``value:`` for
+the dead-letter topic. Every clock label is checked (``CLOCKS``): one the rules do not know is refused, so
+no batch skips the timestamp bounds.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import EventBatch
+from fleetscope.schemas import CLOCKS, EventBatch, IntakeLimits
 
 MIN_TIMESTAMP_NS = 946_684_800 * 10**9
 """2000-01-01T00:00:00Z: anything earlier is an uninitialised or relative clock."""
@@ -21,13 +22,20 @@ MAX_FUTURE_NS = 86_400 * 10**9
 """How far past the checker's wall clock an event may end (clock skew, not a broken clock)."""
 
 _TIME_COLUMNS = ("start_ns", "launch_ns", "t_ns")
+_FLOAT_COLUMNS = ("value",)
+_DEFAULT_LIMITS = IntakeLimits()
 
 
-def check_batch(batch: EventBatch, now_ns: int) -> str | None:
+def check_batch(batch: EventBatch, now_ns: int, limits: IntakeLimits = _DEFAULT_LIMITS) -> str | None:
     """Why ``batch`` must be dead-lettered, or None when it is plausible; ``now_ns`` is wall-clock time."""
     h = batch.header
     if not h.job:
         return "header: empty job"
+    if h.clock not in CLOCKS:
+        return f"header: unknown clock {h.clock[:64]!r} (known: {', '.join(sorted(CLOCKS))})"
+    reason = _check_sizes(batch, limits)
+    if reason is not None:
+        return reason
     if h.world_size < 1:
         return f"header: world size {h.world_size} < 1"
     if not 0 <= h.rank < h.world_size:
@@ -37,8 +45,11 @@ def check_batch(batch: EventBatch, now_ns: int) -> str | None:
     dur = batch.columns.get("dur_ns")
     if dur is not None and dur.size and int(dur.min()) < 0:
         return f"value: negative duration {int(dur.min())} ns in {batch.kind.value}"
-    if h.clock != "realtime":
-        return None
+    for name in _FLOAT_COLUMNS:
+        col = batch.columns.get(name)
+        if col is not None and col.size and not bool(np.isfinite(col).all()):
+            bad = float(col[~np.isfinite(col)][0])
+            return f"value: non-finite {batch.kind.value} {name} {bad!r}"
     latest = now_ns + MAX_FUTURE_NS
     for name in _TIME_COLUMNS:
         col = batch.columns.get(name)
@@ -57,3 +68,21 @@ def check_batch(batch: EventBatch, now_ns: int) -> str | None:
 def _ends_after(start: npt.NDArray[Any], dur: npt.NDArray[Any], latest: int) -> bool:
     """``start + dur > latest`` for any event, without int64 overflow (start <= latest holds here)."""
     return bool(np.any(dur > np.int64(latest) - start))
+
+
+def _check_sizes(batch: EventBatch, limits: IntakeLimits) -> str | None:
+    """Bounds on the batch's size and its strings (a 100 kB job id or 2**31 ranks is an attack or a bug)."""
+    h = batch.header
+    if h.world_size > limits.max_world_size:
+        return f"size: world size {h.world_size} > max_world_size {limits.max_world_size}"
+    if len(batch) > limits.max_events_per_batch:
+        return f"size: {len(batch)} events > max_events_per_batch {limits.max_events_per_batch}"
+    labels = {"job": h.job, "host": h.host, "cluster": h.cluster, "producer_id": h.producer_id}
+    labels |= {"gpu_uuid": h.gpu_uuid} | {f"streams[{i}]": s for i, s in enumerate(h.streams)}
+    for field, text in labels.items():
+        if len(text) > limits.max_label_chars:
+            return f"size: {field} of {len(text)} chars > max_label_chars {limits.max_label_chars}"
+    longest = max(map(len, batch.names), default=0)
+    if longest > limits.max_name_chars:
+        return f"size: a name of {longest} chars > max_name_chars {limits.max_name_chars}"
+    return None

@@ -9,24 +9,29 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fleetscope.config import load_config
 from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, simulate
-from fleetscope.schemas import EventKind, SchemaError, Topics, decode_event_batch, encode_event_batch
+from fleetscope.schemas import EventKind, IntakeLimits, SchemaError, Topics, decode_event_batch, encode_event_batch
 from fleetscope.sinks import connect
 from fleetscope.stack import EmbeddedStack
 from fleetscope.streams.analysis.validation import check_batch
 
 pytestmark = pytest.mark.integration
 
-BAD_MESSAGES = 50
+BAD_MESSAGES = 60
+OVERSIZED = b"\x00\x00\x00\x00\x66" + bytes(1_500_000)
+"""Over max_message_bytes (1 MB by default): refused on its length, before any decoding."""
 RANKS, ITERATIONS = 2, 4
 
 
 def _is_bad(message: bytes) -> bool:
+    if len(message) > IntakeLimits().max_message_bytes:
+        return True
     try:
         return check_batch(decode_event_batch(message), time.time_ns()) is not None
     except SchemaError:
@@ -37,6 +42,7 @@ def _bad_messages(start_ns: int) -> list[bytes]:
     """Implausible batches of every rule plus mutated valid messages that no longer decode or validate."""
     batches = list(simulate(SimulatorConfig(job="dl-bad", ranks=2, iterations=2, start_ns=start_ns)))
     kernels = next(b for b in batches if b.kind is EventKind.KERNELS)
+    samples = next(b for b in batches if b.kind is EventKind.THROUGHPUT)
     future = time.time_ns() + 10 * 86_400 * 10**9
     bad = [
         b"",
@@ -47,6 +53,18 @@ def _bad_messages(start_ns: int) -> list[bytes]:
         encode_event_batch(replace(kernels, header=replace(kernels.header, seq=-4))),
         encode_event_batch(replace(kernels, columns={**kernels.columns, "dur_ns": -kernels["dur_ns"]})),
         encode_event_batch(replace(kernels, columns={**kernels.columns, "start_ns": kernels["start_ns"] * 0 + future})),
+        # The hardening rules: every clock label checked, non-finite values, size bounds (issue 18).
+        encode_event_batch(replace(kernels, header=replace(kernels.header, clock="trace"),
+                                   columns={**kernels.columns, "start_ns": kernels["start_ns"] * 0 + 5})),
+        encode_event_batch(replace(kernels, columns={**kernels.columns,
+                                                     "start_ns": kernels["start_ns"] * 0 + 4_102_444_800 * 10**9})),
+        encode_event_batch(replace(samples, columns={**samples.columns, "value": samples["value"] * np.inf})),
+        encode_event_batch(replace(samples, columns={**samples.columns, "value": samples["value"] * np.nan})),
+        encode_event_batch(replace(kernels, header=replace(kernels.header, job="j" * 100_000))),
+        encode_event_batch(replace(kernels, header=replace(kernels.header, host="h" * 1_000))),
+        encode_event_batch(replace(kernels, header=replace(kernels.header, world_size=2**31 - 1))),
+        encode_event_batch(replace(kernels, names=[n * 2_000 for n in kernels.names])),
+        OVERSIZED,
     ]  # fmt: skip
     rng = random.Random(6)
     valid = [encode_event_batch(b) for b in batches]
@@ -104,7 +122,7 @@ def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
     bad = _bad_messages(start_ns)
     keys = [f"bad-{i}".encode() for i in range(len(bad))]
     with EmbeddedStack(config, with_worker=True) as stack:
-        producer = Producer({"bootstrap.servers": broker, "linger.ms": 5})
+        producer = Producer({"bootstrap.servers": broker, "linger.ms": 5, "message.max.bytes": 4_000_000})
         raw_topics = topics.raw_all
         for i, (key, value) in enumerate(zip(keys, bad, strict=True)):
             producer.produce(raw_topics[i % len(raw_topics)], value=value, key=key)
@@ -119,7 +137,7 @@ def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
         assert set(letters) == set(keys), f"missing dead letters: {sorted(set(keys) - set(letters))}"
         for key in keys:
             headers = letters[key]
-            assert headers["reason"].split(":", 1)[0] in ("schema", "header", "value"), headers
+            assert headers["reason"].split(":", 1)[0] in ("schema", "header", "value", "size"), headers
             assert headers["reason"].split(":", 1)[1].strip() and headers["topic"] in raw_topics
             assert headers["offset"].isdigit() and headers["partition"].isdigit()
 
@@ -132,6 +150,11 @@ def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
                 break
             time.sleep(0.5)
         assert stored == RANKS * ITERATIONS
+        for table in ("iterations", "function_patterns"):  # nothing of a rejected message is stored
+            assert client.command(f"SELECT count() FROM `{database}`.{table} WHERE job != 'dl-valid'") == 0
+        oversized = letters[keys[bad.index(OVERSIZED)]]
+        assert oversized["reason"].startswith("size: message of 1500005 bytes")
+        assert oversized["truncated_from_bytes"] == "1500005"
         assert stack.worker is not None and stack.worker.alive()
         log = stack.worker.log_path.read_text(errors="replace")
         assert "Traceback" not in log, log[-3000:]

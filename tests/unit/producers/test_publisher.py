@@ -165,3 +165,16 @@ def test_the_program_config_sets_the_spool_one_directory_per_process(tmp_path: P
     assert PublisherConfig.from_config(memory).spool_dir == ""
     with pytest.raises(ValueError, match=r"producer: .*spool_max_bytes must be >= 65536"):
         load_config(env={}, overrides={"producer.spool_max_bytes": 10})
+
+
+def test_a_batch_over_max_message_bytes_is_dropped_and_counted_not_sent() -> None:
+    batch = some_batches(1)[0]
+    batch.names[0] = "k" * 4096
+    with Publisher(PublisherConfig(bootstrap_servers=UNREACHABLE, max_message_bytes=2048)) as publisher:
+        assert publisher.publish(batch) is False
+        assert publisher.stats.dropped == 1 and publisher.stats.published == 0
+    assert PublisherConfig(bootstrap_servers="x", max_message_bytes=2_000_000).librdkafka()["message.max.bytes"] > (
+        2_000_000
+    )
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        PublisherConfig(bootstrap_servers="x", max_message_bytes=10)

@@ -21,14 +21,19 @@ from fleetscope.schemas import (
     encode,
     encode_event_batch,
 )
-from fleetscope.streams.analysis.validation import check_batch
+from fleetscope.schemas.limits import CLOCKS, IntakeLimits
+from fleetscope.streams.analysis.validation import MAX_FUTURE_NS, MIN_TIMESTAMP_NS, check_batch
 from fleetscope.streams.analysis.windowing import RankWindower, WindowerConfig
 from fleetscope.streams.intake import intake
 
 WALL_NS = 1_767_225_600_000_000_000 + 30 * 86_400 * 10**9  # a month after the simulator's default start
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONFIG = WindowerConfig(idle_close_ms=1000, stream_discovery_ms=0, max_open_steps=4)
-PREFIXES = ("schema: ", "header: ", "value: ")
+PREFIXES = ("schema: ", "header: ", "value: ", "size: ")
+DEFAULT_LIMITS = IntakeLimits()
+TIGHT = IntakeLimits(
+    max_message_bytes=2048, max_events_per_batch=8, max_world_size=3, max_label_chars=16, max_name_chars=64
+)
 
 
 @functools.cache
@@ -69,11 +74,15 @@ _INT = st.integers(-(2**31), 2**31 - 1)
 def implausible_batch(draw: st.DrawFn) -> bytes:
     """A well-formed message carrying arbitrary header values and columns (names included)."""
     kind = draw(st.sampled_from(list(EventKind)))
-    names = draw(st.lists(st.one_of(st.text(max_size=12), st.from_regex(r"ProfilerStep#[0-9]{1,25}", fullmatch=True),
+    names = draw(st.lists(st.one_of(st.text(max_size=12), st.text(min_size=60, max_size=70),
+                                    st.from_regex(r"ProfilerStep#[0-9]{1,25}", fullmatch=True),
                                     st.sampled_from(["optimizer.step", "dataloader.next", "ncclKernel_AllReduce"])),
                           min_size=1, max_size=5))  # fmt: skip
     n = draw(st.integers(0, 12))
     plausible = draw(st.booleans())  # half pass validation, so the windower itself gets fuzzed
+    label = st.sampled_from(["fz", "other"])
+    if not plausible:
+        label = st.one_of(st.sampled_from(["fz", ""]), st.text(max_size=20))
     longs = st.integers(WALL_NS - 10**12, WALL_NS - 10**12 + 10**10) if plausible else _LONG
     columns = {}
     for name, dtype in COLUMNS[kind].items():
@@ -89,14 +98,14 @@ def implausible_batch(draw: st.DrawFn) -> bytes:
         else:
             values = draw(st.lists(_INT, min_size=n, max_size=n))
         columns[name] = values
-    world = draw(st.integers(1, 3) if plausible else st.integers(-1, 4))
+    world = draw(st.integers(1, 3) if plausible else st.one_of(st.integers(-1, 4), st.just(2**31 - 1)))
     header = BatchHeader(
-        job=draw(st.sampled_from(["fz", "other"] if plausible else ["fz", ""])),
+        job=draw(label), host=draw(label),
         rank=draw(st.integers(0, world - 1) if plausible else st.integers(-2, 5)),
         world_size=world, producer_id=draw(st.sampled_from(["p", "q"])),
         seq=draw(st.integers(0, 10) if plausible else st.integers(-2, 10)),
         streams=tuple(draw(st.lists(st.sampled_from([k.value for k in EventKind]), max_size=4))),
-        clock=draw(st.sampled_from(["realtime", "trace"])),
+        clock="realtime" if plausible else draw(st.sampled_from(["realtime", "trace", "", "x" * 300])),
     )  # fmt: skip
     return encode_event_batch(EventBatch(kind=kind, header=header, names=names, columns=columns))
 
@@ -104,11 +113,31 @@ def implausible_batch(draw: st.DrawFn) -> bytes:
 ANY_MESSAGE = st.one_of(st.binary(max_size=256), mutated(), implausible_batch(), st.sampled_from(valid_messages()))
 
 
-def expected_reason(message: bytes) -> str | None:
+def expected_reason(message: bytes, limits: IntakeLimits = DEFAULT_LIMITS) -> str | None:
+    if len(message) > limits.max_message_bytes:
+        return "size: too large"
     try:
-        return check_batch(decode_event_batch(message), WALL_NS)
+        return check_batch(decode_event_batch(message), WALL_NS, limits)
     except SchemaError as exc:
         return f"schema: {exc}"
+
+
+def within_bounds(message: bytes, limits: IntakeLimits) -> bool:
+    """The bounds restated apart from ``check_batch``: what the intake accepts must satisfy them."""
+    batch = decode_event_batch(message)
+    h = batch.header
+    labels = [h.job, h.host, h.cluster, h.producer_id, h.gpu_uuid, *h.streams]
+    times = [batch.columns[c] for c in ("start_ns", "launch_ns", "t_ns") if c in batch.columns]
+    return (
+        len(message) <= limits.max_message_bytes
+        and h.clock in CLOCKS
+        and 1 <= h.world_size <= limits.max_world_size
+        and len(batch) <= limits.max_events_per_batch
+        and all(len(text) <= limits.max_label_chars for text in labels)
+        and all(len(name) <= limits.max_name_chars for name in batch.names)
+        and all(np.isfinite(batch.columns.get("value", np.zeros(0))))
+        and all(int(t.min()) >= MIN_TIMESTAMP_NS and int(t.max()) <= WALL_NS + MAX_FUTURE_NS for t in times if t.size)
+    )
 
 
 @FUZZ
@@ -140,6 +169,27 @@ def test_the_worker_step_never_raises_and_gives_every_bad_message_a_reason(messa
             encode("iterations", c.iteration)
             encode("patterns", c.patterns)
         w.take_progress()
+
+
+@FUZZ
+@given(st.lists(st.one_of(implausible_batch(), mutated(), st.sampled_from(valid_messages())), min_size=1, max_size=8))
+def test_what_the_intake_accepts_is_within_every_bound(messages: list[bytes]) -> None:
+    """Tight limits: an accepted message satisfies every bound (clock, finite values, dates, sizes); a refused
+    one names the rule it broke."""
+    windowers: dict[tuple[str, int], RankWindower] = {}
+    for i, message in enumerate(messages):
+        result = intake(message, windowers, i * 10**9, CONFIG, wall_ns=WALL_NS, limits=TIGHT)
+        if result.reason is None:
+            assert within_bounds(message, TIGHT)
+        else:
+            assert result.reason.startswith(PREFIXES) and result.closed == [] and len(result.reason) <= 500
+            assert (expected_reason(message, TIGHT) or "").split(":")[0] == result.reason.split(":")[0]
+
+
+def test_an_oversized_message_is_refused_before_it_is_decoded() -> None:
+    big = valid_messages()[0] + bytes(2048)  # would also fail to decode: the size rule answers first
+    result = intake(big, {}, 0, CONFIG, wall_ns=WALL_NS, limits=TIGHT)
+    assert result.reason == f"size: message of {len(big)} bytes > max_message_bytes 2048"
 
 
 def test_valid_messages_close_iterations_through_the_worker_step() -> None:

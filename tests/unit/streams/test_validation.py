@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fleetscope.schemas import BatchHeader, EventBatch, EventKind
+from fleetscope.schemas import BatchHeader, EventBatch, EventKind, IntakeLimits
 from fleetscope.streams.analysis.validation import MAX_FUTURE_NS, MIN_TIMESTAMP_NS, check_batch
 
 NOW = 1_780_000_000 * 10**9
@@ -80,7 +80,56 @@ def test_an_event_ending_more_than_a_day_ahead_is_rejected_without_overflow():
     assert check_batch(kernels(dur=(5, huge)), NOW) == "value: a kernels event ends more than 1 day in the future"
 
 
-def test_wall_clock_rules_apply_only_to_the_realtime_clock():
-    relative = kernels(start=(0, 10), clock="trace")
-    assert check_batch(relative, NOW) is None
-    assert check_batch(kernels(start=(0, 10), dur=(1, -1), clock="trace"), NOW).startswith("value: negative")
+@pytest.mark.parametrize("clock", ["trace", "", "REALTIME", "monotonic", "x" * 10_000])
+def test_every_clock_label_is_checked_and_an_unknown_one_is_refused(clock):
+    """A label the rules do not know would skip the timestamp bounds (rows dated 1970 or 2100 stored)."""
+    for batch in (kernels(start=(0, 10), clock=clock), kernels(start=(T, T + 10), clock=clock)):
+        reason = check_batch(batch, NOW)
+        assert reason is not None and reason.startswith("header: unknown clock")
+        assert len(reason) < 200
+
+
+@pytest.mark.parametrize("start", [(0, 10), (T, 4_102_444_800 * 10**9)])  # 1970, 2100
+def test_realtime_batches_dated_1970_or_2100_are_refused(start):
+    assert check_batch(kernels(start=start), NOW).startswith("value: kernels start_ns")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_throughput_samples_are_refused(bad):
+    batch = samples([T, T + 1])
+    batch.columns["value"][1] = bad
+    assert check_batch(batch, NOW) == f"value: non-finite throughput value {bad!r}"
+
+
+LIMITS = IntakeLimits(max_events_per_batch=3, max_world_size=64, max_label_chars=16, max_name_chars=64)
+
+
+@pytest.mark.parametrize(
+    ("batch", "expected"),
+    [
+        (kernels(start=(T,) * 4, dur=(1,) * 4), "size: 4 events > max_events_per_batch 3"),
+        (kernels(world_size=2**31 - 1), "size: world size 2147483647 > max_world_size 64"),
+        (kernels(job="j" * 100_000), "size: job of 100000 chars > max_label_chars 16"),
+        (kernels(host="h" * 17), "size: host of 17 chars > max_label_chars 16"),
+        (kernels(cluster="c" * 17), "size: cluster of 17 chars > max_label_chars 16"),
+        (kernels(producer_id="p" * 17), "size: producer_id of 17 chars > max_label_chars 16"),
+        (kernels(gpu_uuid="g" * 17), "size: gpu_uuid of 17 chars > max_label_chars 16"),
+        (kernels(streams=("kernels", "k" * 17)), "size: streams[1] of 17 chars > max_label_chars 16"),
+    ],
+)
+def test_size_bounds_are_refused_with_a_size_reason(batch, expected):
+    assert check_batch(batch, NOW, LIMITS) == expected
+    assert check_batch(batch, NOW) is None or "job" in expected or "world" in expected
+
+
+def test_long_names_are_refused():
+    batch = kernels()
+    batch.names[0] = "n" * 65
+    assert check_batch(batch, NOW, LIMITS) == "size: a name of 65 chars > max_name_chars 64"
+    batch.names[0] = "n" * 64
+    assert check_batch(batch, NOW, LIMITS) is None
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="max_message_bytes must be >= 1024"):
+        IntakeLimits(max_message_bytes=10)
