@@ -151,7 +151,7 @@ class JobDifferential:
         signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
-        late_open: list[dict[str, Any]] = []
+        late_open: list[RankSignal] = []
         if regression is not None:
             regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
             if self.tracker.is_open(regression.key()):
@@ -159,8 +159,9 @@ class JobDifferential:
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
         out = self.tracker.observe(it, signals)
-        for sig in late_open:
-            out += self.tracker.emit_now(sig, it)
+        if not self.tracker.peers_explain(it):  # else the job is slower because the others wait for a culprit
+            for sig in late_open:
+                out += self.tracker.emit_now(sig, it)
         return out + self._missing_ranks(it, records)
 
     def _missing_ranks(self, it: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetscope.schemas import Category
 from fleetscope.streams.analysis.outliers import RankSignal
 
 
@@ -29,6 +30,10 @@ class LifecycleConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.persist_iterations > self.window_iterations:
             raise ValueError("persist_iterations must be <= window_iterations")
+
+
+_JOB_LEVEL = frozenset({Category.JOB_REGRESSION.value, Category.HANG.value})
+"""Categories about the job as a whole rather than some of its ranks."""
 
 
 @dataclass(slots=True)
@@ -110,6 +115,17 @@ class FindingTracker:
             for tr in self._tracks.values()
             if tr.finding_id and tr.emitted_iteration < tr.iteration_last
         ]
+
+    def peers_explain(self, iteration: int) -> bool:
+        """Whether a rank, host or stage stands out persistently (open, or flagged as often as a finding needs
+        to open) within the window up to ``iteration``: a job-wide slowdown then has a cause among the peers
+        (the others wait for it) and is not a regression of the job itself. One-off flags do not count."""
+        since = iteration - self.config.window_iterations
+        need = self.config.persist_iterations
+        return any(
+            category not in _JOB_LEVEL and (tr.finding_id or sum(1 for i in tr.flags if i > since) >= need)
+            for (_, category), tr in self._tracks.items()
+        )
 
     def is_open(self, key: tuple[str, str]) -> bool:
         tr = self._tracks.get(key)
