@@ -14,6 +14,7 @@ from fleetscope.schemas.layout import (
     layout_from_sizes,
     role_of_name,
     stage_order,
+    stages_reversed,
     stride_of,
 )
 
@@ -189,3 +190,14 @@ def test_sizes_override_is_megatron_order() -> None:
     }
     with pytest.raises(ValueError, match="multiple"):
         layout_from_sizes(10, tp=4)
+
+
+def test_one_rank_tells_the_stage_direction_from_its_first_p2p_call() -> None:
+    """Stage 0 on the highest ranks (pipeline group listed 0, 4, 8, 12 but run 12 -> 8 -> 4 -> 0)."""
+    members = (0, 4, 8, 12)
+    assert stages_reversed(members, 12, "send", 8) is True  # the first stage sends first
+    assert stages_reversed(members, 4, "recv", 8) is True  # activations come from the higher rank
+    assert stages_reversed(members, 0, "recv", 4) is True
+    assert stages_reversed(members, 0, "send", 4) is False
+    assert stages_reversed(members, 8, "recv", 4) is False
+    assert stages_reversed(members, 8, "", -1) is None and stages_reversed(members, 3, "send", 0) is None
