@@ -91,6 +91,29 @@ def test_named_groups_give_every_coordinate_in_any_rank_order(
         check(coords, process_groups(coords, names))
 
 
+@settings(max_examples=40, deadline=None)
+@given(sizes=dims, ep=st.sampled_from([2, 4]), order=st.permutations(["tp", "pp", "dp"]), unnamed=st.booleans())
+def test_expert_groups_inside_the_data_parallel_replicas(
+    sizes: dict[str, int], ep: int, order: list[str], unnamed: bool
+) -> None:
+    """Experts spread over ``ep`` consecutive replicas: named, or unnamed but carrying all-to-all."""
+    sizes = {**sizes, "dp": ep * sizes["dp"]}
+    coords = build(sizes, order)
+    groups = process_groups(coords, MEGATRON_DESC)
+    blocks: dict[tuple[int, int, int], list[int]] = {}
+    for r, c in sorted(coords.items(), key=lambda rc: rc[1]["dp"]):
+        blocks.setdefault((c["tp"], c["pp"], c["dp"] // ep), []).append(r)
+    for i, members in enumerate(blocks.values()):
+        desc, ops = (
+            ("undefined", frozenset({"all_to_all"})) if unnamed else ("EXPERT_MODEL_PARALLEL_GROUP", frozenset())
+        )
+        groups.append(ProcessGroup(name=f"e{i}", ranks=tuple(members), desc=desc, ops=ops))
+    check(coords, groups)
+    layout = derive_layout(groups, world_size=len(coords))
+    for r, c in coords.items():
+        assert (layout.role(r).ep_rank, layout.role(r).ep_size) == (c["dp"] % ep, ep)
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes=dims, pp_place=st.integers(1, 2), backwards=st.booleans())
 def test_unnamed_groups_from_membership_and_p2p(sizes: dict[str, int], pp_place: int, backwards: bool) -> None:
