@@ -224,7 +224,12 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import FINDING_FIELDS, print_findings, print_table
 
     result = analyze_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
@@ -243,7 +248,12 @@ def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import print_table
 
     ranks = replay_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     columns = ("job", "rank", "host", "batches", "events", "kernels", "collectives", "host_spans")
     print_table(columns, [[getattr(r, c) for c in columns] for r in ranks])
