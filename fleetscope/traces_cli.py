@@ -247,7 +247,12 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import findings_json, print_findings, print_table
 
     result = analyze_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
@@ -297,7 +302,12 @@ def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import print_table
 
     ranks = replay_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), tp=args.tp, pp=args.pp
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     if args.json:
         print(json.dumps({"bootstrap_servers": config.kafka.bootstrap_servers, "ranks": [asdict(r) for r in ranks]}))

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fleetscope.producers.rank_recorder import Recorder
-from fleetscope.schemas.layout import JobLayout, ProcessGroup, derive_layout, layout_from_sizes
+from fleetscope.schemas.layout import JobLayout, ProcessGroup, derive_layout, layout_from_sizes, stages_reversed
 
 ENV_TP, ENV_PP = "FLEETSCOPE_TP", "FLEETSCOPE_PP"
 _P2P_FUNCTIONS = {"send": ("send", "dst"), "isend": ("send", "dst"), "recv": ("recv", "src"), "irecv": ("recv", "src")}
@@ -35,11 +35,13 @@ class P2PPeers:
     def __init__(self) -> None:
         self.edges: dict[tuple[int, int], None] = {}
         self.first: str = ""
+        self.first_peer = -1
 
     def note(self, op: str, me: int, peer: int) -> None:
         if len(self.edges) < _MAX_PEERS and peer != me:
             self.edges[(me, peer) if op == "send" else (peer, me)] = None
-        self.first = self.first or op
+        if not self.first:
+            self.first, self.first_peer = op, peer
 
 
 PEERS = P2PPeers()
@@ -124,7 +126,19 @@ def current_layout(world_size: int) -> JobLayout:
         return layout_from_sizes(world_size, tp=max(tp, 1), pp=max(pp, 1))
     me = dist.get_rank()
     first = {me} if PEERS.first == "send" else set()
-    return derive_layout(process_groups(), world_size=world_size, p2p=tuple(PEERS.edges), first_senders=first)
+    layout = derive_layout(process_groups(), world_size=world_size, p2p=tuple(PEERS.edges), first_senders=first)
+    return _oriented(layout, me)
+
+
+def _oriented(layout: JobLayout, me: int) -> JobLayout:
+    """This rank's stage counted from the stage that sends first, when its own p2p calls say the
+    pipeline group lists the stages last first (PyTorch sorts a group's ranks, not its stages)."""
+    pipeline = next((g for g in layout.groups.get("pp", ()) if me in g), None)
+    if pipeline is None or stages_reversed(pipeline, me, PEERS.first, PEERS.first_peer) is not True:
+        return layout
+    role = layout.role(me)
+    flipped = replace(role, pp_rank=role.pp_size - 1 - role.pp_rank)
+    return replace(layout, roles={**layout.roles, me: flipped})
 
 
 class LayoutTracker:

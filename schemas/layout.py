@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Coordinate roles. ``dp`` folds in context parallelism and FSDP/ZeRO sharding: all of them run the
@@ -155,6 +155,26 @@ def stride_of(ranks: Collection[int]) -> int | None:
     step = members[1] - members[0]
     ok = all(b - a == step for a, b in zip(members, members[1:], strict=False))
     return step if ok else None
+
+
+def stages_reversed(members: Sequence[int], rank: int, first_op: str, first_peer: int) -> bool | None:
+    """Whether ``members`` (a pipeline group in member order) run last stage first, as one rank can tell.
+
+    A rank sees only its own p2p calls, yet its first one says where it is: the first stage starts by
+    sending activations forward, every other stage by receiving them from the stage before it. Every
+    rank of a job answers alike (None: its calls do not tell, e.g. no p2p yet or an unlisted peer).
+    """
+    if rank not in members or len(members) < 2:
+        return None
+    i, last = members.index(rank), len(members) - 1
+    if first_op == "send":
+        return False if i == 0 else True if i == last else None
+    if first_op == "recv":
+        if i > 0 and members[i - 1] == first_peer:
+            return False
+        if i < last and members[i + 1] == first_peer:
+            return True
+    return None
 
 
 def stage_order(

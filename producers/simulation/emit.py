@@ -47,7 +47,9 @@ class Emitter:
         self.lay, self.cfg = lay, cfg
         self.offset = cfg.start_ns + host_offset_ns[lay.host]  # (R,) int64
         self.seq = [0] * lay.ranks
-        layout = derived_layout(cfg)  # coordinates from the published process groups, as for a real job
+        layout = derived_layout(
+            cfg, described=cfg.named_groups
+        )  # coordinates from the published process groups, as for a real job
         self.identity = [
             {
                 "job": cfg.job,

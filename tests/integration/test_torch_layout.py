@@ -45,6 +45,13 @@ def run(rank, world, port, style, out):
             for t in range(tp):
                 dist.new_group([p * 4 + d * 2 + t for p in range(pp)], group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
         dist.new_group([0, 1, 6, 7], group_desc="EMBEDDING_GROUP")
+    elif style == "reversed":  # pp=4, stage 0 on the highest rank: activations flow 3 -> 2 -> 1 -> 0
+        dist.new_group(list(range(world)), group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
+        x = torch.zeros(4)
+        if rank < world - 1:
+            dist.recv(x, rank + 1)
+        if rank > 0:
+            dist.send(x, rank - 1)
     else:  # torchtitan-style DeviceMesh pp2 x dp2 and a p2p exchange between the stages
         from torch.distributed.device_mesh import init_device_mesh
         init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -101,3 +108,9 @@ def test_device_mesh_dims_and_p2p_give_stage_and_replica(tmp_path: Path) -> None
     for r, h in got.items():
         assert (h["pp"], h["dp"], h["tp"]) == (r // 2, r % 2, 0), r
         assert h["sizes"] == [1, 2, 2]
+
+
+def test_stage_order_follows_the_p2p_direction_when_the_group_lists_it_last_first(tmp_path: Path) -> None:
+    got = _job(tmp_path, 4, "reversed")
+    assert [got[r]["pp"] for r in range(4)] == [3, 2, 1, 0]
+    assert all(h["sizes"] == [1, 4, 1] for h in got.values())

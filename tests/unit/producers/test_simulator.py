@@ -648,3 +648,18 @@ def test_published_process_groups_derive_the_simulated_layout(ranks: int, tp: in
         role = layout.role(r)
         assert (role.tp_rank, role.pp_rank, role.dp_rank) == cfg.coordinates(r)
         assert (role.tp_size, role.pp_size, role.dp_size) == (tp, pp, cfg.dp)
+
+
+def test_headers_from_undescribed_groups_match_the_described_ones() -> None:
+    described = {b.header.rank: b.header for b in simulate(SimulatorConfig(ranks=16, iterations=1, tp=2, pp=2))}
+    bare = simulate(SimulatorConfig(ranks=16, iterations=1, tp=2, pp=2, named_groups=False))
+    for b in bare:
+        h, want = b.header, described[b.header.rank]
+        assert (h.tp_rank, h.pp_rank, h.dp_rank, h.tp_size, h.pp_size, h.dp_size) == (
+            want.tp_rank,
+            want.pp_rank,
+            want.dp_rank,
+            want.tp_size,
+            want.pp_size,
+            want.dp_size,
+        )
