@@ -446,7 +446,8 @@ def _identity(
         if size is not None and 0 < size < 2**31 and type(pg.get("pg_name")) is str:
             pg_sizes[pg["pg_name"]] = size
     host = ""
-    for source in (doc, info, doc.get("metadata") if type(doc.get("metadata")) is dict else {}):
+    metadata = doc.get("metadata")
+    for source in (doc, info, metadata if isinstance(metadata, dict) else {}):
         for key in ("hostname", "host", "host_name"):
             if not host and type(source.get(key)) is str:
                 host = source[key].strip()

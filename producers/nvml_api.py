@@ -235,7 +235,7 @@ class FakeNvml:
         return index
 
     def uuid(self, handle: Any) -> str:
-        return self.gpus[handle].uuid
+        return str(self.gpus[handle].uuid)
 
     def field_values(self, handle: Any, fields: Sequence[tuple[int, int]]) -> list[FieldReading]:
         self.calls += 1
@@ -260,7 +260,7 @@ class FakeNvml:
         gpu = self.gpus[handle]
         if metric in gpu.unsupported or metric not in gpu.metrics:
             raise NvmlNotSupported(metric)
-        return gpu.metrics[metric]
+        return float(gpu.metrics[metric])
 
     def watch_xid(self, indices: Sequence[int]) -> None:
         if any("xid" in self.gpus[i].unsupported for i in indices):

@@ -16,6 +16,7 @@ import functools
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Coordinate roles. ``dp`` folds in context parallelism and FSDP/ZeRO sharding: all of them run the
 # same work on different data; ``shard`` keeps the sharding group apart for the layouts table.
@@ -92,7 +93,7 @@ class RankRole:
     ep_size: int = 1
     shard_size: int = 1
 
-    def header_fields(self) -> dict[str, int]:
+    def header_fields(self) -> dict[str, Any]:
         """The ``BatchHeader`` coordinate fields (``tp_rank``... ``dp_size``)."""
         return {
             "tp_rank": self.tp_rank,

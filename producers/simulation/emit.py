@@ -50,7 +50,7 @@ class Emitter:
         layout = derived_layout(
             cfg, described=cfg.named_groups
         )  # coordinates from the published process groups, as for a real job
-        self.identity = [
+        self.identity: list[dict[str, Any]] = [
             {
                 "job": cfg.job,
                 "rank": r,

@@ -415,7 +415,7 @@ class Engine:
         last = arrive.reshape(-1, tp).max(axis=1).repeat(tp)
         bps = self._member_bps(rows, lay.tp_nv[rows], lay.tp_nic[rows], inp)
         rate = bps.reshape(-1, tp).min(axis=1).repeat(tp)
-        end = last + NCCL_LATENCY_NS + 2.0 * (tp - 1) / tp * self.cfg.tp_bytes / rate * 1e9
+        end: F64 = last + NCCL_LATENCY_NS + 2.0 * (tp - 1) / tp * self.cfg.tp_bytes / rate * 1e9
         tl.c_launch[rows, col], tl.c_start[rows, col], tl.c_end[rows, col] = launch, arrive, end
         idx = np.arange(rows.start, rows.stop)
         tl.xfer.append((idx, last, end, rate, lay.tp_nv[rows], lay.tp_nic[rows]))

@@ -106,7 +106,9 @@ def sample(lay: Layout, tl: Timeline, state: LinkState, until: F64, rng: np.rand
     hi_abs = np.ceil(until / dt).astype(np.int64)
     k0 = int(lo_abs.min())
     s = max(int(hi_abs.max()) - k0, 0)
-    occ = lambda rows, a, b, w=None: _occupancy(n, s, dt, k0, rows, a, b, w)  # noqa: E731
+
+    def occ(rows: I64, a: F64, b: F64, w: F64 | None = None) -> F64:
+        return _occupancy(n, s, dt, k0, rows, a, b, w)
 
     if tl.xfer:
         rows, a, b, rate, on_nv, on_nic = (np.concatenate(x) for x in zip(*tl.xfer, strict=True))
