@@ -100,6 +100,7 @@ def make_records(
                 "kind": kinds[order].tolist(),
                 "calls": calls[order].astype(np.int64).tolist(),
                 "total_ns": (m * calls[order]).astype(np.int64).tolist(),
+                "self_ns": (m * calls[order]).astype(np.int64).tolist(),  # no nesting: self time is all of it
                 "mean_ns": m.tolist(),
                 "nvlink_peak_bps": peak[r, order].tolist(),
                 "nvlink_mean_bps": act[r, order].tolist(),
@@ -158,6 +159,7 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
         f"{'peak MiB':>8} {'us/rank':>8} {'add s':>7} {'found':>5}"
     )
     all_found = True
+    sustained: list[tuple[int, float]] = []
     for ranks in sizes:
         slow = ranks * 7 // 10 + 3
         gc.collect()
@@ -179,12 +181,27 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
         )
         others = {s.rank for s in warm} - {slow}
         all_found &= found
+        sustained.append((ranks, t_warm))
         print(
             f"{ranks:>6} {input_mib:>9.0f} {t_cold:>7.3f} {t_warm:>7.3f} {least:>7.3f} {t_gather:>8.3f} "
             f"{100 * t_gather / t_warm:>7.0f}% {peak:>8.0f} {1e6 * t_warm / ranks:>8.1f} {t_add:>7.3f} "
             f"{'yes' if found else 'NO':>5}" + (f"  (also flagged: {sorted(others)[:5]})" if others else "")
         )
         del first, second, cold, warm, jd
+    # One core scores one job's iterations in sequence (the job's state is one partition's): its sustained rate.
+    print(f"\nsustained, one differential core (steady-state scoring; F = {f}):")
+    for ranks, t_warm in sustained:
+        print(
+            f"  {ranks:>6} ranks: {ranks / t_warm:>9,.0f} rank-iterations/s, {ranks * f / t_warm / 1e6:6.2f} M "
+            f"rank-functions/s, {1 / t_warm:6.2f} iterations/s of one job"
+        )
+    ranks, t_warm = sustained[-1]
+    for gpus, per_s in ((100_000, 1.0), (100_000, 0.5)):
+        need = gpus * t_warm / ranks * per_s
+        print(
+            f"  a {gpus:,}-GPU job at {per_s:g} iteration/s needs {need:.1f} differential cores at this rate"
+            + (": more than one, so it must be sharded (by function)" if need > 1 else "")
+        )
     return all_found
 
 
