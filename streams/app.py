@@ -145,6 +145,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     async def on_revoked(_sender: object, revoked: set[faust.types.TP], **_kw: object) -> None:
         gate.epoch += 1
         gate.paused = True
+        clock.rebalancing(True)  # partitions move: their ranks are late, not silent
         for key in wrec.revoke({tp.partition for tp in revoked if tp.topic in raw_events.topics}):
             windowers.pop(key, None)
         for job in drec.revoke({tp.partition for tp in revoked if tp.topic == patterns.get_topic_name()}):
@@ -152,6 +153,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
 
     async def on_assigned(_sender: object, _assigned: set[faust.types.TP], **_kw: object) -> None:
         gate.paused = False
+        clock.rebalancing(False)
 
     app.on_partitions_revoked.connect(on_revoked)
     app.on_partitions_assigned.connect(on_assigned)

@@ -76,12 +76,15 @@ class InputClock:
     ``job_idle_ms``) stand for "no more data is coming". Under a backlog (a restart re-reading its
     uncommitted offsets, a worker that fell behind) a rank's next batch can wait in the consumer longer
     than that, and wall time would close its steps with events missing; a job's next pattern record waits
-    for the windower. This clock stands still while any agent works, so only real silence counts."""
+    for the windower. This clock stands still while any agent works, so only real silence counts; and
+    while this worker's partitions are being reassigned (a worker joined, left or died): until the new
+    owners have restored their state and caught up, the ranks of moved partitions are late, not silent."""
 
     def __init__(self) -> None:
         self._banked = 0
         self._busy = 0
         self._since = time.monotonic_ns()
+        self._rebalancing = False
 
     def now_ns(self) -> int:
         return self._banked + (time.monotonic_ns() - self._since if self._busy == 0 else 0)
@@ -94,6 +97,14 @@ class InputClock:
             yield
         finally:
             self.waiting()
+
+    def rebalancing(self, on: bool) -> None:
+        """Stop the clock from a revocation to the next assignment (idempotent: Faust may signal twice)."""
+        if on and not self._rebalancing:
+            self.working()
+        elif not on and self._rebalancing:
+            self.waiting()
+        self._rebalancing = on
 
     def working(self) -> None:
         if self._busy == 0:

@@ -28,9 +28,9 @@ from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
 
 pytestmark = pytest.mark.integration
 
-SIM = SimulatorConfig(job="multi-job", ranks=8, iterations=24, faults=(parse_fault("slow_gpu:5:1.5"),))
+SIM = SimulatorConfig(job="multi-job", ranks=8, iterations=36, faults=(parse_fault("slow_gpu:5:1.5"),))
 EXPECTED_ROWS = SIM.ranks * SIM.expected_iterations
-PACE_S = 0.15
+PACE_S = 0.3
 """Pause between iterations while publishing: the job runs while partitions move."""
 
 
@@ -91,8 +91,8 @@ def _run(tmp_path: Path, chdb_path: Path, broker: str, *, two_at_start: bool, ac
                 rows = stats["iterations"]
                 if action is not None and run.acted_at_rows < 0 and third.is_set():
                     run.acted_at_rows = rows  # a third of the job published: the rest flows while partitions move
-                    action(stack.worker, second)
                     run.acted_before_end = not published.is_set()
+                    action(stack.worker, second)
                 total = rows + stats["function_patterns"] + stats["finding_updates"]
                 if total != last_total:
                     last_total, last_change = total, time.monotonic()

@@ -123,3 +123,20 @@ def test_a_state_record_cannot_name_anything_but_the_stages_own_classes() -> Non
         load_job_state(data)
     with pytest.raises(pickle.UnpicklingError, match="format"):
         load_job_state(b"\x09whatever")
+
+
+def test_the_input_clock_stands_still_while_partitions_move():
+    import time
+
+    from fleetscope.streams.recovery import InputClock
+
+    clock = InputClock()
+    clock.rebalancing(True)
+    clock.rebalancing(True)  # Faust may signal a revocation twice: still one stop
+    before = clock.now_ns()
+    time.sleep(0.05)
+    assert clock.now_ns() == before
+    clock.rebalancing(False)
+    clock.rebalancing(False)
+    time.sleep(0.05)
+    assert clock.now_ns() - before >= 40_000_000
