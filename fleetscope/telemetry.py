@@ -68,6 +68,9 @@ METRICS: tuple[MetricDef, ...] = (
               "stream", "states_restored"),
     MetricDef("fleetscope_stream_replayed_skipped", "counter", "Replayed outputs the worker had already emitted.",
               "stream", "replayed_skipped"),
+    MetricDef("fleetscope_stream_incomplete_iterations", "gauge",
+              "Steps closed before all their streams arrived (a quiet stream, too many open), current ranks.",
+              "stream", "incomplete_iterations"),
     # sink: sinks.sink.Sink.stats
     MetricDef("fleetscope_sink_messages", "counter", "Messages consumed by the ClickHouse sink.",
               "sink", "messages"),
