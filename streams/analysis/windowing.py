@@ -42,6 +42,8 @@ _TIME_COLUMN = {
 _ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
 _KEPT = {kind: [(c, c in _ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
 """Per kind, the batch columns the windower buffers and whether each indexes the name dictionary."""
+_MAX_HELD_EVENTS = 2_000_000
+"""Events a rank may hold in open steps past ``max_open_steps`` (about 80 MB) while a lagging stream arrives."""
 _MAX_STEP = 2**62
 """Step markers beyond this are ignored: their number would not fit the records' Avro long."""
 
@@ -443,12 +445,15 @@ class RankWindower:
         return closed
 
     def _too_many_open(self, now_ns: int) -> bool:
-        """More than ``max_open_steps`` wait and a stream they wait for is quiet, or 16 times that many."""
+        """More than ``max_open_steps`` wait and a stream they wait for is quiet; or 16 times that many, or
+        more than ``_MAX_HELD_EVENTS`` events held (the memory bound when the heavy stream is the one ahead)."""
         n = len(self._steps)
-        if n > 16 * self.config.max_open_steps:
-            return True
         if n <= self.config.max_open_steps:
             return False
+        if n > 16 * self.config.max_open_steps:
+            return True
+        if sum(int(buf[_TIME_COLUMN[kind]].size) for kind, buf in self._buffers.items()) > _MAX_HELD_EVENTS:
+            return True
         quiet_ns = self.config.idle_close_ms * 1_000_000
         since = self.first_arrival_ns if self.first_arrival_ns is not None else now_ns
         declared = set().union(*self._declared_by.values()) if self._declared_by else set()

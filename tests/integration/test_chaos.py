@@ -32,7 +32,7 @@ from fleetscope.stack import StreamWorkerProcess
 
 pytestmark = pytest.mark.integration
 
-SIM = SimulatorConfig(job="chaos-job", ranks=8, iterations=40, faults=(parse_fault("slow_gpu:5:1.5"),))
+SIM = SimulatorConfig(job="chaos-job", ranks=16, iterations=60, faults=(parse_fault("slow_gpu:5:1.5"),))
 MAX_OPEN_STEPS = 8
 """Small, so that this run's restart backlogs (light streams far ahead of the kernels) exceed it."""
 KILLS = 3
