@@ -309,14 +309,19 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_sink(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.sinks import ClickHouseWriter, Sink, connect, migrate
+    from fleetscope.sinks import ClickHouseWriter, Sink
+    from fleetscope.sinks.startup import open_store
     from fleetscope.stack import sink_config
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: the sink needs a broker (--bootstrap or configuration)"])
     ch = config.store
-    client = connect(ch)
-    migrate(client, ch.database)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    client = open_store(ch, stop)  # the store may come up after the sink: wait with backoff, no traceback
+    if client is None:
+        return 0
     sink = Sink(sink_config(config), ClickHouseWriter(client, ch.database))
     sink.start()
     try:

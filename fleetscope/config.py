@@ -189,6 +189,8 @@ class Config:
     log_level: str = "WARNING"
     metrics_port: int = 0
     """Prometheus /metrics port of the worker, sink and agent processes; 0 = off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds; ``0.0.0.0`` for a scraper on another machine."""
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     producer: ProducerSettings = field(default_factory=ProducerSettings)
     store: ClickHouseConfig = field(default_factory=ClickHouseConfig)
@@ -200,6 +202,8 @@ class Config:
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port {self.metrics_port} is not a TCP port (0 = off)")
+        if not self.metrics_host.strip():
+            raise ValueError("metrics_host must not be empty (127.0.0.1: this machine only)")
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)

@@ -46,7 +46,7 @@ def configure_process(config: Config, command: str) -> None:
     if config.metrics_port and command in METRICS_COMMANDS:
         from fleetscope import telemetry
 
-        telemetry.serve(config.metrics_port)
+        telemetry.serve(config.metrics_port, host=config.metrics_host)
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ METRICS: tuple[MetricDef, ...] = (
               "stream", "states_restored"),
     MetricDef("fleetscope_stream_replayed_skipped", "counter", "Replayed outputs the worker had already emitted.",
               "stream", "replayed_skipped"),
+    MetricDef("fleetscope_stream_incomplete_iterations", "gauge",
+              "Steps closed before all their streams arrived (a quiet stream, too many open), current ranks.",
+              "stream", "incomplete_iterations"),
     # sink: sinks.sink.Sink.stats
     MetricDef("fleetscope_sink_messages", "counter", "Messages consumed by the ClickHouse sink.",
               "sink", "messages"),
@@ -231,8 +235,32 @@ class MetricsServer:
             self._thread.join(5.0)
 
 
-def serve(port: int, host: str = "0.0.0.0") -> MetricsServer | None:  # noqa: S104 (scraped from outside)
+class RepeatFilter(logging.Filter):
+    """Lets one line of each kind through per ``interval_s`` (the kind: the text after librdkafka's prefix).
+
+    For librdkafka's own log lines: it reports every reconnect attempt while a broker is away or refuses
+    the client's credentials."""
+
+    def __init__(self, interval_s: float) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = record.getMessage().rsplit("]: ", 1)[-1][:120]
+        now = time.monotonic()
+        if now - self._last.get(key, -self.interval_s) < self.interval_s:
+            return False
+        if len(self._last) > 1000:
+            self._last.clear()
+        self._last[key] = now
+        return True
+
+
+def serve(port: int, host: str = "127.0.0.1") -> MetricsServer | None:
     """Serve ``GET /metrics`` on ``host:port`` in a daemon thread; ``port`` 0 means off (None).
+
+    Loopback unless ``metrics_host`` says otherwise: a Prometheus on another machine needs it set.
 
     A port already in use raises ``OSError``: a start-up configuration error."""
     if port == 0:

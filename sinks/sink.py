@@ -29,13 +29,28 @@ from fleetscope.sinks.clickhouse import (
     is_transient,
     pattern_rows,
 )
+from fleetscope.sinks.startup import MAX_PAUSE_S as _MAX_PAUSE_S
+from fleetscope.sinks.startup import backoff_s
 
 logger = logging.getLogger(__name__)
 
 _SUBJECT_TABLE = {"iterations": ITERATIONS, "patterns": FUNCTION_PATTERNS, "findings": FINDING_UPDATES}
 _MAX_BATCH_MESSAGES = 1_000
 _DEADLETTER_FLUSH_S = 10.0
-_MAX_PAUSE_S = 30.0
+_ACCESS_ERRORS = frozenset(
+    {
+        KafkaError._AUTHENTICATION,
+        KafkaError._SSL,
+        KafkaError.SASL_AUTHENTICATION_FAILED,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    }
+)
+"""Errors a retry in 50 ms cannot cure (wrong credentials, missing ACLs): the consume loop backs off."""
+CLIENT_LOGGER = logging.getLogger(f"{__name__}.librdkafka")
+"""librdkafka's own log lines (not stderr), one of each kind per 30 s."""
+CLIENT_LOGGER.addFilter(telemetry.RepeatFilter(30.0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +122,9 @@ class Sink:
         self._paused = False
         self._retry_at_s = 0.0
         self._failures_in_row = 0
+        self._access_failures = 0
+        self._access_retry_at_s = 0.0
+        self._access_logged_at_s = -_MAX_PAUSE_S
         self._seen_errors: set[int] = set()
         self._stats: dict[str, int] = {
             ITERATIONS: 0,
@@ -153,6 +171,10 @@ class Sink:
         poll_s = min(0.1, self._config.flush_interval_ms / 1000.0)
         try:
             while not stop.is_set() and not self._stop_event.is_set():
+                wait_s = self._access_retry_at_s - time.monotonic()
+                if wait_s > 0:  # refused by the broker: wait, as a failing flush does
+                    stop.wait(wait_s)
+                    continue
                 self.poll_once(poll_s)
         except KafkaException:
             logger.exception("fatal Kafka error; the sink stops")
@@ -204,6 +226,7 @@ class Sink:
                 if msg.error() is not None:
                     self._on_kafka_error(msg.error())
                     continue
+                self._access_failures = 0
                 self._handle(msg)
                 handled += 1
             self._stats["messages"] += handled
@@ -215,7 +238,14 @@ class Sink:
 
     def _ensure_clients(self) -> Consumer:
         if self._consumer is None:
-            common = {"bootstrap.servers": self._config.bootstrap_servers, **self._config.extra}
+            common = {
+                "reconnect.backoff.ms": 500,  # librdkafka's own reconnects: a refused login is not retried at 50 ms
+                "reconnect.backoff.max.ms": 30_000,
+                **self._config.extra,
+                "bootstrap.servers": self._config.bootstrap_servers,
+                "logger": CLIENT_LOGGER,
+                "error_cb": self._on_kafka_error,
+            }
             self._consumer = Consumer(
                 {
                     **common,
@@ -312,6 +342,16 @@ class Sink:
     def _on_kafka_error(self, err: KafkaError) -> None:
         if err.fatal():
             raise KafkaException(err)
+        if err.code() in _ACCESS_ERRORS:
+            self._access_failures += 1
+            delay = backoff_s(self._access_failures)
+            self._access_retry_at_s = time.monotonic() + delay
+            now = time.monotonic()
+            if now >= self._access_logged_at_s + _MAX_PAUSE_S:  # errors queued while waiting arrive at once
+                self._access_logged_at_s = now
+                logger.warning("broker refused the sink (%d in a row), retrying in %.1fs: %s", self._access_failures,
+                               delay, err)  # fmt: skip
+            return
         if err.code() != KafkaError._PARTITION_EOF:
             self._log_once(err, "consumer error (not fatal): %s")
 
@@ -394,7 +434,7 @@ class Sink:
     def _on_flush_failure(self, exc: Exception) -> None:
         self._failures_in_row += 1
         self._stats["flush_failures"] += 1
-        delay = min(_MAX_PAUSE_S, 0.5 * 2 ** (self._failures_in_row - 1))
+        delay = backoff_s(self._failures_in_row)
         self._retry_at_s = time.monotonic() + delay
         logger.warning(
             "flush failed (%d in a row), consumption paused for %.1fs: %s",

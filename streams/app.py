@@ -83,6 +83,8 @@ class StageCounters:
     iterations: int = 0
     lost_iterations: int = 0
     """Closed iterations whose statistics failed (each logged): nothing is sent for them."""
+    incomplete_iterations: int = 0
+    """Steps closed before all their streams arrived (too many open while one was quiet), current ranks."""
     pattern_records: int = 0
     findings: int = 0
     per_reason: dict[str, int] = field(default_factory=dict)
@@ -353,6 +355,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         counters.held_messages = len(wrec.holds) + len(drec.holds)
         counters.profile_requests_suppressed = profiles.suppressed
         counters.state_writes = wrec.log.writes + drec.log.writes
+        counters.incomplete_iterations = sum(w.counters.incomplete for w in windowers.values())
         counters.states_restored = wrec.restored + drec.restored
         log.info("stream stages: %s", counters)
 

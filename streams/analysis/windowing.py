@@ -3,7 +3,10 @@
 Iterations come from step markers (``ProfilerStep#N`` spans). GPU work belongs to the step in
 which it was *launched*, so a step closes only when every stream this rank produces has moved past
 it (per-stream watermarks), or when the rank has been idle for a while, or when too many steps
-wait. The four streams travel on separate topics and are consumed independently, so every stream
+wait while a stream they wait for has gone quiet (a backlog, e.g. a restart re-reading, delivers the light
+streams far ahead of the kernels: that is not a reason to close steps without them; a bounded number of
+steps more is the memory guard, and such a close is counted as incomplete and logged). The four streams
+travel on separate topics and are consumed independently, so every stream
 declared in the batch header (``streams``) is waited for; when a producer declares nothing, a
 stream not seen yet is waited for during ``stream_discovery_ms`` after the rank's first batch.
 Events that arrive for an already closed step are counted as late and dropped.
@@ -39,6 +42,8 @@ _TIME_COLUMN = {
 _ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
 _KEPT = {kind: [(c, c in _ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
 """Per kind, the batch columns the windower buffers and whether each indexes the name dictionary."""
+_MAX_HELD_EVENTS = 2_000_000
+"""Events a rank may hold in open steps past ``max_open_steps`` (about 80 MB) while a lagging stream arrives."""
 _MAX_STEP = 2**62
 """Step markers beyond this are ignored: their number would not fit the records' Avro long."""
 _MAX_WINDOWS = 16
@@ -52,6 +57,8 @@ class WindowerConfig:
     idle_close_ms: int = 1500
     stream_discovery_ms: int = 5000
     max_open_steps: int = 64
+    """Steps a rank may hold while a stream they wait for is quiet (no batch for ``idle_close_ms``);
+    16 times this many close whatever the streams do (memory bound)."""
     stall_factor: float = 5.0
     """A rank is stalled when its clock moved this many mean iterations past its last progress."""
 
@@ -136,6 +143,8 @@ class WindowerCounters:
     events: int = 0
     late_events: int = 0
     iterations: int = 0
+    incomplete: int = 0
+    """Steps closed before every stream they waited for reached them (too many open steps)."""
 
 
 @lru_cache(maxsize=64)
@@ -163,6 +172,8 @@ class RankWindower:
     header: BatchHeader | None = None
     counters: WindowerCounters = field(default_factory=WindowerCounters)
     last_arrival_ns: int = 0
+    arrival_by_kind: dict[EventKind, int] = field(default_factory=dict)
+    """Processing time of each stream's latest batch: a lagging stream still arriving is waited for."""
     first_arrival_ns: int | None = None
     _names: list[str] = field(default_factory=list)
     _name_ids: dict[str, int] = field(default_factory=dict)
@@ -208,6 +219,7 @@ class RankWindower:
         self.header = batch.header
         self._declared_by[batch.header.producer_id] = _declared(batch.header.streams)
         self.last_arrival_ns = now_ns
+        self.arrival_by_kind[batch.kind] = now_ns
         if self.first_arrival_ns is None:
             self.first_arrival_ns = now_ns
         self.counters.batches += 1
@@ -447,10 +459,34 @@ class RankWindower:
         while self._steps:
             step = min(self._steps)
             start, end = self._steps[step]
-            if not (force or len(self._steps) > self.config.max_open_steps or self._ready(start, end, now_ns)):
-                break
+            if not (force or self._ready(start, end, now_ns)):
+                if not self._too_many_open(now_ns):
+                    break
+                self.counters.incomplete += 1
+                if self.counters.incomplete == 1:
+                    log.warning(
+                        "closing step %d of %s rank %s before all its streams arrived (%d steps open): counted "
+                        "as incomplete", step, *(self.header.job, self.header.rank) if self.header else ("?", "?"),
+                        len(self._steps),
+                    )  # fmt: skip
             closed.append(self._close_step(step, start, end))
         return closed
+
+    def _too_many_open(self, now_ns: int) -> bool:
+        """More than ``max_open_steps`` wait and a stream they wait for is quiet; or 16 times that many, or
+        more than ``_MAX_HELD_EVENTS`` events held (the memory bound when the heavy stream is the one ahead)."""
+        n = len(self._steps)
+        if n <= self.config.max_open_steps:
+            return False
+        if n > 16 * self.config.max_open_steps:
+            return True
+        if sum(int(buf[_TIME_COLUMN[kind]].size) for kind, buf in self._buffers.items()) > _MAX_HELD_EVENTS:
+            return True
+        quiet_ns = self.config.idle_close_ms * 1_000_000
+        since = self.first_arrival_ns if self.first_arrival_ns is not None else now_ns
+        declared = set().union(*self._declared_by.values()) if self._declared_by else set()
+        waited = declared or set(self._watermark)
+        return any(now_ns - self.arrival_by_kind.get(kind, since) >= quiet_ns for kind in waited)
 
     def _close_step(self, step: int, start: int, end: int) -> ClosedIteration:
         del self._steps[step]

@@ -135,3 +135,16 @@ def test_sink_lag_comes_from_librdkafka_statistics() -> None:
     assert sink.stats["consumer_lag"] == 12
     sink._on_statistics(json.dumps({"topics": {}}))
     assert sink.stats["consumer_lag"] == -1
+
+
+def test_the_metrics_endpoint_binds_loopback_unless_configured() -> None:
+    server = telemetry.serve(free_port())
+    assert server is not None
+    try:
+        assert server._server.server_address[0] == "127.0.0.1"
+    finally:
+        server.close()
+    from fleetscope.config import load_config
+
+    assert load_config(env={}).metrics_host == "127.0.0.1"
+    assert load_config(env={"FLEETSCOPE__METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"  # noqa: S104

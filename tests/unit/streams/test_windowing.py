@@ -61,3 +61,43 @@ def test_a_state_saved_before_a_field_existed_restores_with_that_field_at_its_de
     assert restored._progress_span_ns == {} and restored._names == w._names
     for b in rank0_batches(5)[-4:]:
         restored.add(b, 0)  # and it goes on working
+
+
+def kernel_functions(closed):
+    return {c.iteration["iteration"]: sum(k != FunctionKind.PYTHON and k != FunctionKind.COLLECTIVE
+                                          for k in c.patterns["kind"]) for c in closed}  # fmt: skip
+
+
+def test_a_backlog_whose_light_streams_run_far_ahead_loses_no_kernel():
+    """A restart re-reading its topics gets the python and collective backlog long before the kernels (a fetch
+    holds many more of their batches): more steps than ``max_open_steps`` wait, but the kernels keep coming."""
+    batches = rank0_batches(12)
+    ahead = [b for b in batches if b.kind is not EventKind.KERNELS]
+    kernels = [b for b in batches if b.kind is EventKind.KERNELS]
+    w = RankWindower(WindowerConfig(max_open_steps=3, idle_close_ms=1000))
+    closed = []
+    for b in ahead:
+        closed += w.add(b, now_ns=0)
+    for i, b in enumerate(kernels):  # no clock time passes between batches of a backlog
+        closed += w.add(b, now_ns=10 * i)
+    closed += w.flush()
+    clean = RankWindower()
+    reference = sum((clean.add(b, now_ns=0) for b in batches), []) + clean.flush()
+    assert w.counters.incomplete == 0 and w.counters.late_events == 0
+    assert kernel_functions(closed) == kernel_functions(reference)
+    assert all(n > 0 for n in kernel_functions(closed).values())
+
+
+def test_steps_waiting_for_a_quiet_stream_close_after_max_open_steps_and_are_counted():
+    batches = rank0_batches(12)
+    ahead = [b for b in batches if b.kind is not EventKind.KERNELS]
+    w = RankWindower(WindowerConfig(max_open_steps=3, idle_close_ms=1000))
+    w.add(next(b for b in batches if b.kind is EventKind.KERNELS), now_ns=0)  # kernels seen once, then quiet
+    closed = []
+    for b in ahead:
+        closed += w.add(b, now_ns=2 * 10**9)  # the kernels have been quiet for 2 s
+    assert len(closed) >= 8 and w.counters.incomplete == len(closed)
+    hard = RankWindower(WindowerConfig(max_open_steps=1, idle_close_ms=60_000))
+    long_ahead = [b for b in rank0_batches(40) if b.kind is not EventKind.KERNELS]
+    closed = sum((hard.add(b, now_ns=0) for b in long_ahead), [])
+    assert hard.counters.incomplete == len(closed) > 0  # past 16 x max_open_steps, whatever the streams do
