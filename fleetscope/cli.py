@@ -307,11 +307,24 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_sink(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.endpoint import ensure_unlocked
     from fleetscope.sinks import ClickHouseWriter, Sink, connect, migrate
-    from fleetscope.stack import sink_config
+    from fleetscope.stack import other_store_sinks, sink_config
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: the sink needs a broker (--bootstrap or configuration)"])
+    try:
+        others = other_store_sinks(config)
+    except Exception as exc:  # the warning is advisory: the sink itself reports an unreachable broker
+        logging.getLogger(__name__).debug("could not list consumer groups: %s", exc)
+        others = []
+    if others:
+        print(
+            f"fleetscope sink: {len(others)} sink(s) of other stores follow this broker ({', '.join(others)}); "
+            f"this one ({sink_config(config).group_id}) writes {config.store.url} and gets every record too",
+            file=sys.stderr,
+        )
+    ensure_unlocked(config)
     ch = config.store
     client = connect(ch)
     migrate(client, ch.database)
