@@ -302,7 +302,14 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: a worker needs a broker (--bootstrap or configuration)"])
-    run_worker(stream_app_config(config, args.web_port), loglevel=config.log_level.lower(), logfile=args.logfile)
+    app = stream_app_config(config, args.web_port)
+    print(
+        f"fleetscope worker: app {app.app_id}, stages {'+'.join(app.stages)}, broker {app.bootstrap_servers}, "
+        f"web port {args.web_port}; starting (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_worker(app, loglevel=config.log_level.lower(), logfile=args.logfile)
     return 0
 
 

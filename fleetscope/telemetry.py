@@ -195,7 +195,7 @@ def _samples(m: MetricDef, snap: Mapping[str, Any]) -> Iterator[tuple[list[str],
 _SOURCES = _Sources()
 REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(_SOURCES)
-REGISTRY.register(ProcessCollector(namespace="fleetscope", registry=None))
+REGISTRY.register(ProcessCollector(registry=None))  # the standard process_* names dashboards expect
 
 
 def register_source(component: str, owner: _T, snapshot: Callable[[_T], Mapping[str, Any]]) -> None:

@@ -80,7 +80,8 @@ def test_exposition_has_help_type_and_values_of_registered_components() -> None:
     assert fams["fleetscope_sink_last_flush_timestamp_seconds"].samples[0].value == pytest.approx(1_767_225_600)
     assert fams["fleetscope_sink_consumer_lag"].samples[0].value == -1
     assert "fleetscope_publisher_messages_dropped" not in fams, "no publisher in this process"
-    assert any(name.startswith("fleetscope_process_") for name in fams)
+    assert "process_cpu_seconds" in fams and "process_resident_memory_bytes" in fams, "standard names"
+    assert not any(name.startswith("fleetscope_process_") for name in fams)
 
 
 def test_metrics_endpoint_serves_the_exposition_and_holds_its_port() -> None:
