@@ -220,14 +220,10 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.client_address[0], *args)
 
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-        path = urlsplit(self.path).path
-        if path in ("/ping", "/"):
-            if path == "/" and "query=" not in self.path:
-                self._reply(HTTPStatus.OK, b"Ok.\n", {})
-                return
-            if path == "/ping":
-                self._reply(HTTPStatus.OK, b"Ok.\n", {})
-                return
+        parts = urlsplit(self.path)
+        if parts.path == "/ping" or (parts.path == "/" and "query" not in dict(parse_qsl(parts.query))):
+            self._reply(HTTPStatus.OK, b"Ok.\n", {})  # liveness, as ClickHouse answers it
+            return
         self._serve(b"")
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name

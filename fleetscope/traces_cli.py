@@ -194,7 +194,7 @@ _RANK_COLUMNS = (
 
 
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.cli import findings_json, print_findings, print_table
+    from fleetscope.tables import findings_json, print_findings, print_table
 
     result = analyze_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
     if not result.ranks:
@@ -211,7 +211,7 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_replay(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.cli import print_table
+    from fleetscope.tables import print_table
 
     ranks = replay_traces(args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet))
     if args.json:
