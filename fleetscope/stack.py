@@ -170,7 +170,12 @@ class EmbeddedStack:
             if not self.config.kafka.bootstrap_servers:
                 port = preferred_port(self.config.embedded.broker_port)
                 self.broker = TansuBroker(port=port, log_path=data_dir / "broker.log")
-                servers = self.broker.start()
+                try:
+                    servers = self.broker.start()
+                except BrokerError:  # another process took the port since it was found free
+                    log.warning("embedded broker could not listen on %d; taking a free port", port)
+                    self.broker = TansuBroker(port=free_port(), log_path=data_dir / "broker.log")
+                    servers = self.broker.start()
                 self.config = self.config.replace(kafka=replace(self.config.kafka, bootstrap_servers=servers))
             k = self.config.kafka
             admin = {"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}
@@ -196,7 +201,11 @@ class EmbeddedStack:
             return
         tokens = store_tokens(self.config.data_dir)
         port = preferred_port(self.config.embedded.store_port)
-        self.store_server = StoreServer(path, tokens, database=ch.database, port=port).start()
+        try:
+            server = StoreServer(path, tokens, database=ch.database, port=port)
+        except OSError:  # another process took the port since it was found free
+            server = StoreServer(path, tokens, database=ch.database, port=0)
+        self.store_server = server.start()
         endpoint = Endpoint(
             pid=os.getpid(),
             bootstrap_servers=self.config.kafka.bootstrap_servers,
