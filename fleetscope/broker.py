@@ -165,6 +165,9 @@ class TansuBroker:
         while time.monotonic() < deadline:
             try:
                 admin.list_topics(timeout=1.0)
+                time.sleep(0.05)
+                if self._proc.poll() is not None:  # what answered is another process's listener on the port
+                    raise BrokerError(f"Tansu exited with code {self._proc.returncode}: port {self.port} is taken")
                 log.info("embedded broker ready on %s", self.bootstrap_servers)
                 return self.bootstrap_servers
             except KafkaException:
