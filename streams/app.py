@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Iterable, Sequence
@@ -371,4 +372,6 @@ def run_worker(cfg: StreamAppConfig, loglevel: str = "WARNING", logfile: str | N
     """Run the stream worker until SIGTERM/SIGINT (blocking)."""
     app = create_app(cfg)
     worker = faust.Worker(app, loglevel=loglevel, logfile=logfile, quiet=True)
+    if not sys.stdout.isatty():
+        worker.spinner = None  # its cursor escape codes would land in logs and pipes
     worker.execute_from_commandline()
