@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fleetscope.config import Config, ConfigError, load_config
@@ -89,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="run the embedded stack until interrupted",
         description="Start the embedded broker (unless --bootstrap), the ClickHouse sink and a stream "
-        "worker; print the broker address for producers; stop on Ctrl-C.",
+        "worker; serve the store to other processes; print the broker address for producers; stop on Ctrl-C.",
     )
+    p.add_argument("--json", action="store_true", help="print the addresses as one JSON line")
 
     p = sub.add_parser(
         "worker",
@@ -220,6 +222,12 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
     with EmbeddedStack(config) as stack:
         servers = stack.config.kafka.bootstrap_servers
         served = stack.store_server.url if stack.store_server is not None else stack.config.store.url
+        if args.json:
+            endpoint = str(Path(config.data_dir) / "endpoint.json")
+            print(json.dumps({"bootstrap_servers": servers, "store_url": served, "endpoint_file": endpoint}))
+            sys.stdout.flush()
+            _wait_for_interrupt()
+            return 0
         print(f"fleetscope is up: broker {servers}, store {served} (tokens in {config.data_dir}/endpoint.json)")
         print("a training job publishes with:")
         print(f"  export FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS={servers}")
