@@ -18,7 +18,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,9 @@ class StageCounters:
     state_writes: int = 0
     states_restored: int = 0
     replayed_skipped: int = 0
+    consumer_lag: int = -1
+    """Messages between the committed offsets and the partition ends, every 10 s (-1 until known). On Tansu
+    the end offset is the last batch's base offset + 1, so the figure there is a lower bound."""
 
 
 PROFILE_ON = frozenset({"job_regression", "hang"})
@@ -108,6 +111,14 @@ def profile_request(finding: dict[str, Any], seconds: float, start_in_s: float =
         "reason": f"{finding['category']} opened: {finding['finding_id']}",
         "issued_ns": now,
     }
+
+
+def consumer_lag(end_offsets: Mapping[Any, int] | None, committed_offsets: Mapping[Any, int | None] | None) -> int:
+    """Sum over partitions of end offset minus committed offset; -1 when no partition has both yet."""
+    committed = dict(committed_offsets or {})
+    ends = dict(end_offsets or {})
+    lags = [max(0, int(end) - int(done)) for tp, end in ends.items() if (done := committed.get(tp)) is not None]
+    return sum(lags) if lags else -1
 
 
 def create_app(cfg: StreamAppConfig) -> faust.App:
@@ -361,6 +372,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         counters.held_messages = len(wrec.holds) + len(drec.holds)
         counters.state_writes = wrec.log.writes + drec.log.writes
         counters.states_restored = wrec.restored + drec.restored
+        counters.consumer_lag = consumer_lag(app.monitor.tp_end_offsets, app.monitor.tp_committed_offsets)
         log.info("stream stages: %s", counters)
 
     app.fleetscope_counters = counters  # type: ignore[attr-defined]

@@ -136,3 +136,17 @@ def test_sink_lag_comes_from_librdkafka_statistics() -> None:
     assert sink.stats["consumer_lag"] == 12
     sink._on_statistics(json.dumps({"topics": {}}))
     assert sink.stats["consumer_lag"] == -1
+
+
+def test_stream_consumer_lag_from_the_monitor_offsets() -> None:
+    from fleetscope.streams.app import consumer_lag
+
+    assert consumer_lag({"p0": 100, "p1": 50}, {"p0": 90, "p1": None}) == 10
+    assert consumer_lag({"p0": 100}, {"p0": 120}) == 0, "never negative"
+    assert consumer_lag({}, {}) == -1 and consumer_lag(None, None) == -1
+    counters = StageCounters(consumer_lag=7)  # held: sources are weak references
+    telemetry.register_source("stream", counters, dataclasses.asdict)
+    try:
+        assert b"fleetscope_stream_consumer_lag 7.0" in telemetry.render()
+    finally:
+        telemetry.unregister_source("stream")
