@@ -330,9 +330,8 @@ def render_html(data: ReportData) -> str:
         (str(open_n), f"open findings ({len(data.findings)} in all)"),
     ]
     lead = verdict.headline(data.findings)
-    gpu = units.gpu(lead) if lead else ""
-    if gpu:
-        kpis.append((gpu, f"GPU of {units.subject(lead)}"))
+    if lead is not None and units.gpu(lead):
+        kpis.append((units.gpu(lead), f"GPU of {units.subject(lead)}"))
     kpi_html = "".join(f"<div class='kpi'><b>{escape(v)}</b><span>{escape(k)}</span></div>" for v, k in kpis)
     notes = "".join(f"<p class='note'>{escape(n)}</p>" for n in data.notes)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -44,10 +44,10 @@ def other_store_sinks(config: Config, timeout_s: float = 5.0) -> list[str]:
     from confluent_kafka import ConsumerGroupState
     from confluent_kafka.admin import AdminClient
 
-    from fleetscope.broker import CLIENT_LOG
+    from fleetscope.broker import quiet_client
 
     k = config.kafka
-    admin = AdminClient({"bootstrap.servers": k.bootstrap_servers, **k.client_settings(), "logger": CLIENT_LOG})
+    admin = AdminClient(quiet_client({"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}))
     result = admin.list_consumer_groups(request_timeout=timeout_s).result(timeout=timeout_s)
     mine = sink_group(config)
     return sorted(

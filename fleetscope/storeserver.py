@@ -142,7 +142,7 @@ def decompress(data: bytes, encoding: str) -> bytes:
         return bytes(zstd.decompress(data))
     if encoding == "br":
         try:
-            import brotli  # type: ignore[import-not-found]
+            import brotli
         except ImportError:
             raise QueryRefused(1, "UNSUPPORTED_METHOD", "br bodies need the brotli package; use lz4") from None
         return bytes(brotli.decompress(data))
@@ -160,7 +160,8 @@ class ChdbExecutor:
     def __init__(self, path: str) -> None:
         import chdb
 
-        self._connect: Callable[[], Any] = lambda: chdb.connect(path)
+        connect: Callable[[str], Any] = chdb.connect
+        self._connect: Callable[[], Any] = lambda: connect(path)
         self._connect().close()  # fail now, not on the first request
 
     def run(
