@@ -272,7 +272,7 @@ def _findings_table(data: ReportData) -> str:
     head = (
         "<tr><th>status</th><th>subject</th><th>host / GPU</th><th>category</th><th>function</th>"
         "<th>metric</th><th>value</th><th>peer median</th><th>gap</th><th>score</th><th>iterations</th>"
-        "<th>est. loss</th></tr>"
+        "<th>est. loss / iteration</th></tr>"
     )
     rows = []
     for f in sorted(data.findings, key=lambda f: (f["status"] == "closed", -float(f["est_loss_ns"] or 0))):
@@ -287,7 +287,7 @@ def _findings_table(data: ReportData) -> str:
             f"<td>{escape(units.metric_value(metric, f['value']))}</td><td>{escape(median)}</td>"
             f"<td>{escape(units.gap(f['value'], f['peer_median']) or '-')}</td>"
             f"<td>{f['score']:.1f}</td><td>{f['iteration_first']}-{f['iteration_last']}</td>"
-            f"<td>{escape(units.duration(f['est_loss_ns']))} per iteration</td></tr>"
+            f"<td>{escape(units.duration(f['est_loss_ns']))}</td></tr>"
         )
     return f"<table>{head}{''.join(rows)}</table>"
 
