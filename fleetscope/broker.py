@@ -12,8 +12,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -31,6 +33,11 @@ class BrokerError(RuntimeError):
 CLIENT_LOG = logging.getLogger("fleetscope.kafka.client")
 """librdkafka's own log lines (a dead broker makes ~20 a second): shown only at log level DEBUG."""
 CLIENT_LOG.addFilter(lambda record: logging.getLogger().isEnabledFor(logging.DEBUG))
+
+
+def quiet_client(settings: Mapping[str, str]) -> dict[str, Any]:
+    """librdkafka settings whose log lines go to ``CLIENT_LOG`` (hidden below DEBUG)."""
+    return {**settings, "logger": CLIENT_LOG}
 
 
 class BrokerDownNotice(logging.Filter):
@@ -61,9 +68,8 @@ def notice_logger(what: str, servers: str) -> logging.Logger:
 
 def require_broker(admin_config: dict[str, str], timeout_s: float = 5.0) -> None:
     """Raise ``BrokerUnreachable`` unless a broker answers a metadata request within ``timeout_s``."""
-
     servers = admin_config.get("bootstrap.servers", "")
-    admin = AdminClient({**admin_config, "logger": CLIENT_LOG})
+    admin = AdminClient(quiet_client(admin_config))
     try:
         admin.list_topics(timeout=timeout_s)
     except KafkaException as exc:
@@ -161,10 +167,13 @@ class TansuBroker:
                 self.stop()
                 raise BrokerError(f"Tansu did not listen within {timeout_s} s")
             time.sleep(0.02)
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "logger": CLIENT_LOG})
+        admin = AdminClient(quiet_client({"bootstrap.servers": self.bootstrap_servers}))
         while time.monotonic() < deadline:
             try:
                 admin.list_topics(timeout=1.0)
+                time.sleep(0.05)
+                if self._proc.poll() is not None:  # what answered is another process's listener on the port
+                    raise BrokerError(f"Tansu exited with code {self._proc.returncode}: port {self.port} is taken")
                 log.info("embedded broker ready on %s", self.bootstrap_servers)
                 return self.bootstrap_servers
             except KafkaException:
@@ -192,8 +201,7 @@ def ensure_topics(
     timeout_s: float = 15.0,
 ) -> None:
     """Create every pipeline topic that does not exist yet (idempotent)."""
-
-    admin = AdminClient({**admin_config, "logger": CLIENT_LOG})
+    admin = AdminClient(quiet_client(admin_config))
     try:
         existing = set(admin.list_topics(timeout=timeout_s).topics)
     except KafkaException as exc:

@@ -17,14 +17,7 @@ from typing import Any
 
 from fleetscope.config import Config, ConfigError, load_config
 from fleetscope.ecosystem_cli import configure_process
-from fleetscope.schemas import units
-
-FINDING_FIELDS = (
-    "job", "subject", "rank", "ranks", "host", "local_rank", "gpu_uuid", "pci_bus_id", "category", "function",
-    "metric", "value", "peer_median", "score", "iteration_first", "iteration_last", "est_loss_ns", "evidence",
-    "reason",
-)  # fmt: skip
-"""The fields of a finding in ``--json`` output (raw numbers: ns, bytes/s), plus its status."""
+from fleetscope.tables import format_cell, print_findings, print_table
 
 
 def _common() -> argparse.ArgumentParser:
@@ -97,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="run the embedded stack until interrupted",
         description="Start the embedded broker (unless --bootstrap), the ClickHouse sink and a stream "
-        "worker; print the broker address for producers; stop on Ctrl-C.",
+        "worker; serve the store to other processes; print the broker address for producers; stop on Ctrl-C.",
     )
+    p.add_argument("--json", action="store_true", help="print the addresses as one JSON line")
 
     p = sub.add_parser(
         "worker",
@@ -206,65 +200,6 @@ def _simulator_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value)
-
-
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
-    out = out or sys.stdout
-    cells = [[_fmt(v) for v in row] for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n")
-    for r in cells:
-        out.write("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() + "\n")
-
-
-def findings_json(findings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in findings]
-
-
-def finding_row(f: dict[str, Any]) -> list[Any]:
-    """One finding as a person reads it: who, what, by how much, since when, what it costs."""
-    metric = str(f.get("metric", ""))
-    where = units.subject(f)
-    device = units.gpu(f)
-    return [
-        f["job"],
-        where + (f" {device}" if device else ""),
-        f.get("host") or "-",
-        f["category"],
-        f["function"],
-        units.metric_name(metric),
-        units.metric_value(metric, f.get("value")),
-        units.metric_value(metric, f.get("peer_median")) if f.get("peer_median") else "-",
-        units.gap(f.get("value"), f.get("peer_median")) or "-",
-        f"{float(f.get('score') or 0.0):.1f}",
-        f"{f['iteration_first']}-{f['iteration_last']}",
-        units.duration(f.get("est_loss_ns")),
-        f.get("status", ""),
-    ]
-
-
-FINDING_COLUMNS = (
-    "job", "subject", "host", "category", "function", "metric", "value", "peers", "gap", "score", "iterations",
-    "loss/iter", "status",
-)  # fmt: skip
-
-
-def print_findings(findings: list[dict[str, Any]], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(findings_json(findings), indent=2, default=str))
-        return
-    if not findings:
-        print("no findings")
-        return
-    print_table(FINDING_COLUMNS, [finding_row(f) for f in findings])
-
-
 def _wait_for_interrupt() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -287,6 +222,12 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
     with EmbeddedStack(config) as stack:
         servers = stack.config.kafka.bootstrap_servers
         served = stack.store_server.url if stack.store_server is not None else stack.config.store.url
+        if args.json:
+            endpoint = str(Path(config.data_dir) / "endpoint.json")
+            print(json.dumps({"bootstrap_servers": servers, "store_url": served, "endpoint_file": endpoint}))
+            sys.stdout.flush()
+            _wait_for_interrupt()
+            return 0
         print(f"fleetscope is up: broker {servers}, store {served} (tokens in {config.data_dir}/endpoint.json)")
         print("a training job publishes with:")
         print(f"  export FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS={servers}")
@@ -304,17 +245,37 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: a worker needs a broker (--bootstrap or configuration)"])
     Path(config.data_dir).mkdir(parents=True, exist_ok=True)  # Faust keeps its files under <data_dir>/faust
-    run_worker(stream_app_config(config, args.web_port), loglevel=config.log_level.lower(), logfile=args.logfile)
+    app = stream_app_config(config, args.web_port)
+    print(
+        f"fleetscope worker: app {app.app_id}, stages {'+'.join(app.stages)}, broker {app.bootstrap_servers}, "
+        f"web port {args.web_port}; starting (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_worker(app, loglevel=config.log_level.lower(), logfile=args.logfile)
     return 0
 
 
 def cmd_sink(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.endpoint import ensure_unlocked
     from fleetscope.sinks import ClickHouseWriter, Sink
     from fleetscope.sinks.startup import open_store
-    from fleetscope.stack import sink_config
+    from fleetscope.stack import other_store_sinks, sink_config
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: the sink needs a broker (--bootstrap or configuration)"])
+    try:
+        others = other_store_sinks(config)
+    except Exception as exc:  # the warning is advisory: the sink itself reports an unreachable broker
+        logging.getLogger(__name__).debug("could not list consumer groups: %s", exc)
+        others = []
+    if others:
+        print(
+            f"fleetscope sink: {len(others)} sink(s) of other stores follow this broker ({', '.join(others)}); "
+            f"this one ({sink_config(config).group_id}) writes {config.store.url} and gets every record too",
+            file=sys.stderr,
+        )
+    ensure_unlocked(config)
     ch = config.store
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -384,7 +345,7 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
     elif len(columns) == 1 and len(rows) == 1:
-        print(_fmt(rows[0][0]))
+        print(format_cell(rows[0][0]))
     else:
         print_table(columns, rows)
     return 0

@@ -95,6 +95,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_init(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.broker import ensure_topics
+    from fleetscope.endpoint import ensure_unlocked, running_endpoint, served_client
     from fleetscope.schemas import Topics
     from fleetscope.sinks import connect, migrate
 
@@ -111,7 +112,12 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
     names = [*topics.raw_all, *topics.derived_all]
     ids = _registry(config).register_catalog() if k.registry_url else {}
     ch = config.store
-    migrate(connect(ch), ch.database)
+    endpoint = running_endpoint(config.data_dir) if ch.chdb_path not in (None, ":memory:") else None
+    if endpoint is not None:  # `up` holds the store: prepare it through its server, with the write token
+        migrate(served_client(endpoint, write=True), endpoint.database)
+    else:
+        ensure_unlocked(config)
+        migrate(connect(ch), ch.database)
     if args.json:
         print(json.dumps({"topics": names, "schemas": dict(sorted(ids.items())), "database": ch.database}))
         return 0

@@ -134,14 +134,27 @@ def open_store(config: Config, *, write: bool = False) -> tuple[Any, str, str]:
                 "or pass the --data-dir that holds it"
             ]
         )
-    if path is not None and path != ":memory:" and store_locked(path):
-        raise StoreLocked(
-            f"the store at {path} is open in another process (chDB admits one): stop that `demo` or `sink`, "
-            "or run `fleetscope up` here, which serves the store to other commands"
-        )
+    ensure_unlocked(config)
     client = connect(ch)
     migrate(client, ch.database)
     return client, ch.database, ch.url
+
+
+def ensure_unlocked(config: Config) -> None:
+    """Raise ``StoreLocked``, naming the holder where it is known, when another process has the store."""
+    path = config.store.chdb_path
+    if path is None or path == ":memory:" or not store_locked(path):
+        return
+    endpoint = running_endpoint(config.data_dir)
+    if endpoint is not None:
+        raise StoreLocked(
+            f"the store at {path} belongs to `fleetscope up` (pid {endpoint.pid}), which serves it at "
+            f"{endpoint.store_url}: stop it first, or use `sql`/`findings`/`report`, which go through it"
+        )
+    raise StoreLocked(
+        f"the store at {path} is open in another process (chDB admits one): stop that `demo` or `sink`, "
+        "or run `fleetscope up` here, which serves the store to other commands"
+    )
 
 
 def _this_process_opened(path: Path) -> bool:

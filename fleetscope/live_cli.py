@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -125,7 +126,34 @@ def cmd_profile(args: argparse.Namespace, config: Config) -> int:
             f"requested a {request.duration_s:g} s profile of job {request.job} "
             f"at {start} UTC (request {request.request_id})"
         )
+    silence = _silent_job(config, args.job)
+    if silence:
+        print(f"fleetscope profile: {silence}: no rank may be listening (is FLEETSCOPE_JOB right?)", file=sys.stderr)
     return 0
+
+
+RECENT_S = 120.0
+"""A job whose ranks reported within this long is taken to be running (and its ranks to listen)."""
+
+
+def _silent_job(config: Config, job: str) -> str:
+    """Why no rank of ``job`` seems to be running, from the store ("" when it is, or when the store cannot
+    tell: no store here, or one held by a process that does not serve it)."""
+    from fleetscope.endpoint import open_store
+
+    try:
+        client, database, _ = open_store(config)
+        (count, last_ns), *_ = client.query(
+            f"SELECT count(), max(end_ns) FROM `{database}`.iterations WHERE job = {{job:String}}",
+            parameters={"job": job},
+        ).result_rows
+    except Exception as exc:  # the check is advisory: the request is published either way
+        log.debug("could not ask the store about job %s: %s", job, exc)
+        return ""
+    if not count:
+        return f"job {job} has no iteration in the store"
+    age_s = time.time() - int(last_ns) / 1e9
+    return f"job {job} last reported {age_s:.0f} s ago" if age_s > RECENT_S else ""
 
 
 def cmd_agent(args: argparse.Namespace, config: Config) -> int:

@@ -272,7 +272,7 @@ def _findings_table(data: ReportData) -> str:
     head = (
         "<tr><th>status</th><th>subject</th><th>host / GPU</th><th>category</th><th>function</th>"
         "<th>metric</th><th>value</th><th>peer median</th><th>gap</th><th>score</th><th>iterations</th>"
-        "<th>est. loss</th></tr>"
+        "<th>est. loss / iteration</th></tr>"
     )
     rows = []
     for f in sorted(data.findings, key=lambda f: (f["status"] == "closed", -float(f["est_loss_ns"] or 0))):
@@ -287,7 +287,7 @@ def _findings_table(data: ReportData) -> str:
             f"<td>{escape(units.metric_value(metric, f['value']))}</td><td>{escape(median)}</td>"
             f"<td>{escape(units.gap(f['value'], f['peer_median']) or '-')}</td>"
             f"<td>{f['score']:.1f}</td><td>{f['iteration_first']}-{f['iteration_last']}</td>"
-            f"<td>{escape(units.duration(f['est_loss_ns']))} per iteration</td></tr>"
+            f"<td>{escape(units.duration(f['est_loss_ns']))}</td></tr>"
         )
     return f"<table>{head}{''.join(rows)}</table>"
 
@@ -330,9 +330,8 @@ def render_html(data: ReportData) -> str:
         (str(open_n), f"open findings ({len(data.findings)} in all)"),
     ]
     lead = verdict.headline(data.findings)
-    gpu = units.gpu(lead) if lead else ""
-    if gpu:
-        kpis.append((gpu, f"GPU of {units.subject(lead)}"))
+    if lead is not None and units.gpu(lead):
+        kpis.append((units.gpu(lead), f"GPU of {units.subject(lead)}"))
     kpi_html = "".join(f"<div class='kpi'><b>{escape(v)}</b><span>{escape(k)}</span></div>" for v, k in kpis)
     notes = "".join(f"<p class='note'>{escape(n)}</p>" for n in data.notes)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -6,6 +6,7 @@ Start downstream first (broker -> topics -> sink -> worker), stop upstream first
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port, preferred_port, stop_process
 from fleetscope.config import Config, split_secrets
-from fleetscope.endpoint import Endpoint, remove_endpoint, store_tokens, write_endpoint
+from fleetscope.endpoint import Endpoint, ensure_unlocked, remove_endpoint, store_tokens, write_endpoint
 from fleetscope.schemas import Topics
 from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, connect, migrate
 from fleetscope.storeserver import StoreServer
@@ -26,9 +27,42 @@ from fleetscope.streams.app import StreamAppConfig
 log = logging.getLogger(__name__)
 
 
+SINK_GROUP_PREFIX = "fleetscope-sink-"
+
+
+def sink_group(config: Config) -> str:
+    """One consumer group per store: sinks writing the same store share the partitions; a sink writing
+    elsewhere (another folder, another server or database) reads every record into its own store instead
+    of taking partitions from this one."""
+    ch = config.store
+    where = f"{ch.chdb_path or ch.url}|{ch.database}"
+    return SINK_GROUP_PREFIX + hashlib.sha256(where.encode()).hexdigest()[:12]
+
+
+def other_store_sinks(config: Config, timeout_s: float = 5.0) -> list[str]:
+    """Sink groups of other stores with members on the broker (each of them gets every record too)."""
+    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka.admin import AdminClient
+
+    from fleetscope.broker import quiet_client
+
+    k = config.kafka
+    admin = AdminClient(quiet_client({"bootstrap.servers": k.bootstrap_servers, **k.client_settings()}))
+    result = admin.list_consumer_groups(request_timeout=timeout_s).result(timeout=timeout_s)
+    mine = sink_group(config)
+    return sorted(
+        g.group_id
+        for g in result.valid
+        if g.group_id.startswith(SINK_GROUP_PREFIX)
+        and g.group_id != mine
+        and g.state not in (ConsumerGroupState.EMPTY, ConsumerGroupState.DEAD)  # Tansu reports UNKNOWN
+    )
+
+
 def sink_config(config: Config) -> SinkConfig:
     k = config.kafka
     return SinkConfig(
+        group_id=sink_group(config),
         bootstrap_servers=k.bootstrap_servers,
         topic_prefix=k.topic_prefix,
         session_timeout_ms=k.session_timeout_ms,
@@ -145,11 +179,17 @@ class EmbeddedStack:
     def start(self) -> Config:
         data_dir = Path(self.config.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
+        ensure_unlocked(self.config)
         try:
             if not self.config.kafka.bootstrap_servers:
                 port = preferred_port(self.config.embedded.broker_port)
                 self.broker = TansuBroker(port=port, log_path=data_dir / "broker.log")
-                servers = self.broker.start()
+                try:
+                    servers = self.broker.start()
+                except BrokerError:  # another process took the port since it was found free
+                    log.warning("embedded broker could not listen on %d; taking a free port", port)
+                    self.broker = TansuBroker(port=free_port(), log_path=data_dir / "broker.log")
+                    servers = self.broker.start()
                 self.config = self.config.replace(kafka=replace(self.config.kafka, bootstrap_servers=servers))
             k = self.config.kafka
             ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
@@ -174,7 +214,11 @@ class EmbeddedStack:
             return
         tokens = store_tokens(self.config.data_dir)
         port = preferred_port(self.config.embedded.store_port)
-        self.store_server = StoreServer(path, tokens, database=ch.database, port=port).start()
+        try:
+            server = StoreServer(path, tokens, database=ch.database, port=port)
+        except OSError:  # another process took the port since it was found free
+            server = StoreServer(path, tokens, database=ch.database, port=0)
+        self.store_server = server.start()
         endpoint = Endpoint(
             pid=os.getpid(),
             bootstrap_servers=self.config.kafka.bootstrap_servers,

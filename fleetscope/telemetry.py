@@ -86,6 +86,9 @@ METRICS: tuple[MetricDef, ...] = (
               "sink", "flush_failures"),
     MetricDef("fleetscope_sink_last_flush_timestamp_seconds", "gauge", "Unix time of the last good flush.",
               "sink", "last_flush_ns", scale=1e-9),
+    MetricDef("fleetscope_stream_consumer_lag", "gauge",
+              "Messages the stream worker is behind the partition ends (-1 until known).",
+              "stream", "consumer_lag"),
     MetricDef("fleetscope_sink_consumer_lag", "gauge",
               "Messages behind the partition ends, from librdkafka statistics (-1 until known).",
               "sink", "consumer_lag"),
@@ -199,7 +202,7 @@ def _samples(m: MetricDef, snap: Mapping[str, Any]) -> Iterator[tuple[list[str],
 _SOURCES = _Sources()
 REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(_SOURCES)
-REGISTRY.register(ProcessCollector(namespace="fleetscope", registry=None))
+REGISTRY.register(ProcessCollector(registry=None))  # the standard process_* names dashboards expect
 
 
 def register_source(component: str, owner: _T, snapshot: Callable[[_T], Mapping[str, Any]]) -> None:

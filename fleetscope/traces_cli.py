@@ -244,7 +244,7 @@ _RANK_COLUMNS = (
 
 
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.cli import findings_json, print_findings, print_table
+    from fleetscope.tables import findings_json, print_findings, print_table
 
     result = analyze_traces(
         args.paths,
@@ -299,7 +299,7 @@ def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
 
 
 def cmd_replay(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.cli import print_table
+    from fleetscope.tables import print_table
 
     ranks = replay_traces(
         args.paths,

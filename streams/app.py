@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,17 @@ class StageCounters:
     state_writes: int = 0
     states_restored: int = 0
     replayed_skipped: int = 0
+    consumer_lag: int = -1
+    """Messages between the committed offsets and the partition ends, every 10 s (-1 until known). On Tansu
+    the end offset is the last batch's base offset + 1, so the figure there is a lower bound."""
+
+
+def consumer_lag(end_offsets: Mapping[Any, int] | None, committed_offsets: Mapping[Any, int | None] | None) -> int:
+    """Sum over partitions of end offset minus committed offset; -1 when no partition has both yet."""
+    committed = dict(committed_offsets or {})
+    ends = dict(end_offsets or {})
+    lags = [max(0, int(end) - int(done)) for tp, end in ends.items() if (done := committed.get(tp)) is not None]
+    return sum(lags) if lags else -1
 
 
 def create_app(cfg: StreamAppConfig) -> faust.App:
@@ -357,6 +369,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         counters.state_writes = wrec.log.writes + drec.log.writes
         counters.incomplete_iterations = sum(w.counters.incomplete for w in windowers.values())
         counters.states_restored = wrec.restored + drec.restored
+        counters.consumer_lag = consumer_lag(app.monitor.tp_end_offsets, app.monitor.tp_committed_offsets)
         log.info("stream stages: %s", counters)
 
     app.fleetscope_counters = counters  # type: ignore[attr-defined]
@@ -368,4 +381,6 @@ def run_worker(cfg: StreamAppConfig, loglevel: str = "WARNING", logfile: str | N
     """Run the stream worker until SIGTERM/SIGINT (blocking)."""
     app = create_app(cfg)
     worker = faust.Worker(app, loglevel=loglevel, logfile=logfile, quiet=True)
+    if not sys.stdout.isatty():
+        worker.spinner = None  # its cursor escape codes would land in logs and pipes
     worker.execute_from_commandline()

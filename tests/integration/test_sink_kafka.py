@@ -256,3 +256,42 @@ def test_sink_stops_without_start_and_validates_config(store: tuple[Client, str]
     with pytest.raises(ValueError) as info:
         SinkConfig(bootstrap_servers="", flush_rows=0, session_timeout_ms=-1)
     assert all(key in str(info.value) for key in ("bootstrap_servers", "flush_rows", "session_timeout_ms"))
+
+
+@pytest.mark.integration
+def test_two_stores_each_get_every_record_and_see_each_other(kafka_bootstrap: str, chdb_path: Path) -> None:
+    """One consumer group per store: a sink writing another store takes no partitions from the first."""
+    from fleetscope.config import load_config
+    from fleetscope.sinks import connect, migrate
+    from fleetscope.stack import other_store_sinks, sink_config, sink_group
+
+    prefix = f"st{uuid.uuid4().hex[:8]}"
+    topics = Topics(prefix=prefix)
+    _create_topics(kafka_bootstrap, topics)
+    configs = [
+        load_config(env={}, overrides={"store.url": f"chdb://{chdb_path}", "store.database": f"st_{prefix}_{i}",
+                                       "kafka.bootstrap_servers": kafka_bootstrap, "kafka.topic_prefix": prefix,
+                                       "kafka.session_timeout_ms": 2000})
+        for i in range(2)
+    ]  # fmt: skip
+    assert sink_group(configs[0]) != sink_group(configs[1])
+    assert sink_group(configs[0]) == sink_group(configs[0].replace())
+    sinks = []
+    for cfg in configs:
+        client = connect(cfg.store)
+        migrate(client, cfg.store.database)
+        sinks.append((Sink(sink_config(cfg), ClickHouseWriter(client, cfg.store.database)), client, cfg))
+    try:
+        for sink, _, _ in sinks:
+            sink.start()
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        for rank in range(16):
+            producer.produce(topics.iterations, encode("iterations", _iteration(rank, 1)), key=rank_key("job-s", rank))
+        assert producer.flush(10) == 0
+        _wait_for(lambda: all(s.stats["iterations"] == 16 for s, _, _ in sinks))
+        assert sink_group(configs[0]) in other_store_sinks(configs[1])
+    finally:
+        for sink, _, _ in sinks:
+            sink.stop(timeout_s=10)
+    for _, client, cfg in sinks:
+        assert table_counts(client, cfg.store.database)["iterations"] == 16

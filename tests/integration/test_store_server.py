@@ -154,6 +154,8 @@ def test_the_cli_goes_through_a_running_up(tmp_path: Path) -> None:
         assert count == "96"
         findings = _cli(data_dir, "findings", "--json", "--job", "served")
         assert findings.returncode == 0 and json.loads(findings.stdout) == [], findings.stderr
+        report = _cli(data_dir, "report", "--job", "served", "-o", str(tmp_path / "served.html"), "--json")
+        assert report.returncode == 0 and json.loads(report.stdout)["ranks"] == 8, report.stderr
         refused = _cli(data_dir, "sql", "DROP TABLE iterations")
         assert refused.returncode != 0
     finally:

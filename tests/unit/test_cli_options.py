@@ -34,3 +34,30 @@ def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith("fleetscope ")
+
+
+def test_undelivered_batches_fail_the_publishing_command() -> None:
+    from fleetscope.demo import check_delivered
+    from fleetscope.errors import BrokerUnreachable, describe
+    from fleetscope.producers import PublisherStats
+
+    check_delivered(PublisherStats(published=80, delivered=80), "127.0.0.1:1")
+    with pytest.raises(BrokerUnreachable) as info:
+        check_delivered(PublisherStats(published=80, delivered=0, spooled=80, spool_records=80), "127.0.0.1:1")
+    assert "80 of 80 batches undelivered: 0 lost, 80 kept in the spool" in str(info.value)
+    lines, status = describe(info.value, "simulate")
+    assert status == 1 and len(lines) == 2 and lines[0].startswith("fleetscope simulate: no Kafka broker answers")
+    with pytest.raises(BrokerUnreachable, match="3 lost"):
+        check_delivered(PublisherStats(published=10, delivered=7, spool_dropped=3), "b:1")
+
+
+def test_broker_down_notice_is_one_line_per_period(capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from fleetscope.broker import BrokerDownNotice
+
+    notice = BrokerDownNotice("alerts", "127.0.0.1:1", every_s=60)
+    record = logging.LogRecord("rdkafka", logging.ERROR, "", 0, "Connect to ipv4#127.0.0.1:1 failed", None, None)
+    for _ in range(50):
+        notice.filter(record)
+    assert capsys.readouterr().err.splitlines() == ["fleetscope alerts: broker 127.0.0.1:1 unreachable; retrying"]

@@ -80,7 +80,8 @@ def test_exposition_has_help_type_and_values_of_registered_components() -> None:
     assert fams["fleetscope_sink_last_flush_timestamp_seconds"].samples[0].value == pytest.approx(1_767_225_600)
     assert fams["fleetscope_sink_consumer_lag"].samples[0].value == -1
     assert "fleetscope_publisher_messages_dropped" not in fams, "no publisher in this process"
-    assert any(name.startswith("fleetscope_process_") for name in fams)
+    assert "process_cpu_seconds" in fams and "process_resident_memory_bytes" in fams, "standard names"
+    assert not any(name.startswith("fleetscope_process_") for name in fams)
 
 
 def test_metrics_endpoint_serves_the_exposition_and_holds_its_port() -> None:
@@ -148,3 +149,17 @@ def test_the_metrics_endpoint_binds_loopback_unless_configured() -> None:
 
     assert load_config(env={}).metrics_host == "127.0.0.1"
     assert load_config(env={"FLEETSCOPE__METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"  # noqa: S104
+
+
+def test_stream_consumer_lag_from_the_monitor_offsets() -> None:
+    from fleetscope.streams.app import consumer_lag
+
+    assert consumer_lag({"p0": 100, "p1": 50}, {"p0": 90, "p1": None}) == 10
+    assert consumer_lag({"p0": 100}, {"p0": 120}) == 0, "never negative"
+    assert consumer_lag({}, {}) == -1 and consumer_lag(None, None) == -1
+    counters = StageCounters(consumer_lag=7)  # held: sources are weak references
+    telemetry.register_source("stream", counters, dataclasses.asdict)
+    try:
+        assert b"fleetscope_stream_consumer_lag 7.0" in telemetry.render()
+    finally:
+        telemetry.unregister_source("stream")

@@ -1,0 +1,76 @@
+"""How the CLI prints rows: aligned tables, findings as a person reads them (units, subject) or as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fleetscope.schemas import units
+
+FINDING_FIELDS = (
+    "job", "subject", "rank", "ranks", "host", "local_rank", "gpu_uuid", "pci_bus_id", "category", "function",
+    "metric", "value", "peer_median", "score", "iteration_first", "iteration_last", "est_loss_ns", "evidence",
+    "reason",
+)  # fmt: skip
+"""The fields of a finding in ``--json`` output (raw numbers: ns, bytes/s), plus its status."""
+
+
+def format_cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
+    out = out or sys.stdout
+    cells = [[format_cell(v) for v in row] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n")
+    for r in cells:
+        out.write("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+def findings_json(findings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in findings]
+
+
+def finding_row(f: dict[str, Any]) -> list[Any]:
+    """One finding as a person reads it: who, what, by how much, since when, what it costs."""
+    metric = str(f.get("metric", ""))
+    where = units.subject(f)
+    device = units.gpu(f)
+    return [
+        f["job"],
+        where + (f" {device}" if device else ""),
+        f.get("host") or "-",
+        f["category"],
+        f["function"],
+        units.metric_name(metric),
+        units.metric_value(metric, f.get("value")),
+        units.metric_value(metric, f.get("peer_median")) if f.get("peer_median") else "-",
+        units.gap(f.get("value"), f.get("peer_median")) or "-",
+        f"{float(f.get('score') or 0.0):.1f}",
+        f"{f['iteration_first']}-{f['iteration_last']}",
+        units.duration(f.get("est_loss_ns")),
+        f.get("status", ""),
+    ]
+
+
+FINDING_COLUMNS = (
+    "job", "subject", "host", "category", "function", "metric", "value", "peers", "gap", "score", "iterations",
+    "loss/iter", "status",
+)  # fmt: skip
+
+
+def print_findings(findings: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(findings_json(findings), indent=2, default=str))
+        return
+    if not findings:
+        print("no findings")
+        return
+    print_table(FINDING_COLUMNS, [finding_row(f) for f in findings])
