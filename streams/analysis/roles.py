@@ -82,10 +82,9 @@ def explain_victims(
         return replica.get(s.rank, -1) if s.rank >= 0 else -1
 
     roots: dict[int, RankSignal] = {}
-    for s in sorted(signals, key=lambda s: (_waited(s), -s.loss_ns)):
+    for s in sorted(signals, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
         if s.rank >= 0 and not _waited(s) and rep(s) >= 0:
-            if s.category in CAUSE_CATEGORIES or rep(s) not in roots:
-                roots.setdefault(rep(s), s)
+            roots.setdefault(rep(s), s)  # a cause first, then the larger loss
     stage = stages[0] if stages else None
     dropped: set[int] = set()
 
