@@ -60,13 +60,13 @@ def gather_matrices(
     records: Sequence[dict[str, Any]], index: FunctionIndex | None = None, staged: bool = False
 ) -> PeerMatrices | None:
     """The matrices every test reads (``PeerMatrices.gather``); ``staged`` adds compute totals."""
-    return PeerMatrices.gather(records, _STAGE_READS if staged else READS, index, _ON_DEMAND)
+    return PeerMatrices.gather(with_self_time(records), _STAGE_READS if staged else READS, index, _ON_DEMAND)
 
 
 def build_matrices(records: Sequence[dict[str, Any]]) -> PeerMatrices:
     """The same from ``PeerMatrix.build``: any records, every entry of every feature converted."""
     features = tuple(dict.fromkeys(name for names in _EVERY_READ.values() for name in names))
-    return PeerMatrices.split(PeerMatrix.build(records, features), _EVERY_READ)
+    return PeerMatrices.split(PeerMatrix.build(with_self_time(records), features), _EVERY_READ)
 
 
 def _top(functions: list[str], excess: F64, value: F64, med: F64, z: F64, k: int = 5) -> list[dict]:
