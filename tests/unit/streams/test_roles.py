@@ -169,14 +169,24 @@ def _cause(rank: int, category: str, loss: float, waited: float) -> RankSignal:
                       peer_median=0.0, score=9.0, loss_ns=loss, evidence={"waited_ns": waited})  # fmt: skip
 
 
-def test_a_host_signal_that_waited_on_its_replicas_slow_gpu_is_a_victim_an_independent_one_is_not():
-    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0} for r in range(8)]
+def test_host_signals_that_waited_on_a_slow_gpu_are_victims_an_independent_one_is_not():
+    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0, "function": [], "kind": []}
+               for r in range(8)]  # fmt: skip
     root = _cause(5, "gpu_slow", 5e6, 0.0)
     waited = _cause(3, "host_slow", 4e6, 3e6)  # replica 1: its backward annotation waited for rank 5
     own = _cause(7, "host_slow", 4e6, 0.0)  # replica 1 too, but its own work
-    elsewhere = _cause(2, "host_slow", 4e6, 3e6)  # replica 0: no root there
+    elsewhere = _cause(2, "host_slow", 4e6, 3e6)  # replica 0, waiting through a chain of groups
     kept = explain_victims([waited, root, own, elsewhere], records)
-    assert [s.rank for s in kept] == [5, 7, 2] and root.evidence["delays_ranks"] == [3]
+    assert [s.rank for s in kept] == [5, 7] and root.evidence["delays_ranks"] == [3, 2]
+
+
+def test_a_waiting_rank_is_blamed_on_the_cause_it_shares_a_collective_group_with():
+    names = {0: ["nccl:all_to_all[pg=9,<=1MiB]"], 1: ["nccl:all_to_all[pg=9,<=1MiB]"], 2: [], 3: []}
+    records = [{"rank": r, "dp_rank": r, "function": names[r], "kind": [2] * len(names[r])} for r in range(4)]
+    big, expert = _cause(3, "gpu_slow", 9e6, 0.0), _cause(1, "gpu_slow", 2e6, 0.0)
+    victim = _cause(0, "host_slow", 2e6, 2e6)  # waited in the all-to-all with rank 1
+    assert explain_victims([big, expert, victim], records) == [big, expert]
+    assert expert.evidence["delays_ranks"] == [0] and "delays_ranks" not in big.evidence
 
 
 def test_a_signal_that_waited_on_a_slow_stage_is_the_stage():
