@@ -1,6 +1,6 @@
 """``fleetscope analyze`` against HolisticTraceAnalysis on the same folder of Kineto traces: time and memory.
 
-    python bench/analyze_speed.py DIR [--hta-python PYTHON] [--repeat N]
+    python bench/analyze_speed.py DIR [--hta-python PYTHON] [--baseline-python PYTHON] [--repeat N]
 
 Each tool runs in a fresh process (imports included, as a user runs it); wall time and peak resident
 memory come from the child's resource usage. HTA is not a dependency of fleetscope: give an interpreter
@@ -16,10 +16,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HTA_SCRIPT = """
 import sys
+import tempfile
 from hta.trace_analysis import TraceAnalysis
 a = TraceAnalysis(trace_dir=sys.argv[1])
 a.get_temporal_breakdown(visualize=False)
@@ -32,7 +34,8 @@ for rank in a.t.get_ranks():
 def _run(argv: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of one child process (its own rusage, by ``wait4``)."""
     t0 = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # run outside any checkout: `-m fleetscope` must find the interpreter's own install
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - t0
     child.returncode = os.waitstatus_to_exitcode(status)
@@ -45,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", help="a folder of one job's Kineto traces, one file per rank")
     ap.add_argument("--hta-python", help="an interpreter with HolisticTraceAnalysis installed")
+    ap.add_argument("--baseline-python", help="an interpreter with another fleetscope (e.g. main's), for before/after")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     tools = {"fleetscope analyze": [sys.executable, "-m", "fleetscope", "analyze", args.folder, "--quiet"]}
+    if args.baseline_python:
+        tools["fleetscope (baseline)"] = [args.baseline_python, "-m", "fleetscope", "analyze", args.folder, "--quiet"]
     if args.hta_python:
         tools["HolisticTraceAnalysis"] = [args.hta_python, "-c", HTA_SCRIPT, args.folder]
     files = len([f for f in os.listdir(args.folder) if f.endswith((".json", ".json.gz"))])

@@ -96,6 +96,8 @@ TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
     {"dp": 1, "pp": 8},
     {"dp": 2, "pp": 4, "names": "none"},
     {"dp": 8, "tp": 2, "pp": 2},
+    {"dp": 8, "ep": 2, "names": "mesh"},
+    {"dp": 4, "tp": 2, "pp": 2, "ep": 2},
 )
 
 

@@ -20,23 +20,18 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
+from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
-from fleetscope.streams.analysis.signals import OutlierScorer, RankSignal, ScoringConfig
+from fleetscope.streams.analysis.signals import OutlierScorer, RankSignal, ScoringConfig, row_signal, top_functions
 from fleetscope.streams.analysis.stages import score_stages, staged
-from fleetscope.streams.analysis.stats import F64, I64, nan_median, quiet_nan_warnings
+from fleetscope.streams.analysis.stats import F64, I64, quiet_nan_warnings
 from fleetscope.streams.analysis.timelost import bound_by_lateness, split_shares
 
 __all__ = [  # names other modules import from here
     "OutlierScorer", "RankSignal", "ScoringConfig", "build_matrices", "gather_matrices", "group_by_host",
     "peer_group_rows", "score_hosts", "score_iteration", "score_peer_group", "score_stages",
 ]  # fmt: skip
-
-LINK_FAMILIES = ("nvlink", "pcie")
-LINK_IN_USE_SHARE = 0.25
-"""A rank whose link peaks below this share of the best rank's during a collective does not route
-that collective over this link (e.g. p2p inside a host never touches PCIe): it is not compared."""
-
 
 _COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
 READS: dict[int, tuple[str, ...]] = {
@@ -60,32 +55,13 @@ def gather_matrices(
     records: Sequence[dict[str, Any]], index: FunctionIndex | None = None, staged: bool = False
 ) -> PeerMatrices | None:
     """The matrices every test reads (``PeerMatrices.gather``); ``staged`` adds compute totals."""
-    return PeerMatrices.gather(records, _STAGE_READS if staged else READS, index, _ON_DEMAND)
+    return PeerMatrices.gather(with_self_time(records), _STAGE_READS if staged else READS, index, _ON_DEMAND)
 
 
 def build_matrices(records: Sequence[dict[str, Any]]) -> PeerMatrices:
     """The same from ``PeerMatrix.build``: any records, every entry of every feature converted."""
     features = tuple(dict.fromkeys(name for names in _EVERY_READ.values() for name in names))
-    return PeerMatrices.split(PeerMatrix.build(records, features), _EVERY_READ)
-
-
-def _top(functions: list[str], excess: F64, value: F64, med: F64, z: F64, k: int = 5) -> list[dict]:
-    order = np.argsort(-np.nan_to_num(excess))[:k]
-    return [
-        {
-            "function": functions[j],
-            "value": float(value[j]),
-            "peer_median": float(med[j]),
-            "z": float(np.round(z[j], 2)),
-            "excess_ns": float(np.round(excess[j])),
-        }
-        for j in order
-        if excess[j] > 0
-    ]
-
-
-def _signal(pm: PeerMatrix, i: int, **fields: Any) -> RankSignal:
-    return RankSignal(rank=int(pm.ranks[i]), host=pm.hosts[i], **fields)
+    return PeerMatrices.split(PeerMatrix.build(with_self_time(records), features), _EVERY_READ)
 
 
 def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
@@ -120,14 +96,14 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(excess[i]))
         evidence = {
-            "functions": _top(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
+            "functions": top_functions(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
             "flagged_functions": int(flag[i].sum()),
             "compared_functions": int(np.sum(~np.isnan(mean[i]))),
         }
         if uniform[i]:
             with quiet_nan_warnings():
                 evidence["typical_ratio"] = round(float(np.nanmean(mean[i] / sc.median)), 4)
-        out[i] = _signal(
+        out[i] = row_signal(
             pm, i, category="gpu_slow", function=pm.functions[j], metric="mean_ns",
             value=float(mean[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
             loss_ns=float(loss[i]), evidence=evidence,
@@ -169,76 +145,16 @@ def _slow_host(
     for i in np.flatnonzero(loss >= budget):
         j = int(np.argmax(excess[i]))
         total = share[i] * it
-        out[i] = _signal(
+        out[i] = row_signal(
             pm, i, category="host_slow", function=pm.functions[j], metric="self_ns",
             value=float(total[j]), peer_median=float(sc.median[j] * it), score=float(sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
-                "functions": _top(pm.functions, excess[i], total, sc.median * it, sc.z[i]),
+                "functions": top_functions(pm.functions, excess[i], total, sc.median * it, sc.z[i]),
                 "flagged_functions": int(flag[i].sum()),
                 "compared_functions": int(np.sum(~np.isnan(share[i]))),
             },
         )  # fmt: skip
-    return out
-
-
-def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
-    """Ranks whose link cannot reach the peak their peers' links reach during the same collectives.
-
-    A degraded link (NVLink lanes down, PCIe gen/width downgrade) saturates at a lower rate: a low,
-    steady peak. The whole ring is paced by it, so the loss is the share of the transfer (the
-    shortest rank's collective) that the lower rate costs. Congestion, which fluctuates and is
-    shared by a host's ranks, is judged per host (``score_hosts``).
-    """
-    if not pm.functions:
-        return {}
-    mean_ns = pm.features["mean_ns"]
-    calls = np.nan_to_num(pm.features["calls"])
-    with quiet_nan_warnings():
-        transfer = np.nanmin(mean_ns, axis=0)
-    out: dict[int, RankSignal] = {}
-    for fam in LINK_FAMILIES:
-        ratios = []
-        for feature in ("peak_bps",):
-            x = pm.features[f"{fam}_{feature}"].copy()
-            if np.all(np.isnan(x)):
-                continue
-            with quiet_nan_warnings():
-                x[x < LINK_IN_USE_SHARE * np.nanmax(x)] = np.nan  # this link does not carry it
-            sc = scorer(x)
-            flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                ratios.append((feature, np.where(flag, x / sc.median, 1.0), x, sc))
-        if not ratios:
-            continue
-        ratio = np.nan_to_num(np.minimum.reduce([r for _, r, _, _ in ratios]), nan=1.0)
-        cv = pm.features[f"{fam}_cv"]
-        with quiet_nan_warnings():
-            steadier = cv < np.nanmedian(cv, axis=0)  # the link that paces a ring is its steadiest
-        ratio = np.where(steadier, ratio, 1.0)
-        excess = np.nan_to_num(transfer * (1 - ratio) * calls)
-        loss = excess.sum(axis=1)
-        for i in np.flatnonzero(loss >= budget):
-            if i in out and out[i].loss_ns >= loss[i]:
-                continue
-            j = int(np.argmax(excess[i]))
-            feature, _, x, sc = min(ratios, key=lambda r: r[1][i, j])
-            with quiet_nan_warnings():
-                peer_cv = float(np.nanmedian(cv[:, j]))
-            pattern = "steady"
-            out[i] = _signal(
-                pm, i, category="link_slow", function=pm.functions[j], metric=f"{fam}_{feature}",
-                value=float(x[i, j]), peer_median=float(sc.median[j]), score=float(sc.z[i, j]),
-                loss_ns=float(loss[i]),
-                evidence={
-                    "link": fam,
-                    "pattern": pattern,
-                    "throughput_cv": float(cv[i, j]),
-                    "peer_throughput_cv": peer_cv,
-                    "functions": _top(pm.functions, excess[i], x[i], sc.median, sc.z[i]),
-                    "flagged_collectives": int(np.sum(ratio[i] < 1)),
-                },
-            )  # fmt: skip
     return out
 
 
@@ -267,12 +183,12 @@ def _late_arrivals(
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget):
         j = int(np.nanargmax(lateness[i]))
-        out[i] = _signal(
+        out[i] = row_signal(
             pm, i, category="straggler", function=pm.functions[j], metric="arrival_lateness_ns",
             value=float(sc.median[j] - mean[i, j]), peer_median=0.0, score=float(-sc.z[i, j]),
             loss_ns=float(loss[i]),
             evidence={
-                "functions": _top(pm.functions, lateness[i], mean[i], sc.median, sc.z[i]),
+                "functions": top_functions(pm.functions, lateness[i], mean[i], sc.median, sc.z[i]),
                 "flagged_collectives": int(flag[i].sum()),
                 "waited_ns": float(waited[i]),
             },
@@ -395,64 +311,6 @@ def group_by_host(signals: list[RankSignal], records: Sequence[dict[str, Any]], 
                 rank=-1, host=host, category=category, function=top.function, metric=top.metric,
                 value=top.value, peer_median=top.peer_median, score=top.score,
                 loss_ns=max(s.loss_ns for s in sigs), evidence=evidence, ranks=ranks, subject=f"host:{host}",
-            )
-        )  # fmt: skip
-    return out
-
-
-def _median_by_group(x: F64, group: I64, n_groups: int) -> F64:
-    """Column medians (NaN ignored, NaN when none) of each group's rows, as ``np.nanmedian`` gives
-    them: the two middle values summed and halved. Groups of one size share one sort."""
-    sizes = np.bincount(group, minlength=n_groups)
-    order = np.argsort(group, kind="stable")
-    starts = np.cumsum(sizes) - sizes
-    out = np.full((n_groups, x.shape[1]), np.nan)
-    for size in np.unique(sizes[sizes > 0]).tolist():
-        groups = np.flatnonzero(sizes == size)
-        out[groups] = nan_median(x[order[starts[groups][:, None] + np.arange(size)]], axis=1)
-    return out
-
-
-def score_hosts(
-    pm: PeerMatrix, config: ScoringConfig | None = None, scorer: OutlierScorer | None = None
-) -> list[RankSignal]:
-    """Hosts whose NIC/PCIe traffic fluctuates more than other hosts' during the same collectives.
-
-    Congestion on a host's network path makes its transfers stall and burst; every rank of the host
-    shares the pattern, so hosts (median over their ranks) are compared, not ranks. The estimated
-    loss is an upper bound: the transfer time of the collectives concerned. ``pm``: every rank's collectives.
-    """
-    cfg = config or ScoringConfig()
-    score = scorer or cfg.scorer()
-    hosts = sorted(set(pm.hosts))
-    if len(hosts) < cfg.min_peers:
-        return []
-    if not pm.functions:
-        return []
-    where = {h: i for i, h in enumerate(hosts)}
-    host_idx = np.fromiter(map(where.__getitem__, pm.hosts), dtype=np.int64, count=len(pm.hosts))
-    per_host = _median_by_group(pm.features["pcie_cv"], host_idx, len(hosts))
-    active_mean = _median_by_group(pm.features["pcie_mean_bps"], host_idx, len(hosts))
-    with quiet_nan_warnings():
-        transfer = np.nanmin(pm.features["mean_ns"], axis=0)
-    calls = nan_median(pm.features["calls"])
-    sc, sm = score(per_host), score(active_mean)
-    # On/off: full speed while it sends, stalled in between; the hosts it paces run at partial rates.
-    flag = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.host_min_relative_gap) & (sm.z >= cfg.z_threshold)
-    loss = np.where(flag, np.nan_to_num(transfer * calls), 0.0).sum(axis=1)
-    budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
-    out: list[RankSignal] = []
-    for h in np.flatnonzero(loss >= budget):
-        j = int(np.nanargmax(np.where(flag[h], sc.z[h], -np.inf)))
-        ranks = tuple(sorted(int(r) for r in pm.ranks[host_idx == h]))
-        out.append(
-            RankSignal(
-                rank=-1, host=hosts[h], category="link_slow", function=pm.functions[j],
-                metric="pcie_cv",
-                value=float(per_host[h, j]), peer_median=float(sc.median[j]), score=float(sc.z[h, j]),
-                loss_ns=float(loss[h]), ranks=ranks, subject=f"host:{hosts[h]}",
-                evidence={"scope": "host", "pattern": "fluctuating", "link": "pcie",
-                          "flagged_collectives": int(flag[h].sum()), "hosts_compared": len(hosts)},
             )
         )  # fmt: skip
     return out

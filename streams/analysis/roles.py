@@ -14,16 +14,18 @@ whom; where it is unknown (-1), every rank is one peer group and nothing is expl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import I64
 
 CAUSE_CATEGORIES = ("gpu_slow", "host_slow", "link_slow")
 """Rank findings with evidence on the rank itself; a straggler has none (it only arrives late)."""
+_COLLECTIVE = int(FunctionKind.COLLECTIVE)
 VICTIM_WAIT_SHARE = 0.5
 """A straggler that waited in other collectives for at least this share of its lateness was held up."""
 
@@ -72,7 +74,10 @@ def explain_victims(
     1. every straggler of a model replica (``dp_rank``) with a root cause (slow GPU, host, link) is
        held up by it: through the tensor-parallel collectives and the pipeline, every rank of the
        replica waits for it, then arrives late at its own data-parallel collective;
-    2. a signal that waited, in a replica with a root (or in a job with a slow stage), is a victim;
+    2. a signal that waited is a victim: of its replica's root, else of the root cause that shares a
+       collective group with it (the same process-group instance), else of the job's largest root
+       cause (it waits on the cause through a chain of groups: expert all-to-all, then pipeline),
+       else of a slow stage;
     3. among stragglers of one replica that all waited and no root, the one that waited least is kept.
     Without a layout (``dp_rank`` -1) only a slow stage explains anything: who waits on whom is unknown.
     """
@@ -82,10 +87,9 @@ def explain_victims(
         return replica.get(s.rank, -1) if s.rank >= 0 else -1
 
     roots: dict[int, RankSignal] = {}
-    for s in sorted(signals, key=lambda s: (_waited(s), -s.loss_ns)):
+    for s in sorted(signals, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
         if s.rank >= 0 and not _waited(s) and rep(s) >= 0:
-            if s.category in CAUSE_CATEGORIES or rep(s) not in roots:
-                roots.setdefault(rep(s), s)
+            roots.setdefault(rep(s), s)  # a cause first, then the larger loss
     stage = stages[0] if stages else None
     dropped: set[int] = set()
 
@@ -105,6 +109,8 @@ def explain_victims(
                 continue
             if root is not None and (_waited(s) or (s.category == "straggler" and root.category in CAUSE_CATEGORIES)):
                 blame(s, root)
+            elif _waited(s) and (cause := _group_root(s, roots.values(), records)) is not None:
+                blame(s, cause)
             elif _waited(s) and stage is not None and s.rank not in stage.member_ranks():
                 blame(s, stage)
         if root is None and r >= 0:
@@ -114,6 +120,30 @@ def explain_victims(
                 for s in late:
                     blame(s, keep)
     return [s for s in signals if id(s) not in dropped]
+
+
+def _group_root(
+    victim: RankSignal, roots: Iterable[RankSignal], records: Sequence[dict[str, Any]]
+) -> RankSignal | None:
+    """The root cause that is a member of one of the victim's collective groups (expert all-to-all,
+    tensor-parallel, data-parallel: the same pattern names, process-group instance included), else
+    the largest root cause; None without any."""
+    causes = [r for r in roots if r.category in CAUSE_CATEGORIES and r.rank != victim.rank]
+    if not causes:
+        return None
+    groups = _collective_names(records, {victim.rank, *(c.rank for c in causes)})
+    mine = groups.get(victim.rank, set())
+    shared = [c for c in causes if mine & groups.get(c.rank, set())]
+    return max(shared or causes, key=lambda c: c.loss_ns)
+
+
+def _collective_names(records: Sequence[dict[str, Any]], ranks: set[int]) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for rec in records:
+        rank = int(rec["rank"])
+        if rank in ranks:
+            out[rank] = {f for f, k in zip(rec["function"], rec["kind"], strict=True) if k == _COLLECTIVE}
+    return out
 
 
 def _waited(sig: RankSignal) -> bool:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
+from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.stats import F64, RobustScores, robust_scores
 
 
@@ -83,3 +86,23 @@ class RankSignal:
 
     def member_ranks(self) -> tuple[int, ...]:
         return self.ranks or (self.rank,)
+
+
+def top_functions(functions: list[str], excess: F64, value: F64, med: F64, z: F64, k: int = 5) -> list[dict]:
+    order = np.argsort(-np.nan_to_num(excess))[:k]
+    return [
+        {
+            "function": functions[j],
+            "value": float(value[j]),
+            "peer_median": float(med[j]),
+            "z": float(np.round(z[j], 2)),
+            "excess_ns": float(np.round(excess[j])),
+        }
+        for j in order
+        if excess[j] > 0
+    ]
+
+
+def row_signal(pm: PeerMatrix, i: int, **fields: Any) -> RankSignal:
+    """A signal about row ``i`` of a peer matrix."""
+    return RankSignal(rank=int(pm.ranks[i]), host=pm.hosts[i], **fields)

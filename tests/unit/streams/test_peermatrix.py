@@ -10,7 +10,8 @@ from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis import outliers
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.outliers import _median_by_group, build_matrices, gather_matrices, score_iteration
+from fleetscope.streams.analysis.links import _median_by_group
+from fleetscope.streams.analysis.outliers import build_matrices, gather_matrices, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices
 from fleetscope.streams.analysis.stats import quiet_nan_warnings
 from fleetscope.streams.offline import OfflinePipeline

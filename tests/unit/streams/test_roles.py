@@ -162,3 +162,37 @@ def test_a_host_annotation_that_grows_with_its_own_slow_gpu_is_no_host_finding(t
     findings = analyze_traces([tmp_path / "zero"]).findings
     assert [(f["rank"], f["category"]) for f in findings] == [(3, "gpu_slow")]
     assert json.loads(findings[0]["evidence"])["host_wait_ns"] > 0
+
+
+def _cause(rank: int, category: str, loss: float, waited: float) -> RankSignal:
+    return RankSignal(rank=rank, host="h", category=category, function="f", metric="m", value=1.0,
+                      peer_median=0.0, score=9.0, loss_ns=loss, evidence={"waited_ns": waited})  # fmt: skip
+
+
+def test_host_signals_that_waited_on_a_slow_gpu_are_victims_an_independent_one_is_not():
+    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0, "function": [], "kind": []}
+               for r in range(8)]  # fmt: skip
+    root = _cause(5, "gpu_slow", 5e6, 0.0)
+    waited = _cause(3, "host_slow", 4e6, 3e6)  # replica 1: its backward annotation waited for rank 5
+    own = _cause(7, "host_slow", 4e6, 0.0)  # replica 1 too, but its own work
+    elsewhere = _cause(2, "host_slow", 4e6, 3e6)  # replica 0, waiting through a chain of groups
+    kept = explain_victims([waited, root, own, elsewhere], records)
+    assert [s.rank for s in kept] == [5, 7] and root.evidence["delays_ranks"] == [3, 2]
+
+
+def test_a_waiting_rank_is_blamed_on_the_cause_it_shares_a_collective_group_with():
+    names = {0: ["nccl:all_to_all[pg=9,<=1MiB]"], 1: ["nccl:all_to_all[pg=9,<=1MiB]"], 2: [], 3: []}
+    records = [{"rank": r, "dp_rank": r, "function": names[r], "kind": [2] * len(names[r])} for r in range(4)]
+    big, expert = _cause(3, "gpu_slow", 9e6, 0.0), _cause(1, "gpu_slow", 2e6, 0.0)
+    victim = _cause(0, "host_slow", 2e6, 2e6)  # waited in the all-to-all with rank 1
+    assert explain_victims([big, expert, victim], records) == [big, expert]
+    assert expert.evidence["delays_ranks"] == [0] and "delays_ranks" not in big.evidence
+
+
+def test_a_signal_that_waited_on_a_slow_stage_is_the_stage():
+    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0} for r in range(8)]
+    stage = RankSignal(rank=-1, host="", category="stage_imbalance", function="compute", metric="compute_ns",
+                       value=2.0, peer_median=1.0, score=5.0, loss_ns=3e6, ranks=(6, 7), subject="stage:3")  # fmt: skip
+    victim = _cause(0, "host_slow", 2e6, 2e6)
+    assert explain_victims([victim], records, [stage]) == []
+    assert stage.evidence["delays_ranks"] == [0]
