@@ -1,7 +1,7 @@
 """The Faust app: every topic and agent of the stream stages, declared in one place.
 
 raw topics (key job/rank) -> windower -> fleetscope.iterations (job/rank), fleetscope.patterns (job)
-fleetscope.patterns -> differential -> fleetscope.findings (job)
+fleetscope.patterns + fleetscope.heartbeats (job) -> differential -> fleetscope.findings (job)
 
 A worker runs the stages listed in ``StreamAppConfig.stages`` (both by default; one each lets them be
 sized apart). Agents stay thin: take a batch of events, decode, call the pure functions of ``analysis``, send.
@@ -114,7 +114,10 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         return app.topic(*names, key_serializer="raw", value_serializer="raw")
 
     raw_events = raw(*topics.raw_all)
-    patterns = raw(topics.patterns)
+    patterns = raw(topics.patterns, topics.heartbeats)
+    """The differential's input: pattern and stall records, and producers' heartbeats (both keyed by job)."""
+    differential_topics = {topics.patterns, topics.heartbeats}
+    progress_out = raw(topics.patterns)
     findings_out = raw(topics.findings)
     deadletter = raw(topics.deadletter)
     control = raw(topics.control)
@@ -141,7 +144,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         gate.paused = True
         for key in wrec.revoke({tp.partition for tp in revoked if tp.topic in raw_events.topics}):
             windowers.pop(key, None)
-        for job in drec.revoke({tp.partition for tp in revoked if tp.topic == patterns.get_topic_name()}):
+        for job in drec.revoke({tp.partition for tp in revoked if tp.topic in differential_topics}):
             job_seen.pop(job, None)
 
     async def on_assigned(_sender: object, _assigned: set[faust.types.TP], **_kw: object) -> None:
@@ -188,7 +191,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     async def emit_progress(touched: list[RankWindower]) -> None:
         for w in touched:
             for rec in w.take_progress():
-                await patterns.send(key=job_key(rec["job"]), value=encode("progress", rec))
+                await progress_out.send(key=job_key(rec["job"]), value=encode("progress", rec))
 
     async def emit_findings(records: list[dict[str, Any]]) -> None:
         """Send finding records and wait for their delivery (a job's state record must not overtake them)."""
@@ -258,11 +261,16 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                 except SchemaError as exc:
                     rejected.append((event, f"schema: {exc}"))
                     continue
-                if subject not in ("patterns", "progress"):
-                    rejected.append((event, f"subject: expected patterns or progress, got {subject}"))
+                if subject not in ("patterns", "progress", "heartbeat"):
+                    rejected.append((event, f"subject: expected patterns, progress or heartbeat, got {subject}"))
                     continue
                 job = record["job"]
                 jd = drec.job(job, msg.partition)
+                if subject == "heartbeat":  # the latest per rank is all a diagnosis needs: replay adds nothing
+                    out += jd.add_heartbeat(record)
+                    drec.skipped(job, msg)
+                    touched.add(job)  # released by its checkpoint
+                    continue
                 job_seen[job] = clock.now_ns()
                 touched.add(job)
                 if subject == "progress":
