@@ -66,6 +66,7 @@ class StreamAppConfig:
     take_max_events: int = 256
     take_within_ms: int = 200
     job_idle_ms: int = 2000
+    job_end_ms: int = 120_000
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: Any = None
     differential: Any = None
@@ -126,6 +127,8 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     profiles = ProfilePolicy(cfg.profiling)
     windowers: dict[RankId, RankWindower] = {}
     job_seen: dict[str, int] = {}
+    job_input: dict[str, int] = {}
+    """Input-clock time of each job's last pattern, stall report or heartbeat: its end closes its findings."""
     within_s = cfg.take_within_ms / 1000
     gate = Gate()
     state_name = f"{cfg.topic_prefix}.{cfg.app_id}"
@@ -146,6 +149,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
             windowers.pop(key, None)
         for job in drec.revoke({tp.partition for tp in revoked if tp.topic in differential_topics}):
             job_seen.pop(job, None)
+            job_input.pop(job, None)
 
     async def on_assigned(_sender: object, _assigned: set[faust.types.TP], **_kw: object) -> None:
         gate.paused = False
@@ -266,6 +270,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                     continue
                 job = record["job"]
                 jd = drec.job(job, msg.partition)
+                job_input[job] = clock.now_ns()
                 if subject == "heartbeat":  # the latest per rank is all a diagnosis needs: replay adds nothing
                     out += jd.add_heartbeat(record)
                     drec.skipped(job, msg)
@@ -340,6 +345,29 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                 out = jd.flush()
                 drec.flushed(job)
                 await emit_findings(out)
+                released = await drec.checkpoint([job]) if epoch == gate.epoch else []
+            if epoch == gate.epoch:
+                ack(released, app)
+
+    @app.timer(interval=1.0)
+    async def end_jobs() -> None:
+        """Close the findings of jobs that ended: no input for ``job_end_ms`` on the input clock (which
+        stands still while a backlog is worked off, so a lagging partition is not an ended job)."""
+        if gate.paused:
+            return
+        now, epoch = clock.now_ns(), gate.epoch
+        for job, seen in list(job_input.items()):
+            jd = jobs.get(job)
+            if now - seen < cfg.job_end_ms * 1_000_000 or jd is None or epoch != gate.epoch:
+                continue
+            del job_input[job]
+            if not jd.open_findings():
+                continue
+            async with differential_lock:
+                if epoch != gate.epoch:
+                    return
+                await emit_findings(jd.end())
+                profiles.forget(job)
                 released = await drec.checkpoint([job]) if epoch == gate.epoch else []
             if epoch == gate.epoch:
                 ack(released, app)

@@ -152,6 +152,21 @@ class JobDifferential:
             out += self._score(it)
         return out + self.tracker.flush()
 
+    def end(self) -> list[dict[str, Any]]:
+        """The job ended (no input for the stage's ``job_end_ms``): score what is pending, then close every
+        open finding with reason ``job_ended``. A job that comes back starts its findings afresh."""
+        out: list[dict[str, Any]] = []
+        for it in sorted(self._pending):
+            out += self._score(it)
+        out += self.tracker.close_all("job_ended")
+        self._heartbeats.clear()
+        self._stalled.clear()
+        self._hang_reported_step = -2
+        return out
+
+    def open_findings(self) -> int:
+        return self.tracker.open_findings()
+
     def _complete(self, it: int) -> bool:
         return len(self._pending[it]) >= self._world_size
 
