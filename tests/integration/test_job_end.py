@@ -32,9 +32,7 @@ def test_the_findings_of_an_ended_job_close_with_reason_job_ended(
             "streams.job_end_ms": 6000,
         },
     )  # fmt: skip
-    query = (
-        f"SELECT rank, category, status, reason FROM `{database}`.findings WHERE job = {{job:String}} ORDER BY rank"
-    )
+    query = f"SELECT rank, category, status, reason FROM `{database}`.findings WHERE job = {{job:String}} ORDER BY rank"
     with EmbeddedStack(config) as stack:
         assert stack.client is not None
         publish_simulation(stack.config, SIM, Progress(enabled=False))

@@ -101,4 +101,3 @@ def test_heartbeats_read_late_from_a_backlog_show_no_hang():
         for r in range(WORLD):
             out += job.add_heartbeat(heartbeat(r, 10.0 + t * 0.05, t, 10.0 + t * 0.05 - 0.01, seq=t, n=t))
     assert out == []
-
