@@ -53,7 +53,10 @@ class WindowerConfig:
     stream_discovery_ms: int = 5000
     max_open_steps: int = 64
     stall_factor: float = 5.0
-    """A rank is stalled when its clock moved this many mean iterations past its last progress."""
+    """A rank is stalled when its clock moved this many mean iterations past its last progress..."""
+    stall_silence_ms: int = 1500
+    """...and no kernel, collective or host batch of it arrived for this long (processing time): batches
+    still arriving are a backlog. 0 where processing time means nothing (offline input, complete)."""
 
     def __post_init__(self) -> None:
         if self.idle_close_ms <= 0:
@@ -62,6 +65,8 @@ class WindowerConfig:
             raise ValueError("stream_discovery_ms must be >= 0")
         if self.max_open_steps < 1:
             raise ValueError("max_open_steps must be >= 1")
+        if self.stall_silence_ms < 0:
+            raise ValueError("stall_silence_ms must be >= 0")
 
 
 class ClosedIteration:
@@ -176,6 +181,8 @@ class RankWindower:
     _clock_ns: int = -(2**62)
     _durations: list[int] = field(default_factory=list)
     _stalled: bool = False
+    _progress_arrival_ns: int = -(2**62)
+    """Processing time of the rank's latest kernel, collective or host batch."""
     _progress_span_ns: dict[EventKind, int] = field(default_factory=dict)
     """Per progress stream, the time its latest batch covered. A stream's events arrive up to one batch
     behind the rank's clock (producers flush every 500 ms, samples run ahead): the stall threshold
@@ -215,7 +222,7 @@ class RankWindower:
         self.counters.events += n
         if n == 0:
             return []
-        latest = self._track_progress(batch)
+        latest = self._track_progress(batch, now_ns)
         cols = self._columns(batch, size=n)
         kind = batch.kind
         if kind is EventKind.PYTHON:
@@ -279,27 +286,32 @@ class RankWindower:
     def _mean_iteration_ns(self) -> float:
         return self._mean_ns
 
-    def _track_progress(self, batch: EventBatch) -> int | None:
+    def _track_progress(self, batch: EventBatch, now_ns: int) -> int | None:
         """Move the rank's clock on; return the latest sample time of a hardware batch."""
         latest = None
         if batch.kind is EventKind.THROUGHPUT:
             latest = int(np.maximum.reduce(batch["t_ns"]))
             self._clock_ns = max(self._clock_ns, latest)
         else:
+            self._progress_arrival_ns = now_ns
             end = int(np.maximum.reduce(batch["start_ns"] + batch["dur_ns"]))
             self._progress_span_ns[batch.kind] = end - int(np.minimum.reduce(batch["start_ns"]))
             self._last_progress_ns = max(self._last_progress_ns, end)
             self._clock_ns = max(self._clock_ns, end)
         mean = self._mean_iteration_ns()
         if mean:
-            self._check_stall(self._clock_ns, mean)
+            self._check_stall(self._clock_ns, mean, now_ns)
         return latest
 
-    def _check_stall(self, clock_ns: int, mean_ns: float) -> None:
+    def _check_stall(self, clock_ns: int, mean_ns: float, now_ns: int) -> None:
         batch_lag = min(self._progress_span_ns.values(), default=0)
         # A profiler window holds the rank's events back until it closes: up to its end, that is no stall.
         progress = max([self._last_progress_ns, *(we for ws, we in self._windows if ws <= clock_ns)])
         stalled = clock_ns - progress >= self.config.stall_factor * mean_ns + batch_lag
+        # The streams are consumed apart: samples read ahead of a lagging kernel or host partition would
+        # pass the rank's last progress too. Progress batches still arriving (processing time) are a
+        # backlog, not silence; a hung rank's stop arriving.
+        stalled = stalled and now_ns - self._progress_arrival_ns >= self.config.stall_silence_ms * 1_000_000
         if stalled == self._stalled or self.header is None:
             return
         self._stalled = stalled

@@ -70,7 +70,7 @@ def test_silence_inside_a_window_is_no_stall():
     late_clock = replace(samples[-1], columns={**samples[-1].columns, "t_ns": samples[-1]["t_ns"] + 20 * mean})
 
     def stalls(window: bool):
-        w = RankWindower(WindowerConfig(stall_factor=5.0))
+        w = RankWindower(WindowerConfig(stall_factor=5.0, stall_silence_ms=0))
         feed = before + ([window_batch(batches[0], spans[5][1], 25 * mean)] if window else []) + [late_clock]
         for b in feed:
             w.add(b, 0)
@@ -106,3 +106,25 @@ def test_iterations_profiled_on_some_ranks_only_are_not_compared_across_ranks():
         updates += job.add(slowed(rec, 2.0) if profiled else rec)
     updates += job.flush()
     assert updates == [] and job.skipped_profiled == 20 and job.iterations_scored == 30
+
+
+def test_samples_read_ahead_of_a_lagging_partition_are_a_backlog_not_a_stall():
+    batches = [b for b in job_batches(iterations=40) if b.header.rank == 0]
+    samples = [b for b in batches if b.kind is EventKind.THROUGHPUT]
+    progress = [b for b in batches if b.kind is not EventKind.THROUGHPUT]
+
+    def stalls(gap_ns: int) -> list[bool]:
+        """The first iterations, then every sample batch at once, then the lagging host and GPU batches,
+        ``gap_ns`` of processing time apart."""
+        w = RankWindower()
+        head = [b for b in progress if b.columns["start_ns"].max() < samples[3]["t_ns"].min()]
+        now = 0
+        for b in head:
+            w.add(b, now)
+        for b in samples:
+            now += gap_ns
+            w.add(b, now)
+        return [r["stalled"] for r in w.take_progress()]
+
+    assert stalls(gap_ns=10**6) == []  # the rank's other partitions are still being read: a backlog
+    assert stalls(gap_ns=2 * 10**9) == [True]  # nothing else came for seconds: the rank stopped
