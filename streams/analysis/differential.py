@@ -203,6 +203,12 @@ class JobDifferential:
             silent_missing += sum(1 for r in self._unseen[1] if r not in present)
         return silent_missing >= self._world_size - len(present)
 
+    def _alive(self, rank: int, it: int) -> bool:
+        """The rank's heartbeat says it completed step ``it`` or holds its events back in a profiler window:
+        its missing records are late, not a rank that stopped."""
+        hb = self._heartbeats.get(rank)
+        return hb is not None and (bool(hb.get("profiling", False)) or int(hb["last_step"]) >= it)
+
     def _completed(self, rank: int, it: int) -> bool:
         """The rank's heartbeat says it completed step ``it``: its records are late (a backlog), not lost."""
         hb = self._heartbeats.get(rank)
@@ -241,7 +247,7 @@ class JobDifferential:
         for rank in self._hosts:
             run = 0 if rank in present else self._missing_run.get(rank, 0) + 1
             self._missing_run[rank] = run
-            if run == self.config.missing_rank_wait_iterations:
+            if run == self.config.missing_rank_wait_iterations and not self._alive(rank, it):
                 sig = RankSignal(
                     rank=rank, host=self._hosts[rank], category="hang", function="progress",
                     metric="missing_iterations", value=float(run), peer_median=0.0, score=float(run),

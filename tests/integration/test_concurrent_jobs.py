@@ -21,7 +21,7 @@ from fleetscope.stack import EmbeddedStack
 pytestmark = pytest.mark.integration
 
 
-def test_twenty_one_healthy_jobs_and_a_big_one_at_once_find_only_the_faulty_jobs_finding(
+def test_twenty_jobs_a_512_rank_job_and_a_faulty_one_at_once_find_only_the_faulty_jobs_finding(
     tmp_path: Path, chdb_path: Path, database: str, broker: str
 ) -> None:
     tag = uuid.uuid4().hex[:8]
