@@ -195,7 +195,7 @@ class JobDifferential:
         for rank, seen in self._last_seen_ns.items():
             if seen > cutoff:
                 break
-            silent_missing += rank not in present and not self._completed(rank, it)
+            silent_missing += rank not in present and not self._alive(rank, it)
         if len(self._last_seen_ns) < self._world_size and self._first_seen_ns <= cutoff:
             if self._unseen[0] != len(self._last_seen_ns):
                 unseen = [r for r in range(self._world_size) if r not in self._last_seen_ns]
@@ -208,11 +208,6 @@ class JobDifferential:
         its missing records are late, not a rank that stopped."""
         hb = self._heartbeats.get(rank)
         return hb is not None and (bool(hb.get("profiling", False)) or int(hb["last_step"]) >= it)
-
-    def _completed(self, rank: int, it: int) -> bool:
-        """The rank's heartbeat says it completed step ``it``: its records are late (a backlog), not lost."""
-        hb = self._heartbeats.get(rank)
-        return hb is not None and int(hb["last_step"]) >= it
 
     def _score(self, it: int) -> list[dict[str, Any]]:
         records = list(self._pending.pop(it).values())
