@@ -14,6 +14,10 @@ from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, Regr
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 
+PROFILER_BLIND = ("host_slow",)
+"""Categories not judged in profiled iterations: a profiler records every CPU op, and its overhead per op
+differs by rank and op (x3 to x300 on a shared host), so host times under a window are no evidence."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class DifferentialConfig:
@@ -219,6 +223,10 @@ class JobDifferential:
             self.skipped_profiled += 1
             return self._missing_ranks(it, records)
         signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
+        blind: tuple[str, ...] = ()
+        if profiled:  # profiled on every rank: its kernels compare, its host times carry the profiler's cost
+            blind = PROFILER_BLIND
+            signals = [s for s in signals if s.category not in blind]
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
         self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
@@ -229,7 +237,7 @@ class JobDifferential:
                 signals.append(regression)
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
-        out = self.tracker.observe(it, signals)
+        out = self.tracker.observe(it, signals, blind)
         for sig in late_open:
             out += self.tracker.emit_now(sig, it)
         return out + self._missing_ranks(it, records)

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from fleetscope.producers import SimulatorConfig, simulate
-from fleetscope.schemas import EventBatch, EventKind
+from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.schemas import EventBatch, EventKind, FunctionKind
 from fleetscope.schemas.vocabulary import PROFILING_WINDOW
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import RankWindower, WindowerConfig
@@ -128,3 +128,27 @@ def test_samples_read_ahead_of_a_lagging_partition_are_a_backlog_not_a_stall():
 
     assert stalls(gap_ns=10**6) == []  # the rank's other partitions are still being read: a backlog
     assert stalls(gap_ns=2 * 10**9) == [True]  # nothing else came for seconds: the rank stopped
+
+
+def host_ops_slowed(record: dict, factor: float) -> dict:
+    host = [k == FunctionKind.PYTHON for k in record["kind"]]
+    times = {n: [t * factor if h else t for t, h in zip(record[n], host, strict=True)] for n in ("total_ns", "mean_ns")}
+    return dict(record, **times)
+
+
+def test_host_times_under_a_window_on_every_rank_neither_flag_nor_clear_host_findings():
+    sim = OfflinePipeline(keep_patterns=True)
+    faults = (parse_fault("host_slow:2:1.5"),)
+    sim.add_all(simulate(SimulatorConfig(ranks=8, iterations=40, faults=faults))).finish()
+    job = JobDifferential("demo")
+    updates = []
+    for rec in sim.patterns:
+        it, rank = int(rec["iteration"]), int(rec["rank"])
+        if 10 <= it < 30:  # a window on every rank: the profiler makes rank 5's host ops 3x slower
+            rec = dict(rec, profiled=True)
+            if rank == 5:
+                rec = host_ops_slowed(rec, 3.0)
+        updates += job.add(rec)
+    updates += job.flush()
+    by_status = [(u["status"], u["rank"], u["category"]) for u in updates if u["status"] != "update"]
+    assert by_status == [("open", 2, "host_slow")]  # opened before the window, not closed by it, no rank 5
