@@ -58,4 +58,6 @@ def test_twenty_jobs_a_512_rank_job_and_a_faulty_one_at_once_find_only_the_fault
         time.sleep((config.streams.job_idle_ms + config.streams.windower.idle_close_ms) / 1000 + 2.0)
         findings = current_findings(stack.client, database)
         print(f"published in {published_s:.1f} s, analysed in {time.monotonic() - t0:.1f} s")
-    assert [(f["job"], f["rank"], f["category"]) for f in findings] == [(faulty.job, 5, "gpu_slow")]
+    # only the faulty job's rank is named (its late arrivals may be reported beside its slow kernels)
+    assert {(f["job"], f["rank"]) for f in findings} == {(faulty.job, 5)}
+    assert "gpu_slow" in {f["category"] for f in findings}
