@@ -60,6 +60,8 @@ class JobDifferential:
         self._stalled: set[int] = set()
         self._hang_checked_ns = 0
         self._hang_reported_step = -2
+        self._max_step = -1
+        """The latest step any rank's heartbeat reported completed."""
         self._iteration_ns: deque[float] = deque(maxlen=20)
 
     @property
@@ -87,6 +89,7 @@ class JobDifferential:
         self.__dict__.setdefault("_stalled", set())
         self.__dict__.setdefault("_hang_checked_ns", 0)
         self.__dict__.setdefault("_hang_reported_step", -2)
+        self.__dict__.setdefault("_max_step", -1)
         self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
@@ -124,7 +127,7 @@ class JobDifferential:
             self._stalled.add(rank)
         else:
             self._stalled.discard(rank)
-        step = max(int(h["last_step"]) for h in self._heartbeats.values())
+        step = self._max_step = max(self._max_step, int(hb["last_step"]))
         if step > self._hang_reported_step >= -1:
             self._hang_reported_step = -2  # the job moved on since its hang was reported
         sent = int(hb["sent_ns"])
@@ -166,6 +169,7 @@ class JobDifferential:
         self._heartbeats.clear()
         self._stalled.clear()
         self._hang_reported_step = -2
+        self._max_step = -1
         return out
 
     def open_findings(self) -> int:
