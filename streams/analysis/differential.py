@@ -211,6 +211,11 @@ class JobDifferential:
             silent_missing += sum(1 for r in self._unseen[1] if r not in present)
         return silent_missing >= self._world_size - len(present)
 
+    def _explained(self, regression: RankSignal) -> bool:
+        """job_regression is for slowdowns no peer explains: no other finding of the job is open (a
+        slow rank slows the whole job, and opens its own finding sooner than the step test confirms)."""
+        return self.tracker.open_findings() > int(self.tracker.is_open(regression.key()))
+
     def _alive(self, rank: int, it: int) -> bool:
         """The rank's heartbeat says it completed step ``it`` or holds its events back in a profiler window:
         its missing records are late, not a rank that stopped."""
@@ -235,6 +240,8 @@ class JobDifferential:
         self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
         late_open: list[dict[str, Any]] = []
+        if regression is not None and self._explained(regression):
+            regression = None  # a peer finding explains the job's slowdown: it is the cause to report
         if regression is not None:
             regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
             if self.tracker.is_open(regression.key()):
