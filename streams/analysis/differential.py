@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
+from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+
+PROFILER_BLIND = ("host_slow",)
+"""Categories not judged in profiled iterations: a profiler records every CPU op, and its overhead per op
+differs by rank and op (x3 to x300 on a shared host), so host times under a window are no evidence."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +55,14 @@ class JobDifferential:
         self.late_records = 0
         self.skipped_profiled = 0
         """Iterations profiled on some ranks only: not compared across ranks."""
+        self._heartbeats: dict[int, dict[str, Any]] = {}
+        """Each rank's latest heartbeat (by its own sequence), for the hang diagnosis."""
+        self._stalled: set[int] = set()
+        self._hang_checked_ns = 0
+        self._hang_reported_step = -2
+        self._max_step = -1
+        """The latest step any rank's heartbeat reported completed."""
+        self._iteration_ns: deque[float] = deque(maxlen=20)
 
     @property
     def scored_upto(self) -> int:
@@ -72,6 +85,12 @@ class JobDifferential:
         self.__dict__.setdefault("_first_seen_ns", None)
         self.__dict__.setdefault("_unseen", (-1, []))
         self.__dict__.setdefault("skipped_profiled", 0)
+        self.__dict__.setdefault("_heartbeats", {})
+        self.__dict__.setdefault("_stalled", set())
+        self.__dict__.setdefault("_hang_checked_ns", 0)
+        self.__dict__.setdefault("_hang_reported_step", -2)
+        self.__dict__.setdefault("_max_step", -1)
+        self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit.
@@ -90,8 +109,45 @@ class JobDifferential:
         self._pending.setdefault(it, {})[int(record["rank"])] = record
         return self._score_ready(now_ns)
 
+    def add_heartbeat(self, hb: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one rank's heartbeat; return a hang finding when the job stopped progressing (``hangs``).
+
+        Cheap per heartbeat: the whole job is diagnosed only once every rank is stalled on its own clock,
+        or, to find silent ranks, at most once per stall threshold of heartbeat time."""
+        rank = int(hb["rank"])
+        self._world_size = max(self._world_size, int(hb["world_size"]))
+        last = self._heartbeats.get(rank)
+        if last is not None and last["producer_id"] == hb["producer_id"] and int(last["seq"]) >= int(hb["seq"]):
+            return []  # an older heartbeat read late (a replay)
+        self._heartbeats[rank] = hb
+        cfg = self.config.job_level
+        mean = float(np.mean(self._iteration_ns)) if self._iteration_ns else 0.0
+        threshold = stall_threshold_ns(mean, cfg.stall_factor, cfg.hang_min_stall_ms)
+        if stalled_ns(hb) >= threshold and not hb.get("profiling", False):
+            self._stalled.add(rank)
+        else:
+            self._stalled.discard(rank)
+        step = self._max_step = max(self._max_step, int(hb["last_step"]))
+        if step > self._hang_reported_step >= -1:
+            self._hang_reported_step = -2  # the job moved on since its hang was reported
+        sent = int(hb["sent_ns"])
+        due = len(self._stalled) >= self._world_size or (
+            self._stalled and sent - self._hang_checked_ns >= threshold / 2
+        )
+        if not due or self._hang_reported_step != -2:
+            return []
+        self._hang_checked_ns = sent
+        sig = diagnose_hang(self._heartbeats, self._world_size, threshold)
+        if sig is None:
+            return []
+        self._hang_reported_step = step
+        return self.tracker.emit_now(sig, max(step, 0))
+
     def add_progress(self, record: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one rank's stall/resume report; return a hang finding when the whole job stopped."""
+        """Take one rank's stall/resume report (producers without heartbeats: simulator, replay); return a
+        hang finding when the whole job stopped. Jobs with heartbeats are diagnosed from those instead."""
+        if self._heartbeats:
+            return []
         self._world_size = max(self._world_size, int(record["world_size"]))
         sig = self._hang.observe(record)
         return self.tracker.emit_now(sig, int(record["last_step"])) if sig else []
@@ -102,6 +158,22 @@ class JobDifferential:
         for it in sorted(self._pending):
             out += self._score(it)
         return out + self.tracker.flush()
+
+    def end(self) -> list[dict[str, Any]]:
+        """The job ended (no input for the stage's ``job_end_ms``): score what is pending, then close every
+        open finding with reason ``job_ended``. A job that comes back starts its findings afresh."""
+        out: list[dict[str, Any]] = []
+        for it in sorted(self._pending):
+            out += self._score(it)
+        out += self.tracker.close_all("job_ended")
+        self._heartbeats.clear()
+        self._stalled.clear()
+        self._hang_reported_step = -2
+        self._max_step = -1
+        return out
+
+    def open_findings(self) -> int:
+        return self.tracker.open_findings()
 
     def _complete(self, it: int) -> bool:
         return len(self._pending[it]) >= self._world_size
@@ -131,13 +203,24 @@ class JobDifferential:
         for rank, seen in self._last_seen_ns.items():
             if seen > cutoff:
                 break
-            silent_missing += rank not in present
+            silent_missing += rank not in present and not self._alive(rank, it)
         if len(self._last_seen_ns) < self._world_size and self._first_seen_ns <= cutoff:
             if self._unseen[0] != len(self._last_seen_ns):
                 unseen = [r for r in range(self._world_size) if r not in self._last_seen_ns]
                 self._unseen = (len(self._last_seen_ns), unseen)
             silent_missing += sum(1 for r in self._unseen[1] if r not in present)
         return silent_missing >= self._world_size - len(present)
+
+    def _explained(self, regression: RankSignal) -> bool:
+        """job_regression is for slowdowns no peer explains: no other finding of the job is open (a
+        slow rank slows the whole job, and opens its own finding sooner than the step test confirms)."""
+        return self.tracker.open_findings() > int(self.tracker.is_open(regression.key()))
+
+    def _alive(self, rank: int, it: int) -> bool:
+        """The rank's heartbeat says it completed step ``it`` or holds its events back in a profiler window:
+        its missing records are late, not a rank that stopped."""
+        hb = self._heartbeats.get(rank)
+        return hb is not None and (bool(hb.get("profiling", False)) or int(hb["last_step"]) >= it)
 
     def _score(self, it: int) -> list[dict[str, Any]]:
         records = list(self._pending.pop(it).values())
@@ -149,17 +232,24 @@ class JobDifferential:
             self.skipped_profiled += 1
             return self._missing_ranks(it, records)
         signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
+        blind: tuple[str, ...] = ()
+        if profiled:  # profiled on every rank: its kernels compare, its host times carry the profiler's cost
+            blind = PROFILER_BLIND
+            signals = [s for s in signals if s.category not in blind]
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
+        self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
         late_open: list[RankSignal] = []
+        if regression is not None and self._explained(regression):
+            regression = None  # a peer finding explains the job's slowdown: it is the cause to report
         if regression is not None:
             regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
             if self.tracker.is_open(regression.key()):
                 signals.append(regression)
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
-        out = self.tracker.observe(it, signals)
-        if not self.tracker.peers_explain(it):  # else the job is slower because the others wait for a culprit
+        out = self.tracker.observe(it, signals, blind)
+        if not self.tracker.peers_explain(it):  # a culprit still about to open explains it too
             for sig in late_open:
                 out += self.tracker.emit_now(sig, it)
         return out + self._missing_ranks(it, records)
@@ -172,7 +262,7 @@ class JobDifferential:
         for rank in self._hosts:
             run = 0 if rank in present else self._missing_run.get(rank, 0) + 1
             self._missing_run[rank] = run
-            if run == self.config.missing_rank_wait_iterations:
+            if run == self.config.missing_rank_wait_iterations and not self._alive(rank, it):
                 sig = RankSignal(
                     rank=rank, host=self._hosts[rank], category="hang", function="progress",
                     metric="missing_iterations", value=float(run), peer_median=0.0, score=float(run),

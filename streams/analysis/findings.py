@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,8 +60,9 @@ class FindingTracker:
         self.config = config or LifecycleConfig()
         self._tracks: dict[tuple[str, str], _Track] = {}
 
-    def observe(self, iteration: int, signals: list[RankSignal]) -> list[dict[str, Any]]:
-        """Feed one evaluated iteration (in order); return finding records to emit."""
+    def observe(self, iteration: int, signals: list[RankSignal], blind: Collection[str] = ()) -> list[dict[str, Any]]:
+        """Feed one evaluated iteration (in order); return finding records to emit. Categories in ``blind``
+        could not be judged in this iteration: their findings are neither flagged nor cleared by it."""
         cfg = self.config
         out: list[dict[str, Any]] = []
         flagged = {sig.key(): sig for sig in signals}
@@ -84,7 +86,7 @@ class FindingTracker:
                     self._accumulate(tr, s, i)
                 out.append(self._record(tr, "open", iteration))
         for key, tr in list(self._tracks.items()):
-            if key in flagged:
+            if key in flagged or key[1] in blind:
                 continue
             tr.clear_run += 1
             if tr.finding_id and tr.clear_run >= cfg.recover_iterations:
@@ -127,6 +129,15 @@ class FindingTracker:
             for (_, category), tr in self._tracks.items()
         )
 
+    def close_all(self, reason: str, iteration: int | None = None) -> list[dict[str, Any]]:
+        """Close every open finding now (``reason``: "job_ended") and forget every track."""
+        out = []
+        for tr in self._tracks.values():
+            if tr.finding_id:
+                out.append(self._record(tr, "closed", tr.iteration_last if iteration is None else iteration, reason))
+        self._tracks.clear()
+        return out
+
     def is_open(self, key: tuple[str, str]) -> bool:
         tr = self._tracks.get(key)
         return tr is not None and bool(tr.finding_id)
@@ -142,7 +153,7 @@ class FindingTracker:
         if tr.best is None or abs(sig.score) >= abs(tr.best.score):
             tr.best = sig
 
-    def _record(self, tr: _Track, status: str, iteration: int) -> dict[str, Any]:
+    def _record(self, tr: _Track, status: str, iteration: int, reason: str = "recovered") -> dict[str, Any]:
         sig = tr.best or tr.recent[-1][1]
         tr.version += 1
         tr.emitted_iteration = iteration
@@ -167,5 +178,5 @@ class FindingTracker:
             "evidence": json.dumps(evidence, sort_keys=True, default=float),
             "emitted_ns": time.time_ns(),
             "subject": sig.subject or f"rank:{sig.rank}",
-            "reason": "recovered" if status == "closed" else "",
+            "reason": reason if status == "closed" else "",
         }
