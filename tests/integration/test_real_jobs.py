@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from fleetscope.broker import free_port
 from fleetscope.config import Config, load_config
 from fleetscope.producers.control import request_profile
+from fleetscope.schemas import Topics, decode
 from fleetscope.stack import EmbeddedStack
 
 pytestmark = pytest.mark.integration
@@ -142,6 +144,26 @@ class Live:
         rows = self.stack.client.query(sql.format(db=self.database), parameters={"job": job}).result_rows
         return [tuple(r) for r in rows]
 
+    def heartbeats(self, job: str, until: Any, timeout_s: float) -> dict[int, dict[str, Any]]:
+        """Each rank's latest heartbeat of ``job``, read from the broker once ``until(latest)`` holds."""
+        topic = Topics(prefix=self.config.kafka.topic_prefix).heartbeats
+        servers = self.config.kafka.bootstrap_servers
+        consumer = Consumer({"bootstrap.servers": servers, "group.id": f"hb-{uuid.uuid4().hex[:8]}"})
+        latest: dict[int, dict[str, Any]] = {}
+        try:
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and not until(latest):
+                for msg in consumer.consume(200, 0.2):
+                    if msg.error() is None and msg.key() == job.encode():
+                        subject, hb = decode(msg.value() or b"")
+                        assert subject == "heartbeat"
+                        latest[hb["rank"]] = hb
+        finally:
+            consumer.close()
+        return latest
+
     def iterations(self, job: str) -> dict[int, int]:
         sql = "SELECT rank, max(iteration) FROM {db}.iterations WHERE job = {{job:String}} GROUP BY rank"
         rows = self.query(sql, job)
@@ -257,6 +279,42 @@ def test_a_slow_rank_is_named_within_ten_iterations_and_no_other(live: Live, fau
     assert any(expected(u) for u in opened), opened
     assert min(u["iteration_last"] for u in opened) <= FAULT_AT + 10, opened
     assert _named(found) == {faulty}, _show(found)
+
+
+def test_heartbeats_locate_every_rank_while_one_is_blocked_and_the_others_wait_in_the_gradient_all_reduce(
+    live: Live,
+) -> None:
+    """The flight recorder alone, read from the broker: no step completes any more, yet each rank still says
+    where it is — the blocked one outside, after the last collective it entered; the others inside the
+    next one of the same group (same sequence number on each), DDP's gradient all-reduce on gloo."""
+    at = 20
+    job = live.launch("block", 0, steps=at + 20, at=at)
+    try:
+        assert job.ranks[0].stdout is not None
+        for line in job.ranks[0].stdout:  # ends when the rank prints it or exits
+            if line.startswith("BLOCKED"):
+                break
+        blocked_ns = time.time_ns()
+
+        def settled(latest: dict[int, dict[str, Any]]) -> bool:
+            return len(latest) == WORLD and all(hb["sent_ns"] > blocked_ns + 1e9 for hb in latest.values())
+
+        latest = live.heartbeats(job.name, settled, timeout_s=30)
+    finally:
+        job.kill()
+    assert settled(latest), latest
+    grad_bytes = 4 * (256 * 2048 + 2048 + 2048 + 1)
+    assert {r: hb["last_step"] for r, hb in latest.items()} == dict.fromkeys(range(WORLD), at - 1)
+    assert not latest[0]["in_collective"] and all(latest[r]["in_collective"] for r in (1, 2, 3)), latest
+    seq = latest[0]["collective_seq"]
+    assert seq >= at - 1 and {latest[r]["collective_seq"] for r in (1, 2, 3)} == {seq + 1}, latest
+    for rank, hb in latest.items():
+        assert (hb["collective_op"], hb["collective_pg"], hb["collective_nbytes"]) == ("allreduce", "0", grad_bytes)
+        assert hb["collective_group_ranks"] == list(range(WORLD)) and not hb["profiling"]
+        if rank == 0:  # it entered its last one during its last step
+            assert hb["collective_entered_ns"] < hb["last_step_ns"] < blocked_ns < hb["sent_ns"]
+        else:  # they entered the next one after their last step
+            assert hb["last_step_ns"] < hb["collective_entered_ns"] < hb["sent_ns"]
 
 
 def test_a_rank_blocked_forever_is_named_as_the_one_that_never_entered_the_collective(live: Live) -> None:
