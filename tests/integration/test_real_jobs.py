@@ -47,9 +47,24 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 rank = dist.get_rank()
 mine = rank == faulty
 torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1)))
-opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 BATCH = 64
+
+
+class Net(torch.nn.Module):
+    # a fixed random projection (most of the forward's compute, none of the backward's), then an MLP
+    def __init__(self):
+        super().__init__()
+        self.projection = torch.randn(256, 4096) / 16  # no parameter, no buffer: DDP leaves it alone
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(4096, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def forward(self, x):
+        with torch.no_grad():
+            features = torch.tanh(x @ self.projection)
+        return self.mlp(features)
+
+
+model = DDP(Net())
+opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
 
 class Samples(torch.utils.data.Dataset):
@@ -303,7 +318,7 @@ def test_heartbeats_locate_every_rank_while_one_is_blocked_and_the_others_wait_i
     finally:
         job.kill()
     assert settled(latest), latest
-    grad_bytes = 4 * (256 * 2048 + 2048 + 2048 + 1)
+    grad_bytes = 4 * (4096 * 64 + 64 + 64 + 1)
     assert {r: hb["last_step"] for r, hb in latest.items()} == dict.fromkeys(range(WORLD), at - 1)
     assert not latest[0]["in_collective"] and all(latest[r]["in_collective"] for r in (1, 2, 3)), latest
     seq = latest[0]["collective_seq"]
