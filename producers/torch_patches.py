@@ -242,9 +242,8 @@ def _ddp_first_forward(module: Any, _inputs: Any) -> None:
 def _ddp_forward(module: Any, _inputs: Any, output: Any) -> None:
     """After a DDP forward that will synchronise gradients: time that synchronisation in its backward."""
     mon = _current()
-    if mon is None or not torch.is_grad_enabled() or not module.require_backward_grad_sync:
-        return
-    mon.recorder.guard("ddp", _GradientSync.arm, mon, module, output)
+    if mon is not None and torch.is_grad_enabled():
+        mon.recorder.guard("ddp", _GradientSync.arm, mon, module, output)
 
 
 class _GradientSync:
@@ -268,6 +267,8 @@ class _GradientSync:
 
     @staticmethod
     def arm(mon: Instrumented, module: Any, output: Any) -> None:
+        if not module.require_backward_grad_sync:  # under ``no_sync()``: this backward reduces nothing
+            return
         tensors = [t for t in _tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
