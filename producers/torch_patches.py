@@ -282,14 +282,15 @@ class _GradientSync:
         self.mon.recorder.guard("ddp", _queue_callback, self.arrived)
 
     def arrived(self) -> None:
-        recorder = self.mon.recorder
+        self.mon.recorder.guard("ddp", self._arrive)
+
+    def _arrive(self) -> None:
         nbytes = getattr(self.module, "_fleetscope_grad_bytes", None)
         if nbytes is None:
             nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
             self.module._fleetscope_grad_bytes = nbytes
-        self.call = recorder.guard("ddp", _enter, self.mon, "allreduce", nbytes, self.module.process_group)
-        if self.call is not None:
-            recorder.guard("ddp", _queue_callback, self.synced)
+        self.call = _enter(self.mon, "allreduce", nbytes, self.module.process_group)
+        _queue_callback(self.synced)
 
     def synced(self) -> None:
         if self.call is not None:
