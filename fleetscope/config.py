@@ -118,12 +118,16 @@ class StreamSettings:
     take_max_events: int = 256
     take_within_ms: int = 200
     job_idle_ms: int = 2000
+    job_end_ms: int = 120_000
+    """A job without input (patterns, heartbeats) this long has ended: its open findings close (job_ended)."""
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     """Automatic profile requests of the differential stage."""
 
     def __post_init__(self) -> None:
+        if self.job_end_ms <= self.job_idle_ms:
+            raise ValueError(f"job_end_ms ({self.job_end_ms}) must be > job_idle_ms ({self.job_idle_ms})")
         unknown = [stage for stage in self.stages if stage not in STAGES]
         if unknown or not self.stages or len(set(self.stages)) < len(self.stages):
             raise ValueError(

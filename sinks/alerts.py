@@ -2,7 +2,8 @@
 
 In: Avro ``Finding`` records on ``<prefix>.findings`` (key ``job``), decoded with ``fleetscope.schemas``.
 Out: ``alert_payload`` dicts (the findings JSON plus status, version, time) handed to a callback, and
-optionally POSTed as JSON to a webhook.
+optionally POSTed as JSON to a webhook: a finding's opening, its close and its significant changes only
+(``AlertFilter``), not every periodic update.
 
 Why it is shaped like this: without a group the follower *assigns* every partition itself, so each
 instance sees every finding (alerting is a broadcast, not a work queue) and starts in milliseconds instead
@@ -21,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -69,6 +71,42 @@ def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
         "emitted_ns": emitted_ns,
         "emitted_at": datetime.fromtimestamp(emitted_ns / 1e9, UTC).isoformat(timespec="milliseconds"),
     }
+
+
+class AlertFilter:
+    """Which state changes a pager hears: a finding's opening, its close, and an update only when it changed
+    significantly since the last one sent (category, rank or function, or its estimated loss by more than
+    ``loss_change``); a record already sent (a replay) is not sent again. Updates every few iterations
+    carry the same finding and would page every second."""
+
+    SIGNIFICANT = ("category", "rank", "function")
+
+    def __init__(self, loss_change: float = 0.5, max_findings: int = 100_000) -> None:
+        self.loss_change = loss_change
+        self.max_findings = max_findings
+        self._sent: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
+        self.suppressed = 0
+
+    def __call__(self, record: Mapping[str, Any]) -> bool:
+        fid, status = str(record.get("finding_id")), record.get("status")
+        last = self._sent.get(fid)
+        if last is not None and int(record.get("version") or 0) <= int(last.get("version") or 0):
+            self.suppressed += 1  # read again (a replay, another partition's copy)
+            return False
+        if status == "update" and last is not None and not self._significant(last, record):
+            self.suppressed += 1
+            return False
+        self._sent[fid] = record  # a closed one stays, so that a copy read again is recognised
+        self._sent.move_to_end(fid)
+        while len(self._sent) > self.max_findings:
+            self._sent.popitem(last=False)
+        return True
+
+    def _significant(self, last: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+        if any(last.get(k) != now.get(k) for k in self.SIGNIFICANT):
+            return True
+        before, after = float(last.get("est_loss_ns") or 0), float(now.get("est_loss_ns") or 0)
+        return abs(after - before) > self.loss_change * max(before, 1.0)
 
 
 def format_alert(alert: Mapping[str, Any]) -> str:
@@ -221,9 +259,14 @@ class AlertsConfig:
     from_beginning: bool = False
     group_id: str = ""
     session_timeout_ms: int = 6000
+    every_update: bool = False
+    """Off: only openings, closes and significant updates (``AlertFilter``)."""
+    loss_change: float = 0.5
     extra: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        if self.loss_change < 0:
+            raise ValueError("invalid AlertsConfig: loss_change must be >= 0")
         if not self.bootstrap_servers:
             raise ValueError("invalid AlertsConfig: bootstrap_servers must not be empty")
         if not self.topic_prefix:
@@ -245,7 +288,8 @@ class AlertFollower:
         self._on_ready = on_ready
         self.ready = threading.Event()
         """Set once the follower reads from fixed positions: anything published later is seen."""
-        self.stats = {"alerts": 0, "other_jobs": 0, "bad_messages": 0}
+        self.stats = {"alerts": 0, "other_jobs": 0, "bad_messages": 0, "insignificant": 0}
+        self._filter = AlertFilter(config.loss_change)
         self._logged: set[str] = set()
 
     def run(self, stop: threading.Event) -> None:
@@ -325,11 +369,13 @@ class AlertFollower:
                 self.stats["bad_messages"] += 1
                 self._log_once("bad", f"skipping undecodable message at offset {msg.offset()}: {exc}")
             else:
-                if job is None or record["job"] == job:
+                if job is not None and record["job"] != job:
+                    self.stats["other_jobs"] += 1
+                elif self.config.every_update or self._filter(record):
                     self._on_alert(alert_payload(record))
                     self.stats["alerts"] += 1
                 else:
-                    self.stats["other_jobs"] += 1
+                    self.stats["insignificant"] += 1
         if self.config.group_id:
             consumer.store_offsets(message=msg)
 

@@ -1,7 +1,7 @@
 """The Faust app: every topic and agent of the stream stages, declared in one place.
 
 raw topics (key job/rank) -> windower -> fleetscope.iterations (job/rank), fleetscope.patterns (job)
-fleetscope.patterns -> differential -> fleetscope.findings (job)
+fleetscope.patterns + fleetscope.heartbeats (job) -> differential -> fleetscope.findings (job)
 
 A worker runs the stages listed in ``StreamAppConfig.stages`` (both by default; one each lets them be
 sized apart). Agents stay thin: take a batch of events, decode, call the pure functions of ``analysis``, send.
@@ -66,6 +66,7 @@ class StreamAppConfig:
     take_max_events: int = 256
     take_within_ms: int = 200
     job_idle_ms: int = 2000
+    job_end_ms: int = 120_000
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: Any = None
     differential: Any = None
@@ -114,7 +115,10 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         return app.topic(*names, key_serializer="raw", value_serializer="raw")
 
     raw_events = raw(*topics.raw_all)
-    patterns = raw(topics.patterns)
+    patterns = raw(topics.patterns, topics.heartbeats)
+    """The differential's input: pattern and stall records, and producers' heartbeats (both keyed by job)."""
+    differential_topics = {topics.patterns, topics.heartbeats}
+    progress_out = raw(topics.patterns)
     findings_out = raw(topics.findings)
     deadletter = raw(topics.deadletter)
     control = raw(topics.control)
@@ -123,6 +127,8 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     profiles = ProfilePolicy(cfg.profiling)
     windowers: dict[RankId, RankWindower] = {}
     job_seen: dict[str, int] = {}
+    job_input: dict[str, int] = {}
+    """Input-clock time of each job's last pattern, stall report or heartbeat: its end closes its findings."""
     within_s = cfg.take_within_ms / 1000
     gate = Gate()
     state_name = f"{cfg.topic_prefix}.{cfg.app_id}"
@@ -141,8 +147,9 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         gate.paused = True
         for key in wrec.revoke({tp.partition for tp in revoked if tp.topic in raw_events.topics}):
             windowers.pop(key, None)
-        for job in drec.revoke({tp.partition for tp in revoked if tp.topic == patterns.get_topic_name()}):
+        for job in drec.revoke({tp.partition for tp in revoked if tp.topic in differential_topics}):
             job_seen.pop(job, None)
+            job_input.pop(job, None)
 
     async def on_assigned(_sender: object, _assigned: set[faust.types.TP], **_kw: object) -> None:
         gate.paused = False
@@ -188,7 +195,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     async def emit_progress(touched: list[RankWindower]) -> None:
         for w in touched:
             for rec in w.take_progress():
-                await patterns.send(key=job_key(rec["job"]), value=encode("progress", rec))
+                await progress_out.send(key=job_key(rec["job"]), value=encode("progress", rec))
 
     async def emit_findings(records: list[dict[str, Any]]) -> None:
         """Send finding records and wait for their delivery (a job's state record must not overtake them)."""
@@ -258,11 +265,17 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                 except SchemaError as exc:
                     rejected.append((event, f"schema: {exc}"))
                     continue
-                if subject not in ("patterns", "progress"):
-                    rejected.append((event, f"subject: expected patterns or progress, got {subject}"))
+                if subject not in ("patterns", "progress", "heartbeat"):
+                    rejected.append((event, f"subject: expected patterns, progress or heartbeat, got {subject}"))
                     continue
                 job = record["job"]
                 jd = drec.job(job, msg.partition)
+                job_input[job] = clock.now_ns()
+                if subject == "heartbeat":  # the latest per rank is all a diagnosis needs: replay adds nothing
+                    out += jd.add_heartbeat(record)
+                    drec.skipped(job, msg)
+                    touched.add(job)  # released by its checkpoint
+                    continue
                 job_seen[job] = clock.now_ns()
                 touched.add(job)
                 if subject == "progress":
@@ -332,6 +345,29 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
                 out = jd.flush()
                 drec.flushed(job)
                 await emit_findings(out)
+                released = await drec.checkpoint([job]) if epoch == gate.epoch else []
+            if epoch == gate.epoch:
+                ack(released, app)
+
+    @app.timer(interval=1.0)
+    async def end_jobs() -> None:
+        """Close the findings of jobs that ended: no input for ``job_end_ms`` on the input clock (which
+        stands still while a backlog is worked off, so a lagging partition is not an ended job)."""
+        if gate.paused:
+            return
+        now, epoch = clock.now_ns(), gate.epoch
+        for job, seen in list(job_input.items()):
+            jd = jobs.get(job)
+            if now - seen < cfg.job_end_ms * 1_000_000 or jd is None or epoch != gate.epoch:
+                continue
+            del job_input[job]
+            if not jd.open_findings():
+                continue
+            async with differential_lock:
+                if epoch != gate.epoch:
+                    return
+                await emit_findings(jd.end())
+                profiles.forget(job)
                 released = await drec.checkpoint([job]) if epoch == gate.epoch else []
             if epoch == gate.epoch:
                 ack(released, app)

@@ -95,7 +95,7 @@ class DifferentialRecovery:
         self._partition: dict[str, int] = {}
         self._progress_offset: dict[str, int] = {}
         self._flushed: dict[str, bool] = {}
-        self._written: dict[str, tuple[int, int, bool]] = {}
+        self._written: dict[str, tuple[int, int, bool, int]] = {}
         self._loaded: set[int] = set()
 
     async def load(self, partitions: Collection[int]) -> list[str]:
@@ -178,9 +178,12 @@ class DifferentialRecovery:
         self._loaded -= set(partitions)
         return jobs
 
-    def _mark(self, job: str) -> tuple[int, int, bool]:
+    def _mark(self, job: str) -> tuple[int, int, bool, int]:
+        """What a state record must follow: scored iterations, stall reports, flushes and open findings (a
+        hang opened from heartbeats, findings closed when the job ended)."""
         return (
             self.jobs[job].iterations_scored,
             self._progress_offset.get(job, -1),
             self._flushed.get(job, False),
+            self.jobs[job].open_findings(),
         )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
+from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
@@ -50,6 +51,12 @@ class JobDifferential:
         self.late_records = 0
         self.skipped_profiled = 0
         """Iterations profiled on some ranks only: not compared across ranks."""
+        self._heartbeats: dict[int, dict[str, Any]] = {}
+        """Each rank's latest heartbeat (by its own sequence), for the hang diagnosis."""
+        self._stalled: set[int] = set()
+        self._hang_checked_ns = 0
+        self._hang_reported_step = -2
+        self._iteration_ns: deque[float] = deque(maxlen=20)
 
     @property
     def scored_upto(self) -> int:
@@ -72,6 +79,11 @@ class JobDifferential:
         self.__dict__.setdefault("_first_seen_ns", None)
         self.__dict__.setdefault("_unseen", (-1, []))
         self.__dict__.setdefault("skipped_profiled", 0)
+        self.__dict__.setdefault("_heartbeats", {})
+        self.__dict__.setdefault("_stalled", set())
+        self.__dict__.setdefault("_hang_checked_ns", 0)
+        self.__dict__.setdefault("_hang_reported_step", -2)
+        self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit.
@@ -90,8 +102,45 @@ class JobDifferential:
         self._pending.setdefault(it, {})[int(record["rank"])] = record
         return self._score_ready(now_ns)
 
+    def add_heartbeat(self, hb: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one rank's heartbeat; return a hang finding when the job stopped progressing (``hangs``).
+
+        Cheap per heartbeat: the whole job is diagnosed only once every rank is stalled on its own clock,
+        or, to find silent ranks, at most once per stall threshold of heartbeat time."""
+        rank = int(hb["rank"])
+        self._world_size = max(self._world_size, int(hb["world_size"]))
+        last = self._heartbeats.get(rank)
+        if last is not None and last["producer_id"] == hb["producer_id"] and int(last["seq"]) >= int(hb["seq"]):
+            return []  # an older heartbeat read late (a replay)
+        self._heartbeats[rank] = hb
+        cfg = self.config.job_level
+        mean = float(np.mean(self._iteration_ns)) if self._iteration_ns else 0.0
+        threshold = stall_threshold_ns(mean, cfg.stall_factor, cfg.hang_min_stall_ms)
+        if stalled_ns(hb) >= threshold and not hb.get("profiling", False):
+            self._stalled.add(rank)
+        else:
+            self._stalled.discard(rank)
+        step = max(int(h["last_step"]) for h in self._heartbeats.values())
+        if step > self._hang_reported_step >= -1:
+            self._hang_reported_step = -2  # the job moved on since its hang was reported
+        sent = int(hb["sent_ns"])
+        due = len(self._stalled) >= self._world_size or (
+            self._stalled and sent - self._hang_checked_ns >= threshold / 2
+        )
+        if not due or self._hang_reported_step != -2:
+            return []
+        self._hang_checked_ns = sent
+        sig = diagnose_hang(self._heartbeats, self._world_size, threshold)
+        if sig is None:
+            return []
+        self._hang_reported_step = step
+        return self.tracker.emit_now(sig, max(step, 0))
+
     def add_progress(self, record: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one rank's stall/resume report; return a hang finding when the whole job stopped."""
+        """Take one rank's stall/resume report (producers without heartbeats: simulator, replay); return a
+        hang finding when the whole job stopped. Jobs with heartbeats are diagnosed from those instead."""
+        if self._heartbeats:
+            return []
         self._world_size = max(self._world_size, int(record["world_size"]))
         sig = self._hang.observe(record)
         return self.tracker.emit_now(sig, int(record["last_step"])) if sig else []
@@ -102,6 +151,21 @@ class JobDifferential:
         for it in sorted(self._pending):
             out += self._score(it)
         return out + self.tracker.flush()
+
+    def end(self) -> list[dict[str, Any]]:
+        """The job ended (no input for the stage's ``job_end_ms``): score what is pending, then close every
+        open finding with reason ``job_ended``. A job that comes back starts its findings afresh."""
+        out: list[dict[str, Any]] = []
+        for it in sorted(self._pending):
+            out += self._score(it)
+        out += self.tracker.close_all("job_ended")
+        self._heartbeats.clear()
+        self._stalled.clear()
+        self._hang_reported_step = -2
+        return out
+
+    def open_findings(self) -> int:
+        return self.tracker.open_findings()
 
     def _complete(self, it: int) -> bool:
         return len(self._pending[it]) >= self._world_size
@@ -131,13 +195,18 @@ class JobDifferential:
         for rank, seen in self._last_seen_ns.items():
             if seen > cutoff:
                 break
-            silent_missing += rank not in present
+            silent_missing += rank not in present and not self._completed(rank, it)
         if len(self._last_seen_ns) < self._world_size and self._first_seen_ns <= cutoff:
             if self._unseen[0] != len(self._last_seen_ns):
                 unseen = [r for r in range(self._world_size) if r not in self._last_seen_ns]
                 self._unseen = (len(self._last_seen_ns), unseen)
             silent_missing += sum(1 for r in self._unseen[1] if r not in present)
         return silent_missing >= self._world_size - len(present)
+
+    def _completed(self, rank: int, it: int) -> bool:
+        """The rank's heartbeat says it completed step ``it``: its records are late (a backlog), not lost."""
+        hb = self._heartbeats.get(rank)
+        return hb is not None and int(hb["last_step"]) >= it
 
     def _score(self, it: int) -> list[dict[str, Any]]:
         records = list(self._pending.pop(it).values())
@@ -150,6 +219,7 @@ class JobDifferential:
             return self._missing_ranks(it, records)
         signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
+        self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
         late_open: list[dict[str, Any]] = []
         if regression is not None:

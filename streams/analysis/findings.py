@@ -111,6 +111,15 @@ class FindingTracker:
             if tr.finding_id and tr.emitted_iteration < tr.iteration_last
         ]
 
+    def close_all(self, reason: str, iteration: int | None = None) -> list[dict[str, Any]]:
+        """Close every open finding now (``reason``: "job_ended") and forget every track."""
+        out = []
+        for tr in self._tracks.values():
+            if tr.finding_id:
+                out.append(self._record(tr, "closed", tr.iteration_last if iteration is None else iteration, reason))
+        self._tracks.clear()
+        return out
+
     def is_open(self, key: tuple[str, str]) -> bool:
         tr = self._tracks.get(key)
         return tr is not None and bool(tr.finding_id)
@@ -126,7 +135,7 @@ class FindingTracker:
         if tr.best is None or abs(sig.score) >= abs(tr.best.score):
             tr.best = sig
 
-    def _record(self, tr: _Track, status: str, iteration: int) -> dict[str, Any]:
+    def _record(self, tr: _Track, status: str, iteration: int, reason: str = "recovered") -> dict[str, Any]:
         sig = tr.best or tr.recent[-1][1]
         tr.version += 1
         tr.emitted_iteration = iteration
@@ -151,5 +160,5 @@ class FindingTracker:
             "evidence": json.dumps(evidence, sort_keys=True, default=float),
             "emitted_ns": time.time_ns(),
             "subject": sig.subject or f"rank:{sig.rank}",
-            "reason": "recovered" if status == "closed" else "",
+            "reason": reason if status == "closed" else "",
         }

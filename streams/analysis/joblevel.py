@@ -33,9 +33,11 @@ class JobLevelConfig:
     history_iterations: int = 50
     regression_threshold: float = 0.05
     """The smallest step reported, as a share of the baseline."""
-    noise_z: float = 5.0
+    noise_z: float = 6.0
     """...and the step must exceed this many standard errors of the two medians (noise-adaptive)."""
     stall_factor: float = 5.0
+    hang_min_stall_ms: int = 10_000
+    """A job is hung when no rank completed a step for max(stall_factor x mean iteration, this)."""
 
     def __post_init__(self) -> None:
         if self.recent_iterations < 2 or self.history_iterations < self.baseline_min_iterations:
@@ -44,6 +46,8 @@ class JobLevelConfig:
             raise ValueError("need warmup_iterations >= 0, baseline_min_iterations >= 2, confirm_iterations >= 1")
         if self.regression_threshold <= 0 or self.noise_z <= 0 or self.stall_factor <= 1:
             raise ValueError("regression_threshold and noise_z must be > 0 and stall_factor > 1")
+        if self.hang_min_stall_ms < 0:
+            raise ValueError("hang_min_stall_ms must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,25 +66,28 @@ class StepTest:
     def flagged(self, segment: int) -> bool:
         return self.step >= self.threshold and self.above_baseline >= segment - 1
 
+    def suspect(self, segment: int, min_step: float) -> bool:
+        """A step the noise may still hide: the baseline must not learn the segment meanwhile."""
+        return self.step >= min_step and self.above_baseline >= segment - 1
+
 
 def step_test(baseline: Sequence[float], recent: Sequence[float], config: JobLevelConfig) -> StepTest:
     """Whether ``recent`` sits one sustained step above ``baseline`` (pure).
 
     Levels are medians, so one slow iteration (checkpoint, GC pause) in either moves nothing. The step
     must exceed ``regression_threshold`` and ``noise_z`` standard errors of the two medians, the noise
-    being the pooled spread around them (a long baseline drops its largest deviation: one spike does not
-    blind the test for ``history_iterations``); and all but one of the segment's iterations must be
-    slower than the baseline's slowest (its second slowest once it is long), so a few slow iterations
-    among fast ones are no step."""
+    being the pooled spread around them (a long baseline leaves out its largest eighth of deviations, so
+    checkpoints do not blind the test for ``history_iterations``); and all but one of the segment's
+    iterations must be slower than the baseline's slowest (that eighth left out), so a few slow
+    iterations among fast ones are no step."""
     b_arr, r_arr = np.asarray(baseline, dtype=np.float64), np.asarray(recent, dtype=np.float64)
     b, m = float(np.median(b_arr)), float(np.median(r_arr))
-    long = b_arr.size >= 8
-    dev_b = np.sort(np.abs(b_arr - b))[: b_arr.size - 1] if long else np.abs(b_arr - b)
-    dev = np.concatenate([dev_b, np.abs(r_arr - m)])
+    spikes = b_arr.size // 8  # a long baseline's slowest eighth (checkpoints, GC) is no noise
+    dev = np.concatenate([np.sort(np.abs(b_arr - b))[: b_arr.size - spikes], np.abs(r_arr - m)])
     noise = max(float(np.sqrt(np.sum(dev**2) / max(dev.size - 2, 1))), 0.005 * b)
     stderr = noise * float(np.sqrt(1 / b_arr.size + 1 / r_arr.size))
     threshold = max(config.regression_threshold, config.noise_z * stderr / b) if b > 0 else np.inf
-    top = float(np.sort(b_arr)[-2]) if long else float(b_arr.max())
+    top = float(np.sort(b_arr)[-1 - spikes])
     return StepTest(
         baseline_ns=b, recent_ns=m, step=m / b - 1 if b > 0 else 0.0, threshold=float(threshold),
         noise_ns=noise, above_baseline=int(np.count_nonzero(r_arr > top)),
@@ -90,8 +97,9 @@ def step_test(baseline: Sequence[float], recent: Sequence[float], config: JobLev
 class RegressionCheck:
     """The job's iteration time against a baseline learnt after warm-up: a change-point test for a sustained
     step (``step_test``), confirmed on consecutive segments. Profiled iterations (slowed by the profiler)
-    are neither baseline nor segment. While a step holds, the baseline is frozen; when the job is back to
-    its baseline for a whole segment, the baseline learns again."""
+    are neither baseline nor segment. While a step holds, or may hold (``StepTest.suspect``: a slow
+    iteration can hide it for a segment), the baseline is frozen; when the job is back to its baseline
+    for a whole segment, the baseline learns again."""
 
     def __init__(self, config: JobLevelConfig) -> None:
         self.config = config
@@ -100,6 +108,7 @@ class RegressionCheck:
         self._baseline: deque[float] = deque(maxlen=config.history_iterations)
         self._hits = 0
         self._clear = 0
+        self._suspect = False
         self._onset = -1
         self._iterations: deque[int] = deque(maxlen=config.recent_iterations)
 
@@ -115,13 +124,14 @@ class RegressionCheck:
         self._seen += 1
         if self._seen <= cfg.warmup_iterations:
             return None
-        if len(self._recent) == self._recent.maxlen and self._hits == 0:
+        if len(self._recent) == self._recent.maxlen and self._hits == 0 and not self._suspect:
             self._baseline.append(self._recent[0])
         self._recent.append(iteration_ns)
         self._iterations.append(iteration)
         if len(self._recent) < cfg.recent_iterations or len(self._baseline) < cfg.baseline_min_iterations:
             return None
         test = step_test(self._baseline, self._recent, cfg)
+        self._suspect = test.suspect(cfg.recent_iterations, cfg.regression_threshold)
         if test.flagged(cfg.recent_iterations):
             if self._hits == 0:
                 self._onset = self._iterations[0]

@@ -25,6 +25,8 @@ LINK_FAMILIES = ("nvlink", "pcie")
 LINK_IN_USE_SHARE = 0.25
 """A rank whose link peaks below this share of the best rank's during a collective does not route
 that collective over this link (e.g. p2p inside a host never touches PCIe): it is not compared."""
+HOST_MEMBER_MIN_SCORE = 0.25
+"""A rank joins its host's finding only when it scores at least this share of the host's top scorer."""
 
 
 class OutlierScorer(Protocol):
@@ -339,18 +341,29 @@ def _score_group(pms: PeerMatrices, cfg: ScoringConfig, score: OutlierScorer) ->
 
 
 def group_by_host(signals: list[RankSignal], records: Sequence[dict[str, Any]], min_share: float) -> list[RankSignal]:
-    """Merge same-category signals of most ranks of one host into one host signal (shared NIC, CPU)."""
+    """Merge same-category signals of most ranks of one host into one host signal (shared NIC, CPU).
+
+    Each member must be a real outlier on its own: a rank scoring far below the host's top scorer (less
+    than ``HOST_MEMBER_MIN_SCORE`` of it) is noise next to one culprit, not a victim of a shared cause, so
+    it stays a rank signal and does not count towards the host. A job on a single host has no host to
+    compare with: its signals stay per rank."""
     host_size: dict[str, int] = {}
     for rec in records:
         host_size[rec["host"]] = host_size.get(rec["host"], 0) + 1
+    if len(host_size) < 2:
+        return signals
     by_key: dict[tuple[str, str], list[RankSignal]] = {}
     for sig in signals:
         by_key.setdefault((sig.host, sig.category), []).append(sig)
     out: list[RankSignal] = []
     for (host, category), sigs in by_key.items():
-        if len(sigs) < 2 or len(sigs) < min_share * host_size.get(host, 1):
+        strongest = max((abs(s.score) for s in sigs), default=0.0)
+        members = [s for s in sigs if abs(s.score) >= HOST_MEMBER_MIN_SCORE * strongest]
+        if len(members) < 2 or len(members) < min_share * host_size.get(host, 1):
             out += sigs
             continue
+        out += [s for s in sigs if abs(s.score) < HOST_MEMBER_MIN_SCORE * strongest]
+        sigs = members
         top = max(sigs, key=lambda s: abs(s.score))
         ranks = tuple(sorted(s.rank for s in sigs))
         evidence = dict(top.evidence, scope="host", rank_scores={str(s.rank): round(s.score, 2) for s in sigs})

@@ -158,3 +158,27 @@ def test_the_readme_consumer_example_compiles_against_the_real_api() -> None:
     compile(snippet, "README.md", "exec")
     assert "from fleetscope.schemas import decode" in snippet
     assert "fleetscope.findings" in snippet
+
+
+def _state(version: int, status: str, loss_ms: float = 2.0, rank: int = 3, function: str = "gemm") -> dict:
+    return {"finding_id": "j/gpu_slow/rank:3/4", "version": version, "status": status, "category": "gpu_slow",
+            "rank": rank, "function": function, "est_loss_ns": int(loss_ms * 1e6)}  # fmt: skip
+
+
+def test_the_pager_hears_openings_closes_and_significant_changes_only():
+    from fleetscope.sinks.alerts import AlertFilter
+
+    send = AlertFilter(loss_change=0.5)
+    states = [
+        _state(1, "open"),
+        _state(2, "update", 2.2),  # the same finding, a little more loss: no page
+        _state(3, "update", 2.5),
+        _state(2, "update", 2.2),  # a replayed record
+        _state(4, "update", 3.5),  # loss +75 % since the last one sent
+        _state(5, "update", 3.5, function="flash_fwd"),  # another function now
+        _state(6, "update", 3.6),
+        _state(7, "closed", 3.6),
+        _state(7, "closed", 3.6),  # read twice
+    ]
+    assert [s["version"] for s in states if send(s)] == [1, 4, 5, 6, 7]
+    assert send.suppressed == 4

@@ -1,0 +1,146 @@
+"""Hangs diagnosed like a flight recorder: from every rank's latest heartbeat, not from its events.
+
+A rank blocked in a collective publishes nothing, and when every rank is blocked no event clock moves;
+the producer's background thread still publishes a heartbeat with the last completed step and the
+collective the training thread is in. Each rank's stall is measured on its own heartbeat clock
+(``sent_ns - last_step_ns``), so clock skew between hosts and a consumer's backlog (heartbeats read late
+still carry the times they were built at) change nothing. When no rank completed a step for
+``max(stall_factor x mean iteration, hang_min_stall_ms)``:
+
+- the first collective (group, sequence number) not every member has entered names the culprits (the
+  members that never entered it) and the waiters (those inside it);
+- every member inside it: the collective itself does not complete (a link or NCCL problem);
+- members in the same (group, sequence number) with different op or size: a desync.
+
+A rank whose profiler window holds its events back is not stalled: the job is not hung while one is open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fleetscope.streams.analysis.outliers import RankSignal
+
+Heartbeat = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    rank: int
+    op: str
+    nbytes: int
+    inside: bool
+    entered_ns: int
+    sent_ns: int
+
+
+def stalled_ns(hb: Heartbeat) -> int:
+    """How long the rank has completed no step, on its own clock (0 before its first step)."""
+    if int(hb["last_step"]) < 0 or int(hb["last_step_ns"]) <= 0:
+        return 0
+    return max(int(hb["sent_ns"]) - int(hb["last_step_ns"]), 0)
+
+
+def stall_threshold_ns(mean_iteration_ns: float, stall_factor: float, min_stall_ms: int) -> float:
+    return max(stall_factor * mean_iteration_ns, min_stall_ms * 1e6)
+
+
+def job_stopped(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns: float) -> bool:
+    """Every rank reported, none is profiling, and none completed a step for ``threshold_ns``: each stalled
+    on its own clock, or silent (its latest heartbeat that much older than the job's newest: a dead rank)."""
+    if world_size < 1 or len(latest) < world_size:
+        return False
+    newest = max(int(hb["sent_ns"]) for hb in latest.values())
+    return all(
+        not hb.get("profiling", False)
+        and (stalled_ns(hb) >= threshold_ns or newest - int(hb["sent_ns"]) >= threshold_ns)
+        for hb in latest.values()
+    )
+
+
+def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns: float) -> RankSignal | None:
+    """The hang finding's signal when the job stopped progressing, else None (pure)."""
+    if not job_stopped(latest, world_size, threshold_ns):
+        return None
+    groups: dict[str, dict[int, _Entry]] = {}
+    members: dict[str, tuple[int, ...]] = {}
+    for rank, hb in latest.items():
+        pg, seq = str(hb.get("collective_pg", "")), int(hb.get("collective_seq", -1))
+        if not pg or seq < 0:
+            continue
+        known = tuple(int(r) for r in hb.get("collective_group_ranks") or ())
+        if known:
+            members[pg] = tuple(sorted(set(members.get(pg, ())) | set(known)))
+        groups.setdefault(pg, {})[rank] = _Entry(
+            rank=rank, op=str(hb.get("collective_op", "")), nbytes=int(hb.get("collective_nbytes", -1)),
+            inside=bool(hb.get("in_collective", False)), entered_ns=int(hb.get("collective_entered_ns", 0)),
+            sent_ns=int(hb["sent_ns"]),
+        )  # fmt: skip
+    candidates = []
+    for pg, entries in groups.items():
+        group = members.get(pg) or tuple(sorted(latest))
+        seq = max(int(latest[r]["collective_seq"]) for r in entries)
+        inside = [e for r, e in entries.items() if e.inside and int(latest[r]["collective_seq"]) == seq]
+        if not inside:
+            continue
+        waited = max(e.sent_ns - e.entered_ns for e in inside)
+        candidates.append((waited, pg, seq, group, inside))
+    if not candidates:
+        return _outside_collectives(latest, threshold_ns)
+    waited, pg, seq, group, inside = max(candidates, key=lambda c: (c[0], c[1]))
+    entered = sorted(e.rank for e in inside)
+    missing = [r for r in group if r not in entered]
+    evidence: dict[str, Any] = {
+        "group": pg, "seq": seq, "entered": entered, "not_entered": missing, "waiting_ns": waited,
+        "group_size": len(group), "last_step_by_rank": _compact({r: int(hb["last_step"]) for r, hb in latest.items()}),
+    }  # fmt: skip
+    shapes: dict[tuple[str, int], list[int]] = {}
+    for e in inside:
+        shapes.setdefault((e.op, e.nbytes), []).append(e.rank)
+    if len(shapes) > 1:  # the same collective, called differently: ranks took different code paths
+        (op, nbytes), _ = max(shapes.items(), key=lambda kv: (len(kv[1]), -min(kv[1])))
+        culprits = sorted(r for shape, ranks in shapes.items() if shape != (op, nbytes) for r in ranks)
+        evidence |= {"kind": "desync", "op": op, "nbytes": nbytes,
+                     "calls": {f"{o}/{n}": sorted(rs) for (o, n), rs in shapes.items()}}  # fmt: skip
+    else:
+        (op, nbytes), _ = next(iter(shapes.items()))
+        evidence |= {"op": op, "nbytes": nbytes}
+        if missing:
+            culprits = missing
+            evidence["kind"] = "missing_member"
+        else:  # everyone is inside and it does not complete: the transport, not a rank
+            culprits = []
+            evidence["kind"] = "collective_stuck"
+    ranks = tuple(culprits) or tuple(entered)
+    first = ranks[0]
+    host = str(latest[first]["host"]) if first in latest else ""
+    return RankSignal(
+        rank=first if len(ranks) == 1 else -1, host=host, category="hang", function=f"{op}#{pg}:{seq}",
+        metric="waiting_ns", value=float(waited), peer_median=0.0, score=float(waited / max(threshold_ns, 1.0)),
+        loss_ns=float(waited), evidence=evidence, ranks=ranks,
+        subject=f"rank:{first}" if len(ranks) == 1 else "job",
+    )  # fmt: skip
+
+
+def _outside_collectives(latest: Mapping[int, Heartbeat], threshold_ns: float) -> RankSignal:
+    """No rank waits in a collective: blame the rank that stopped first (its last step is the oldest)."""
+    ages = {r: stalled_ns(hb) for r, hb in latest.items()}
+    culprit = min(latest, key=lambda r: (int(latest[r]["last_step"]), -ages[r], r))
+    return RankSignal(
+        rank=culprit, host=str(latest[culprit]["host"]), category="hang", function="progress",
+        metric="stalled_ns", value=float(ages[culprit]), peer_median=0.0,
+        score=float(ages[culprit] / max(threshold_ns, 1.0)), loss_ns=float(ages[culprit]),
+        subject=f"rank:{culprit}",
+        evidence={"kind": "outside_collectives", "last_step_by_rank": _compact({r: int(hb["last_step"])
+                  for r, hb in latest.items()})},
+    )  # fmt: skip
+
+
+def _compact(by_rank: dict[int, int]) -> dict[str, list[int]]:
+    """{value: ranks}: a few lines for thousands of ranks that mostly agree."""
+    out: dict[str, list[int]] = {}
+    for rank, value in sorted(by_rank.items()):
+        out.setdefault(str(value), []).append(rank)
+    return out

@@ -1,0 +1,103 @@
+"""Hangs diagnosed from heartbeats: who never entered the collective the others wait in, or a stuck
+collective, or a desync; on each rank's own clock, with every rank silent and no GPU samples."""
+
+import json
+
+from fleetscope.schemas import decode, encode
+from fleetscope.streams.analysis.differential import JobDifferential
+from fleetscope.streams.analysis.hangs import diagnose_hang, job_stopped
+
+S = 10**9
+WORLD = 4
+
+
+def heartbeat(rank: int, sent_s: float, last_step: int, last_step_s: float, seq: int = 149, inside: bool = False,
+              op: str = "allreduce", nbytes: int = 4096, pg: str = "0", skew_s: float = 0.0, n: int = 0,
+              profiling: bool = False) -> dict:  # fmt: skip
+    """A heartbeat as the producer builds it (schema heartbeat.v1); times on the rank's clock."""
+    off = skew_s * S
+    return {
+        "job": "j", "rank": rank, "host": f"node{rank // 2}", "world_size": WORLD, "producer_id": f"p{rank}",
+        "seq": n, "sent_ns": int(sent_s * S + off), "last_step": last_step, "last_step_ns": int(last_step_s * S + off),
+        "in_collective": inside, "collective_op": op, "collective_pg": pg, "collective_group_ranks": [],
+        "collective_seq": seq, "collective_nbytes": nbytes,
+        "collective_entered_ns": int((last_step_s + 0.04) * S + off),
+        "profiling": profiling,
+    }  # fmt: skip
+
+
+def blocked_at_150(sent_s: float, culprit: int = 0, n: int = 0) -> dict[int, dict]:
+    """Rank ``culprit`` blocked forever in step 150's forward; the others wait in allreduce #150."""
+    out = {}
+    for r in range(WORLD):
+        if r == culprit:
+            out[r] = heartbeat(r, sent_s, 149, 100.0, seq=149, n=n, skew_s=-3.0)
+        else:
+            out[r] = heartbeat(r, sent_s, 149, 100.0, seq=150, inside=True, n=n, skew_s=2.0 * r)
+    return out
+
+
+def test_the_rank_that_never_entered_the_collective_is_the_culprit_and_the_others_wait():
+    sig = diagnose_hang(blocked_at_150(115.0), WORLD, threshold_ns=10 * S)
+    assert sig is not None and sig.category == "hang" and sig.member_ranks() == (0,) and sig.subject == "rank:0"
+    ev = sig.evidence
+    assert (ev["kind"], ev["group"], ev["seq"], ev["op"]) == ("missing_member", "0", 150, "allreduce")
+    assert ev["entered"] == [1, 2, 3] and ev["not_entered"] == [0]
+    assert 14 * S < ev["waiting_ns"] < 15 * S  # on the waiters' own clocks, whatever their skew
+
+
+def test_a_job_still_inside_its_threshold_or_profiling_is_not_hung():
+    assert diagnose_hang(blocked_at_150(105.0), WORLD, threshold_ns=10 * S) is None
+    latest = blocked_at_150(115.0)
+    latest[2] = dict(latest[2], profiling=True)  # a window holds its events back: no stall
+    assert diagnose_hang(latest, WORLD, threshold_ns=10 * S) is None
+    del latest[2]
+    assert not job_stopped(latest, WORLD, 10 * S)  # a rank never heard of: no verdict
+
+
+def test_every_member_inside_is_a_stuck_collective_and_disagreement_is_a_desync():
+    stuck = {r: heartbeat(r, 120.0, 149, 100.0, seq=150, inside=True) for r in range(WORLD)}
+    sig = diagnose_hang(stuck, WORLD, 10 * S)
+    assert sig is not None and sig.evidence["kind"] == "collective_stuck" and sig.member_ranks() == (0, 1, 2, 3)
+    assert sig.subject == "job" and sig.evidence["not_entered"] == []
+    desync = dict(stuck)
+    desync[3] = heartbeat(3, 120.0, 149, 100.0, seq=150, inside=True, op="allgather")
+    sig = diagnose_hang(desync, WORLD, 10 * S)
+    assert sig is not None and sig.evidence["kind"] == "desync" and sig.member_ranks() == (3,)
+    assert sig.evidence["calls"] == {"allreduce/4096": [0, 1, 2], "allgather/4096": [3]}
+
+
+def test_a_silent_rank_is_stopped_on_its_peers_clocks():
+    latest = blocked_at_150(130.0)
+    latest[0] = heartbeat(0, 101.0, 149, 100.0, seq=149)  # its heartbeats stopped (process gone)
+    sig = diagnose_hang(latest, WORLD, 10 * S)
+    assert sig is not None and sig.member_ranks() == (0,)
+
+
+def test_the_differential_opens_one_hang_from_heartbeats_alone_and_reopens_only_after_progress():
+    job = JobDifferential("j")
+    opened = []
+    for t in range(100, 131):  # one heartbeat per second per rank, no events at all
+        for hb in blocked_at_150(float(t), n=t).values():
+            opened += [(t, f) for f in job.add_heartbeat(hb)]
+    assert [(f["status"], f["category"], f["rank"], f["ranks"]) for _, f in opened] == [("open", "hang", 0, [0])]
+    t, finding = opened[0]
+    assert t == 110  # the floor (10 s) after the last completed step: no iteration time is known yet
+    assert finding["subject"] == "rank:0" and json.loads(finding["evidence"])["seq"] == 150
+    assert decode(encode("findings", finding))[1]["finding_id"] == finding["finding_id"]
+    for hb in blocked_at_150(120.0, n=120).values():  # replayed heartbeats add nothing
+        assert job.add_heartbeat(hb) == []
+    resumed = [heartbeat(r, 131.0 + r * 0.01, 150, 131.0, seq=150, n=131) for r in range(WORLD)]
+    assert [f for hb in resumed for f in job.add_heartbeat(hb)] == []
+    again = [f for t in range(132, 145) for hb in blocked_at_150(float(t), n=t).values() for f in job.add_heartbeat(hb)]
+    assert [f["status"] for f in again] == ["update"]  # hung again after progress: the open finding updates
+
+
+def test_heartbeats_read_late_from_a_backlog_show_no_hang():
+    job = JobDifferential("j")
+    out = []
+    # a healthy job's heartbeats, every rank stepping every 50 ms, read 60 s late and all at once
+    for t in range(100):
+        for r in range(WORLD):
+            out += job.add_heartbeat(heartbeat(r, 10.0 + t * 0.05, t, 10.0 + t * 0.05 - 0.01, seq=t, n=t))
+    assert out == []
