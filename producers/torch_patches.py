@@ -13,7 +13,8 @@ with any Python comm hook DDP divides the gradients in a separate pass, a short 
 several per cent of a CPU step (bench/overhead.py). ``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) chooses
 so; ``=1`` forces the comm hook, ``=0`` times no DDP all-reduce. Host spans come from the global optimizer
 step hooks, from ``_BaseDataLoaderIter.__next__`` and from ``gc.callbacks`` (a ``gc.collect`` span per
-garbage collection of at least ``GC_MIN_PAUSE_NS``: a clock read per callback, an append per pause).
+garbage collection of at least ``GC_MIN_PAUSE_NS`` of CPU: two clock reads per callback, an append per
+pause).
 Every patch is inert while no monitor records, and our own code on it runs under ``Recorder.guard``:
 training never sees our exceptions.
 
@@ -60,7 +61,9 @@ COLLECTIVES: dict[str, tuple[str, str | None]] = {
 }
 _DISABLE_DDP_HOOK = "FLEETSCOPE_TORCH_DDP_HOOK"
 GC_MIN_PAUSE_NS = 100_000
-"""Shorter collections (most young-generation ones) are not recorded: far below what a finding needs."""
+"""Collections that took less CPU time (most young-generation ones) are not recorded: far below what a
+finding needs. CPU time, not wall time: on a busy machine a short collection preempted midway would look
+long, and such pauses, random on every rank, are the scheduler's, not the collector's."""
 
 
 class Instrumented(Protocol):
@@ -77,6 +80,7 @@ _group_info: dict[int, tuple[str, int, str, tuple[int, ...]]] = {}
 _group_seq: dict[str, itertools.count[int]] = {}
 _opt_start: dict[int, int] = {}
 _gc_start_ns = 0
+_gc_start_cpu_ns = 0
 _ALL_REDUCE: Callable[..., Any] = dist.all_reduce
 
 
@@ -396,13 +400,12 @@ def _patch_gc() -> None:
 
 def _on_gc(phase: str, _info: dict[str, int]) -> None:
     """A collection holds the GIL from "start" to "stop": no other thread's collection comes in between."""
-    global _gc_start_ns
+    global _gc_start_ns, _gc_start_cpu_ns
     if phase == "start":
-        _gc_start_ns = time.time_ns()
+        _gc_start_ns, _gc_start_cpu_ns = time.time_ns(), time.thread_time_ns()
         return
     mon = _current()
-    if mon is None or not _gc_start_ns or mon.recorder.on_own_thread():
-        return  # a collection our own thread's allocations caused is no pause of the training's
-    pause = time.time_ns() - _gc_start_ns
-    if pause >= GC_MIN_PAUSE_NS:
-        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, pause, 0)
+    if mon is None or not _gc_start_ns or time.thread_time_ns() - _gc_start_cpu_ns < GC_MIN_PAUSE_NS:
+        return
+    if not mon.recorder.on_own_thread():  # our own thread's allocations are no pause of the training's
+        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, time.time_ns() - _gc_start_ns, 0)
