@@ -7,7 +7,7 @@ by the windowers' open steps plus one iteration's patterns per job that is still
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetscope.schemas import EventBatch
@@ -41,7 +41,8 @@ class OfflinePipeline:
         scorer: OutlierScorer | None = None,
         keep_patterns: bool = False,
     ) -> None:
-        self.windower_config = windower or WindowerConfig()
+        # Offline input is complete and read in order: no backlog, so no processing-time silence to wait for.
+        self.windower_config = replace(windower or WindowerConfig(), stall_silence_ms=0)
         self.differential_config = differential or DifferentialConfig()
         self.scorer = scorer
         self.keep_patterns = keep_patterns

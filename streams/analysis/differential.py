@@ -14,6 +14,10 @@ from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, Regr
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 
+PROFILER_BLIND = ("host_slow",)
+"""Categories not judged in profiled iterations: a profiler records every CPU op, and its overhead per op
+differs by rank and op (x3 to x300 on a shared host), so host times under a window are no evidence."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class DifferentialConfig:
@@ -56,6 +60,8 @@ class JobDifferential:
         self._stalled: set[int] = set()
         self._hang_checked_ns = 0
         self._hang_reported_step = -2
+        self._max_step = -1
+        """The latest step any rank's heartbeat reported completed."""
         self._iteration_ns: deque[float] = deque(maxlen=20)
 
     @property
@@ -83,6 +89,7 @@ class JobDifferential:
         self.__dict__.setdefault("_stalled", set())
         self.__dict__.setdefault("_hang_checked_ns", 0)
         self.__dict__.setdefault("_hang_reported_step", -2)
+        self.__dict__.setdefault("_max_step", -1)
         self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
@@ -120,7 +127,7 @@ class JobDifferential:
             self._stalled.add(rank)
         else:
             self._stalled.discard(rank)
-        step = max(int(h["last_step"]) for h in self._heartbeats.values())
+        step = self._max_step = max(self._max_step, int(hb["last_step"]))
         if step > self._hang_reported_step >= -1:
             self._hang_reported_step = -2  # the job moved on since its hang was reported
         sent = int(hb["sent_ns"])
@@ -162,6 +169,7 @@ class JobDifferential:
         self._heartbeats.clear()
         self._stalled.clear()
         self._hang_reported_step = -2
+        self._max_step = -1
         return out
 
     def open_findings(self) -> int:
@@ -195,7 +203,7 @@ class JobDifferential:
         for rank, seen in self._last_seen_ns.items():
             if seen > cutoff:
                 break
-            silent_missing += rank not in present and not self._completed(rank, it)
+            silent_missing += rank not in present and not self._alive(rank, it)
         if len(self._last_seen_ns) < self._world_size and self._first_seen_ns <= cutoff:
             if self._unseen[0] != len(self._last_seen_ns):
                 unseen = [r for r in range(self._world_size) if r not in self._last_seen_ns]
@@ -203,10 +211,16 @@ class JobDifferential:
             silent_missing += sum(1 for r in self._unseen[1] if r not in present)
         return silent_missing >= self._world_size - len(present)
 
-    def _completed(self, rank: int, it: int) -> bool:
-        """The rank's heartbeat says it completed step ``it``: its records are late (a backlog), not lost."""
+    def _explained(self, regression: RankSignal) -> bool:
+        """job_regression is for slowdowns no peer explains: no other finding of the job is open (a
+        slow rank slows the whole job, and opens its own finding sooner than the step test confirms)."""
+        return self.tracker.open_findings() > int(self.tracker.is_open(regression.key()))
+
+    def _alive(self, rank: int, it: int) -> bool:
+        """The rank's heartbeat says it completed step ``it`` or holds its events back in a profiler window:
+        its missing records are late, not a rank that stopped."""
         hb = self._heartbeats.get(rank)
-        return hb is not None and int(hb["last_step"]) >= it
+        return hb is not None and (bool(hb.get("profiling", False)) or int(hb["last_step"]) >= it)
 
     def _score(self, it: int) -> list[dict[str, Any]]:
         records = list(self._pending.pop(it).values())
@@ -218,17 +232,23 @@ class JobDifferential:
             self.skipped_profiled += 1
             return self._missing_ranks(it, records)
         signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
+        blind: tuple[str, ...] = ()
+        if profiled:  # profiled on every rank: its kernels compare, its host times carry the profiler's cost
+            blind = PROFILER_BLIND
+            signals = [s for s in signals if s.category not in blind]
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
         self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
         late_open: list[dict[str, Any]] = []
+        if regression is not None and self._explained(regression):
+            regression = None  # a peer finding explains the job's slowdown: it is the cause to report
         if regression is not None:
             regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
             if self.tracker.is_open(regression.key()):
                 signals.append(regression)
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
-        out = self.tracker.observe(it, signals)
+        out = self.tracker.observe(it, signals, blind)
         for sig in late_open:
             out += self.tracker.emit_now(sig, it)
         return out + self._missing_ranks(it, records)
@@ -241,7 +261,7 @@ class JobDifferential:
         for rank in self._hosts:
             run = 0 if rank in present else self._missing_run.get(rank, 0) + 1
             self._missing_run[rank] = run
-            if run == self.config.missing_rank_wait_iterations:
+            if run == self.config.missing_rank_wait_iterations and not self._alive(rank, it):
                 sig = RankSignal(
                     rank=rank, host=self._hosts[rank], category="hang", function="progress",
                     metric="missing_iterations", value=float(run), peer_median=0.0, score=float(run),

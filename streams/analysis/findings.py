@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +55,9 @@ class FindingTracker:
         self.config = config or LifecycleConfig()
         self._tracks: dict[tuple[str, str], _Track] = {}
 
-    def observe(self, iteration: int, signals: list[RankSignal]) -> list[dict[str, Any]]:
-        """Feed one evaluated iteration (in order); return finding records to emit."""
+    def observe(self, iteration: int, signals: list[RankSignal], blind: Collection[str] = ()) -> list[dict[str, Any]]:
+        """Feed one evaluated iteration (in order); return finding records to emit. Categories in ``blind``
+        could not be judged in this iteration: their findings are neither flagged nor cleared by it."""
         cfg = self.config
         out: list[dict[str, Any]] = []
         flagged = {sig.key(): sig for sig in signals}
@@ -79,7 +81,7 @@ class FindingTracker:
                     self._accumulate(tr, s, i)
                 out.append(self._record(tr, "open", iteration))
         for key, tr in list(self._tracks.items()):
-            if key in flagged:
+            if key in flagged or key[1] in blind:
                 continue
             tr.clear_run += 1
             if tr.finding_id and tr.clear_run >= cfg.recover_iterations:

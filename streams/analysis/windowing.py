@@ -11,8 +11,6 @@ Events that arrive for an already closed step are counted as late and dropped.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from functools import lru_cache
 from typing import Any
@@ -22,11 +20,12 @@ import numpy.typing as npt
 
 from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, parse_step_marker
 from fleetscope.schemas.vocabulary import host_phase, is_profiling_window
+from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
-from fleetscope.streams.analysis.patterns import IterationEvents, NameTable, summarize_iterations
+from fleetscope.streams.analysis.patterns import IterationEvents, NameTable
 
-log = logging.getLogger(__name__)
+__all__ = ["ClosedIteration", "RankWindower", "WindowerConfig", "identity", "summarize_closed"]
 
 Cols = dict[str, npt.NDArray[Any]]
 
@@ -53,7 +52,10 @@ class WindowerConfig:
     stream_discovery_ms: int = 5000
     max_open_steps: int = 64
     stall_factor: float = 5.0
-    """A rank is stalled when its clock moved this many mean iterations past its last progress."""
+    """A rank is stalled when its clock moved this many mean iterations past its last progress..."""
+    stall_silence_ms: int = 1500
+    """...and no kernel, collective or host batch of it arrived for this long (processing time): batches
+    still arriving are a backlog. 0 where processing time means nothing (offline input, complete)."""
 
     def __post_init__(self) -> None:
         if self.idle_close_ms <= 0:
@@ -62,72 +64,8 @@ class WindowerConfig:
             raise ValueError("stream_discovery_ms must be >= 0")
         if self.max_open_steps < 1:
             raise ValueError("max_open_steps must be >= 1")
-
-
-class ClosedIteration:
-    """A finished iteration of one rank: its iteration record and pattern record, Avro-ready dicts.
-
-    The windower hands iterations out before their statistics are computed, so that ``summarize_closed``
-    computes those of many iterations, of any ranks, in one numpy pass; reading ``iteration`` or
-    ``patterns`` first computes this one alone. ``job``, ``rank``, ``step`` and ``end_ns`` are known at
-    once (replay checks need no statistics)."""
-
-    __slots__ = ("_pending", "_records", "end_ns", "error", "job", "rank", "step")
-
-    def __init__(self, iteration: dict[str, Any], patterns: dict[str, Any]) -> None:
-        self.job, self.rank = str(iteration["job"]), int(iteration["rank"])
-        self.step, self.end_ns = int(iteration["iteration"]), int(iteration["end_ns"])
-        self._records: tuple[dict[str, Any], dict[str, Any]] | None = (iteration, patterns)
-        self._pending: tuple[IterationEvents, dict[str, Any], str] | None = None
-        self.error: str | None = None
-        """Why its statistics could not be computed (a bug met by odd events): it has no records."""
-
-    @classmethod
-    def pending(cls, events: IterationEvents, who: dict[str, Any], detected_by: str) -> ClosedIteration:
-        closed = cls.__new__(cls)
-        closed.job, closed.rank = str(who.get("job", "")), int(who.get("rank", -1))
-        closed.step, closed.end_ns = events.step, events.end_ns
-        closed._records, closed._pending, closed.error = None, (events, who, detected_by), None
-        return closed
-
-    @property
-    def iteration(self) -> dict[str, Any]:
-        return self._summarized()[0]
-
-    @property
-    def patterns(self) -> dict[str, Any]:
-        return self._summarized()[1]
-
-    def _summarized(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        summarize_closed([self])
-        if self._records is None:
-            raise RuntimeError(f"iteration {self.step} of {self.job} rank {self.rank}: {self.error}")
-        return self._records
-
-
-def summarize_closed(closed: Iterable[ClosedIteration]) -> list[ClosedIteration]:
-    """Compute the records of every iteration of ``closed`` not computed yet, in one batch; return those
-    whose statistics failed (each then tried alone, so one odd iteration costs itself, not the batch)."""
-    todo = [c for c in closed if c._pending is not None]
-    if not todo:
-        return []
-    try:
-        summaries = summarize_iterations([c._pending[0] for c in todo])  # type: ignore[index]
-    except Exception as exc:
-        if len(todo) == 1:
-            log.warning("iteration %d of %s rank %d lost: its statistics failed: %r", todo[0].step,
-                        todo[0].job, todo[0].rank, exc)  # fmt: skip
-            todo[0]._pending, todo[0].error = None, repr(exc)
-            return todo
-        return [failed for c in todo for failed in summarize_closed([c])]
-    for c, (figures, patterns) in zip(todo, summaries, strict=True):
-        events, who, detected_by = c._pending  # type: ignore[misc]
-        iteration = {**who, "detected_by": detected_by, **figures, "functions": len(patterns["function"])}
-        record = {**who, "iteration": events.step}
-        for key, value in patterns.items():
-            record[key] = value.tolist() if isinstance(value, np.ndarray) else value
-        c._records, c._pending = (iteration, record), None
-    return []
+        if self.stall_silence_ms < 0:
+            raise ValueError("stall_silence_ms must be >= 0")
 
 
 @dataclass(slots=True)
@@ -176,6 +114,8 @@ class RankWindower:
     _clock_ns: int = -(2**62)
     _durations: list[int] = field(default_factory=list)
     _stalled: bool = False
+    _progress_arrival_ns: int = -(2**62)
+    """Processing time of the rank's latest kernel, collective or host batch."""
     _progress_span_ns: dict[EventKind, int] = field(default_factory=dict)
     """Per progress stream, the time its latest batch covered. A stream's events arrive up to one batch
     behind the rank's clock (producers flush every 500 ms, samples run ahead): the stall threshold
@@ -215,7 +155,7 @@ class RankWindower:
         self.counters.events += n
         if n == 0:
             return []
-        latest = self._track_progress(batch)
+        latest = self._track_progress(batch, now_ns)
         cols = self._columns(batch, size=n)
         kind = batch.kind
         if kind is EventKind.PYTHON:
@@ -279,27 +219,32 @@ class RankWindower:
     def _mean_iteration_ns(self) -> float:
         return self._mean_ns
 
-    def _track_progress(self, batch: EventBatch) -> int | None:
+    def _track_progress(self, batch: EventBatch, now_ns: int) -> int | None:
         """Move the rank's clock on; return the latest sample time of a hardware batch."""
         latest = None
         if batch.kind is EventKind.THROUGHPUT:
             latest = int(np.maximum.reduce(batch["t_ns"]))
             self._clock_ns = max(self._clock_ns, latest)
         else:
+            self._progress_arrival_ns = now_ns
             end = int(np.maximum.reduce(batch["start_ns"] + batch["dur_ns"]))
             self._progress_span_ns[batch.kind] = end - int(np.minimum.reduce(batch["start_ns"]))
             self._last_progress_ns = max(self._last_progress_ns, end)
             self._clock_ns = max(self._clock_ns, end)
         mean = self._mean_iteration_ns()
         if mean:
-            self._check_stall(self._clock_ns, mean)
+            self._check_stall(self._clock_ns, mean, now_ns)
         return latest
 
-    def _check_stall(self, clock_ns: int, mean_ns: float) -> None:
+    def _check_stall(self, clock_ns: int, mean_ns: float, now_ns: int) -> None:
         batch_lag = min(self._progress_span_ns.values(), default=0)
         # A profiler window holds the rank's events back until it closes: up to its end, that is no stall.
         progress = max([self._last_progress_ns, *(we for ws, we in self._windows if ws <= clock_ns)])
         stalled = clock_ns - progress >= self.config.stall_factor * mean_ns + batch_lag
+        # The streams are consumed apart: samples read ahead of a lagging kernel or host partition would
+        # pass the rank's last progress too. Progress batches still arriving (processing time) are a
+        # backlog, not silence; a hung rank's stop arriving.
+        stalled = stalled and now_ns - self._progress_arrival_ns >= self.config.stall_silence_ms * 1_000_000
         if stalled == self._stalled or self.header is None:
             return
         self._stalled = stalled

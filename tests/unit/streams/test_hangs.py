@@ -101,3 +101,26 @@ def test_heartbeats_read_late_from_a_backlog_show_no_hang():
         for r in range(WORLD):
             out += job.add_heartbeat(heartbeat(r, 10.0 + t * 0.05, t, 10.0 + t * 0.05 - 0.01, seq=t, n=t))
     assert out == []
+
+
+def test_a_rank_missing_from_iterations_while_its_heartbeat_says_profiling_or_done_is_no_hang():
+    from fleetscope.producers import SimulatorConfig, simulate
+    from fleetscope.streams.offline import OfflinePipeline
+
+    sim = OfflinePipeline(keep_patterns=True)
+    sim.add_all(simulate(SimulatorConfig(job="j", ranks=8, iterations=12))).finish()
+
+    def run(profiling: bool) -> list[dict]:
+        job = JobDifferential("j")
+        out = []
+        for rec in sim.patterns:
+            if int(rec["rank"]) == 6 and int(rec["iteration"]) >= 4:
+                continue  # its records are held back by a profiler window
+            out += job.add(rec)
+            if int(rec["rank"]) == 0:
+                hb = heartbeat(6, 100.0 + int(rec["iteration"]), 3, 100.0, profiling=profiling, n=int(rec["iteration"]))
+                out += job.add_heartbeat(dict(hb, world_size=8))
+        return out + job.flush()
+
+    assert [(f["rank"], f["category"]) for f in run(profiling=False)] == [(6, "hang")]
+    assert run(profiling=True) == []

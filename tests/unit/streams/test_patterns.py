@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind, classify_kernel
-from fleetscope.streams.analysis import windowing
+from fleetscope.streams.analysis import closed as closed_module
 from fleetscope.streams.analysis.patterns import (
     ACTIVE_SHARE,
     LINK_FAMILIES,
@@ -181,13 +181,13 @@ def windowed(config: SimulatorConfig, ranks: set[int]) -> list[IterationEvents]:
     closed = [c for b in simulate(config) if b.header.rank in ranks for c in windowers[b.header.rank].add(b, 0)]
     closed += [c for w in windowers.values() for c in w.flush()]
     captured: list[IterationEvents] = []
-    original = windowing.summarize_iterations
+    original = closed_module.summarize_iterations
 
     def capture(evs: list[IterationEvents]) -> list[Summary]:
         captured.extend(evs)
         return original(evs)
 
-    with patch.object(windowing, "summarize_iterations", capture):
+    with patch.object(closed_module, "summarize_iterations", capture):
         summarize_closed(closed)
     return captured
 
@@ -320,14 +320,14 @@ def test_an_iteration_whose_summary_fails_costs_itself_not_the_batch() -> None:
     closed = [c for b in simulate(config) for c in windowers[b.header.rank].add(b, 0)]
     closed += [c for w in windowers.values() for c in w.flush()]
     bad = closed[3]
-    original = windowing.summarize_iterations
+    original = closed_module.summarize_iterations
 
     def failing(evs: list[IterationEvents]) -> list[Summary]:
         if any(ev.step == bad.step and ev.names is windowers[bad.rank]._names for ev in evs):
             raise FloatingPointError("odd events")
         return original(evs)
 
-    with patch.object(windowing, "summarize_iterations", failing):
+    with patch.object(closed_module, "summarize_iterations", failing):
         failed = summarize_closed(closed)
     assert failed == [bad] and bad.error is not None and "odd events" in bad.error
     with pytest.raises(RuntimeError, match="odd events"):

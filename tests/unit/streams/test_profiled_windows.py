@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from fleetscope.producers import SimulatorConfig, simulate
-from fleetscope.schemas import EventBatch, EventKind
+from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.schemas import EventBatch, EventKind, FunctionKind
 from fleetscope.schemas.vocabulary import PROFILING_WINDOW
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import RankWindower, WindowerConfig
@@ -70,7 +70,7 @@ def test_silence_inside_a_window_is_no_stall():
     late_clock = replace(samples[-1], columns={**samples[-1].columns, "t_ns": samples[-1]["t_ns"] + 20 * mean})
 
     def stalls(window: bool):
-        w = RankWindower(WindowerConfig(stall_factor=5.0))
+        w = RankWindower(WindowerConfig(stall_factor=5.0, stall_silence_ms=0))
         feed = before + ([window_batch(batches[0], spans[5][1], 25 * mean)] if window else []) + [late_clock]
         for b in feed:
             w.add(b, 0)
@@ -106,3 +106,49 @@ def test_iterations_profiled_on_some_ranks_only_are_not_compared_across_ranks():
         updates += job.add(slowed(rec, 2.0) if profiled else rec)
     updates += job.flush()
     assert updates == [] and job.skipped_profiled == 20 and job.iterations_scored == 30
+
+
+def test_samples_read_ahead_of_a_lagging_partition_are_a_backlog_not_a_stall():
+    batches = [b for b in job_batches(iterations=40) if b.header.rank == 0]
+    samples = [b for b in batches if b.kind is EventKind.THROUGHPUT]
+    progress = [b for b in batches if b.kind is not EventKind.THROUGHPUT]
+
+    def stalls(gap_ns: int) -> list[bool]:
+        """The first iterations, then every sample batch at once, then the lagging host and GPU batches,
+        ``gap_ns`` of processing time apart."""
+        w = RankWindower()
+        head = [b for b in progress if b.columns["start_ns"].max() < samples[3]["t_ns"].min()]
+        now = 0
+        for b in head:
+            w.add(b, now)
+        for b in samples:
+            now += gap_ns
+            w.add(b, now)
+        return [r["stalled"] for r in w.take_progress()]
+
+    assert stalls(gap_ns=10**6) == []  # the rank's other partitions are still being read: a backlog
+    assert stalls(gap_ns=2 * 10**9) == [True]  # nothing else came for seconds: the rank stopped
+
+
+def host_ops_slowed(record: dict, factor: float) -> dict:
+    host = [k == FunctionKind.PYTHON for k in record["kind"]]
+    times = {n: [t * factor if h else t for t, h in zip(record[n], host, strict=True)] for n in ("total_ns", "mean_ns")}
+    return dict(record, **times)
+
+
+def test_host_times_under_a_window_on_every_rank_neither_flag_nor_clear_host_findings():
+    sim = OfflinePipeline(keep_patterns=True)
+    faults = (parse_fault("host_slow:2:1.5"),)
+    sim.add_all(simulate(SimulatorConfig(ranks=8, iterations=40, faults=faults))).finish()
+    job = JobDifferential("demo")
+    updates = []
+    for rec in sim.patterns:
+        it, rank = int(rec["iteration"]), int(rec["rank"])
+        if 10 <= it < 30:  # a window on every rank: the profiler makes rank 5's host ops 3x slower
+            rec = dict(rec, profiled=True)
+            if rank == 5:
+                rec = host_ops_slowed(rec, 3.0)
+        updates += job.add(rec)
+    updates += job.flush()
+    by_status = [(u["status"], u["rank"], u["category"]) for u in updates if u["status"] != "update"]
+    assert by_status == [("open", 2, "host_slow")]  # opened before the window, not closed by it, no rank 5

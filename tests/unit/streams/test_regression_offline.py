@@ -42,3 +42,9 @@ def test_12_iterations_with_10_percent_job_wide_noise_and_no_step_open_nothing(s
     updates += job.flush()
     assert job.iterations_scored == 12
     assert updates == []
+
+
+def test_a_slowdown_a_slow_rank_explains_is_that_ranks_finding_not_a_job_regression():
+    cfg = SimulatorConfig(ranks=8, iterations=16, faults=(parse_fault("slow_gpu:2:1.5@6"),))
+    result = OfflinePipeline().add_all(simulate(cfg)).finish()
+    assert [(f["rank"], f["category"]) for f in result.findings] == [(2, "gpu_slow")]
