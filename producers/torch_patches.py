@@ -13,7 +13,8 @@ with any Python comm hook DDP divides the gradients in a separate pass, a short 
 several per cent of a CPU step (bench/overhead.py). ``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) chooses
 so; ``=1`` forces the comm hook, ``=0`` times no DDP all-reduce. Host spans come from the global optimizer
 step hooks, from ``_BaseDataLoaderIter.__next__`` and from ``gc.callbacks`` (a ``gc.collect`` span per
-garbage collection of at least ``GC_MIN_PAUSE_NS``: a clock read per callback, an append per pause).
+garbage collection of at least ``GC_MIN_PAUSE_NS`` of CPU: two clock reads per callback, an append per
+pause).
 Every patch is inert while no monitor records, and our own code on it runs under ``Recorder.guard``:
 training never sees our exceptions.
 
@@ -60,7 +61,9 @@ COLLECTIVES: dict[str, tuple[str, str | None]] = {
 }
 _DISABLE_DDP_HOOK = "FLEETSCOPE_TORCH_DDP_HOOK"
 GC_MIN_PAUSE_NS = 100_000
-"""Shorter collections (most young-generation ones) are not recorded: far below what a finding needs."""
+"""Collections that took less CPU time (most young-generation ones) are not recorded: far below what a
+finding needs. CPU time, not wall time: on a busy machine a short collection preempted midway would look
+long, and such pauses, random on every rank, are the scheduler's, not the collector's."""
 
 
 class Instrumented(Protocol):
@@ -77,6 +80,7 @@ _group_info: dict[int, tuple[str, int, str, tuple[int, ...]]] = {}
 _group_seq: dict[str, itertools.count[int]] = {}
 _opt_start: dict[int, int] = {}
 _gc_start_ns = 0
+_gc_start_cpu_ns = 0
 _ALL_REDUCE: Callable[..., Any] = dist.all_reduce
 
 
@@ -242,9 +246,8 @@ def _ddp_first_forward(module: Any, _inputs: Any) -> None:
 def _ddp_forward(module: Any, _inputs: Any, output: Any) -> None:
     """After a DDP forward that will synchronise gradients: time that synchronisation in its backward."""
     mon = _current()
-    if mon is None or not torch.is_grad_enabled() or not module.require_backward_grad_sync:
-        return
-    mon.recorder.guard("ddp", _GradientSync.arm, mon, module, output)
+    if mon is not None and torch.is_grad_enabled():
+        mon.recorder.guard("ddp", _GradientSync.arm, mon, module, output)
 
 
 class _GradientSync:
@@ -268,6 +271,8 @@ class _GradientSync:
 
     @staticmethod
     def arm(mon: Instrumented, module: Any, output: Any) -> None:
+        if not module.require_backward_grad_sync:  # under ``no_sync()``: this backward reduces nothing
+            return
         tensors = [t for t in _tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
@@ -281,14 +286,15 @@ class _GradientSync:
         self.mon.recorder.guard("ddp", _queue_callback, self.arrived)
 
     def arrived(self) -> None:
-        recorder = self.mon.recorder
+        self.mon.recorder.guard("ddp", self._arrive)
+
+    def _arrive(self) -> None:
         nbytes = getattr(self.module, "_fleetscope_grad_bytes", None)
         if nbytes is None:
             nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
             self.module._fleetscope_grad_bytes = nbytes
-        self.call = recorder.guard("ddp", _enter, self.mon, "allreduce", nbytes, self.module.process_group)
-        if self.call is not None:
-            recorder.guard("ddp", _queue_callback, self.synced)
+        self.call = _enter(self.mon, "allreduce", nbytes, self.module.process_group)
+        _queue_callback(self.synced)
 
     def synced(self) -> None:
         if self.call is not None:
@@ -394,13 +400,12 @@ def _patch_gc() -> None:
 
 def _on_gc(phase: str, _info: dict[str, int]) -> None:
     """A collection holds the GIL from "start" to "stop": no other thread's collection comes in between."""
-    global _gc_start_ns
+    global _gc_start_ns, _gc_start_cpu_ns
     if phase == "start":
-        _gc_start_ns = time.time_ns()
+        _gc_start_ns, _gc_start_cpu_ns = time.time_ns(), time.thread_time_ns()
         return
     mon = _current()
-    if mon is None or not _gc_start_ns or mon.recorder.on_own_thread():
-        return  # a collection our own thread's allocations caused is no pause of the training's
-    pause = time.time_ns() - _gc_start_ns
-    if pause >= GC_MIN_PAUSE_NS:
-        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, pause, 0)
+    if mon is None or not _gc_start_ns or time.thread_time_ns() - _gc_start_cpu_ns < GC_MIN_PAUSE_NS:
+        return
+    if not mon.recorder.on_own_thread():  # our own thread's allocations are no pause of the training's
+        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, time.time_ns() - _gc_start_ns, 0)
