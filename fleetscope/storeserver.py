@@ -9,9 +9,11 @@ the client negotiates (lz4, zstd, gzip, deflate, br) or chunked, and inserts (``
 followed by the data).
 
 Two tokens (HTTP basic password, ``X-ClickHouse-Key`` or ``password=``): the write token may do
-anything; the read token runs every statement on a chDB connection set to ``readonly=1``, which the
-engine enforces (and which the client cannot lift), plus a refusal of ``INTO OUTFILE``, which chDB
-writes in-process even in read-only mode.
+anything; the read token runs every statement on a chDB connection locked down as ``run_sql``'s read-only
+session is (no ``Python()``, no introspection, then ``readonly=1``, which the engine enforces and the client
+cannot lift), and only once the engine's parser and AST show one read statement without ``INTO OUTFILE``
+(which chDB writes in-process even read-only) and without table functions outside the store
+(``sinks.user_sql.vet_canonical``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from fleetscope.sinks.user_sql import CHDB_LOCKDOWN, vet_canonical
+
 log = logging.getLogger(__name__)
 
 # Parameters that steer the HTTP exchange, never settings of the query.
@@ -49,8 +53,6 @@ _TRANSPORT_PARAMS = frozenset(
 _SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _INSERT_WITH_DATA = re.compile(r"^\s*(INSERT\s+INTO\s.*?\bFORMAT\s+[A-Za-z0-9_]+)[ \t]*(?:\r?\n|$)", re.I | re.S)
 _INSERT_PARTS = re.compile(r"^(.*?)(\s+SETTINGS\s+.*?)?\s+FORMAT\s+([A-Za-z0-9_]+)$", re.I | re.S)
-_SQL_LITERALS = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`(?:[^`\\]|\\.)*`|--[^\n]*|/\*.*?\*/", re.S)
-_INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.I)
 _ERROR_CODE = re.compile(r"Code: (\d+)\.")
 _STATUS_OF_CODE = {
     62: HTTPStatus.BAD_REQUEST,  # SYNTAX_ERROR
@@ -112,11 +114,6 @@ def infile_insert(statement: str, data_path: str) -> str:
     return f"{head} FROM INFILE '{quoted}'{settings} FORMAT {fmt}"
 
 
-def writes_a_file(statement: str) -> bool:
-    """True for ``... INTO OUTFILE`` outside literals and comments."""
-    return bool(_INTO_OUTFILE.search(_SQL_LITERALS.sub(" ", statement)))
-
-
 def decompress(data: bytes, encoding: str) -> bytes:
     """A request body in the Content-Encoding the client chose (concatenated frames included)."""
     encoding = encoding.strip().lower()
@@ -176,8 +173,6 @@ class ChdbExecutor:
         readonly: bool,
     ) -> tuple[bytes, dict[str, str]]:
         """(output, summary) of one statement."""
-        if readonly and writes_a_file(statement):
-            raise QueryRefused(164, "READONLY", "a read-only token cannot write files (INTO OUTFILE)")
         conn = self._connect()
         tmp_name = ""
         try:
@@ -189,8 +184,10 @@ class ChdbExecutor:
                 if readonly and name == "readonly":
                     continue
                 conn.query(f"SET {name} = {_quote(value)}", "TabSeparated")
-            if readonly:
-                conn.query("SET readonly = 1", "TabSeparated")  # the engine refuses writes from here on
+            if readonly:  # after the client's settings: the lockdown overrides them, readonly=1 freezes all
+                for name, value in CHDB_LOCKDOWN:
+                    conn.query(f"SET {name} = {value}", "TabSeparated")
+                statement = _vetted(conn, statement, params)
             if data:
                 with tempfile.NamedTemporaryFile(prefix="fleetscope-insert-", delete=False) as tmp:
                     tmp.write(data)
@@ -204,6 +201,23 @@ class ChdbExecutor:
             conn.close()
             if tmp_name:
                 os.unlink(tmp_name)
+
+
+def _vetted(conn: Any, statement: str, params: Mapping[str, str]) -> str:
+    """The engine's canonical text of a read-only client's statement, once the engine's parser and AST show it
+    is one read statement without files or table functions outside the store (``vet_canonical``)."""
+    # query parameters are read in the escaped (TSV) form: backslashes, tabs and newlines escaped
+    escaped = statement.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+    rendered = conn.query("SELECT formatQuerySingleLine({q:String})", "TabSeparatedRaw", params={"q": escaped})
+    canonical = (rendered.bytes() or b"").decode().rstrip("\n")
+
+    def explain_ast(text: str) -> str:
+        return (conn.query(f"EXPLAIN AST {text}", "TabSeparatedRaw", params=dict(params)).bytes() or b"").decode()
+
+    try:
+        return vet_canonical(canonical, explain_ast)
+    except PermissionError as exc:
+        raise QueryRefused(164, "READONLY", str(exc)) from exc
 
 
 def _stat(result: Any, name: str) -> int:

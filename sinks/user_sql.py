@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import clickhouse_connect
@@ -24,7 +25,7 @@ READONLY_SETTINGS: dict[str, str] = {"readonly": "1"}
 """Per-request settings that make a server session read-only: writes, DDL, setting changes (so a query's
 own ``SETTINGS readonly=0``) and table functions (they need CREATE TEMPORARY TABLE) are refused."""
 
-_CHDB_LOCKDOWN: tuple[tuple[str, str], ...] = (
+CHDB_LOCKDOWN: tuple[tuple[str, str], ...] = (
     ("allow_python_table_function", "0"),
     ("allow_introspection_functions", "0"),
     ("readonly", "1"),
@@ -87,7 +88,7 @@ def readonly_session(client: Client, database: str) -> tuple[Client, dict[str, s
             session = clickhouse_connect.get_client(
                 interface="chdb", path=None if path == ":memory:" else path, database=database
             )
-            for name, value in _CHDB_LOCKDOWN:
+            for name, value in CHDB_LOCKDOWN:
                 session.command(f"SET {name} = {value}")
             if session.command("SELECT getSetting('readonly')") != 1:
                 raise RuntimeError("chDB did not take readonly=1 on the read-only session")
@@ -109,16 +110,29 @@ def check_read_query(session: Client, query: str, parameters: dict[str, Any] | N
         if "Multi-statements are not allowed" in str(exc):
             raise ValueError("one SQL statement at a time") from exc
         raise
+
+    def explain_ast(text: str) -> str:
+        # raw_query: the driver would take an AST of a query ending in LIMIT 0 for a column-metadata probe.
+        return bytes(
+            session.raw_query(f"EXPLAIN AST {text}", parameters=parameters, settings=settings, fmt="TSVRaw")
+        ).decode()
+
+    return vet_canonical(str(canonical), explain_ast)
+
+
+def vet_canonical(canonical: str, explain_ast: Callable[[str], str]) -> str:
+    """``canonical`` (the engine's one-line rendering of one statement) when a read-only session may run it:
+    a read statement, no ``INTO OUTFILE``, no table function reaching outside the store (by the engine's
+    ``EXPLAIN AST``, which ``explain_ast`` runs). PermissionError otherwise. Shared by ``run_sql`` and the
+    embedded store's HTTP server, so both refuse exactly the same."""
     if not _READ_STATEMENT.match(canonical):
         raise PermissionError(f"read-only SQL accepts {_read_statement_names()} statements only")
     if _INTO_OUTFILE.search(_SQL_TOKENS.sub(" ", canonical)):
         raise PermissionError("read-only SQL cannot write files (INTO OUTFILE)")
-    # raw_query: the driver would take an AST of a query ending in LIMIT 0 for a column-metadata probe.
-    ast = session.raw_query(f"EXPLAIN AST {canonical}", parameters=parameters, settings=settings, fmt="TSVRaw")
-    outside = sorted(set(table_functions(ast.decode().splitlines())) - IN_STORE_TABLE_FUNCTIONS)
+    outside = sorted(set(table_functions(explain_ast(canonical).splitlines())) - IN_STORE_TABLE_FUNCTIONS)
     if outside:
         raise PermissionError(f"read-only SQL cannot call table functions reaching outside the store: {outside}")
-    return str(canonical)
+    return canonical
 
 
 def table_functions(ast_lines: Any) -> list[str]:

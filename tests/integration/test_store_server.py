@@ -82,6 +82,27 @@ def test_writes_are_refused_without_the_write_token(served: tuple[StoreServer, s
     assert reader.query("SELECT count() FROM system.tables WHERE name = 'iterations'").result_rows[0][0] >= 1
 
 
+def test_the_read_token_reaches_nothing_outside_the_store(served: tuple[StoreServer, str], tmp_path: Path) -> None:
+    """readonly=1 alone still lets chDB read files and URLs (schema inference) and the host process (Python()):
+    the read token gets run_sql's lockdown and the engine's AST check as well."""
+    server, database = served
+    reader = client(server, database, TOKENS.read)
+    secret = tmp_path / "secret.csv"
+    secret.write_text("1,2\n")
+    attempts = [
+        f"SELECT * FROM file('{secret}', CSV)",
+        f"DESCRIBE file('{secret}', CSV)",
+        "SELECT * FROM url('http://127.0.0.1:9/x', CSV, 'a Int32')",
+        "SELECT * FROM Python(globals())",
+        "SELECT 1; DROP TABLE iterations",
+        "SELECT 1 # '\n; DROP TABLE iterations; SELECT 2 -- '",
+    ]
+    for query in attempts:
+        with pytest.raises(DatabaseError):
+            reader.query(query)
+    assert reader.query("SELECT count() FROM system.tables WHERE name = 'iterations'").result_rows[0][0] >= 1
+
+
 @pytest.mark.parametrize("token", ["", "wrong", TOKENS.read + "x"])
 def test_a_bad_token_is_refused(served: tuple[StoreServer, str], token: str) -> None:
     server, database = served
