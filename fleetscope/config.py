@@ -310,7 +310,8 @@ def split_secrets(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
                 if value:
                     env[ENV_PREFIX + "__".join(p.upper() for p in [*path, f.name])] = value
             else:
-                out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+                is_instance = dataclasses.is_dataclass(value) and not isinstance(value, type)
+                out[f.name] = dataclasses.asdict(value) if is_instance else value
         return out
 
     return walk(config, []), env

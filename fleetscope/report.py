@@ -92,7 +92,8 @@ class ReportData:
 
 
 def _rows(client: Any, database: str, query: str, job: str, **params: Any) -> list[tuple[Any, ...]]:
-    return run_sql(client, database, query, {"job": job, **params})[1]
+    rows: list[tuple[Any, ...]] = run_sql(client, database, query, {"job": job, **params})[1]
+    return rows
 
 
 def _heatmap(client: Any, database: str, job: str, notes: list[str]) -> Heatmap:

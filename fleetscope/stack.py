@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port, preferred_port, stop_process
 from fleetscope.config import Config, split_secrets
@@ -174,7 +175,7 @@ class EmbeddedStack:
         self.broker: TansuBroker | None = None
         self.worker: StreamWorkerProcess | None = None
         self.sink: Sink | None = None
-        self.client = None
+        self.client: Any = None
         self.store_server: StoreServer | None = None
 
     def start(self) -> Config:

@@ -333,7 +333,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=cmd_analyze)
 
 
-def _layout_overrides(args: argparse.Namespace) -> dict[str, int]:
+def _layout_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """``--tp``/``--pp`` where the command line has them (0: from the traces' process groups)."""
     return {"tp": getattr(args, "tp", 0), "pp": getattr(args, "pp", 0)}
 

@@ -159,7 +159,7 @@ class RetryPolicy:
     def delay_s(self, attempt: int) -> float:
         """Equal jitter: half the capped exponential step, plus a random share of the other half."""
         step = min(self.max_backoff_ms, self.initial_backoff_ms * 2**attempt) / 1000.0
-        return step / 2 + random.uniform(0, step / 2)
+        return float(step / 2 + random.uniform(0, step / 2))
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -223,8 +223,9 @@ class Sink:
             messages = consumer.consume(_MAX_BATCH_MESSAGES, timeout_s)
             handled = 0
             for msg in messages:
-                if msg.error() is not None:
-                    self._on_kafka_error(msg.error())
+                err = msg.error()
+                if err is not None:
+                    self._on_kafka_error(err)
                     continue
                 self._access_failures = 0
                 self._handle(msg)
@@ -303,7 +304,7 @@ class Sink:
         producer = self._producer
         if producer is None:
             raise RuntimeError("dead letter before the producer exists")
-        headers = [
+        headers: list[tuple[str, str | bytes | None]] = [
             ("reason", reason[:2000].encode()),
             ("topic", (msg.topic() or "").encode()),
             ("partition", str(msg.partition()).encode()),

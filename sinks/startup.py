@@ -10,7 +10,8 @@ from collections.abc import Callable
 from clickhouse_connect.driver import Client
 from clickhouse_connect.driver import exceptions as ch_errors
 
-from fleetscope.sinks.clickhouse import ClickHouseConfig, connect, is_transient, migrate
+from fleetscope.sinks.clickhouse import connect, is_transient, migrate
+from fleetscope.sinks.store_config import ClickHouseConfig
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ MAX_PAUSE_S = 30.0
 
 def backoff_s(failures: int) -> float:
     """Wait after ``failures`` failures in a row: 0.5 s doubling up to ``MAX_PAUSE_S``."""
-    return min(MAX_PAUSE_S, 0.5 * 2 ** max(0, failures - 1))
+    return float(min(MAX_PAUSE_S, 0.5 * 2 ** max(0, failures - 1)))
 
 
 def store_unavailable(exc: BaseException) -> bool:
