@@ -7,3 +7,7 @@ ALTER TABLE {database}.finding_updates ADD COLUMN IF NOT EXISTS reason LowCardin
 ALTER TABLE {database}.finding_updates ADD COLUMN IF NOT EXISTS local_rank Int32 DEFAULT -1 AFTER reason;
 ALTER TABLE {database}.finding_updates ADD COLUMN IF NOT EXISTS gpu_uuid LowCardinality(String) DEFAULT '' AFTER local_rank;
 ALTER TABLE {database}.finding_updates ADD COLUMN IF NOT EXISTS pci_bus_id LowCardinality(String) DEFAULT '' AFTER gpu_uuid;
+ALTER TABLE {database}.iterations ADD COLUMN IF NOT EXISTS local_rank Int32 DEFAULT -1 AFTER profiled;
+ALTER TABLE {database}.iterations ADD COLUMN IF NOT EXISTS gpu_uuid LowCardinality(String) DEFAULT '' AFTER local_rank;
+ALTER TABLE {database}.function_patterns ADD COLUMN IF NOT EXISTS local_rank Int32 DEFAULT -1 AFTER profiled;
+ALTER TABLE {database}.function_patterns ADD COLUMN IF NOT EXISTS gpu_uuid LowCardinality(String) DEFAULT '' AFTER local_rank;

@@ -107,6 +107,8 @@ class JobDifferential:
             return []
         self._world_size = max(self._world_size, int(record["world_size"]))
         self._pending.setdefault(it, {})[int(record["rank"])] = record
+        if "gpu_uuid" in record:
+            self.tracker.gpus[int(record["rank"])] = (int(record["local_rank"]), str(record["gpu_uuid"]))
         return self._score_ready(now_ns)
 
     def add_heartbeat(self, hb: dict[str, Any]) -> list[dict[str, Any]]:

@@ -59,6 +59,13 @@ class FindingTracker:
         self.job = job
         self.config = config or LifecycleConfig()
         self._tracks: dict[tuple[str, str], _Track] = {}
+        self.gpus: dict[int, tuple[int, str]] = {}
+        """Rank -> (local rank, GPU UUID), as its records say: a rank finding names the device to drain."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A tracker saved before ``gpus`` existed restores with none known."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("gpus", {})
 
     def observe(self, iteration: int, signals: list[RankSignal], blind: Collection[str] = ()) -> list[dict[str, Any]]:
         """Feed one evaluated iteration (in order); return finding records to emit. Categories in ``blind``
@@ -179,4 +186,9 @@ class FindingTracker:
             "emitted_ns": time.time_ns(),
             "subject": sig.subject or f"rank:{sig.rank}",
             "reason": reason if status == "closed" else "",
+            **self._gpu(sig.rank),
         }
+
+    def _gpu(self, rank: int) -> dict[str, Any]:
+        local_rank, uuid = self.gpus.get(rank, (-1, "")) if rank >= 0 else (-1, "")
+        return {"local_rank": local_rank, "gpu_uuid": uuid}

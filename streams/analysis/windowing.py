@@ -102,6 +102,8 @@ def identity(header: BatchHeader) -> dict[str, Any]:
         "tp_rank": header.tp_rank,
         "pp_rank": header.pp_rank,
         "dp_rank": header.dp_rank,
+        "local_rank": header.local_rank,
+        "gpu_uuid": header.gpu_uuid,
     }
 
 
