@@ -208,6 +208,8 @@ ITERATION = {
     "kernels": 100,
     "functions": 12,
     "profiled": False,
+    "local_rank": 3,
+    "gpu_uuid": "GPU-0f3c",
 }
 
 
