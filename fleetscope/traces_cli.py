@@ -249,7 +249,12 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import FINDING_FIELDS, print_findings, print_table
 
     result = analyze_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), **_layout_overrides(args)
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
@@ -299,7 +304,12 @@ def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.cli import print_table
 
     ranks = replay_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), **_layout_overrides(args)
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     columns = ("job", "rank", "host", "batches", "events", "kernels", "collectives", "host_spans")
     print_table(columns, [[getattr(r, c) for c in columns] for r in ranks])
@@ -329,11 +339,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     _trace_options(p)
     p.add_argument("--json", action="store_true", help='print {"findings": [...], "ranks": [...]}')
     p.set_defaults(handler=cmd_analyze)
-
-
-def _layout_overrides(args: argparse.Namespace) -> dict[str, int]:
-    """``--tp``/``--pp`` where the command line has them (0: from the traces' process groups)."""
-    return {"tp": getattr(args, "tp", 0), "pp": getattr(args, "pp", 0)}
 
 
 def _trace_options(p: argparse.ArgumentParser) -> None:

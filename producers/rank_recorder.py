@@ -54,6 +54,13 @@ class RankIdentity:
     host: str = ""
     cluster: str = ""
     gpu_uuid: str = ""
+    tp_rank: int = -1
+    """Coordinates in the job's layout (``torch_layout`` fills them from the process groups); -1: unknown."""
+    pp_rank: int = -1
+    dp_rank: int = -1
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -95,6 +102,12 @@ class RankIdentity:
             host=self.host,
             cluster=self.cluster,
             gpu_uuid=self.gpu_uuid,
+            tp_rank=self.tp_rank,
+            pp_rank=self.pp_rank,
+            dp_rank=self.dp_rank,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            dp_size=self.dp_size,
             producer_id=producer_id,
             seq=seq,
             streams=tuple(sorted(set(streams))),

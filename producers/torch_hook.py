@@ -47,7 +47,7 @@ except ImportError as _exc:  # torch is an optional extra
         "fleetscope's PyTorch integration needs torch: pip install 'fleetscope[torch]'", name=_exc.name
     ) from _exc
 
-from fleetscope.producers import torch_patches
+from fleetscope.producers import torch_layout, torch_patches
 from fleetscope.producers.control import ControlListener, ControlListenerConfig, ControlRequest
 from fleetscope.producers.publisher import Publisher, PublisherConfig
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig, RecorderStats
@@ -88,6 +88,7 @@ class Monitor:
         self._sampler = sampler
         self._window: ProfilingWindow | None = None
         self._pending: ControlRequest | None = None
+        self._layout: torch_layout.LayoutTracker | None = None
 
     def start(self) -> None:
         self.recorder.start()
@@ -96,6 +97,7 @@ class Monitor:
         if self._listener is not None:
             self.recorder.guard("control_start", self._listener.start)
         torch_patches.reset_sequences()
+        self._layout = self.recorder.guard("layout_start", torch_layout.track, self.recorder)
         self._step_start_ns = time.time_ns()
 
     def stop(self) -> None:
@@ -114,6 +116,8 @@ class Monitor:
         elif self._explicit or not self.auto_step:
             return
         now = time.time_ns() if now_ns is None else now_ns
+        if self._layout is not None:  # groups created after the start (a counter compare per step)
+            self.recorder.guard("layout", self._layout.refresh)
         if self._step_start_ns is not None:
             name = step_marker_name(self.step_num)
             self.recorder.python_span(name, self._step_start_ns, now - self._step_start_ns, 0)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetscope.schemas.layout import JobLayout, ProcessGroup, derive_layout, layout_from_sizes
+
+if TYPE_CHECKING:  # kineto imports this module
+    from fleetscope.producers.kineto import TraceRank
 
 _P2P_OPS = frozenset({"send", "recv"})
 
@@ -84,9 +87,9 @@ class GroupNotes:
         return tuple(edges), self.peers[0][0] if self.peers else ""
 
 
-def job_layouts(traces: Iterable[Any], *, tp: int = 0, pp: int = 0) -> dict[str, JobLayout]:
+def job_layouts(traces: Iterable[TraceRank], *, tp: int = 0, pp: int = 0) -> dict[str, JobLayout]:
     """One layout per job from its ranks' traces; ``tp``/``pp`` > 0: given sizes in Megatron order."""
-    by_job: dict[str, list[Any]] = {}
+    by_job: dict[str, list[TraceRank]] = {}
     for t in traces:
         by_job.setdefault(t.job, []).append(t)
     out: dict[str, JobLayout] = {}
@@ -102,7 +105,7 @@ def job_layouts(traces: Iterable[Any], *, tp: int = 0, pp: int = 0) -> dict[str,
     return out
 
 
-def with_layout(trace: Any, layout: JobLayout) -> Any:
+def with_layout(trace: TraceRank, layout: JobLayout) -> TraceRank:
     """The trace with its rank's coordinates in every batch header (unchanged when none are known)."""
     if not layout.known or trace.rank not in layout.roles:
         return trace

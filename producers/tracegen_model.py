@@ -108,6 +108,11 @@ class TraceJob:
                 out.append(("ep", tuple(self.rank_of(tp, pp, block * self.ep + i) for i in range(self.ep))))
         return [(role, str(i + 1), m) for i, (role, m) in enumerate(out) if len(m) > 1]
 
+    @property
+    def expected_category(self) -> str:
+        """The finding the fault should give: a whole slow stage, else one rank's slow GPU work."""
+        return {"healthy": "", "slow_stage": "stage_imbalance"}.get(self.fault, "gpu_slow")
+
     def culprits(self) -> tuple[int, ...]:
         """The ranks the fault acts on."""
         if self.fault == "slow_stage":

@@ -12,8 +12,9 @@ stage order follows the direction of the p2p traffic. Pure functions, stdlib onl
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Coordinate roles. ``dp`` folds in context parallelism and FSDP/ZeRO sharding: all of them run the
@@ -125,6 +126,7 @@ class JobLayout:
         return bool(self.sources)
 
 
+@functools.lru_cache(maxsize=4096)
 def _key(raw: str) -> str:
     return _SEPARATORS.sub("_", raw.strip().lower()).strip("_")
 
@@ -153,6 +155,26 @@ def stride_of(ranks: Collection[int]) -> int | None:
     step = members[1] - members[0]
     ok = all(b - a == step for a, b in zip(members, members[1:], strict=False))
     return step if ok else None
+
+
+def stages_reversed(members: Sequence[int], rank: int, first_op: str, first_peer: int) -> bool | None:
+    """Whether ``members`` (a pipeline group in member order) run last stage first, as one rank can tell.
+
+    A rank sees only its own p2p calls, yet its first one says where it is: the first stage starts by
+    sending activations forward, every other stage by receiving them from the stage before it. Every
+    rank of a job answers alike (None: its calls do not tell, e.g. no p2p yet or an unlisted peer).
+    """
+    if rank not in members or len(members) < 2:
+        return None
+    i, last = members.index(rank), len(members) - 1
+    if first_op == "send":
+        return False if i == 0 else True if i == last else None
+    if first_op == "recv":
+        if i > 0 and members[i - 1] == first_peer:
+            return False
+        if i < last and members[i + 1] == first_peer:
+            return True
+    return None
 
 
 def stage_order(
@@ -207,6 +229,8 @@ class _Family:
     groups: list[tuple[int, ...]]
     role: str | None
     ops: set[str]
+    taken: set[int] = field(default_factory=set)
+    """Ranks of ``groups``: a rank holds one coordinate per role, so an overlapping group is left out."""
 
 
 def derive_layout(
@@ -245,7 +269,12 @@ def derive_layout(
     for fam, role in zip(rest, free, strict=False):
         by_role[role], sources[role], ops[role] = fam.groups, "membership", fam.ops
     if PP in by_role:
-        by_role[PP] = [stage_order(g, p2p, first_senders) for g in by_role[PP]]
+        sends: dict[int, list[int]] = {}
+        for src, dst in p2p:
+            sends.setdefault(src, []).append(dst)
+        by_role[PP] = [
+            stage_order(g, [(s, d) for s in g for d in sends.get(s, ())], first_senders) for g in by_role[PP]
+        ]
     if SHARD not in by_role and DP in by_role and ops.get(DP, set()) & _SHARDING_OPS:
         by_role[SHARD], sources[SHARD] = by_role[DP], sources[DP]  # ZeRO: the optimizer shards over dp
     return _coordinates(by_role, sources, world_size)
@@ -268,8 +297,9 @@ def _families(groups: Iterable[ProcessGroup], world_size: int) -> tuple[dict[str
             members = tuple(sorted(members))
             fam = pattern.setdefault((stride_of(members) or world_size, len(members)), _Family([], None, set()))
         fam.ops.update(o.lower() for o in g.ops)
-        if all(set(members).isdisjoint(other) for other in fam.groups):  # one coordinate per role
+        if fam.taken.isdisjoint(members):  # every rank lists its groups: a repeat is left out here
             fam.groups.append(members)
+            fam.taken.update(members)
     return named, [pattern[k] for k in sorted(pattern)]
 
 

@@ -71,6 +71,9 @@ class SimulatorConfig:
     """Lognormal sigma of every kernel and host-span duration."""
     clock_skew_ms: float = 0.0
     """Each host's clock is off by a fixed uniform(-skew, +skew) value."""
+    named_groups: bool = True
+    """The published process groups carry Megatron's ``group_desc``; off: undescribed, so the layout is
+    derived from their membership and the pipeline's p2p edges."""
     first_step: int = 0
     gc_rate: float = 0.1
     """Probability per rank-iteration of a short healthy ``gc.collect`` (about 0.5 ms)."""

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from fleetscope.producers.simulation.engine import PYTHON_NAMES, Layout, Timeline
 from fleetscope.producers.simulation.faults import host_name
+from fleetscope.producers.simulation.groups import derived_layout
 from fleetscope.producers.simulation.samples import METRICS, Samples, grid_ns
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, step_marker_name
 from fleetscope.schemas.records import OPTIONAL_COLUMNS
@@ -46,6 +47,9 @@ class Emitter:
         self.lay, self.cfg = lay, cfg
         self.offset = cfg.start_ns + host_offset_ns[lay.host]  # (R,) int64
         self.seq = [0] * lay.ranks
+        layout = derived_layout(
+            cfg, described=cfg.named_groups
+        )  # coordinates from the published process groups, as for a real job
         self.identity = [
             {
                 "job": cfg.job,
@@ -55,12 +59,7 @@ class Emitter:
                 "local_rank": r % cfg.gpus_per_host,
                 "host": host_name(int(lay.host[r])),
                 "gpu_uuid": gpu_uuid(cfg.job, r),
-                "tp_rank": int(lay.tp_rank[r]),
-                "pp_rank": int(lay.pp_rank[r]),
-                "dp_rank": int(lay.dp_rank[r]),
-                "tp_size": cfg.tp,
-                "pp_size": cfg.pp,
-                "dp_size": cfg.dp,
+                **layout.role(r).header_fields(),
                 "streams": ALL_STREAMS,
             }
             for r in range(lay.ranks)

@@ -404,3 +404,17 @@ def test_wrongly_typed_fields_raise_nothing_but_trace_error(
     scratch: Path, top: dict[str, Any], events: list[Any]
 ) -> None:
     parses_or_trace_error(scratch / "s.json", json.dumps({**top, "traceEvents": events}).encode())
+
+
+@needs_traces
+def test_real_traces_without_layout_groups_keep_every_rank_a_peer(dlrm_dir: Path) -> None:
+    """The HTA trace lists only the default group; old DLRM traces have no pg_config: no coordinates."""
+    from fleetscope.producers.trace_layout import job_layouts, with_layout
+
+    nccl = parse_trace(NCCL_DATA)
+    assert [(g.desc, g.ranks) for g in nccl.groups] == [("default_pg", (0, 1))]
+    assert "allreduce" in nccl.groups[0].ops
+    dlrm = [parse_trace(p) for p in sorted(dlrm_dir.glob("*.json"))]
+    layouts = job_layouts([nccl, *dlrm])
+    assert not any(layout.known for layout in layouts.values())
+    assert with_layout(dlrm[0], layouts[dlrm[0].job]).batches[0].header.pp_rank == -1

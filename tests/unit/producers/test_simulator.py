@@ -12,6 +12,7 @@ import pytest
 
 from fleetscope.producers import Fault, SimulatorConfig, parse_fault, simulate
 from fleetscope.producers.simulation import MAX_BATCH_EVENTS, METRICS, ExpectedFinding
+from fleetscope.producers.simulation.groups import derived_layout
 from fleetscope.schemas import (
     EventBatch,
     EventKind,
@@ -630,3 +631,35 @@ def test_config_validation_reports_every_problem_at_once() -> None:
     ):
         assert part in text, part
     assert SimulatorConfig(ranks=2).expected_iterations == 40
+
+
+@pytest.mark.parametrize(("ranks", "tp", "pp"), [(8, 1, 1), (16, 2, 2), (16, 1, 4), (24, 2, 3), (32, 4, 2), (8, 8, 1)])
+@pytest.mark.parametrize("described", [True, False])
+def test_published_process_groups_derive_the_simulated_layout(ranks: int, tp: int, pp: int, described: bool) -> None:
+    """The headers' coordinates come from the groups the job publishes, not from the simulator's arithmetic."""
+    cfg = SimulatorConfig(ranks=ranks, iterations=1, tp=tp, pp=pp)
+    layout = derived_layout(cfg, described=described)
+    if not described and tp == pp == 1:  # only the world group: every rank a peer, as without metadata
+        assert not layout.known
+        return
+    if not described and cfg.dp == 1 and pp == 1:  # a lone unexplained family reads as data parallel
+        return
+    for r in range(ranks):
+        role = layout.role(r)
+        assert (role.tp_rank, role.pp_rank, role.dp_rank) == cfg.coordinates(r)
+        assert (role.tp_size, role.pp_size, role.dp_size) == (tp, pp, cfg.dp)
+
+
+def test_headers_from_undescribed_groups_match_the_described_ones() -> None:
+    described = {b.header.rank: b.header for b in simulate(SimulatorConfig(ranks=16, iterations=1, tp=2, pp=2))}
+    bare = simulate(SimulatorConfig(ranks=16, iterations=1, tp=2, pp=2, named_groups=False))
+    for b in bare:
+        h, want = b.header, described[b.header.rank]
+        assert (h.tp_rank, h.pp_rank, h.dp_rank, h.tp_size, h.pp_size, h.dp_size) == (
+            want.tp_rank,
+            want.pp_rank,
+            want.dp_rank,
+            want.tp_size,
+            want.pp_size,
+            want.dp_size,
+        )

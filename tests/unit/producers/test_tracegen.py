@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,9 +10,10 @@ import numpy as np
 import pytest
 
 from fleetscope.producers.kineto import parse_trace
-from fleetscope.producers.trace_layout import job_layouts, with_layout
+from fleetscope.producers.trace_layout import GroupNotes, job_layouts, with_layout
 from fleetscope.producers.tracegen import EXPERT_GEMM, TraceJob, documents, main, write_traces
 from fleetscope.schemas import EventKind
+from fleetscope.schemas.layout import ProcessGroup
 from fleetscope.streams.offline import OfflinePipeline
 from fleetscope.traces_cli import analyze_traces
 
@@ -65,10 +67,7 @@ def test_overrides_and_no_metadata(tmp_path: Path) -> None:
     traces = traces_of(TraceJob(dp=4, pp=2, steps=2), tmp_path)
     given = job_layouts(traces, tp=2)["gen"]
     assert given.role(3).header_fields()["tp_rank"] == 1 and given.role(3).pp_size == 1
-    bare = [t for t in traces]
-    for t in bare:
-        object.__setattr__(t, "groups", ())
-        object.__setattr__(t, "p2p", ())
+    bare = [dataclasses.replace(t, groups=(), p2p=()) for t in traces]
     assert not job_layouts(bare)["gen"].known
     assert with_layout(bare[0], job_layouts(bare)["gen"]).batches[0].header.pp_rank == -1
 
@@ -164,3 +163,20 @@ def test_iterations_carry_the_coordinates_from_metadata(tmp_path: Path) -> None:
 def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path), "--dp", "2", "--pp", "2", "--steps", "2", "--fault", "slow_stage"]) == 0
     assert len(capsys.readouterr().out.split()) == 4 and (tmp_path / "rank-3.pt.trace.json").exists()
+
+
+def test_p2p_peers_are_mapped_from_group_local_to_global_ranks() -> None:
+    notes = GroupNotes(rank=6)
+    notes.note("recv", "7", "PIPELINE_MODEL_PARALLEL_GROUP", (2, 6, 10, 14), 0)  # group-local: rank 2
+    notes.note("send", "7", None, None, 2)  # group-local 2: rank 10
+    notes.note("send", "0", None, None, 9)  # beyond the group's size: already global
+    notes.note("allreduce", "3", "DATA_PARALLEL_GROUP", (4, 5, 6, 7), None)
+    groups = notes.groups([ProcessGroup(name="0", ranks=tuple(range(16)), desc="default_pg")])
+    assert {g.name: g.ops for g in groups} == {"0": {"send"}, "7": {"send", "recv"}, "3": {"allreduce"}}
+    assert notes.p2p(groups) == (((2, 6), (6, 10), (6, 9)), "recv")
+
+
+def test_expected_categories() -> None:
+    assert TraceJob(pp=2, fault="slow_stage").expected_category == "stage_imbalance"
+    assert TraceJob(fault="slow_worker").expected_category == "gpu_slow"
+    assert TraceJob().expected_category == "" and TraceJob().culprits() == ()

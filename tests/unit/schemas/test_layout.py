@@ -14,6 +14,7 @@ from fleetscope.schemas.layout import (
     layout_from_sizes,
     role_of_name,
     stage_order,
+    stages_reversed,
     stride_of,
 )
 
@@ -88,6 +89,29 @@ def test_named_groups_give_every_coordinate_in_any_rank_order(
     coords = build(sizes, order)
     if len(coords) > 1:
         check(coords, process_groups(coords, names))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=dims, ep=st.sampled_from([2, 4]), order=st.permutations(["tp", "pp", "dp"]), unnamed=st.booleans())
+def test_expert_groups_inside_the_data_parallel_replicas(
+    sizes: dict[str, int], ep: int, order: list[str], unnamed: bool
+) -> None:
+    """Experts spread over ``ep`` consecutive replicas: named, or unnamed but carrying all-to-all."""
+    sizes = {**sizes, "dp": ep * sizes["dp"]}
+    coords = build(sizes, order)
+    groups = process_groups(coords, MEGATRON_DESC)
+    blocks: dict[tuple[int, int, int], list[int]] = {}
+    for r, c in sorted(coords.items(), key=lambda rc: rc[1]["dp"]):
+        blocks.setdefault((c["tp"], c["pp"], c["dp"] // ep), []).append(r)
+    for i, members in enumerate(blocks.values()):
+        desc, ops = (
+            ("undefined", frozenset({"all_to_all"})) if unnamed else ("EXPERT_MODEL_PARALLEL_GROUP", frozenset())
+        )
+        groups.append(ProcessGroup(name=f"e{i}", ranks=tuple(members), desc=desc, ops=ops))
+    check(coords, groups)
+    layout = derive_layout(groups, world_size=len(coords))
+    for r, c in coords.items():
+        assert (layout.role(r).ep_rank, layout.role(r).ep_size) == (c["dp"] % ep, ep)
 
 
 @settings(max_examples=60, deadline=None)
@@ -189,3 +213,14 @@ def test_sizes_override_is_megatron_order() -> None:
     }
     with pytest.raises(ValueError, match="multiple"):
         layout_from_sizes(10, tp=4)
+
+
+def test_one_rank_tells_the_stage_direction_from_its_first_p2p_call() -> None:
+    """Stage 0 on the highest ranks (pipeline group listed 0, 4, 8, 12 but run 12 -> 8 -> 4 -> 0)."""
+    members = (0, 4, 8, 12)
+    assert stages_reversed(members, 12, "send", 8) is True  # the first stage sends first
+    assert stages_reversed(members, 4, "recv", 8) is True  # activations come from the higher rank
+    assert stages_reversed(members, 0, "recv", 4) is True
+    assert stages_reversed(members, 0, "send", 4) is False
+    assert stages_reversed(members, 8, "recv", 4) is False
+    assert stages_reversed(members, 8, "", -1) is None and stages_reversed(members, 3, "send", 0) is None

@@ -96,13 +96,13 @@ def test_migrate_twice_is_idempotent_and_keeps_data(client: Client, writer: Clic
     migrate(client, database)
     migrate(client, database)
     names = {row[0] for row in client.query(f"SHOW TABLES FROM `{database}`").result_rows}
-    assert names == {"iterations", "function_patterns", "finding_updates", "findings"}
+    assert names == {"iterations", "function_patterns", "finding_updates", "findings", "layouts"}
     assert count(client, database, "iterations") == 1
 
 
 def test_ddl_substitutes_only_the_validated_database_name() -> None:
     statements = ddl_statements("fleet_1")
-    assert len(statements) == 4 + 8  # four tables and views, eight added columns
+    assert len(statements) == 5 + 8  # five tables and views, eight added columns
     assert all("`fleet_1`." in s and "{database}" not in s for s in statements)
     with pytest.raises(ValueError, match="identifier"):
         ddl_statements("x; DROP TABLE y")
@@ -392,3 +392,31 @@ def test_connect_to_a_server_url_creates_and_selects_the_database(monkeypatch: p
     }
     assert calls["command"] == ("CREATE DATABASE IF NOT EXISTS `fleet`", False)
     assert client.database == "fleet"
+
+
+def test_layouts_view_has_one_row_per_rank_with_the_jobs_sizes(
+    client: Client, writer: ClickHouseWriter, database: str
+) -> None:
+    """Coordinates as the producers derived them (dp4 x pp2 here); a job without a layout gets -1 / 1."""
+    rows = []
+    for rank in range(8):
+        for it in (1, 2):
+            rec = iteration(rank, it) | {"world_size": 8, "tp_rank": 0, "pp_rank": rank // 4, "dp_rank": rank % 4}
+            rows.append(rec)
+    rows.append(iteration(0, 1, job="job-b") | {"tp_rank": -1, "pp_rank": -1, "dp_rank": -1})
+    writer.write_iterations(rows)
+    columns, result = run_sql(client, database, "SELECT * FROM layouts ORDER BY job, rank")
+    got = [dict(zip(columns, row, strict=True)) for row in result]
+    assert len(got) == 9
+    six = got[6]
+    assert (six["host"], six["world_size"], six["stage"], six["dp_rank"]) == ("node0", 8, 1, 2)
+    assert (six["tp_size"], six["pp_size"], six["dp_size"]) == (1, 2, 4)
+    assert (six["first_iteration"], six["last_iteration"]) == (1, 2)
+    other = got[8]
+    assert (other["job"], other["pp_rank"], other["pp_size"], other["dp_size"]) == ("job-b", -1, 1, 1)
+    query = (
+        "SELECT l.stage, count() FROM iterations i JOIN layouts l ON i.job = l.job AND i.rank = l.rank "
+        "WHERE i.job = 'job-a' GROUP BY l.stage ORDER BY l.stage"
+    )
+    _, joined = run_sql(client, database, query)
+    assert [tuple(r) for r in joined] == [(1 - 1, 8), (1, 8)]
