@@ -82,8 +82,6 @@ class Expected:
     onset: int
 
 
-TRACE_CATEGORIES = {"slow_stage": "stage_imbalance", "slow_worker": "gpu_slow", "a2a_imbalance": "gpu_slow"}
-"""An expert rank that gets twice the tokens computes longer than its peers: gpu_slow on it."""
 TRACE_MAGNITUDES = {"slow_stage": 1.25, "slow_worker": 2.35, "a2a_imbalance": 2.0}
 TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
     {"dp": 4, "pp": 4},
@@ -228,7 +226,7 @@ def _run_traces(scenario: TraceScenario) -> Outcome:
     findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
     expected = []
     if job.fault != "healthy":
-        category = TRACE_CATEGORIES[job.fault]
+        category = job.expected_category  # an expert rank with twice the tokens computes longer: gpu_slow
         if job.world_size == job.pp:  # a rank alone in its stage is its stage: nothing tells the two apart
             category = "stage_imbalance"
         expected.append(Expected(category, job.culprits(), job.first_step))

@@ -247,7 +247,12 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import findings_json, print_findings, print_table
 
     result = analyze_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), **_layout_overrides(args)
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
@@ -297,7 +302,12 @@ def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import print_table
 
     ranks = replay_traces(
-        args.paths, config, job=args.job, progress=Progress(enabled=not args.quiet), **_layout_overrides(args)
+        args.paths,
+        config,
+        job=args.job,
+        progress=Progress(enabled=not args.quiet),
+        tp=getattr(args, "tp", 0),
+        pp=getattr(args, "pp", 0),
     )
     if args.json:
         print(json.dumps({"bootstrap_servers": config.kafka.bootstrap_servers, "ranks": [asdict(r) for r in ranks]}))
@@ -331,11 +341,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     _trace_options(p)
     p.add_argument("--json", action="store_true", help='print {"findings": [...], "ranks": [...]}')
     p.set_defaults(handler=cmd_analyze)
-
-
-def _layout_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """``--tp``/``--pp`` where the command line has them (0: from the traces' process groups)."""
-    return {"tp": getattr(args, "tp", 0), "pp": getattr(args, "pp", 0)}
 
 
 def _trace_options(p: argparse.ArgumentParser) -> None:
