@@ -115,7 +115,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         return app.topic(*names, key_serializer="raw", value_serializer="raw")
 
     raw_events = raw(*topics.raw_all)
-    patterns = raw(topics.patterns, topics.heartbeats)
+    differential_in = raw(topics.patterns, topics.heartbeats)
     """The differential's input: pattern and stall records, and producers' heartbeats (both keyed by job)."""
     differential_topics = {topics.patterns, topics.heartbeats}
     progress_out = raw(topics.patterns)
@@ -309,7 +309,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     if "windower" in cfg.stages:
         app.agent(raw_events, name="windower")(windower)
     if "differential" in cfg.stages:
-        app.agent(patterns, name="differential")(differential)
+        app.agent(differential_in, name="differential")(differential)
 
     @app.timer(interval=0.25)
     async def close_idle() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from fleetscope.config import load_config
-from fleetscope.schemas import Topics, encode
+from fleetscope.schemas import Topics, decode, encode
 from fleetscope.schemas.topics import job_key
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack
@@ -85,3 +85,23 @@ def test_a_job_blocked_at_step_150_is_diagnosed_from_heartbeats_and_a_backlog_is
         )  # fmt: skip
         assert time.time_ns() - blocked < 30 * S  # within 30 s of the stall
         assert current_findings(stack.client, database, job=healthy) == []
+        requests = _control_requests(broker, Topics(prefix=config.kafka.topic_prefix).control)
+    # the hang asked its job, once, for a profiling window (evidence of where each rank is stuck)
+    assert [(r["job"], r["action"]) for r in requests] == [(hung, "profile")]
+
+
+def _control_requests(broker: str, topic: str, wait_s: float = 5.0) -> list[dict[str, Any]]:
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": f"t-{uuid.uuid4().hex}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})  # fmt: skip
+    partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    out: list[dict[str, Any]] = []
+    deadline = time.monotonic() + wait_s
+    try:
+        while time.monotonic() < deadline:
+            for msg in consumer.consume(100, 0.5):
+                if msg.error() is None:
+                    out.append(decode(msg.value())[1])
+    finally:
+        consumer.close()
+    return out
