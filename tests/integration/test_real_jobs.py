@@ -256,11 +256,12 @@ def test_a_profiling_window_in_the_middle_of_a_job_is_marked_on_its_steps_and_lo
         "WHERE job = {{job:String}} AND profiled ORDER BY iteration) GROUP BY rank ORDER BY rank"
     )
     profiled = {int(r): sorted(its) for r, its in live.query(sql, job.name)}
-    # every rank marks the steps its window covered: the same ones, give or take the edges (each rank opens
-    # and closes at its own step boundary), within the job's middle
-    assert set(profiled) == set(range(WORLD)) and all(len(its) >= 2 for its in profiled.values()), profiled
+    # every rank marks the steps its windows covered (the manual one, requested past step 120, and any
+    # automatic one): the same ones, give or take the edges (each rank opens and closes at its own step
+    # boundary)
+    assert set(profiled) == set(range(WORLD)), profiled
+    assert all(len([i for i in its if i >= 120]) >= 2 for its in profiled.values()), profiled
     assert all(len(set(profiled[0]) ^ set(its)) <= 4 for its in profiled.values()), profiled
-    assert all(120 <= its[0] and its[-1] < steps for its in profiled.values()), profiled
 
 
 FAULTS = {"dataloader": (2, "dataloader.next"), "gc": (3, "gc.collect")}
