@@ -256,11 +256,12 @@ def test_a_profiling_window_in_the_middle_of_a_job_is_marked_on_its_steps_and_lo
         "WHERE job = {{job:String}} AND profiled ORDER BY iteration) GROUP BY rank ORDER BY rank"
     )
     profiled = {int(r): sorted(its) for r, its in live.query(sql, job.name)}
-    # every rank marks the steps its window covered: the same ones, give or take the edges (each rank opens
-    # and closes at its own step boundary), within the job's middle
-    assert set(profiled) == set(range(WORLD)) and all(len(its) >= 2 for its in profiled.values()), profiled
+    # every rank marks the steps its windows covered (the manual one, requested past step 120, and any
+    # automatic one): the same ones, give or take the edges (each rank opens and closes at its own step
+    # boundary)
+    assert set(profiled) == set(range(WORLD)), profiled
+    assert all(len([i for i in its if i >= 120]) >= 2 for its in profiled.values()), profiled
     assert all(len(set(profiled[0]) ^ set(its)) <= 4 for its in profiled.values()), profiled
-    assert all(120 <= its[0] and its[-1] < steps for its in profiled.values()), profiled
 
 
 FAULTS = {"dataloader": (2, "dataloader.next"), "gc": (3, "gc.collect")}
@@ -269,19 +270,24 @@ FAULTS = {"dataloader": (2, "dataloader.next"), "gc": (3, "gc.collect")}
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_slow_host_function_is_named_on_its_rank_within_ten_iterations(live: Live, fault: str) -> None:
     faulty, function = FAULTS[fault]
+
+    def named(updates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Updates naming the function on the rank: an opening, or a host finding of the rank already open
+        (on noise before the fault) that the fault's function takes over."""
+        return [
+            u
+            for u in updates
+            if u["status"] != "closed" and (u["category"], u["rank"], u["function"]) == ("host_slow", faulty, function)
+        ]
+
     job = live.launch(fault, faulty, steps=70)
     try:
         job.wait(timeout_s=120)
-        found = live.wait_for(job.name, lambda us: any(u["rank"] == faulty for u in us), timeout_s=20)
+        found = live.wait_for(job.name, lambda us: bool(named(us)), timeout_s=20)
     finally:
         job.kill()
-    named = [
-        u
-        for u in found
-        if (u["status"], u["category"], u["rank"], u["function"]) == ("open", "host_slow", faulty, function)
-    ]
-    assert named, _show(found)
-    assert any(FAULT_AT <= u["iteration_last"] <= FAULT_AT + 10 for u in named), _show(found)
+    assert named(found), _show(found)
+    assert FAULT_AT <= named(found)[0]["iteration_last"] <= FAULT_AT + 10, _show(found)
 
 
 def test_a_rank_blocked_forever_is_named_as_the_one_that_never_entered_the_collective(live: Live) -> None:

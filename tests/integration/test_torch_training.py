@@ -105,7 +105,7 @@ def test_two_rank_cpu_training_reaches_clickhouse_both_ways(
     (tmp_path / "two_lines.py").write_text(TWO_LINES)
     (tmp_path / "plain.py").write_text(PLAIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
-    env["FLEETSCOPE_TORCH_DDP_HOOK"] = "1"  # time DDP buckets on gloo too (by default on NCCL only)
+    env["FLEETSCOPE_TORCH_DDP_HOOK"] = "1"  # the comm-hook path (NCCL's default); test_real_jobs runs gloo's
     env |= {
         "FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS": broker,
         "FLEETSCOPE__KAFKA__TOPIC_PREFIX": prefix,
