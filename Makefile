@@ -21,7 +21,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fleetscope demo $(DEMO_ARGS)
 
+# Lint, format and types first (seconds), then the tests.
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

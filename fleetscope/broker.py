@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from fleetscope.errors import BrokerUnreachable
 from fleetscope.schemas import Topics

@@ -325,7 +325,7 @@ def _is_nccl(process_group: Any) -> bool:
 def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
     """DDP's stock ``allreduce_hook`` (average = divide, then sum), timed in the completion callback it
     needs anyway: one Python callback per bucket, not two."""
-    group = process_group if process_group is not None else dist.group.WORLD
+    group: Any = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer()
     tensor.div_(group.size())
     mon = _current()

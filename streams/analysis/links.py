@@ -51,7 +51,7 @@ def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budge
         ratio = np.where(steadier, ratio, 1.0)
         excess = np.nan_to_num(transfer * (1 - ratio) * calls)
         loss = excess.sum(axis=1)
-        for i in np.flatnonzero(loss >= budget):
+        for i in np.flatnonzero(loss >= budget).tolist():
             if i in out and out[i].loss_ns >= loss[i]:
                 continue
             j = int(np.argmax(excess[i]))

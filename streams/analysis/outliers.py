@@ -93,7 +93,7 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
         excess[rows] = np.nan_to_num((mean[rows] - sc.median) * calls)
         loss[rows] = excess[rows].sum(axis=1)
     out: dict[int, RankSignal] = {}
-    for i in np.flatnonzero(loss >= budget):
+    for i in np.flatnonzero(loss >= budget).tolist():
         j = int(np.nanargmax(excess[i]))
         evidence = {
             "functions": top_functions(pm.functions, excess[i], mean[i], sc.median, sc.z[i]),
@@ -142,7 +142,7 @@ def _slow_host(
     excess = np.where(flag, np.nan_to_num((share - sc.median) * it), 0.0)
     loss = excess.sum(axis=1)
     out: dict[int, RankSignal] = {}
-    for i in np.flatnonzero(loss >= budget):
+    for i in np.flatnonzero(loss >= budget).tolist():
         j = int(np.argmax(excess[i]))
         total = share[i] * it
         out[i] = row_signal(
@@ -181,7 +181,7 @@ def _late_arrivals(
         arrival = np.nanmax(np.where(np.isnan(sc.z), np.nan, sc.median - mean), axis=1)
     waited = _waited_ns(pm, cfg, scorer)
     out: dict[int, RankSignal] = {}
-    for i in np.flatnonzero(loss >= budget):
+    for i in np.flatnonzero(loss >= budget).tolist():
         j = int(np.nanargmax(lateness[i]))
         out[i] = row_signal(
             pm, i, category="straggler", function=pm.functions[j], metric="arrival_lateness_ns",
@@ -219,7 +219,8 @@ def _waited_ns(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer) -> F64
     per_class = np.where(present.astype(np.float64) @ onehot > 0, np.nan_to_num(time) @ onehot, np.nan)
     sc = scorer(per_class)
     waiting = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.min_relative_gap)
-    return np.where(waiting, per_class - sc.median, 0.0).sum(axis=1)
+    waited: F64 = np.where(waiting, per_class - sc.median, 0.0).sum(axis=1)
+    return waited
 
 
 def score_peer_group(

@@ -222,11 +222,13 @@ def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 
     return np.cumsum(size) - size - t_lo
 
 
-_SPANS = {"start_ns": np.int64, "dur_ns": np.int64, "name_id": np.int32}
-_COLLECTIVES = {"start_ns": np.int64, "dur_ns": np.int64, "op_id": np.int32, "pg_id": np.int32,
-                "nbytes": np.int64, "group_size": np.int32}  # fmt: skip
-_SAMPLES = {"t_ns": np.int64, "metric_id": np.int32, "value": np.float64}
-_HOST_SPANS = {**_SPANS, "depth": np.int32}
+_SPANS: dict[str, type[np.generic]] = {"start_ns": np.int64, "dur_ns": np.int64, "name_id": np.int32}
+_COLLECTIVES: dict[str, type[np.generic]] = {
+    "start_ns": np.int64, "dur_ns": np.int64, "op_id": np.int32, "pg_id": np.int32, "nbytes": np.int64,
+    "group_size": np.int32,
+}  # fmt: skip
+_SAMPLES: dict[str, type[np.generic]] = {"t_ns": np.int64, "metric_id": np.int32, "value": np.float64}
+_HOST_SPANS: dict[str, type[np.generic]] = {**_SPANS, "depth": np.int32}
 _MAX_SHIFTED = 2**61
 """Batched iterations are shifted into consecutive time ranges; wider than this they go one by one."""
 
@@ -307,7 +309,8 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     first_fn = np.cumsum(n_fn) - n_fn
 
     def numbered(it: I64, before: I64, count: I64) -> I64:
-        return first_fn[it] + before[it] + np.arange(it.size) - (np.cumsum(count) - count)[it]
+        ids: I64 = first_fn[it] + before[it] + np.arange(it.size) - (np.cumsum(count) - count)[it]
+        return ids
 
     k_fn = numbered(k_it, np.zeros(m, dtype=np.int64), nk)
     c_fn = numbered(c_rows[:, 0], nk, nc)

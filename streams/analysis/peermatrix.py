@@ -45,7 +45,12 @@ def _picker(positions: list[int]) -> Picker:
     if positions[-1] - positions[0] == len(positions) - 1:
         return operator.itemgetter(slice(positions[0], positions[-1] + 1))
     if len(positions) == 1:
-        return lambda values, i=positions[0]: (values[i],)
+        only = positions[0]
+
+        def one(values: Sequence[Any]) -> tuple[Any, ...]:
+            return (values[only],)
+
+        return one
     return operator.itemgetter(*positions)
 
 
@@ -124,7 +129,7 @@ class FunctionIndex:
                     if ids[j] == len(self.names):
                         self.names.append(name)
         return _Layout(
-            names=list(map(self.names.__getitem__, ids)),  # the index's strings: no decoded copies held
+            names=[self.names[i] for i in ids],  # type: ignore[index]  # the index's strings: no decoded copies held
             kinds=list(kinds),
             ids=np.fromiter(ids, dtype=np.int64, count=len(ids)),
             kind=np.fromiter(kinds, dtype=np.int64, count=len(kinds)),
@@ -285,8 +290,8 @@ class PeerMatrices:
             functions = [index.names[i] for i in ids.tolist()]
             by_kind[k] = PeerMatrix(ranks, hosts, functions, np.full(ids.size, k, dtype=np.int64), iteration_ns, {})
         feature_kinds: dict[str, list[int]] = {}
-        for k, names in reads.items():
-            for name in names:
+        for k, wanted in reads.items():
+            for name in wanted:
                 feature_kinds.setdefault(name, []).append(k)
         for name, kinds in feature_kinds.items():
             columns = [rec[name] for rec in records]
@@ -308,8 +313,8 @@ class PeerMatrices:
                 mat = np.full(m * n, np.nan)
                 mat[cells[k]] = values
                 by_kind[k].features[name] = mat.reshape(m, n).T
-        for k, names in (on_demand or {}).items():
-            for name in names:
+        for k, wanted in (on_demand or {}).items():
+            for name in wanted:
                 columns = [rec[name] for rec in records]
                 if n and not np.array_equal(np.fromiter(map(len, columns), dtype=np.int64, count=n), lengths):
                     raise ValueError(f"pattern column {name!r} is not as long as the record's functions")

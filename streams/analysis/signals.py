@@ -88,7 +88,7 @@ class RankSignal:
         return self.ranks or (self.rank,)
 
 
-def top_functions(functions: list[str], excess: F64, value: F64, med: F64, z: F64, k: int = 5) -> list[dict]:
+def top_functions(functions: list[str], excess: F64, value: F64, med: F64, z: F64, k: int = 5) -> list[dict[str, Any]]:
     order = np.argsort(-np.nan_to_num(excess))[:k]
     return [
         {

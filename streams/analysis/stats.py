@@ -87,7 +87,7 @@ def merge_intervals(start: I64, end: I64) -> tuple[I64, I64]:
     return s[new], e[last]
 
 
-def clip(x: I64, lo: int, hi: int) -> I64:
+def clip(x: I64, lo: int | I64, hi: int | I64) -> I64:
     """``np.clip`` for int arrays, without its per-call overhead."""
     return np.minimum(np.maximum(x, lo), hi)
 
