@@ -28,9 +28,9 @@ from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
 
 pytestmark = pytest.mark.integration
 
-SIM = SimulatorConfig(job="multi-job", ranks=8, iterations=36, faults=(parse_fault("slow_gpu:5:1.5"),))
+SIM = SimulatorConfig(job="multi-job", ranks=8, iterations=30, faults=(parse_fault("slow_gpu:5:1.5"),))
 EXPECTED_ROWS = SIM.ranks * SIM.expected_iterations
-PACE_S = 0.3
+PACE_S = 0.25
 """Pause between iterations while publishing: the job runs while partitions move."""
 
 

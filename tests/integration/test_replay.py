@@ -45,7 +45,7 @@ def test_replay_publishes_every_batch_of_the_hta_pair(
             expected[(b.header.rank, b.kind.value, "batches")] += 1
             expected[(b.header.rank, b.kind.value, "events")] += len(b)
 
-    args = argparse.Namespace(paths=[str(TRACE_FILTER)], job=None, quiet=True, tp=None, pp=None, json=False)
+    args = argparse.Namespace(paths=[str(TRACE_FILTER)], job=None, quiet=True, tp=0, pp=0, json=False)
     assert cmd_replay(args, config) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:3] == ["job", "rank", "host"] and "trace_filter" in out

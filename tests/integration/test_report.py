@@ -74,7 +74,7 @@ def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Any]) -
     without_ns = page.replace("http://www.w3.org/2000/svg", "")
     for external in ("http://", "https://", " src=", "<link", "<script", "url(", "@import"):
         assert external not in without_ns, external
-    assert re.search(rf"<td>open</td><td>rank {SLOW_RANK}</td><td>node001</td>", page)
+    assert re.search(rf"<td>open</td><td>rank {SLOW_RANK}</td><td>node001[^<]*GPU-[0-9a-f-]+", page), "the GPU by UUID"
     assert "gpu_slow" in page and "+50%" in page
 
 
@@ -85,7 +85,8 @@ def test_the_report_leads_with_a_verdict_in_time_per_iteration(demo_store: tuple
     verdict = re.search(r"<p class='verdict'>(.*?)</p>", page)
     assert verdict is not None and page.index("class='verdict'") < page.index("<h2>")
     text = verdict.group(1)
-    assert text.startswith(f"Rank {SLOW_RANK} (node001) runs its GPU kernels slower than its peers"), text
+    assert text.startswith(f"Rank {SLOW_RANK} (node001, GPU 3 (GPU-"), text  # the device to drain
+    assert "runs its GPU kernels slower than its peers" in text, text
     assert re.search(r"costs the job about [\d.]+ ms per iteration \([\d.]+% of a [\d.]+ ms iteration\)", text), text
     assert "e+0" not in page and "nan" not in page.lower().replace("nanmedian", "")
     assert "No GPU kernels were profiled" not in page
