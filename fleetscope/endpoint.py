@@ -11,6 +11,7 @@ working across restarts.
 from __future__ import annotations
 
 import fcntl
+import hmac
 import json
 import os
 import secrets
@@ -22,10 +23,25 @@ from typing import Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.errors import StoreLocked
-from fleetscope.storeserver import Tokens
 
 ENDPOINT_FILE = "endpoint.json"
 TOKENS_FILE = "store-tokens.json"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The two secrets of a served store: ``read`` may query, ``write`` may also modify."""
+
+    read: str
+    write: str
+
+    def access(self, presented: str) -> str | None:
+        """ "write", "read" or None; constant-time comparisons."""
+        if presented and hmac.compare_digest(presented.encode(), self.write.encode()):
+            return "write"
+        if presented and hmac.compare_digest(presented.encode(), self.read.encode()):
+            return "read"
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,6 @@ cannot lift), and only once the engine's parser and AST show one read statement 
 from __future__ import annotations
 
 import gzip
-import hmac
 import json
 import logging
 import os
@@ -30,12 +29,12 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from fleetscope.endpoint import Tokens
 from fleetscope.sinks.user_sql import CHDB_LOCKDOWN, vet_canonical
 
 log = logging.getLogger(__name__)
@@ -71,22 +70,6 @@ class QueryRefused(Exception):
     def __init__(self, code: int, name: str, message: str) -> None:
         super().__init__(f"Code: {code}. DB::Exception: {message}. ({name})")
         self.code = code
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """The two secrets of a served store: ``read`` may query, ``write`` may also modify."""
-
-    read: str
-    write: str
-
-    def access(self, presented: str) -> str | None:
-        """ "write", "read" or None; constant-time comparisons."""
-        if presented and hmac.compare_digest(presented.encode(), self.write.encode()):
-            return "write"
-        if presented and hmac.compare_digest(presented.encode(), self.read.encode()):
-            return "read"
-        return None
 
 
 def split_request(query_param: str, body: bytes) -> tuple[str, bytes]:

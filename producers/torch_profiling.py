@@ -26,6 +26,27 @@ _HOST_ACTIVITIES = ("cpu_op", "user_annotation", "python_function")
 _LAUNCH_ACTIVITIES = ("cuda_runtime", "cuda_driver")
 
 
+def activity_of(event: Any) -> str:
+    """The Kineto activity of a profiler event, by name (``kernel``, ``cuda_runtime``, ``cpu_op``, ...).
+
+    ``activity_type()`` exists from torch 2.12 on; before it (seen on torch 2.11 + CUDA 13) the kind is read
+    from what every release has: the device the event ran on, the annotation and Python-function flags, and
+    the CUDA runtime/driver call names that launch GPU work (``cudaLaunchKernel``, ``cuLaunchKernel``, ...).
+    """
+    if hasattr(event, "activity_type"):
+        return str(event.activity_type())
+    if str(event.device_type()).rsplit(".", 1)[-1] == "CUDA":
+        return "kernel"  # kernels, copies and memsets are all GPU activity here
+    if event.is_user_annotation():
+        return "user_annotation"
+    if event.is_python_function():
+        return "python_function"
+    name = event.name()
+    if name.startswith(("cuda", "cu")) and "::" not in name:
+        return "cuda_runtime"
+    return "cpu_op"
+
+
 @dataclass(frozen=True, kw_only=True)
 class WindowConfig:
     max_host_depth: int = 0
@@ -44,7 +65,7 @@ def window_batches(
     host: list[tuple[str, int, int, int, int]] = []  # name, start, dur, thread, is an op
     launch_at: dict[int, int] = {}
     for e in events:
-        activity = str(e.activity_type())
+        activity = activity_of(e)
         if activity in _GPU_ACTIVITIES:
             gpu.append((e.name(), e.start_ns(), e.duration_ns(), e.device_resource_id(), e.linked_correlation_id()))
         elif activity in _LAUNCH_ACTIVITIES:

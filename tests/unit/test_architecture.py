@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -118,3 +119,25 @@ def test_the_findings_schema_file_matches_the_catalog() -> None:
     latest = CATALOG.latest("findings")
     on_disk = json.loads((ROOT / "schemas" / "avro" / f"findings.v{latest.version}.avsc").read_text())
     assert [f["name"] for f in on_disk["fields"]] == [f["name"] for f in latest.parsed["fields"]]
+
+
+def test_the_node_agent_starts_on_a_gpu_node_that_has_no_store_engine() -> None:
+    """``fleetscope agent`` runs on every GPU node, where neither the store driver nor the stream engine is
+    installed (seen on a real GPU machine: the agent died on a ClickHouse import through the endpoint
+    lookup). With those imports (and NVML's) refused, the agent must get as far as saying NVML is missing."""
+    probe = (
+        "import sys\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('clickhouse_connect', 'chdb', 'faust', 'aiokafka', 'pynvml'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "sys.argv = ['fleetscope', 'agent', '--job', 'j']\n"
+        "from fleetscope.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    env = dict(os.environ, FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS="127.0.0.1:9")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "NVML is not available" in out.stderr + out.stdout, out.stderr
+    assert "ModuleNotFoundError" not in out.stderr + out.stdout and "clickhouse" not in out.stderr, out.stderr

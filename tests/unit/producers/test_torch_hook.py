@@ -17,6 +17,7 @@ from fleetscope.producers.publisher import PublisherStats
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
 from fleetscope.schemas import (
     GC_PAUSE,
+    BatchHeader,
     EventBatch,
     EventKind,
     Topics,
@@ -418,3 +419,42 @@ def test_on_gloo_ddp_gradient_sync_is_timed_without_a_comm_hook(hooked, monkeypa
     last = recorder.state.last
     assert last is not None and (last.op, last.pg, last.group_ranks, last.seq) == ("allreduce", "0", (0,), 3)
     assert recorder.stats.hook_errors == 0
+
+
+class _WithoutActivityType:
+    """A profiler event as torch before 2.12 exposes it: every method but ``activity_type``."""
+
+    def __init__(self, event: object) -> None:
+        self._event = event
+
+    def __getattr__(self, name: str) -> object:
+        if name == "activity_type":
+            raise AttributeError(name)
+        return getattr(self._event, name)
+
+
+def test_profiler_events_are_classified_alike_without_activity_type() -> None:
+    """torch 2.11 (seen on a real CUDA machine) has no ``_KinetoEvent.activity_type``: the window's events
+    must still become the same batches, read from the device, flags and launch-call names instead."""
+    from fleetscope.producers.torch_profiling import activity_of, window_batches
+
+    model = torch.nn.Linear(16, 16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            with torch.profiler.record_function("user_region"):
+                model(torch.randn(4, 16)).sum().backward()
+    events = list(prof.profiler.kineto_results.events())
+    old = [_WithoutActivityType(e) for e in events]
+    assert not hasattr(old[0], "activity_type")
+    kinds = {str(e.activity_type()) for e in events}
+    assert {"cpu_op", "user_annotation"} <= kinds
+    assert [activity_of(o) for o in old] == [str(e.activity_type()) for e in events]
+    seq = iter(range(10**6))
+
+    def header() -> BatchHeader:
+        return BatchHeader(job="j", rank=0, world_size=1, producer_id="p", seq=next(seq))
+
+    new_batches, old_batches = window_batches(events, header), window_batches(old, header)
+    assert [(b.kind, b.names) for b in old_batches] == [(b.kind, b.names) for b in new_batches]
+    pairs = zip(old_batches, new_batches, strict=True)
+    assert all((a.columns["start_ns"] == b.columns["start_ns"]).all() for a, b in pairs)
