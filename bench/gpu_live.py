@@ -103,13 +103,13 @@ with open(out, "w") as f:
 """
 
 
-def _env(servers: str, job: str, rank: int, world: int, port: int) -> dict[str, str]:
+def _env(servers: str, job: str, rank: int, world: int, port: int, nvml: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
             "FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS": servers,
             "FLEETSCOPE_JOB": job,
-            "FLEETSCOPE_NVML": "agent",  # `fleetscope agent` samples the GPU: the path a fleet runs
+            "FLEETSCOPE_NVML": nvml,  # agent: `fleetscope agent` samples the GPU; process: each rank does
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -122,7 +122,16 @@ def _env(servers: str, job: str, rank: int, world: int, port: int) -> dict[str, 
 
 
 def _run_job(
-    servers: str, job: str, kind: str, world: int, steps: int, mode: str, faulty: int, at: int, work: Path
+    servers: str,
+    job: str,
+    kind: str,
+    world: int,
+    steps: int,
+    mode: str,
+    faulty: int,
+    at: int,
+    work: Path,
+    nvml: str = "agent",
 ) -> list[dict[str, object]]:
     from fleetscope.broker import free_port
 
@@ -135,7 +144,8 @@ def _run_job(
         outs.append(out)
         args = [sys.executable, str(script), kind, str(steps), mode, str(faulty), str(at), str(out)]
         log = open(work / f"{job}-{mode}-{rank}.log", "wb")  # noqa: SIM115
-        procs.append(subprocess.Popen(args, env=_env(servers, job, rank, world, port), stdout=log, stderr=log))
+        env = _env(servers, job, rank, world, port, nvml)
+        procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=log))
     for p in procs:
         p.wait(timeout=600)
     if any(p.returncode for p in procs):
@@ -235,18 +245,16 @@ def capture(out: Path, steps: int, fault_at: int, rounds: int, window_after_s: f
             proc.wait(timeout=20)
             figures[f"agent {job}"] = (work / f"agent-{job}.log").read_text()[-600:]
         # overhead: the same 1-rank NCCL job without and with the hook, alternating, fresh processes
-        runs: dict[str, list[float]] = {"off": [], "on": []}
+        # "on": NVML by the agent (none runs now); "on_nvml": each rank samples its GPU, the default with pynvml
+        modes = {"off": ("off", "agent"), "on": ("on", "agent"), "on_nvml": ("on", "process")}
+        runs: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(rounds):
-            for mode in ("off", "on"):
-                res = _run_job(servers, "gpu-overhead", "nccl1", 1, 300, mode, -1, 10**9, work)
-                runs[mode].append(_median_step_ms(res))
-        off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
-        figures["overhead"] = {
-            "step_ms_off": [round(x, 3) for x in runs["off"]],
-            "step_ms_on": [round(x, 3) for x in runs["on"]],
-            "median_off_ms": round(off, 3),
-            "median_on_ms": round(on, 3),
-            "overhead_pct": round(100 * (on - off) / off, 2),
+            for name, (mode, nvml) in modes.items():
+                res = _run_job(servers, f"gpu-overhead-{name}", "nccl1", 1, 400, mode, -1, 10**9, work, nvml)
+                runs[name].append(_median_step_ms(res))
+        off = statistics.median(runs["off"])
+        figures["overhead"] = {"step_ms": {m: [round(x, 3) for x in v] for m, v in runs.items()}} | {
+            f"{m}_pct": round(100 * (statistics.median(v) - off) / off, 2) for m, v in runs.items() if m != "off"
         }
         print("overhead", json.dumps(figures["overhead"]), flush=True)
         wanted = [*topics.raw_all, topics.heartbeats, topics.control]
@@ -321,7 +329,7 @@ def main() -> None:
     c.add_argument("--steps", type=int, default=700)
     c.add_argument("--fault-at", type=int, default=300)
     c.add_argument("--window-after-s", type=float, default=15.0, help="profile request, seconds after launch")
-    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--rounds", type=int, default=4)
     i = sub.add_parser("ingest")
     i.add_argument("out", type=Path)
     i.add_argument("--settle-s", type=float, default=20.0)

@@ -29,18 +29,20 @@ _LAUNCH_ACTIVITIES = ("cuda_runtime", "cuda_driver")
 def activity_of(event: Any) -> str:
     """The Kineto activity of a profiler event, by name (``kernel``, ``cuda_runtime``, ``cpu_op``, ...).
 
-    ``activity_type()`` exists from torch 2.12 on; before it (seen on torch 2.11 + CUDA 13) the kind is read
-    from what every release has: the device the event ran on, the annotation and Python-function flags, and
-    the CUDA runtime/driver call names that launch GPU work (``cudaLaunchKernel``, ``cuLaunchKernel``, ...).
+    ``activity_type()`` exists from torch 2.12 on; torch 2.11 (seen with CUDA 13) has neither it nor
+    ``is_python_function``. Then the kind is read from what every release has — the device the event ran on
+    and the CUDA runtime/driver calls that launch GPU work (``cudaLaunchKernel``, ``cuLaunchKernel``) — and
+    from the annotation flags where the release has them.
     """
-    if hasattr(event, "activity_type"):
-        return str(event.activity_type())
+    activity_type = getattr(event, "activity_type", None)
+    if activity_type is not None:
+        return str(activity_type())
     if str(event.device_type()).rsplit(".", 1)[-1] == "CUDA":
         return "kernel"  # kernels, copies and memsets are all GPU activity here
-    if event.is_user_annotation():
-        return "user_annotation"
-    if event.is_python_function():
-        return "python_function"
+    for flag, activity in (("is_user_annotation", "user_annotation"), ("is_python_function", "python_function")):
+        is_kind = getattr(event, flag, None)
+        if is_kind is not None and is_kind():
+            return activity
     name = event.name()
     if name.startswith(("cuda", "cu")) and "::" not in name:
         return "cuda_runtime"

@@ -422,13 +422,13 @@ def test_on_gloo_ddp_gradient_sync_is_timed_without_a_comm_hook(hooked, monkeypa
 
 
 class _WithoutActivityType:
-    """A profiler event as torch before 2.12 exposes it: every method but ``activity_type``."""
+    """A profiler event as torch 2.11 exposes it: no ``activity_type``, no ``is_python_function``."""
 
     def __init__(self, event: object) -> None:
         self._event = event
 
     def __getattr__(self, name: str) -> object:
-        if name == "activity_type":
+        if name in ("activity_type", "is_python_function"):
             raise AttributeError(name)
         return getattr(self._event, name)
 
