@@ -6,6 +6,7 @@ by the windowers' open steps plus one iteration's patterns per job that is still
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,8 @@ from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
 from fleetscope.streams.differential import DifferentialStage
 from fleetscope.streams.windower import WindowerStage, stall_reports, summarized
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,7 +65,7 @@ class OfflinePipeline:
     def add(self, batch: EventBatch, now_ns: int = 0) -> None:
         taken = self.windower.take_batch(batch, now_ns, time.time_ns())
         if taken.reason is not None:
-            self.result.dead_letters.append(taken.reason)
+            self._refused(taken.reason, f"a {batch.kind.value} batch of {batch.header.job} rank {batch.header.rank}")
             return
         self._take(taken.closed)
         if taken.windower is not None:
@@ -91,8 +94,15 @@ class OfflinePipeline:
     def _apply(self, subject: str, record: dict[str, Any]) -> None:
         taken = self.differential.apply(subject, record, None)
         if taken.reason is not None:
-            self.result.dead_letters.append(taken.reason)
+            self._refused(taken.reason, f"a {subject} record of {record['job']}")
         self.result.finding_updates += taken.findings
+
+    def _refused(self, reason: str, what: str) -> None:
+        """Note what the worker would dead-letter; the first of each kind of reason is logged."""
+        short = reason.split(":", 1)[0]
+        if not any(r.split(":", 1)[0] == short for r in self.result.dead_letters):
+            log.warning("refused %s (the worker would dead-letter it): %s", what, reason)
+        self.result.dead_letters.append(reason)
 
     def _take_progress(self, w: RankWindower) -> None:
         for rec in stall_reports([w]):
