@@ -105,6 +105,23 @@ class DifferentialStage:
             text = " ".join(str(exc).split()) or type(exc).__name__
             return Taken([], job, subject, reason=f"differential: {text}"[:_MAX_REASON_CHARS])
 
+    def flush(self, job: str) -> list[dict[str, Any]]:
+        """Score what the idle job has pending (``JobDifferential.flush``); an analysis failure is logged."""
+        return self._guarded(job, "flush", self.jobs[job].flush)
+
+    def end(self, job: str) -> list[dict[str, Any]]:
+        """Close the ended job's findings (``JobDifferential.end``); an analysis failure is logged."""
+        return self._guarded(job, "end", self.jobs[job].end)
+
+    @staticmethod
+    def _guarded(job: str, what: str, step: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """A timer's step: no message to dead-letter, but a failure must not stop the worker's timers."""
+        try:
+            return step()
+        except Exception:
+            log.exception("the differential of job %r failed to %s", job, what)
+            return []
+
 
 class DifferentialAgent:
     """The differential's Faust agent and timers: findings sent, acks held until a state record covers them."""
@@ -203,7 +220,7 @@ class DifferentialAgent:
             async with self.lock:
                 if epoch != self.gate.epoch:
                     return
-                out = jd.flush()
+                out = self.stage.flush(job)
                 self.recovery.flushed(job)
                 await self.emit(out)
                 released = await self.recovery.checkpoint([job]) if epoch == self.gate.epoch else []
@@ -226,7 +243,7 @@ class DifferentialAgent:
             async with self.lock:
                 if epoch != self.gate.epoch:
                     return
-                await self.emit(jd.end())
+                await self.emit(self.stage.end(job))
                 self.profiles.forget(job)
                 released = await self.recovery.checkpoint([job]) if epoch == self.gate.epoch else []
             if epoch == self.gate.epoch:

@@ -87,8 +87,8 @@ class OfflinePipeline:
     def finish(self) -> OfflineResult:
         for job, rank in list(self.windower.windowers):
             self.close_rank(job, rank)
-        for jd in self.differential.jobs.values():
-            self.result.finding_updates += jd.flush()
+        for job in list(self.differential.jobs):
+            self.result.finding_updates += self.differential.flush(job)
         return self.result
 
     def _apply(self, subject: str, record: dict[str, Any]) -> None:

@@ -85,6 +85,12 @@ def test_an_analysis_failure_costs_one_message_not_the_stage() -> None:
     assert len(reasons) == SLOW_GPU.iterations  # one per iteration: the record that completed it
     assert stage.jobs[SLOW_GPU.job].iterations_scored == SLOW_GPU.iterations
 
+    idle = DifferentialStage(scorer=failing)  # a timer's flush of an incomplete iteration: logged, no raise
+    for rec in _patterns()[: SLOW_GPU.ranks - 1]:
+        assert idle.take(encode("patterns", rec), None).reason is None
+    before = calls["n"]
+    assert idle.flush(SLOW_GPU.job) == [] and idle.end(SLOW_GPU.job) == [] and calls["n"] == before + 1
+
 
 def test_mean_z_is_masked_by_the_outlier_it_looks_for() -> None:
     for n in (8, 16, 64):
