@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetscope.producers.publisher.config import PublisherConfig
 from fleetscope.schemas.limits import IntakeLimits
@@ -25,6 +25,9 @@ from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig
 from fleetscope.streams.profiling import ProfileRequestConfig
+
+if TYPE_CHECKING:  # faust is imported only where a worker runs (not in training ranks)
+    from fleetscope.streams.appconfig import BrokerCredentials
 
 ENV_PREFIX = "FLEETSCOPE__"
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -100,7 +103,7 @@ class KafkaSettings:
         """An AdminClient's settings (topic creation by ``init``, ``replay`` and the embedded stack)."""
         return {"bootstrap.servers": self.bootstrap_servers, **self.client_settings()}
 
-    def faust_credentials(self) -> Any:
+    def faust_credentials(self) -> BrokerCredentials:
         """The same security for the Faust app (``broker_credentials``): every aiokafka client it creates,
         and the recovery consumer, which takes the app's. None for PLAINTEXT."""
         import ssl

@@ -23,7 +23,7 @@ from fleetscope.endpoint import Endpoint, ensure_unlocked, remove_endpoint, stor
 from fleetscope.schemas import Topics
 from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, connect, migrate
 from fleetscope.storeserver import StoreServer
-from fleetscope.streams.app import StreamAppConfig
+from fleetscope.wiring import stream_app_config as stream_app_config  # the CLI and tests find it here
 
 log = logging.getLogger(__name__)
 
@@ -70,30 +70,6 @@ def sink_config(config: Config) -> SinkConfig:
         flush_rows=config.store.flush_rows,
         flush_interval_ms=config.store.flush_interval_ms,
         extra=k.client_settings(),
-    )
-
-
-def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
-    k, s = config.kafka, config.streams
-    return StreamAppConfig(
-        bootstrap_servers=k.bootstrap_servers,
-        topic_prefix=k.topic_prefix,
-        app_id=s.app_id,
-        stages=s.stages,
-        partitions=k.derived_partitions,
-        raw_partitions=k.raw_partitions,
-        session_timeout_ms=k.session_timeout_ms,
-        data_dir=config.data_dir,
-        web_port=web_port,
-        take_max_events=s.take_max_events,
-        take_within_ms=s.take_within_ms,
-        job_idle_ms=s.job_idle_ms,
-        job_end_ms=s.job_end_ms,
-        windower=s.windower,
-        differential=s.differential,
-        profiling=s.profiling,
-        limits=config.limits,
-        broker_credentials=k.faust_credentials(),
     )
 
 

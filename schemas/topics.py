@@ -29,6 +29,11 @@ class Topics:
         return f"{self.prefix}.patterns"
 
     @property
+    def stalls(self) -> str:
+        """Windowers' rank stall/resume reports, key ``job``: partitioned like ``patterns`` (the job's differential)."""
+        return f"{self.prefix}.stalls"
+
+    @property
     def findings(self) -> str:
         return f"{self.prefix}.findings"
 
@@ -48,7 +53,15 @@ class Topics:
     @property
     def derived_all(self) -> tuple[str, ...]:
         """Topics keyed by job or derived from raw events: created with the derived partition count."""
-        return (self.iterations, self.patterns, self.findings, self.deadletter, self.control, self.heartbeats)
+        return (
+            self.iterations,
+            self.patterns,
+            self.stalls,
+            self.findings,
+            self.deadletter,
+            self.control,
+            self.heartbeats,
+        )
 
 
 def rank_key(job: str, rank: int) -> bytes:

@@ -82,10 +82,6 @@ class SinkConfig:
             raise ValueError("invalid SinkConfig: " + "; ".join(errors))
 
 
-_NOT_STORED = frozenset({"progress"})
-"""Valid records that share the sink's topics but are stream-internal (rank stall reports)."""
-
-
 @dataclass(slots=True)
 class _Buffer:
     """Decoded records of one table with the messages they came from (to isolate a bad one)."""
@@ -277,9 +273,6 @@ class Sink:
         try:
             subject, record = decode(value)
             table = _SUBJECT_TABLE.get(subject)
-            if table is None and subject in _NOT_STORED:
-                self._mark(msg)
-                return
             if table is None:
                 raise SchemaError(f"subject {subject!r} does not belong on the sink's topics")
             rows = pattern_rows(record) if table == FUNCTION_PATTERNS else 1

@@ -56,6 +56,19 @@ def intake(
         batch = decode_event_batch(message or b"")
     except SchemaError as exc:
         return IntakeResult(reason=_reason("schema", exc))
+    return intake_batch(batch, windowers, now_ns, config, wall_ns=wall_ns, limits=limits)
+
+
+def intake_batch(
+    batch: EventBatch,
+    windowers: dict[tuple[str, int], RankWindower],
+    now_ns: int,
+    config: WindowerConfig | None,
+    *,
+    wall_ns: int,
+    limits: IntakeLimits = _DEFAULT_LIMITS,
+) -> IntakeResult:
+    """``intake`` of a batch already decoded (trace files read in-process): the same rules from validation on."""
     reason = check_batch(batch, wall_ns, limits)
     if reason is not None:
         return IntakeResult(reason=reason[:_MAX_REASON_CHARS])

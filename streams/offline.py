@@ -6,14 +6,20 @@ by the windowers' open steps plus one iteration's patterns per job that is still
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fleetscope.schemas import EventBatch
-from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
-from fleetscope.streams.analysis.outliers import OutlierScorer
-from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig, summarize_closed
+from fleetscope.schemas import EventBatch, IntakeLimits
+from fleetscope.streams.analysis.differential import DifferentialConfig
+from fleetscope.streams.analysis.signals import OutlierScorer
+from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
+from fleetscope.streams.differential import DifferentialStage
+from fleetscope.streams.windower import WindowerStage, stall_reports, summarized
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,6 +27,8 @@ class OfflineResult:
     iterations: list[dict[str, Any]] = field(default_factory=list)
     finding_updates: list[dict[str, Any]] = field(default_factory=list)
     late_events: int = 0
+    dead_letters: list[str] = field(default_factory=list)
+    """Why each refused batch or record was refused, as the worker's dead-letter topic would say."""
 
     @property
     def findings(self) -> list[dict[str, Any]]:
@@ -32,7 +40,10 @@ class OfflineResult:
 
 
 class OfflinePipeline:
-    """Feed raw batches in any order per rank; ``finish()`` closes everything and returns results."""
+    """Feed raw batches in any order per rank; ``finish()`` closes everything and returns results.
+
+    Runs the worker's own stage classes, so a batch the worker would dead-letter is refused here too
+    (its reason lands in ``OfflineResult.dead_letters``)."""
 
     def __init__(
         self,
@@ -40,24 +51,25 @@ class OfflinePipeline:
         differential: DifferentialConfig | None = None,
         scorer: OutlierScorer | None = None,
         keep_patterns: bool = False,
+        limits: IntakeLimits | None = None,
     ) -> None:
         # Offline input is complete and read in order: no backlog, so no processing-time silence to wait for.
         self.windower_config = replace(windower or WindowerConfig(), stall_silence_ms=0)
-        self.differential_config = differential or DifferentialConfig()
-        self.scorer = scorer
+        self.windower = WindowerStage(self.windower_config, limits or IntakeLimits())
+        self.differential = DifferentialStage(differential, scorer)
+        self.differential_config = self.differential.config
         self.keep_patterns = keep_patterns
         self.patterns: list[dict[str, Any]] = []
         self.result = OfflineResult()
-        self._windowers: dict[tuple[str, int], RankWindower] = {}
-        self._jobs: dict[str, JobDifferential] = {}
 
     def add(self, batch: EventBatch, now_ns: int = 0) -> None:
-        key = (batch.header.job, batch.header.rank)
-        w = self._windowers.get(key)
-        if w is None:
-            w = self._windowers[key] = RankWindower(self.windower_config)
-        self._take(w.add(batch, now_ns))
-        self._take_progress(w)
+        taken = self.windower.take_batch(batch, now_ns, time.time_ns())
+        if taken.reason is not None:
+            self._refused(taken.reason, f"a {batch.kind.value} batch of {batch.header.job} rank {batch.header.rank}")
+            return
+        self._take(taken.closed)
+        if taken.windower is not None:
+            self._take_progress(taken.windower)
 
     def add_all(self, batches: Iterable[EventBatch]) -> OfflinePipeline:
         for batch in batches:
@@ -66,35 +78,39 @@ class OfflinePipeline:
 
     def close_rank(self, job: str, rank: int) -> None:
         """The rank's input is complete (e.g. its trace file ended): close its open steps now."""
-        w = self._windowers.pop((job, rank), None)
+        closed, w = self.windower.close_rank((job, rank))
         if w is not None:
-            self._take(w.flush())
+            self._take(closed)
             self._take_progress(w)
             self.result.late_events += w.counters.late_events
 
     def finish(self) -> OfflineResult:
-        for job, rank in list(self._windowers):
+        for job, rank in list(self.windower.windowers):
             self.close_rank(job, rank)
-        for jd in self._jobs.values():
-            self.result.finding_updates += jd.flush()
+        for job in list(self.differential.jobs):
+            self.result.finding_updates += self.differential.flush(job)
         return self.result
 
-    def _job(self, job: str) -> JobDifferential:
-        jd = self._jobs.get(job)
-        if jd is None:
-            jd = self._jobs[job] = JobDifferential(job, self.differential_config, self.scorer)
-        return jd
+    def _apply(self, subject: str, record: dict[str, Any]) -> None:
+        taken = self.differential.apply(subject, record, None)
+        if taken.reason is not None:
+            self._refused(taken.reason, f"a {subject} record of {record['job']}")
+        self.result.finding_updates += taken.findings
+
+    def _refused(self, reason: str, what: str) -> None:
+        """Note what the worker would dead-letter; the first of each kind of reason is logged."""
+        short = reason.split(":", 1)[0]
+        if not any(r.split(":", 1)[0] == short for r in self.result.dead_letters):
+            log.warning("refused %s (the worker would dead-letter it): %s", what, reason)
+        self.result.dead_letters.append(reason)
 
     def _take_progress(self, w: RankWindower) -> None:
-        for rec in w.take_progress():
-            self.result.finding_updates += self._job(rec["job"]).add_progress(rec)
+        for rec in stall_reports([w]):
+            self._apply("progress", rec)
 
     def _take(self, closed: list[ClosedIteration]) -> None:
-        summarize_closed(closed)
-        for c in closed:
-            if c.error is not None:  # logged where it failed
-                continue
+        for c in summarized(closed)[0]:  # a failed one is logged where it failed
             self.result.iterations.append(c.iteration)
             if self.keep_patterns:
                 self.patterns.append(c.patterns)
-            self.result.finding_updates += self._job(c.patterns["job"]).add(c.patterns)
+            self._apply("patterns", c.patterns)

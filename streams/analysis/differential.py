@@ -13,6 +13,7 @@ from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns,
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 
 PROFILER_BLIND = ("host_slow",)
 """Categories not judged in profiled iterations: a profiler records every CPU op, and its overhead per op
@@ -29,6 +30,13 @@ class DifferentialConfig:
     missing_rank_timeout_ms: int = 10_000
     """...or once every rank it lacks has sent nothing for this long (the worker's input clock, which stands
     still while a backlog is worked off, so a lagging partition is not taken for a lost rank)."""
+    scorer: str = DEFAULT_SCORER
+    """How a rank is compared with its peers: a name in ``SCORERS`` (``robust_z``: median and MAD; ``mean_z``:
+    mean and standard deviation)."""
+
+    def __post_init__(self) -> None:
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer {self.scorer!r} is not one of {', '.join(sorted(SCORERS))}")
 
 
 class JobDifferential:
@@ -38,6 +46,7 @@ class JobDifferential:
         self.job = job
         self.config = config or DifferentialConfig()
         self.scorer = scorer
+        """Overrides the scorer ``config`` names (experiments); None: the configured one."""
         self.tracker = FindingTracker(job, self.config.lifecycle)
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
         self._world_size = 0
@@ -233,7 +242,8 @@ class JobDifferential:
             # A profiler slows the ranks it runs on: compared with unprofiled ones they would all stand out.
             self.skipped_profiled += 1
             return self._missing_ranks(it, records)
-        signals = score_iteration(records, self.config.scoring, self.scorer, self._functions)
+        scorer = self.scorer or scorer_named(self.config.scorer, self.config.scoring)
+        signals = score_iteration(records, self.config.scoring, scorer, self._functions)
         blind: tuple[str, ...] = ()
         if profiled:  # profiled on every rank: its kernels compare, its host times carry the profiler's cost
             blind = PROFILER_BLIND

@@ -6,13 +6,14 @@ use them without importing every detector.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
-from fleetscope.streams.analysis.stats import F64, RobustScores, robust_scores
+from fleetscope.streams.analysis.stats import F64, RobustScores, mean_std_scores, robust_scores
 
 
 class OutlierScorer(Protocol):
@@ -54,10 +55,40 @@ class ScoringConfig:
             raise ValueError("; ".join(errors))
 
     def scorer(self) -> OutlierScorer:
-        def score(x: F64, abs_scale_floor: float = 0.0) -> RobustScores:
-            return robust_scores(x, self.rel_scale_floor, abs_scale_floor, self.min_peers)
+        """The default scorer (``robust_z``) with these thresholds."""
+        return robust_z(self)
 
-        return score
+
+def robust_z(cfg: ScoringConfig) -> OutlierScorer:
+    """Median and MAD of the peers (``robust_scores``): an outlier does not move the yardstick it is read on."""
+
+    def score(x: F64, abs_scale_floor: float = 0.0) -> RobustScores:
+        return robust_scores(x, cfg.rel_scale_floor, abs_scale_floor, cfg.min_peers)
+
+    return score
+
+
+def mean_z(cfg: ScoringConfig) -> OutlierScorer:
+    """Mean and standard deviation of the peers (``mean_std_scores``), the textbook z-score: one outlier among
+    n ranks scores at most sqrt(n - 1), so with the default threshold of 5 it finds no single outlier below 26 ranks."""
+
+    def score(x: F64, abs_scale_floor: float = 0.0) -> RobustScores:
+        return mean_std_scores(x, cfg.rel_scale_floor, abs_scale_floor, cfg.min_peers)
+
+    return score
+
+
+SCORERS: dict[str, Callable[[ScoringConfig], OutlierScorer]] = {"robust_z": robust_z, "mean_z": mean_z}
+"""The scorers the configuration can name (``streams.differential.scorer``), each built from the thresholds."""
+DEFAULT_SCORER = "robust_z"
+
+
+def scorer_named(name: str, cfg: ScoringConfig) -> OutlierScorer:
+    """The registered scorer ``name`` with ``cfg``'s thresholds; ``ValueError`` listing the known names."""
+    factory = SCORERS.get(name)
+    if factory is None:
+        raise ValueError(f"scorer {name!r} is not one of {', '.join(sorted(SCORERS))}")
+    return factory(cfg)
 
 
 @dataclass(frozen=True, slots=True)

@@ -249,6 +249,27 @@ def robust_scores(
     return RobustScores(median=med, scale=scale, z=z, rel_gap=rel)
 
 
+def mean_std_scores(
+    x: F64, rel_scale_floor: float = 0.01, abs_scale_floor: float = 0.0, min_count: int = 3
+) -> RobustScores:
+    """Classical z-score of every row against its column: (x - mean) / standard deviation, with the same
+    floors, NaN rules and relative gap as ``robust_scores`` (``median`` holds the mean).
+
+    The row being scored is part of its own mean and deviation, so one outlier among n rows scores at
+    most sqrt(n - 1) however far it lies (masking): the robust score's point of comparison."""
+    with np.errstate(invalid="ignore"), quiet_nan_warnings():
+        mean = np.nanmean(x, axis=0)
+        std = np.nanstd(x, axis=0)
+    absmean = np.abs(mean)
+    scale = np.maximum(np.maximum(std, rel_scale_floor * absmean), abs_scale_floor)
+    scale = np.where(scale > 0, scale, np.inf)
+    enough = np.sum(~np.isnan(x), axis=0) >= min_count
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = np.where(enough, (x - mean) / scale, np.nan)
+        rel = np.where(absmean > 0, (x - mean) / absmean, 0.0)
+    return RobustScores(median=mean, scale=scale, z=z, rel_gap=rel)
+
+
 class quiet_nan_warnings:
     """Silence numpy's 'All-NaN slice' warnings: an all-NaN column legitimately has no peers."""
 

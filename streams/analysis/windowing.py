@@ -22,9 +22,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, parse_step_marker
+from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
 from fleetscope.schemas.vocabulary import host_phase, is_profiling_window
 from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
+from fleetscope.streams.analysis.eventbuffers import (
+    TIME_COLUMN,
+    Cols,
+    gpu_work_end,
+    held_events,
+    kept_columns,
+    take_step,
+)
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
 from fleetscope.streams.analysis.patterns import IterationEvents, NameTable
@@ -33,17 +41,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ClosedIteration", "RankWindower", "WindowerConfig", "identity", "summarize_closed"]
 
-Cols = dict[str, npt.NDArray[Any]]
-
-_TIME_COLUMN = {
-    EventKind.KERNELS: "assign_ns",
-    EventKind.COLLECTIVES: "assign_ns",
-    EventKind.PYTHON: "start_ns",
-    EventKind.THROUGHPUT: "t_ns",
-}
-_ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
-_KEPT = {kind: [(c, c in _ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
-"""Per kind, the batch columns the windower buffers and whether each indexes the name dictionary."""
 _MAX_HELD_EVENTS = 2_000_000
 """Events a rank may hold in open steps past ``max_open_steps`` (about 80 MB) while a lagging stream arrives."""
 _MAX_STEP = 2**62
@@ -181,7 +178,7 @@ class RankWindower:
                 self._detect_host_sequence(cols)
         elif kind is EventKind.COLLECTIVES and self._mode in ("", "collective_period"):
             self._detect_collective_period(cols)
-        time_col = _TIME_COLUMN[kind]
+        time_col = TIME_COLUMN[kind]
         t = cols[time_col]
         if t.size and int(np.minimum.reduce(t)) < self._closed_end_ns:
             late = t < self._closed_end_ns
@@ -285,12 +282,7 @@ class RankWindower:
         else:
             lut = np.array([self._intern(name) for name in batch.names], dtype=np.int32)
             self._luts[batch.kind] = (list(batch.names), lut)
-        columns = batch.columns
-        cols: Cols = {name: lut[columns[name]] if is_id else columns[name] for name, is_id in _KEPT[batch.kind]}
-        if batch.kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
-            launch = columns["launch_ns"]
-            cols["assign_ns"] = launch if launch.size == size else columns["start_ns"]
-        return cols
+        return kept_columns(batch, lut, size)
 
     def _take_step_markers(self, cols: Cols) -> Cols:
         """Take step markers and profiler windows out of a host batch (they are no host functions)."""
@@ -394,13 +386,7 @@ class RankWindower:
         memo = self._gpu_end_memo
         if memo is not None and memo[0] == (start, end) and memo[1] is bufs[0] and memo[2] is bufs[1]:
             return memo[3]
-        gpu_end = end
-        for buf in bufs:
-            if buf is None:
-                continue
-            sel = (buf["assign_ns"] >= start) & (buf["assign_ns"] < end)
-            if sel.any():
-                gpu_end = max(gpu_end, int(np.maximum.reduce(buf["start_ns"][sel] + buf["dur_ns"][sel])))
+        gpu_end = gpu_work_end(bufs, start, end)
         self._gpu_end_memo = ((start, end), bufs[0], bufs[1], gpu_end)
         return gpu_end
 
@@ -430,7 +416,7 @@ class RankWindower:
             return False
         if n > 16 * self.config.max_open_steps:
             return True
-        if sum(int(buf[_TIME_COLUMN[kind]].size) for kind, buf in self._buffers.items()) > _MAX_HELD_EVENTS:
+        if held_events(self._buffers) > _MAX_HELD_EVENTS:
             return True
         quiet_ns = self.config.idle_close_ms * 1_000_000
         since = self.first_arrival_ns if self.first_arrival_ns is not None else now_ns
@@ -440,23 +426,7 @@ class RankWindower:
 
     def _close_step(self, step: int, start: int, end: int) -> ClosedIteration:
         del self._steps[step]
-        gpu_end = self._gpu_end(start, end)
-        parts: dict[EventKind, Cols] = {}
-        for kind, buf in self._buffers.items():
-            t = buf[_TIME_COLUMN[kind]]
-            samples = kind is EventKind.THROUGHPUT  # hardware samples run on to the end of the step's GPU work
-            if t.size < 2 or bool((t[1:] >= t[:-1]).all()):  # in time order, as sent: slices, not masks
-                first = int(t.searchsorted(start, side="left"))
-                stop = int(t.searchsorted(gpu_end if samples else end, side="right" if samples else "left"))
-                kept = int(t.searchsorted(end, side="left"))
-                parts[kind] = {k: v[first:stop] for k, v in buf.items()}
-                # copies, so the closed step's events do not stay referenced by what is kept
-                self._buffers[kind] = {k: v[kept:].copy() for k, v in buf.items()} if kept else buf
-                continue
-            inside = (t >= start) & ((t <= gpu_end) if samples else (t < end))
-            keep = t >= end
-            parts[kind] = {k: v[inside] for k, v in buf.items()}
-            self._buffers[kind] = {k: v[keep] for k, v in buf.items()}
+        parts = take_step(self._buffers, start, end, self._gpu_end(start, end))
         self._closed_step = step
         self._closed_end_ns = end
         events = IterationEvents(

@@ -15,9 +15,17 @@ from fleetscope.schemas import EventKind
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import ClosedIteration
 from fleetscope.streams.intake import horizon_ns
-from fleetscope.streams.job_state import JobState, dump_job_state, load_job_state
 from fleetscope.streams.offline import OfflinePipeline
-from fleetscope.streams.recovery import EARLIEST, Holds, InputClock, StateLog, WindowerRecovery
+from fleetscope.streams.rebalance import InputClock
+from fleetscope.streams.recovery import (
+    EARLIEST,
+    Holds,
+    JobState,
+    StateLog,
+    WindowerRecovery,
+    dump_job_state,
+    load_job_state,
+)
 
 SIM = SimulatorConfig(job="rec", ranks=4, iterations=24, faults=(parse_fault("slow_gpu:2:1.5"),))
 
@@ -84,7 +92,7 @@ def test_a_restarted_windower_emits_only_iterations_after_the_restored_ones_and_
 def _patterns() -> list[dict[str, Any]]:
     pipeline = OfflinePipeline(keep_patterns=True)
     pipeline.add_all(simulate(SIM))
-    for job, rank in list(pipeline._windowers):
+    for job, rank in list(pipeline.windower.windowers):
         pipeline.close_rank(job, rank)
     return pipeline.patterns
 
@@ -128,7 +136,7 @@ def test_a_state_record_cannot_name_anything_but_the_stages_own_classes() -> Non
 def test_the_input_clock_stands_still_while_partitions_move():
     import time
 
-    from fleetscope.streams.recovery import InputClock
+    from fleetscope.streams.rebalance import InputClock
 
     clock = InputClock()
     clock.rebalancing(True)

@@ -3,7 +3,7 @@
 A job's history (persistence windows, rolling medians, open findings and their versions) grows for as
 long as the job runs, so replay cannot rebuild it in bounded time; it is pickled into the job's state
 record instead, without the pattern records still waiting for ranks (replay brings those back). The
-record is unpickled by a loader that builds nothing but fleetscope's own classes. See ``recovery``.
+record is unpickled by a loader that builds nothing but fleetscope's own classes. See ``fleetscope.streams.recovery``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any
 from faust.types import Message
 
 from fleetscope.schemas.topics import job_key
-from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
-from fleetscope.streams.recovery import EARLIEST, Holds, StateLog
+from fleetscope.streams.analysis.differential import JobDifferential
+from fleetscope.streams.recovery.holds import EARLIEST, Holds
+from fleetscope.streams.recovery.statelog import StateLog
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,10 @@ class _StateUnpickler(pickle.Unpickler):
 class DifferentialRecovery:
     """The differential's jobs, their pattern messages held until scored, and their state records."""
 
-    def __init__(self, log: StateLog, config: DifferentialConfig | None) -> None:
+    def __init__(self, log: StateLog, jobs: dict[str, JobDifferential]) -> None:
         self.log = log
-        self.config = config
-        self.jobs: dict[str, JobDifferential] = {}
+        self.jobs = jobs
+        """The stage's jobs: restored ones are put there, revoked ones taken out."""
         self.holds: Holds[str] = Holds()
         self.restored = 0
         self.unreadable = 0
@@ -124,12 +125,9 @@ class DifferentialRecovery:
         self._loaded |= missing
         return unflushed
 
-    def job(self, name: str, partition: int) -> JobDifferential:
-        jd = self.jobs.get(name)
-        if jd is None:
-            jd = self.jobs[name] = JobDifferential(name, self.config)
-        self._partition[name] = partition
-        return jd
+    def place(self, job: str, partition: int) -> None:
+        """The job's source partition (where its state record goes)."""
+        self._partition[job] = partition
 
     def replayed_progress(self, job: str, offset: int) -> bool:
         """A stall report the job's state record applied already (re-read after a restart)."""

@@ -1,0 +1,267 @@
+"""The differential stage: pattern records, stall reports and heartbeats in (key job), findings out.
+
+``DifferentialStage`` is the stage without Kafka (decode, check the subject, feed the job's
+``JobDifferential``; what fails, the analysis included, becomes a dead-letter reason, never an exception):
+the worker and ``offline`` both run it. ``DifferentialAgent`` is its Faust side: it feeds the stage a batch
+of messages, sends the findings and profile requests, idles and ends jobs, and holds each message's ack
+until the job's state record covers it (``recovery``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+
+from fleetscope.schemas import SchemaError, decode, encode
+from fleetscope.schemas.topics import job_key
+from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
+from fleetscope.streams.analysis.signals import OutlierScorer
+from fleetscope.streams.counters import StageCounters
+from fleetscope.streams.deadletter import DeadLetters
+from fleetscope.streams.profiling import ProfilePolicy
+from fleetscope.streams.rebalance import Gate, InputClock, ack, take_over
+from fleetscope.streams.recovery import DifferentialRecovery
+
+log = logging.getLogger(__name__)
+
+SUBJECTS = ("patterns", "progress", "heartbeat")
+"""What the differential reads: windowers' pattern records and stall reports, producers' heartbeats."""
+_MAX_REASON_CHARS = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What one message did: the finding records it produced, or why it goes to the dead-letter topic.
+
+    ``replayed``: a stall report the job's state record applied already (nothing done)."""
+
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    job: str = ""
+    subject: str = ""
+    iteration: int | None = None
+    reason: str | None = None
+    replayed: bool = False
+
+
+class DifferentialStage:
+    """Every job's differential; messages in, finding records out (no I/O)."""
+
+    def __init__(self, config: DifferentialConfig | None = None, scorer: OutlierScorer | None = None) -> None:
+        self.config = config or DifferentialConfig()
+        self.scorer = scorer
+        """Overrides the scorer the configuration names (tests, experiments); None: the configured one."""
+        self.jobs: dict[str, JobDifferential] = {}
+
+    def job(self, name: str) -> JobDifferential:
+        jd = self.jobs.get(name)
+        if jd is None:
+            jd = self.jobs[name] = JobDifferential(name, self.config, self.scorer)
+        return jd
+
+    def take(
+        self,
+        message: bytes | None,
+        now_ns: int | None,
+        replayed: Callable[[str, int], bool] | None = None,
+        offset: int = -1,
+    ) -> Taken:
+        """Decode one message and apply it (``apply``); ``offset`` is the message's, for ``replayed``."""
+        try:
+            subject, record = decode(message or b"")
+        except SchemaError as exc:
+            return Taken(reason=f"schema: {exc}")
+        if subject not in SUBJECTS:
+            return Taken(reason=f"subject: expected patterns, progress or heartbeat, got {subject}")
+        return self.apply(subject, record, now_ns, replayed, offset)
+
+    def apply(
+        self,
+        subject: str,
+        record: dict[str, Any],
+        now_ns: int | None,
+        replayed: Callable[[str, int], bool] | None = None,
+        offset: int = -1,
+    ) -> Taken:
+        """Feed one decoded record to its job. ``now_ns``: the worker's input clock (None offline: an iteration
+        waits for all its ranks); ``replayed(job, offset)``: whether a stall report was applied already."""
+        job = str(record["job"])
+        jd = self.job(job)
+        try:
+            if subject == "heartbeat":
+                return Taken(jd.add_heartbeat(record), job, subject)
+            if subject == "progress":
+                if replayed is not None and replayed(job, offset):
+                    return Taken([], job, subject, replayed=True)
+                return Taken(jd.add_progress(record), job, subject)
+            return Taken(jd.add(record, now_ns), job, subject, iteration=int(record["iteration"]))
+        except Exception as exc:  # an analysis bug must cost one message, not the stream
+            log.warning("the differential of job %r rejected a %s record: %r", job, subject, exc)
+            text = " ".join(str(exc).split()) or type(exc).__name__
+            return Taken([], job, subject, reason=f"differential: {text}"[:_MAX_REASON_CHARS])
+
+    def flush(self, job: str) -> list[dict[str, Any]]:
+        """Score what the idle job has pending (``JobDifferential.flush``); an analysis failure is logged."""
+        return self._guarded(job, "flush", self.jobs[job].flush)
+
+    def end(self, job: str) -> list[dict[str, Any]]:
+        """Close the ended job's findings (``JobDifferential.end``); an analysis failure is logged."""
+        return self._guarded(job, "end", self.jobs[job].end)
+
+    @staticmethod
+    def _guarded(job: str, what: str, step: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """A timer's step: no message to dead-letter, but a failure must not stop the worker's timers."""
+        try:
+            return step()
+        except Exception:
+            log.exception("the differential of job %r failed to %s", job, what)
+            return []
+
+
+class DifferentialAgent:
+    """The differential's Faust agent and timers: findings sent, acks held until a state record covers them."""
+
+    def __init__(
+        self,
+        app: faust.App,
+        stage: DifferentialStage,
+        recovery: DifferentialRecovery,
+        *,
+        findings: faust.TopicT,
+        control: faust.TopicT,
+        profiles: ProfilePolicy,
+        counters: StageCounters,
+        dead: DeadLetters,
+        gate: Gate,
+        clock: InputClock,
+        job_idle_ms: int,
+        job_end_ms: int,
+    ) -> None:
+        self.app, self.stage, self.recovery = app, stage, recovery
+        self.findings, self.control, self.profiles = findings, control, profiles
+        self.counters, self.dead, self.gate, self.clock = counters, dead, gate, clock
+        self.job_idle_ns, self.job_end_ns = job_idle_ms * 1_000_000, job_end_ms * 1_000_000
+        self.seen: dict[str, int] = {}
+        """Input-clock time of each job's last pattern record or stall report: idle jobs are flushed."""
+        self.input: dict[str, int] = {}
+        """Input-clock time of each job's last pattern, stall report or heartbeat: its end closes its findings."""
+        self.lock = asyncio.Lock()
+        """Scoring, emission and state record run under it: a job's record never includes iterations whose
+        findings are still on their way (a timer's flush writes records while a batch waits)."""
+
+    async def run(self, stream: faust.StreamT, max_events: int, within_s: float) -> None:
+        async for batch in stream.take_events(max_events, within=within_s):  # type: ignore[attr-defined]
+            with self.clock.busy():
+                await self.batch(batch)
+
+    async def batch(self, batch: Sequence[faust.EventT]) -> None:
+        events = take_over(batch, self.app, self.gate)
+        epoch = self.gate.epoch
+        if not events:
+            return
+        for job in await self.recovery.load({e.message.partition for e in events}):
+            self.seen[job] = self.clock.now_ns()  # restored before its idle flush: flush it when idle again
+        if epoch != self.gate.epoch:
+            return
+        rejected: list[tuple[faust.EventT, str]] = []
+        async with self.lock:
+            if epoch != self.gate.epoch:  # revoked while this batch waited: the replay brings it again
+                return
+            out: list[dict[str, Any]] = []
+            touched: set[str] = set()
+            for event in events:
+                msg = event.message
+                taken = self.stage.take(event.value, self.clock.now_ns(), self.recovery.replayed_progress, msg.offset)
+                if taken.job:
+                    self.recovery.place(taken.job, msg.partition)
+                    self.input[taken.job] = self.clock.now_ns()
+                if taken.reason is not None:
+                    rejected.append((event, taken.reason))
+                    continue
+                job = taken.job
+                touched.add(job)  # a heartbeat's message is released by the job's next checkpoint
+                out += taken.findings
+                if taken.subject == "heartbeat":  # the latest per rank is all a diagnosis needs: replay adds nothing
+                    self.recovery.skipped(job, msg)
+                    continue
+                self.seen[job] = self.clock.now_ns()
+                if taken.replayed:
+                    self.counters.replayed_skipped += 1
+                    self.recovery.skipped(job, msg)
+                elif taken.subject == "progress":
+                    self.recovery.took(job, msg, None)
+                else:
+                    self.counters.pattern_records += 1
+                    self.recovery.took(job, msg, taken.iteration)
+            await self.emit(out)
+            released = await self.recovery.checkpoint(touched) if epoch == self.gate.epoch else []
+        for event, reason in rejected:
+            await self.dead.send(event, reason)
+        if epoch == self.gate.epoch:
+            ack([*released, *(event.message for event, _ in rejected)], self.app)
+
+    async def flush_idle(self, in_progress: set[str]) -> None:
+        """Score what idle jobs have pending; ``in_progress``: jobs whose iterations are still being cut."""
+        if self.gate.paused:
+            return
+        now, epoch = self.clock.now_ns(), self.gate.epoch
+        for job in in_progress & self.seen.keys():
+            self.seen[job] = now  # its last iterations are still being cut here: not idle, whatever the timers
+        for job, seen in list(self.seen.items()):
+            jd = self.stage.jobs.get(job)
+            if now - seen < self.job_idle_ns or jd is None or epoch != self.gate.epoch:
+                continue
+            del self.seen[job]
+            async with self.lock:
+                if epoch != self.gate.epoch:
+                    return
+                out = self.stage.flush(job)
+                self.recovery.flushed(job)
+                await self.emit(out)
+                released = await self.recovery.checkpoint([job]) if epoch == self.gate.epoch else []
+            if epoch == self.gate.epoch:
+                ack(released, self.app)
+
+    async def end_jobs(self) -> None:
+        """Close the findings of jobs that ended: no input for ``job_end_ms`` on the input clock (which
+        stands still while a backlog is worked off, so a lagging partition is not an ended job)."""
+        if self.gate.paused:
+            return
+        now, epoch = self.clock.now_ns(), self.gate.epoch
+        for job, seen in list(self.input.items()):
+            jd = self.stage.jobs.get(job)
+            if now - seen < self.job_end_ns or jd is None or epoch != self.gate.epoch:
+                continue
+            del self.input[job]
+            if not jd.open_findings():
+                continue
+            async with self.lock:
+                if epoch != self.gate.epoch:
+                    return
+                await self.emit(self.stage.end(job))
+                self.profiles.forget(job)
+                released = await self.recovery.checkpoint([job]) if epoch == self.gate.epoch else []
+            if epoch == self.gate.epoch:
+                ack(released, self.app)
+
+    async def emit(self, records: list[dict[str, Any]]) -> None:
+        """Send finding records and wait for their delivery (a job's state record must not overtake them)."""
+        sent: list[Awaitable[Any]] = []
+        for rec in records:
+            sent.append(await self.findings.send(key=job_key(rec["job"]), value=encode("findings", rec)))
+            self.counters.findings += 1
+            request = self.profiles.request(rec, time.monotonic_ns())
+            if request is not None:
+                sent.append(await self.control.send(key=job_key(rec["job"]), value=encode("control", request)))
+        await asyncio.gather(*sent)
+
+    def revoke(self, partitions: Collection[int]) -> None:
+        """Forget the jobs of revoked partitions (their next owner restores them)."""
+        for job in self.recovery.revoke(partitions):
+            self.seen.pop(job, None)
+            self.input.pop(job, None)
