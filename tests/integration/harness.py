@@ -48,6 +48,10 @@ MOVING_JOB = Job(
 """The job of every run compared with the one-worker reference: long enough (about 8 s published at its pace)
 for partitions to move while it runs, and a slow GPU the findings must name with the same first iteration."""
 
+QUICK_HANDOVER: dict[str, object] = {"kafka.session_timeout_ms": 3000}
+"""A dead or stalled worker's partitions move after 3 s instead of 6: shorter runs, the same handover (the
+one-worker reference keeps the default; nothing it stores depends on the session timeout)."""
+
 UPDATES_SQL = "SELECT finding_id, version, status, category, rank FROM {db}finding_updates ORDER BY finding_id, version"
 FINDINGS_SQL = (
     "SELECT finding_id, status, version, category, rank, iteration_first, iteration_last FROM {db}findings "
@@ -230,6 +234,8 @@ class Outcome:
     acted_before_end: bool = False
     act_s: float = 0.0
     sink_messages: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds spent starting the stack and the workers, publishing and settling, querying, stopping."""
 
     def categories(self) -> set[tuple[str, int]]:
         """(category, rank) of every finding."""
@@ -255,11 +261,17 @@ def run_pipeline(
     everyone = list(dict.fromkeys([*workers, *(w for s in steps for w in s.workers)]))
     running = set(workers)
     outcome = Outcome(counts={})
+    t0 = time.monotonic()
+
+    def lap(phase: str) -> None:
+        outcome.phases[phase] = round(time.monotonic() - t0 - sum(outcome.phases.values()), 1)
+
     with EmbeddedStack(config, with_worker=False) as stack:
         sink, client = stack.sink, stack.client
         assert sink is not None and client is not None
         try:
             join(workers)
+            lap("start")
             publishing = Publishing(stack.config, job)
             publishing.start()
 
@@ -286,11 +298,14 @@ def run_pipeline(
                 return publishing.finished() and sink.stats["iterations"] >= job.expected_rows
 
             wait_settled(stored, ready, quiet_s(config), timeout_s, on_poll=act)
+            lap("run")
             db = f"{config.store.database}."
             outcome.counts = table_counts(client, config.store.database)
             outcome.updates = client.query(UPDATES_SQL.format(db=db)).result_rows
             outcome.findings = client.query(FINDINGS_SQL.format(db=db)).result_rows
             outcome.sink_messages = sink.stats["messages"]
+            lap("query")
         finally:
             stop_all(everyone)
+    lap("stop")
     return outcome

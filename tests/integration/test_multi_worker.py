@@ -16,6 +16,7 @@ import pytest
 from fleetscope.stack import StreamWorkerProcess
 from tests.integration.harness import (
     MOVING_JOB,
+    QUICK_HANDOVER,
     Action,
     Outcome,
     Step,
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.integration
 
 
 def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
+    print(f"\nphases (s): {moved.phases}; reference {one_worker_run.phases}")
     assert moved.acted_before_end and moved.acted_at_rows < MOVING_JOB.expected_rows, "partitions must move mid-run"
     assert moved.counts == one_worker_run.counts, (moved.findings, one_worker_run.findings)
     assert moved.findings == one_worker_run.findings, "a rebalance is no fault: same findings, same first iteration"
@@ -46,14 +48,14 @@ def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
 def test_partitions_moving_between_workers_store_what_one_worker_stores(
     tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome, two_at_start: bool, action: Action
 ) -> None:
-    config = run_config(tmp_path, broker, f"chdb://{chdb_path}")
+    config = run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER)
     first, second = (StreamWorkerProcess(config, name=f"worker-{i}") for i in (1, 2))
     workers = [first, second] if two_at_start else [first]
     moved = run_pipeline(config, MOVING_JOB, workers, [Step(action, [second])])
     _assert_as_one_worker(moved, one_worker_run)
 
 
-SPLIT_TIMING = {"kafka.session_timeout_ms": 3000, "streams.job_idle_ms": 6000}
+SPLIT_TIMING = {**QUICK_HANDOVER, "streams.job_idle_ms": 6000}
 """A differential app cannot see the windower app's rebalance: while a dead or stalled windower's partitions
 wait out its session timeout, their ranks' pattern records stop, and a job idle flush before they resume
 scores the job's last iterations without them. So a split deployment needs ``job_idle_ms`` well above the

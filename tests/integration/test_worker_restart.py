@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 
 from fleetscope.stack import StreamWorkerProcess
-from tests.integration.harness import MOVING_JOB, Outcome, Publishing, Step, join, kill, run_config, run_pipeline
+from tests.integration.harness import (
+    MOVING_JOB,
+    QUICK_HANDOVER,
+    Outcome,
+    Publishing,
+    Step,
+    join,
+    kill,
+    run_config,
+    run_pipeline,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +31,7 @@ def _a_third_stored(_publishing: Publishing, rows: int) -> bool:
 def test_a_worker_killed_mid_run_and_restarted_stores_exactly_what_a_clean_run_stores(
     tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome
 ) -> None:
-    config = run_config(tmp_path, broker, f"chdb://{chdb_path}")
+    config = run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER)
     worker = StreamWorkerProcess(config)
     killed = run_pipeline(config, MOVING_JOB, [worker], [Step(kill, [worker]), Step(join, [worker])], _a_third_stored)
 
