@@ -48,7 +48,7 @@ def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
 def test_partitions_moving_between_workers_store_what_one_worker_stores(
     tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome, two_at_start: bool, action: Action
 ) -> None:
-    config = run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER)
+    config = run_config(tmp_path, broker, f"chdb://{chdb_path}")
     first, second = (StreamWorkerProcess(config, name=f"worker-{i}") for i in (1, 2))
     workers = [first, second] if two_at_start else [first]
     moved = run_pipeline(config, MOVING_JOB, workers, [Step(action, [second])])
