@@ -113,15 +113,22 @@ def make_records(
     return records
 
 
+CPU_S: list[float] = []
+"""The CPU seconds of each ``timed`` call's runs (median), in call order: what a core sustains does not
+depend on how many other processes share the machine, where wall time does."""
+
+
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
     """Median and least seconds of ``repeat`` runs (the least is the one other load disturbed least),
-    and the last result."""
-    times, out = [], None
+    and the last result; the median CPU seconds go to ``CPU_S``."""
+    times, cpu, out = [], [], None
     for _ in range(repeat):
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    CPU_S.append(statistics.median(cpu))
     return statistics.median(times), min(times), out
 
 
@@ -155,7 +162,8 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
     order = "each rank's list shuffled" if interleave else "kinds grouped, shuffled within"
     print(f"differential: one iteration, F = {f} functions per rank ({order}), slow rank's GPU {SLOW_FACTOR}x")
     print(
-        f"{'ranks':>6} {'input MiB':>9} {'cold s':>7} {'warm s':>7} {'(least)':>7} {'gather s':>8} {'gather %':>8} "
+        f"{'ranks':>6} {'input MiB':>9} {'cold s':>7} {'warm s':>7} {'(least)':>7} {'warm CPU':>8} "
+        f"{'gather s':>8} {'gather %':>8} "
         f"{'peak MiB':>8} {'us/rank':>8} {'add s':>7} {'found':>5}"
     )
     all_found = True
@@ -172,6 +180,7 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
         index = FunctionIndex()
         score_iteration(first, index=index)
         t_warm, least, warm = timed(lambda second=second, index=index: score_iteration(second, index=index), repeat)
+        cpu_warm = CPU_S[-1]
         t_gather, _, _ = timed(lambda second=second, index=index: gather_matrices(second, index), repeat)
         peak = peak_mib(lambda first=first: score_iteration(first))
         _, t_add, jd = timed(add_next(first, second), 1)
@@ -181,15 +190,17 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
         )
         others = {s.rank for s in warm} - {slow}
         all_found &= found
-        sustained.append((ranks, t_warm))
+        sustained.append((ranks, cpu_warm))
         print(
-            f"{ranks:>6} {input_mib:>9.0f} {t_cold:>7.3f} {t_warm:>7.3f} {least:>7.3f} {t_gather:>8.3f} "
+            f"{ranks:>6} {input_mib:>9.0f} {t_cold:>7.3f} {t_warm:>7.3f} {least:>7.3f} {cpu_warm:>8.3f} "
+            f"{t_gather:>8.3f} "
             f"{100 * t_gather / t_warm:>7.0f}% {peak:>8.0f} {1e6 * t_warm / ranks:>8.1f} {t_add:>7.3f} "
             f"{'yes' if found else 'NO':>5}" + (f"  (also flagged: {sorted(others)[:5]})" if others else "")
         )
         del first, second, cold, warm, jd
-    # One core scores one job's iterations in sequence (the job's state is one partition's): its sustained rate.
-    print(f"\nsustained, one differential core (steady-state scoring; F = {f}):")
+    # One core scores one job's iterations in sequence (the job's state is one partition's): its sustained rate,
+    # from the CPU seconds of the warm runs (wall time above also counts other processes on this machine).
+    print(f"\nsustained, one differential core (steady-state scoring, per CPU second; F = {f}):")
     for ranks, t_warm in sustained:
         print(
             f"  {ranks:>6} ranks: {ranks / t_warm:>9,.0f} rank-iterations/s, {ranks * f / t_warm / 1e6:6.2f} M "

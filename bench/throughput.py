@@ -1,6 +1,6 @@
 """Events/s of each stage on the same messages: decode, decode + windowing, and end to end.
 
-    python bench/throughput.py [--ranks 32] [--iterations 20] [--take 256] [--no-e2e]
+    python bench/throughput.py [--ranks 32] [--iterations 20] [--take 256] [--no-e2e] [--windower-workers 2]
 
 The simulator produces a job once (rank 7's GPU 1.5x slow, so findings exist), its batches cut as the
 real producers flush them (``--flush-interval-ms``, 500 ms: one message per rank and kind holds about
@@ -25,7 +25,9 @@ with ``encode_event_batch``. Then, on the same messages:
     CPU counted. (c) and (c full) runs take turns. ``--take-max-events`` sets the worker's
     ``streams.take_max_events``. Also printed: the time from the end of publishing to the last finding
     row, which includes the idle timeouts that close the job's last iteration (``bench/latency.py``
-    measures the findings latency of a running job).
+    measures the findings latency of a running job). (c N) is (c) with ``--windower-workers`` workers in
+    one consumer group: they share this machine's cores, so what it reports is events per worker CPU
+    second against (c)'s, the scaling efficiency (1.0: a worker more adds a whole core's worth), not wall time.
 
 Prints events/s per core, the ratios b/a and c/a against the targets (b/a >= 0.7, c/a >= 0.5),
 and the cProfile top entries of (b). (a) to (b') run in turns, best of
@@ -36,6 +38,7 @@ depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import multiprocessing
@@ -56,7 +59,7 @@ from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode_event_batch
 from fleetscope.sinks import current_findings
-from fleetscope.stack import EmbeddedStack
+from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
@@ -176,9 +179,11 @@ def end_to_end(
     run: int,
     stages: tuple[str, ...],
     take_max_events: int | None = None,
+    workers: int = 1,
 ) -> dict[str, float]:
-    """Publish the batches through a fresh embedded stack whose worker runs ``stages``; wall time and CPU
-    until the sink wrote every iteration row (and, with the differential, until findings settle).
+    """Publish the batches through a fresh embedded stack whose ``workers`` (one consumer group) run
+    ``stages``; wall time and CPU until the sink wrote every iteration row (and, with the differential, until
+    findings settle). ``cpu_worker`` is every worker's CPU together.
 
     One process can open one chDB path only: every run uses the same ``store`` path, its own database.
     """
@@ -192,9 +197,16 @@ def end_to_end(
         if take_max_events is not None:
             overrides["streams.take_max_events"] = take_max_events
         config = load_config(overrides=overrides)
-        with EmbeddedStack(config) as stack:
+        with EmbeddedStack(config) as stack, contextlib.ExitStack() as more:
             assert stack.sink is not None and stack.worker is not None and stack.broker is not None
             pids = {"worker": stack.worker._proc.pid, "broker": stack.broker._proc.pid}  # type: ignore[union-attr]
+            for i in range(2, workers + 1):
+                worker = StreamWorkerProcess(stack.config, name=f"worker-{i}")
+                worker.start()
+                more.callback(worker.stop)
+                pids[f"worker-{i}"] = worker.pid  # type: ignore[assignment]
+            if workers > 1:
+                time.sleep(stack.config.kafka.session_timeout_ms / 1000)  # the group settles before the clock runs
             expected = sim.ranks * sim.expected_iterations
             link, child_link = PRODUCER.Pipe()
             producer = PRODUCER.Process(
@@ -232,6 +244,8 @@ def end_to_end(
     if not t_rows:
         raise TimeoutError(f"the sink did not write {expected} iteration rows within {timeout_s} s")
     wall = t_rows - t0
+    cpu["worker"] = sum(v for k, v in cpu.items() if k.startswith("worker"))
+    cpu = {k: v for k, v in cpu.items() if not k.startswith("worker-")}
     counted = cpu.values() if "differential" in stages else (cpu["worker"], cpu["broker"])
     return {
         "publish_s": t_pub - t0,
@@ -274,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--take-max-events", type=int, default=None, help="(c): the worker's take size")
     ap.add_argument("--no-e2e", action="store_true", help="skip (c), the embedded stack")
     ap.add_argument("--e2e-runs", type=int, default=3, help="(c) runs, each on a fresh stack; medians reported")
+    ap.add_argument(
+        "--windower-workers", type=int, default=2, help="(c N) also runs (c) with this many windower workers (1: no)"
+    )
     ap.add_argument("--profile-top", type=int, default=15)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
@@ -309,13 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     rates = timed(stages, events, args.repeat)
     e2e: dict[str, dict[str, float]] = {}
     if not args.no_e2e:
-        kinds = {"c": ("windower",), "c_full": STAGES}
+        n = args.windower_workers
+        kinds = {"c": (("windower",), 1), "c_full": (STAGES, 1)} | ({"c_n": (("windower",), n)} if n > 1 else {})
         runs: dict[str, list[dict[str, float]]] = {key: [] for key in kinds}
         with tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-") as store:
-            for i in range(args.e2e_runs):  # in turns, so a change in the machine's load hits both alike
-                for j, (key, stages) in enumerate(kinds.items()):
+            for i in range(args.e2e_runs):  # in turns, so a change in the machine's load hits all alike
+                for j, (key, (stages, workers)) in enumerate(kinds.items()):
                     take = args.take_max_events
-                    runs[key].append(end_to_end(sim, batches, events, args.timeout_s, store, 2 * i + j, stages, take))
+                    runs[key].append(
+                        end_to_end(sim, batches, events, args.timeout_s, store, 3 * i + j, stages, take, workers)
+                    )
         for key, done in runs.items():
             e2e[key] = {k: statistics.median(r[k] for r in done) for k in done[0]}
         e2e["c_full"]["found_rank7"] = float(all(r["found_rank7"] for r in runs["c_full"]))
@@ -355,7 +375,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{events / full['cpu_worker']:,.0f} events per CPU second = {events / full['cpu_worker'] / a:.3f} a"
         )
         print(f"each run: c/a {per_run['c']}; c full/a {per_run['c_full']}")
-        for key, r in (("c", c), ("c full", full)):
+        if "c_n" in e2e:
+            one, several = events / c["cpu_worker"], events / e2e["c_n"]["cpu_worker"]
+            each = ", ".join(f"{events / r['cpu_worker']:,.0f}" for r in runs["c_n"])
+            print(
+                f"(c {n} workers) {n} windower workers in one group, sharing this machine's cores: "
+                f"{several:,.0f} events per worker CPU second (each run: {each}) against {one:,.0f} with one: "
+                f"scaling efficiency {several / one:.2f} (1.0: a second worker adds its whole core); "
+                f"wall {e2e['c_n']['wall_s']:.2f} s against {c['wall_s']:.2f} s; broker CPU s "
+                f"{e2e['c_n']['cpu_broker']:.2f} against {c['cpu_broker']:.2f}"
+            )
+        for key, r in (("c", c), ("c full", full), *((f"c {n} workers", e2e["c_n"]),) * ("c_n" in e2e)):
             print(
                 f"({key}): publish {r['publish_s']:.2f} s, all iterations but the last stored at "
                 f"{r['all_but_last_s']:.2f} s, all at {r['wall_s']:.2f} s (the last closes on the idle timeout); "

@@ -2,7 +2,7 @@
 within 5 s, before any state record exists) and restarted: the store ends up identical to a clean run's.
 
 The sink runs as ``fleetscope sink`` with a chDB store of its own (one process per chDB directory), so the
-test reads that store with ``fleetscope sql`` once the sink has stopped. Progress is the sink's /metrics."""
+test reads that store in a process of its own once the sink has stopped. Progress is the sink's /metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,20 +24,22 @@ from typing import Any
 import pytest
 
 from fleetscope.broker import ensure_topics, free_port
-from fleetscope.config import Config, load_config, split_secrets
-from fleetscope.demo import publisher_config
-from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
+from fleetscope.config import split_secrets
+from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.schemas import Topics
 from fleetscope.stack import StreamWorkerProcess
+from tests.integration.harness import FINDINGS_SQL, UPDATES_SQL, Job, Publishing, run_config, wait_settled
 
 pytestmark = pytest.mark.integration
 
-SIM = SimulatorConfig(job="chaos-job", ranks=16, iterations=60, faults=(parse_fault("slow_gpu:5:1.5"),))
+JOB = Job(SimulatorConfig(job="chaos-job", ranks=16, iterations=60, faults=(parse_fault("slow_gpu:5:1.5"),)))
+"""Published as fast as it goes: the kills land while the worker works off a backlog."""
 MAX_OPEN_STEPS = 8
 """Small, so that this run's restart backlogs (light streams far ahead of the kernels) exceed it."""
 KILLS = 3
 QUIET_S = 10.0
-"""The sink consumed nothing for this long after the last publish and kill: the pipeline is done."""
+"""The sink consumed nothing for this long after the last publish and kill: the pipeline is done (a restarted
+worker restores its state and re-reads its backlog before it emits again, which takes seconds under load)."""
 
 
 @dataclass
@@ -65,38 +67,50 @@ class SinkProcess:
             self.proc.send_signal(signal.SIGINT)
             self.proc.wait(60)
 
-    def consumed(self) -> int:
-        """Messages the current sink process consumed (-1 while it is not serving metrics yet)."""
+    def stat(self, name: str) -> int:
+        """A count of the current sink process (``messages``, ``iterations``; -1 while it serves no metrics)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as resp:
                 text = resp.read().decode()
         except OSError:
             return -1
-        match = re.search(r"^fleetscope_sink_messages_total (\S+)$", text, re.MULTILINE)
+        match = re.search(rf"^fleetscope_sink_{name}_total (\S+)$", text, re.MULTILINE)
         return int(float(match.group(1))) if match else -1
 
 
 @dataclass
 class Outcome:
     counts: dict[str, int]
-    updates: list[dict[str, Any]]
-    findings: list[dict[str, Any]]
+    updates: list[list[Any]]
+    findings: list[list[Any]]
     kills: list[tuple[float, str]] = field(default_factory=list)
     incomplete: int = 0
 
 
-def _sql(config_path: Path, query: str) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "fleetscope", "sql", "--config", str(config_path), "--json", query]
+STORED = """
+import json, sys
+from fleetscope.config import load_config
+from fleetscope.sinks import connect
+store = load_config(sys.argv[1], env={}).store
+client = connect(store)
+db = store.database + "."
+counts = client.query(
+    f"SELECT (SELECT count() FROM {db}iterations), (SELECT count() FROM {db}function_patterns), "
+    f"(SELECT count() FROM {db}finding_updates)"
+).result_rows[0]
+print(json.dumps({
+    "counts": dict(zip(("iterations", "patterns", "updates"), counts)),
+    "updates": client.query(sys.argv[2].format(db=db)).result_rows,
+    "findings": client.query(sys.argv[3].format(db=db)).result_rows,
+}, default=str))
+"""
+"""Reads the sink's chDB store in a process of its own (one process per chDB directory), once per run."""
+
+
+def _stored(config_path: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-c", STORED, str(config_path), UPDATES_SQL, FINDINGS_SQL]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)  # noqa: S603
-    return list(json.loads(out.stdout))
-
-
-def _publish(config: Config, done: threading.Event) -> None:
-    with Publisher(publisher_config(config)) as publisher:
-        for batch in simulate(SIM):
-            publisher.publish(batch)
-        publisher.flush(60.0)
-    done.set()
+    return dict(json.loads(out.stdout))
 
 
 def _schedule(rng: random.Random) -> list[float]:
@@ -107,7 +121,9 @@ def _schedule(rng: random.Random) -> list[float]:
     return times
 
 
-def _killer(at: list[float], t0: float, kill: Any, start: Any, name: str, log: list[tuple[float, str]]) -> None:
+def _killer(
+    at: list[float], t0: float, kill: Callable[[], None], start: Callable[[], None], name: str, log: list[Any]
+) -> None:
     for when in at:
         time.sleep(max(0.0, t0 + when - time.monotonic()))
         kill()
@@ -116,19 +132,10 @@ def _killer(at: list[float], t0: float, kill: Any, start: Any, name: str, log: l
 
 
 def _run(tmp_path: Path, broker: str, rng: random.Random | None) -> Outcome:
-    tag = uuid.uuid4().hex[:8]
-    data = tmp_path / tag
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(data),
-            "store.url": f"chdb://{data}/store",
-            "kafka.bootstrap_servers": broker,
-            "kafka.topic_prefix": f"ch{tag}",
-            "streams.app_id": f"ch-{tag}",
-            "streams.windower.max_open_steps": MAX_OPEN_STEPS,
-        },
+    config = run_config(
+        tmp_path, broker, "chdb://{data_dir}/store", **{"streams.windower.max_open_steps": MAX_OPEN_STEPS}
     )
+    data = Path(config.data_dir)
     ensure_topics(config.kafka.admin_settings(), Topics(prefix=config.kafka.topic_prefix), 4, 4)
     data.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -140,48 +147,34 @@ def _run(tmp_path: Path, broker: str, rng: random.Random | None) -> Outcome:
     sink.start()
     worker.start()
     kills: list[tuple[float, str]] = []
-    published = threading.Event()
+    publishing = Publishing(config, JOB)
     t0 = time.monotonic()
-    threads = [threading.Thread(target=_publish, args=(config, published), daemon=True)]
+    killers = []
     if rng is not None:
-        threads.append(threading.Thread(target=_killer, args=(_schedule(rng), t0, worker.kill, worker.start,
-                                                              "worker", kills)))  # fmt: skip
-        threads.append(threading.Thread(target=_killer, args=(_schedule(rng), t0, sink.kill, sink.start,
-                                                              "sink", kills)))  # fmt: skip
-    for thread in threads:
+        killers = [
+            threading.Thread(target=_killer, args=(_schedule(rng), t0, w.kill, w.start, name, kills), daemon=True)
+            for w, name in ((worker, "worker"), (sink, "sink"))
+        ]
+    publishing.start()
+    for thread in killers:
         thread.start()
-    for thread in threads[1:]:
+    for thread in killers:
         thread.join(240)
-    assert published.wait(240), "publishing did not finish"
-    deadline = time.monotonic() + 300
-    last, since = -2, time.monotonic()
-    while time.monotonic() - since < QUIET_S:
-        assert time.monotonic() < deadline, f"the pipeline did not settle; see {data}"
+
+    def alive() -> None:
         assert worker.alive(), f"stream worker died; see {worker.log_path}"
-        consumed = sink.consumed()
-        if consumed != last or consumed < 0:
-            last, since = consumed, time.monotonic()
-        time.sleep(0.5)
+
+    # The current sink process's count of what it consumed stands still: the pipeline is done.
+    wait_settled(lambda: sink.stat("messages"), publishing.finished, QUIET_S, 300, on_poll=alive, poll_s=0.5)
     worker.stop()
     sink.stop()
     log = worker.log_path.read_text(errors="replace")
     incomplete = [int(n) for n in re.findall(r"incomplete_iterations=(\d+)", log)]
+    stored = _stored(sink_config)
     return Outcome(
-        counts=_sql(
-            sink_config,
-            "SELECT (SELECT count() FROM iterations) AS iterations, "
-            "(SELECT count() FROM function_patterns) AS patterns, "
-            "(SELECT count() FROM finding_updates) AS updates",
-        )[0],  # fmt: skip
-        updates=_sql(
-            sink_config,
-            "SELECT finding_id, version, status, category, rank FROM finding_updates ORDER BY finding_id, version",
-        ),  # fmt: skip
-        findings=_sql(
-            sink_config,
-            "SELECT finding_id, status, version, category, rank, iteration_first, "
-            "iteration_last FROM findings ORDER BY finding_id",
-        ),  # fmt: skip
+        counts=stored["counts"],
+        updates=stored["updates"],
+        findings=stored["findings"],
         kills=sorted(kills),
         incomplete=max(incomplete, default=0),
     )
@@ -195,8 +188,8 @@ def test_worker_and_sink_killed_three_times_each_store_exactly_what_a_clean_run_
     chaos = _run(tmp_path, broker, rng=random.Random(seed))
     print(f"\nchaos seed {seed}: kills {chaos.kills}; counts {chaos.counts}; clean {clean.counts}")
 
-    assert clean.counts["iterations"] == SIM.ranks * SIM.expected_iterations
-    assert ("gpu_slow", 5) in {(f["category"], f["rank"]) for f in clean.findings}
+    assert clean.counts["iterations"] == JOB.expected_rows
+    assert ("gpu_slow", 5) in {(f[3], f[4]) for f in clean.findings}
     assert [name for _, name in chaos.kills].count("worker") == KILLS
     assert [name for _, name in chaos.kills].count("sink") == KILLS
     assert min(t for t, name in chaos.kills if name == "worker") <= 5.5

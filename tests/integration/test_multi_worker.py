@@ -3,158 +3,113 @@
 A worker joins mid-run, leaves cleanly mid-run, is SIGKILLed while its peer goes on, or stalls past the
 session timeout and comes back: the windower's per-rank and the differential's per-job state must move with
 their partitions (restored from the state topics by the new owner before it touches a message), and a
-rebalance must never look like a hang. Each run is compared with a one-worker run of the same job.
+rebalance must never look like a hang. Each run is compared with the one-worker run of the same job; the
+same for the split deployment (a windower app and a differential app, each a group of its own).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from fleetscope.config import Config, load_config
-from fleetscope.demo import publisher_config
-from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
-from fleetscope.sinks import table_counts
-from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
+from fleetscope.stack import StreamWorkerProcess
+from tests.integration.harness import (
+    MOVING_JOB,
+    QUICK_HANDOVER,
+    Action,
+    Outcome,
+    Step,
+    join,
+    kill,
+    leave,
+    run_config,
+    run_pipeline,
+    stage_config,
+    stall,
+)
 
 pytestmark = pytest.mark.integration
 
-SIM = SimulatorConfig(job="multi-job", ranks=8, iterations=30, faults=(parse_fault("slow_gpu:5:1.5"),))
-EXPECTED_ROWS = SIM.ranks * SIM.expected_iterations
-PACE_S = 0.25
-"""Pause between iterations while publishing: the job runs while partitions move."""
 
-
-@dataclass
-class Run:
-    counts: dict[str, int]
-    updates: list[tuple[Any, ...]] = field(default_factory=list)
-    findings: list[tuple[Any, ...]] = field(default_factory=list)
-    acted_at_rows: int = -1
-    acted_before_end: bool = False
-
-
-Action = Callable[[StreamWorkerProcess, StreamWorkerProcess], None]
-
-
-def _publish(config: Config, third: threading.Event, done: threading.Event) -> None:
-    per_iteration = SIM.ranks * 4
-    with Publisher(publisher_config(config)) as publisher:
-        for i, batch in enumerate(simulate(SIM), start=1):
-            publisher.publish(batch)
-            if i % per_iteration == 0:
-                publisher.flush(5.0)
-                if i // per_iteration == SIM.iterations // 3:
-                    third.set()
-                time.sleep(PACE_S)
-        publisher.flush(30.0)
-    done.set()
-
-
-def _run(tmp_path: Path, chdb_path: Path, broker: str, *, two_at_start: bool, action: Action | None) -> Run:
-    tag = uuid.uuid4().hex[:8]
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path / tag),
-            "store.url": f"chdb://{chdb_path}",
-            "store.database": f"t_multi_{tag}",
-            "kafka.bootstrap_servers": broker,
-            "kafka.topic_prefix": f"mw{tag}",
-            "streams.app_id": f"mw-{tag}",
-        },
-    )
-    settle_s = (config.streams.job_idle_ms + config.streams.windower.idle_close_ms) / 1000 + 1.5
-    run = Run(counts={})
-    with EmbeddedStack(config) as stack:
-        assert stack.sink is not None and stack.worker is not None and stack.client is not None
-        second = StreamWorkerProcess(stack.config, name="worker-2")
-        try:
-            if two_at_start:
-                second.start()
-            third, published = threading.Event(), threading.Event()
-            publisher = threading.Thread(target=_publish, args=(stack.config, third, published), daemon=True)
-            publisher.start()
-            deadline = time.monotonic() + 180
-            last_total, last_change = -1, time.monotonic()
-            while time.monotonic() < deadline:
-                stats = stack.sink.stats
-                rows = stats["iterations"]
-                if action is not None and run.acted_at_rows < 0 and third.is_set():
-                    run.acted_at_rows = rows  # a third of the job published: the rest flows while partitions move
-                    run.acted_before_end = not published.is_set()
-                    action(stack.worker, second)
-                total = rows + stats["function_patterns"] + stats["finding_updates"]
-                if total != last_total:
-                    last_total, last_change = total, time.monotonic()
-                if published.is_set() and rows >= EXPECTED_ROWS and time.monotonic() - last_change >= settle_s:
-                    break
-                time.sleep(0.2)
-            else:
-                raise TimeoutError(f"not settled: {stack.sink.stats}")
-            publisher.join(5)
-            db = config.store.database
-            run.counts = table_counts(stack.client, db)
-            run.updates = stack.client.query(
-                f"SELECT finding_id, version, status, category, rank FROM {db}.finding_updates "
-                "ORDER BY finding_id, version"
-            ).result_rows
-            run.findings = stack.client.query(
-                f"SELECT finding_id, status, category, rank, iteration_first FROM {db}.findings ORDER BY finding_id"
-            ).result_rows
-        finally:
-            second.stop()
-    return run
-
-
-def _join(_first: StreamWorkerProcess, second: StreamWorkerProcess) -> None:
-    second.start()
-
-
-def _leave(_first: StreamWorkerProcess, second: StreamWorkerProcess) -> None:
-    second.stop()
-
-
-def _kill(_first: StreamWorkerProcess, second: StreamWorkerProcess) -> None:
-    second.kill()
-
-
-def _stall(_first: StreamWorkerProcess, second: StreamWorkerProcess) -> None:
-    """SIGSTOP past the session timeout (its partitions go to the other worker), then SIGCONT."""
-    pid = second.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    time.sleep(second.config.kafka.session_timeout_ms / 1000 * 1.5)
-    os.kill(pid, signal.SIGCONT)
-
-
-@pytest.fixture(scope="module")
-def clean_run(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path, broker: str) -> Run:
-    return _run(tmp_path_factory.mktemp("clean"), chdb_path, broker, two_at_start=False, action=None)
+def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
+    print(f"\nphases (s): {moved.phases}; reference {one_worker_run.phases}")
+    assert moved.acted_before_end and moved.acted_at_rows < MOVING_JOB.expected_rows, "partitions must move mid-run"
+    assert moved.counts == one_worker_run.counts, (moved.findings, one_worker_run.findings)
+    assert moved.findings == one_worker_run.findings, "a rebalance is no fault: same findings, same first iteration"
+    assert moved.updates == one_worker_run.updates
 
 
 @pytest.mark.parametrize(
     ("two_at_start", "action"),
-    [(False, _join), (True, _leave), (True, _kill), (True, _stall)],
+    [(False, join), (True, leave), (True, kill), (True, stall)],
     ids=["a worker joins", "a worker leaves cleanly", "a worker is killed", "a worker stalls and comes back"],
 )
 def test_partitions_moving_between_workers_store_what_one_worker_stores(
-    tmp_path: Path, chdb_path: Path, broker: str, clean_run: Run, two_at_start: bool, action: Action
+    tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome, two_at_start: bool, action: Action
 ) -> None:
-    moved = _run(tmp_path, chdb_path, broker, two_at_start=two_at_start, action=action)
+    config = run_config(tmp_path, broker, f"chdb://{chdb_path}")
+    first, second = (StreamWorkerProcess(config, name=f"worker-{i}") for i in (1, 2))
+    workers = [first, second] if two_at_start else [first]
+    moved = run_pipeline(config, MOVING_JOB, workers, [Step(action, [second])])
+    _assert_as_one_worker(moved, one_worker_run)
 
-    assert clean_run.counts["iterations"] == EXPECTED_ROWS
-    assert ("gpu_slow", 5) in {(f[2], f[3]) for f in clean_run.findings}
-    assert moved.acted_before_end and moved.acted_at_rows < EXPECTED_ROWS, "partitions must move mid-run"
-    assert moved.counts == clean_run.counts, (moved.findings, clean_run.findings)
-    assert moved.findings == clean_run.findings, "a rebalance is no fault: same findings, same first iteration"
-    assert moved.updates == clean_run.updates
+
+SPLIT_TIMING = {**QUICK_HANDOVER, "streams.job_idle_ms": 6000}
+"""A differential app cannot see the windower app's rebalance: while a dead or stalled windower's partitions
+wait out its session timeout, their ranks' pattern records stop, and a job idle flush before they resume
+scores the job's last iterations without them. So a split deployment needs ``job_idle_ms`` well above the
+windower group's session timeout (twice, here; the session timeout is short to keep the test short)."""
+
+
+def _split(config_dir: Path, broker: str, chdb_path: Path) -> tuple[list[StreamWorkerProcess], ...]:
+    """Three windower workers and two differential workers of the split deployment, none started."""
+    config = run_config(config_dir, broker, f"chdb://{chdb_path}", **SPLIT_TIMING)
+    windowers, differentials = stage_config(config, "windower"), stage_config(config, "differential")
+    return (
+        [StreamWorkerProcess(windowers, name=f"windower-{i}") for i in (1, 2, 3)],
+        [StreamWorkerProcess(differentials, name=f"differential-{i}") for i in (1, 2)],
+    )
+
+
+def _lost_idle_flush(moved: Outcome, one_worker_run: Outcome) -> bool:
+    """Whether ``moved`` differs from one worker's run by the known handover gap alone (docs/scaling.md,
+    "Known gap"): a job whose partition moved after its last records were acked, before its idle flush, is
+    never flushed by the new owner, so each open finding lacks its last update; nothing else differs."""
+    missing = [u for u in one_worker_run.updates if u not in moved.updates]
+    last = {u[0]: u for u in one_worker_run.updates}  # ordered by finding and version: each finding's last
+    same = [(f[0], f[1], f[3], f[4], f[5]) for f in moved.findings] == [
+        (f[0], f[1], f[3], f[4], f[5]) for f in one_worker_run.findings
+    ]
+    return (
+        bool(missing)
+        and all(u[2] == "open" and last[u[0]] == u for u in missing)
+        and moved.updates == [u for u in one_worker_run.updates if u not in missing]
+        and {**moved.counts, "finding_updates": 0} == {**one_worker_run.counts, "finding_updates": 0}
+        and same
+    )
+
+
+@pytest.mark.parametrize(
+    "action",
+    [leave, kill, stall],
+    ids=["workers join and others leave cleanly", "workers are killed", "workers stall and come back"],
+)
+def test_split_stages_moving_partitions_store_what_one_worker_stores(
+    tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome, action: Action
+) -> None:
+    """Both apps' partitions move in one run. A job is one differential partition, which a second worker may
+    or may not take: so a second differential worker joins, then the first one (the job's owner) leaves, dies
+    or stalls, and the job's state must follow. Windowers: of two, one leaves once a third has joined, or one
+    stalls; of three, one dies."""
+    (w1, w2, w3), (d1, d2) = _split(tmp_path, broker, chdb_path)
+    if action is leave:
+        steps = [Step(join, [w3, d2]), Step(leave, [w2, d1])]
+        moved = run_pipeline(w1.config, MOVING_JOB, [w1, w2, d1], steps)
+    else:
+        windowers = [w1, w2, w3] if action is kill else [w1, w2]
+        steps = [Step(join, [d2]), Step(action, [windowers[-1], d1])]
+        moved = run_pipeline(w1.config, MOVING_JOB, [*windowers, d1], steps)
+    if _lost_idle_flush(moved, one_worker_run):  # every other difference fails below
+        pytest.xfail("known gap: the new owner of a moved differential partition never flushes its idle job")
+    _assert_as_one_worker(moved, one_worker_run)
