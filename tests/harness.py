@@ -1,0 +1,102 @@
+"""What the integration tests share: a configuration isolated per test, polling instead of fixed sleeps,
+reading a topic by assignment, publishing simulated jobs at once.
+
+Importable from every test as ``harness`` (pyproject's ``pythonpath``); the fixtures that build on it are in
+tests/conftest.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+
+from fleetscope.config import Config, load_config
+from fleetscope.demo import publish_simulation
+from fleetscope.producers import SimulatorConfig
+from fleetscope.progress import Progress
+
+T = TypeVar("T")
+
+
+def isolated_config(
+    name: str,
+    data_dir: Path,
+    chdb_path: Path | None = None,
+    database: str | None = None,
+    broker: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """A configuration of its own: topics prefix and stream app id ``<name><random tag>``, its data directory,
+    its chDB database (the session's chDB directory holds one per test), the session broker when given
+    (otherwise the embedded stack starts one)."""
+    tag = uuid.uuid4().hex[:8]
+    settings: dict[str, Any] = {
+        "data_dir": str(data_dir),
+        "kafka.topic_prefix": f"{name}{tag}",
+        "streams.app_id": f"{name}-{tag}",
+    }
+    if chdb_path is not None:
+        settings["store.url"] = f"chdb://{chdb_path}"
+    if database is not None:
+        settings["store.database"] = database
+    if broker is not None:
+        settings["kafka.bootstrap_servers"] = broker
+    return load_config(env={}, overrides={**settings, **(overrides or {})})
+
+
+def wait_until(probe: Callable[[], T], timeout_s: float, interval_s: float = 0.2) -> T:
+    """Poll ``probe`` until it returns something truthy or ``timeout_s`` passes; return its last answer (the
+    caller asserts on it, so a timeout fails with the value that was seen)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def read_topic(
+    bootstrap: str,
+    topics: Iterable[str],
+    until: Callable[[list[Message]], bool],
+    timeout_s: float,
+    idle_s: float = 0.0,
+) -> list[Message]:
+    """Every message of ``topics`` from the start of each partition, in offset order per partition, until
+    ``until(messages)`` holds and nothing more came for ``idle_s`` (or ``timeout_s`` passes). Assigned
+    partitions, no group join: Tansu holds a join for half the session timeout."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False})  # fmt: skip
+    out: list[Message] = []
+    try:
+        assigned = []
+        for topic in topics:
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            assigned += [TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions]
+        consumer.assign(assigned)
+        deadline = last = time.monotonic()
+        deadline += timeout_s
+        while time.monotonic() < deadline and not (until(out) and time.monotonic() - last >= idle_s):
+            for msg in consumer.consume(100, 0.2):
+                if msg.error() is None:
+                    out.append(msg)
+                    last = time.monotonic()
+    finally:
+        consumer.close()
+    return out
+
+
+def publish_at_once(config: Config, jobs: Iterable[SimulatorConfig]) -> float:
+    """Publish every job from its own thread, all at once, as concurrent jobs do; return the seconds taken."""
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=publish_simulation, args=(config, sim, Progress(enabled=False))) for sim in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - t0
