@@ -1,5 +1,5 @@
 """What the integration tests share: a configuration isolated per test, polling instead of fixed sleeps,
-reading a topic by assignment, publishing simulated jobs at once.
+reading a topic by assignment, publishing simulated jobs at once, one demo run of a job with a slow GPU.
 
 Importable from every test as ``harness`` (pyproject's ``pythonpath``); the fixtures that build on it are in
 tests/conftest.py."""
@@ -10,15 +10,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
+from fleetscope.broker import ensure_topics
 from fleetscope.config import Config, load_config
-from fleetscope.demo import publish_simulation
-from fleetscope.producers import SimulatorConfig
+from fleetscope.demo import DemoResult, publish_simulation, run_demo
+from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.progress import Progress
+from fleetscope.schemas import Topics
+from fleetscope.sinks.alerts import AlertFollower, AlertsConfig
 
 T = TypeVar("T")
 
@@ -100,3 +104,44 @@ def publish_at_once(config: Config, jobs: Iterable[SimulatorConfig]) -> float:
     for t in threads:
         t.join()
     return time.monotonic() - t0
+
+
+SLOW_GPU_RANK = 11
+"""The rank whose GPU runs 1.5x slow in ``slow_gpu_run`` (on node001: 8 GPUs a host)."""
+
+
+@dataclass(frozen=True)
+class SlowGpuRun:
+    """A finished demo run (its store stays readable) and what an alert follower of its job received."""
+
+    config: Config
+    sim: SimulatorConfig
+    result: DemoResult
+    alerts: list[tuple[int, dict[str, Any]]]
+    """(receipt time in ns, alert), in order of receipt."""
+
+
+def slow_gpu_run(config: Config, alert_wait_s: float) -> SlowGpuRun:
+    """The demo on 16 ranks for 20 iterations, rank ``SLOW_GPU_RANK``'s GPU 1.5x slow, followed by an alert
+    follower started before it; waits up to ``alert_wait_s`` after the run for the follower to catch up.
+    One run serves every test that reads a finished store or follows its findings (a stack start-up each
+    costs seconds)."""
+    sim = SimulatorConfig(job="it-job", ranks=16, iterations=20, faults=(parse_fault(f"slow_gpu:{SLOW_GPU_RANK}:1.5"),))
+    k = config.kafka
+    ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
+    alerts: list[tuple[int, dict[str, Any]]] = []
+    follower = AlertFollower(
+        AlertsConfig(bootstrap_servers=k.bootstrap_servers, topic_prefix=k.topic_prefix, job=sim.job),
+        lambda alert: alerts.append((time.time_ns(), alert)),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=follower.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert follower.ready.wait(10), "the alert follower is positioned before the run"
+        result = run_demo(config, sim, Progress(enabled=False), timeout_s=180)
+        wait_until(lambda: len(alerts) >= sum(f["version"] for f in result.findings), alert_wait_s, 0.05)
+    finally:
+        stop.set()
+        thread.join(10)
+    return SlowGpuRun(config=config, sim=sim, result=result, alerts=list(alerts))
