@@ -122,11 +122,14 @@ class SlowGpuRun:
 
 
 def slow_gpu_run(config: Config, alert_wait_s: float) -> SlowGpuRun:
-    """The demo on 16 ranks for 20 iterations, rank ``SLOW_GPU_RANK``'s GPU 1.5x slow, followed by an alert
-    follower started before it; waits up to ``alert_wait_s`` after the run for the follower to catch up.
-    One run serves every test that reads a finished store or follows its findings (a stack start-up each
-    costs seconds)."""
-    sim = SimulatorConfig(job="it-job", ranks=16, iterations=20, faults=(parse_fault(f"slow_gpu:{SLOW_GPU_RANK}:1.5"),))
+    """The demo on 16 ranks for 20 iterations an hour ago, rank ``SLOW_GPU_RANK``'s GPU 1.5x slow, followed
+    by an alert follower started before it; waits up to ``alert_wait_s`` after the run for the follower to
+    catch up. One run serves every test that reads a finished store or follows its findings (a stack start-up
+    costs seconds each)."""
+    sim = SimulatorConfig(
+        job="it-job", ranks=16, iterations=20, start_ns=time.time_ns() - 3_600 * 10**9,  # this week's, for SQL
+        faults=(parse_fault(f"slow_gpu:{SLOW_GPU_RANK}:1.5"),),
+    )  # fmt: skip
     k = config.kafka
     ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
     alerts: list[tuple[int, dict[str, Any]]] = []
