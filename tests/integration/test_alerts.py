@@ -15,15 +15,11 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Producer
+from harness import SLOW_GPU_RANK, SlowGpuRun
 
 from fleetscope.broker import ensure_topics
-from fleetscope.config import load_config
-from fleetscope.demo import run_demo
-from fleetscope.producers import SimulatorConfig, parse_fault
-from fleetscope.progress import Progress
 from fleetscope.schemas import Topics, encode
 from fleetscope.schemas.topics import job_key
-from fleetscope.sinks.alerts import AlertFollower, AlertsConfig
 
 pytestmark = pytest.mark.integration
 
@@ -94,41 +90,10 @@ def test_the_cli_prints_each_state_change_of_its_job_within_5_s(broker: str, tmp
     assert proc.returncode == 0
 
 
-def test_a_finding_of_the_pipeline_reaches_the_follower_within_5_s(
-    broker: str, tmp_path: Path, chdb_path: Path, database: str
-) -> None:
-    prefix = f"al{uuid.uuid4().hex[:6]}"
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path),
-            "store.url": f"chdb://{chdb_path}",
-            "store.database": database,
-            "kafka.bootstrap_servers": broker,
-            "kafka.topic_prefix": prefix,
-        },
-    )
-    ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 4, 4)
-    received: list[tuple[int, dict[str, Any]]] = []
-    follower = AlertFollower(
-        AlertsConfig(bootstrap_servers=broker, topic_prefix=prefix, job="alert-job"),
-        lambda alert: received.append((time.time_ns(), alert)),
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=follower.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        assert follower.ready.wait(10)
-        sim = SimulatorConfig(job="alert-job", ranks=8, iterations=10, faults=(parse_fault("slow_gpu:3:1.5"),))
-        result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
-        deadline = time.monotonic() + MAX_DELAY_S
-        while len(received) < sum(f["version"] for f in result.findings) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join(10)
-    assert [(f["rank"], f["category"]) for f in result.findings] == [(3, "gpu_slow")]
-    assert received and received[0][1]["event"] == "new" and received[0][1]["rank"] == 3
+def test_a_finding_of_the_pipeline_reaches_the_follower_within_5_s(slow_gpu_demo: SlowGpuRun) -> None:
+    result, received = slow_gpu_demo.result, slow_gpu_demo.alerts  # a follower of the job ran all along
+    assert [(f["rank"], f["category"]) for f in result.findings] == [(SLOW_GPU_RANK, "gpu_slow")]
+    assert received and received[0][1]["event"] == "new" and received[0][1]["rank"] == SLOW_GPU_RANK
     delays_s = [(at - alert["emitted_ns"]) / 1e9 for at, alert in received]
     print(f"alert delays after finding creation: {[f'{d:.3f}' for d in delays_s]} s")
     assert max(delays_s) < MAX_DELAY_S

@@ -4,17 +4,14 @@ more job is that job's only finding."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from harness import isolated_config, publish_at_once, wait_until
 
-from fleetscope.config import load_config
-from fleetscope.demo import publish_simulation
 from fleetscope.producers import SimulatorConfig, parse_fault
-from fleetscope.progress import Progress
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack
 
@@ -25,13 +22,7 @@ def test_twenty_jobs_a_512_rank_job_and_a_faulty_one_at_once_find_only_the_fault
     tmp_path: Path, chdb_path: Path, database: str, broker: str
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path), "store.url": f"chdb://{chdb_path}", "store.database": database,
-            "kafka.bootstrap_servers": broker, "kafka.topic_prefix": f"cj{tag}", "streams.app_id": f"cj-{tag}",
-        },
-    )  # fmt: skip
+    config = isolated_config("cj", tmp_path, chdb_path, database, broker)
     jobs = [SimulatorConfig(job=f"j{i:02d}-{tag}", ranks=16, iterations=8, seed=i) for i in range(20)]
     jobs.append(SimulatorConfig(job=f"big-{tag}", ranks=512, iterations=4, seed=99, layers=8))
     fault = (parse_fault("slow_gpu:5:1.5"),)
@@ -42,18 +33,8 @@ def test_twenty_jobs_a_512_rank_job_and_a_faulty_one_at_once_find_only_the_fault
         assert stack.sink is not None and stack.client is not None
         sink = stack.sink
         t0 = time.monotonic()
-        threads = [
-            threading.Thread(target=publish_simulation, args=(stack.config, sim, Progress(enabled=False)))
-            for sim in jobs
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        published_s = time.monotonic() - t0
-        deadline = time.monotonic() + 240
-        while sink.stats["iterations"] < expected and time.monotonic() < deadline:
-            time.sleep(0.5)
+        published_s = publish_at_once(stack.config, jobs)
+        wait_until(lambda: sink.stats["iterations"] >= expected, timeout_s=240, interval_s=0.5)
         assert sink.stats["iterations"] == expected, "every rank-iteration of every job is stored"
         time.sleep((config.streams.job_idle_ms + config.streams.windower.idle_close_ms) / 1000 + 2.0)
         findings = current_findings(stack.client, database)

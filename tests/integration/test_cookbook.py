@@ -1,7 +1,7 @@
 """Every query of docs/sql-cookbook.md runs, read-only as ``fleetscope sql`` runs it, on a store filled by a
-demo run (16 ranks, rank 5's GPU 1.5x slow) plus a job that slowed down two days ago, and answers right:
-on the store opened directly and through the HTTP interface ``fleetscope up`` serves it on, with
-clickhouse-connect's HTTP client and the read token."""
+demo run (16 ranks, rank 11's GPU 1.5x slow: the session's shared run, copied into a database of its own) plus
+a job that slowed down two days ago, and answers right: on the store opened directly and through the HTTP
+interface ``fleetscope up`` serves it on, with clickhouse-connect's HTTP client and the read token."""
 
 from __future__ import annotations
 
@@ -9,30 +9,31 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import SLOW_GPU_RANK, SlowGpuRun
 
-from fleetscope.config import load_config
-from fleetscope.demo import run_demo
 from fleetscope.endpoint import Endpoint, served_client
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
-from fleetscope.progress import Progress
-from fleetscope.sinks import ClickHouseWriter, connect, run_sql
+from fleetscope.sinks import ClickHouseWriter, connect, migrate, run_sql
+from fleetscope.sinks.clickhouse import TABLES
 from fleetscope.storeserver import StoreServer, Tokens
 from fleetscope.streams.offline import OfflinePipeline
 
 pytestmark = pytest.mark.integration
 
 COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "sql-cookbook.md"
-SLOW_RANK = 5
+SLOW_RANK = SLOW_GPU_RANK
+JOB, ITERATIONS = "it-job", 20
 KERNEL = "ampere_bf16_s16816gemm_bf16_64x128_ldg8_f2f_tn"
 DAY_NS = 86_400 * 10**9
 NOW_NS = time.time_ns()
 PARAMS = {
-    "job": "cook",
+    "job": JOB,
     "rank": str(SLOW_RANK),
     "function": KERNEL,
     "since": datetime.fromtimestamp(NOW_NS / 1e9 - 2 * 86_400, UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -52,27 +53,16 @@ def cookbook() -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def filled(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator[tuple[Any, str]]:
+def filled(slow_gpu_demo: SlowGpuRun) -> Iterator[tuple[Any, str]]:
+    demo = slow_gpu_demo
+    assert (demo.sim.job, demo.sim.ranks, demo.sim.iterations) == (JOB, 16, ITERATIONS)
+    assert demo.sim.start_ns > NOW_NS - 2 * 3_600 * 10**9, "the demo ran in the last hours: this week's queries see it"
+    assert [(f["rank"], f["category"]) for f in demo.result.findings] == [(SLOW_RANK, "gpu_slow")]
     database = f"cook_{uuid.uuid4().hex[:10]}"
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path_factory.mktemp("cookbook")),
-            "store.url": f"chdb://{chdb_path}",
-            "store.database": database,
-            "kafka.topic_prefix": f"cb{uuid.uuid4().hex[:6]}",
-        },
-    )
-    sim = SimulatorConfig(
-        job="cook",
-        ranks=16,
-        iterations=12,
-        start_ns=NOW_NS - 3_600 * 10**9,
-        faults=(parse_fault(f"slow_gpu:{SLOW_RANK}:1.5"),),
-    )
-    result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
-    assert [(f["rank"], f["category"]) for f in result.findings] == [(SLOW_RANK, "gpu_slow")]
-    client = connect(config.store)
+    client = connect(replace(demo.config.store, database=database))
+    migrate(client, database)
+    for table in TABLES:  # the demo's rows, in a database of this module's own (it adds a job)
+        client.command(f"INSERT INTO `{database}`.{table} SELECT * FROM `{demo.config.store.database}`.{table}")
     # A second job, healthy three days ago and with a slow GPU since yesterday (written without Kafka).
     offline = OfflinePipeline(keep_patterns=True)
     offline.add_all(simulate(SimulatorConfig(job="regress", ranks=8, iterations=6, start_ns=NOW_NS - 3 * DAY_NS)))
@@ -128,18 +118,18 @@ def test_every_query_runs_read_only_and_returns_rows(store: tuple[Any, str], hea
 def test_the_answers_point_at_the_injected_faults(store: tuple[Any, str]) -> None:
     q = dict(cookbook())
     top = run(store, q["1. Top outlier ranks this week"])
-    assert (top[0]["job"], top[0]["rank"]) == ("cook", SLOW_RANK), top[:3]
+    assert (top[0]["job"], top[0]["rank"]) == (JOB, SLOW_RANK), top[:3]
     assert top[0]["worst_gap_pct"] > 40 and top[0]["functions_over_5pct"] >= 8
-    assert all(r["worst_gap_pct"] < 10 for r in top if r["rank"] != SLOW_RANK and r["job"] == "cook")
+    assert all(r["worst_gap_pct"] < 10 for r in top if r["rank"] != SLOW_RANK and r["job"] == JOB)
 
     findings = run(store, q["2. Findings of the week, biggest loss first"])
     assert {(f["job"], f["rank"], f["category"]) for f in findings} == {
-        ("cook", 5, "gpu_slow"),
+        (JOB, SLOW_RANK, "gpu_slow"),
         ("regress", 2, "gpu_slow"),
     }
 
     history = run(store, q["3. A rank's function history"])
-    assert [h["iteration"] for h in history] == list(range(12))
+    assert [h["iteration"] for h in history] == list(range(ITERATIONS))
     assert all(0.4 < h["gap"] < 0.6 for h in history), history
 
     profile = run(store, q["4. What is different about one rank"])
@@ -152,7 +142,7 @@ def test_the_answers_point_at_the_injected_faults(store: tuple[Any, str]) -> Non
     assert all(b["busbw_gbps"] > 0 and b["nvlink_gbps"] > 0 for b in bandwidth)
 
     slowed = run(store, q["6. Jobs that slowed down after a date"])
-    assert [s["job"] for s in slowed] == ["regress"], "cook ran only after the date"
+    assert [s["job"] for s in slowed] == ["regress"], f"{JOB} ran only after the date"
     assert slowed[0]["slowdown"] > 0.3 and slowed[0]["after_ms"] > slowed[0]["before_ms"]
 
     last = run(store, q["7. Who arrives last at the collectives"])
@@ -165,4 +155,4 @@ def test_the_answers_point_at_the_injected_faults(store: tuple[Any, str]) -> Non
     assert changes[0]["status"] == "open" and changes[0]["version"] == 1
 
     overview = {o["job"]: o for o in run(store, q["10. Iteration time, jitter and idle share per job"])}
-    assert overview["cook"]["ranks"] == 16 and overview["cook"]["iterations"] == 12
+    assert overview[JOB]["ranks"] == 16 and overview[JOB]["iterations"] == ITERATIONS

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
+from harness import isolated_config, read_topic, wait_until
 
-from fleetscope.config import load_config
 from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, simulate
 from fleetscope.schemas import EventKind, IntakeLimits, SchemaError, Topics, decode_event_batch, encode_event_batch
@@ -86,38 +85,17 @@ def _bad_messages(start_ns: int) -> list[bytes]:
 
 
 def _dead_letters(bootstrap: str, topic: str, expected: int, timeout_s: float) -> dict[bytes, dict[str, str]]:
-    """Key -> headers of every dead letter, read by assignment from the start of every partition."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False})  # fmt: skip
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        out: dict[bytes, dict[str, str]] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(out) < expected and time.monotonic() < deadline:
-            for m in consumer.consume(100, 0.2):
-                if m.error() is None:
-                    out[m.key()] = {k: v.decode() for k, v in m.headers() or []}
-        return out
-    finally:
-        consumer.close()
+    """Key -> headers of every dead letter, read from the start of every partition."""
+    messages = read_topic(bootstrap, [topic], until=lambda got: len({m.key() for m in got}) >= expected,
+                          timeout_s=timeout_s)  # fmt: skip
+    return {m.key(): {k: v.decode() for k, v in m.headers() or []} for m in messages}
 
 
 def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
     broker: str, tmp_path: Path, chdb_path: Path, database: str
 ) -> None:
-    prefix = f"dl{uuid.uuid4().hex[:8]}"
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path),
-            "store.url": f"chdb://{chdb_path}",
-            "store.database": database,
-            "kafka.topic_prefix": prefix,
-            "kafka.bootstrap_servers": broker,
-        },
-    )
-    topics = Topics(prefix=prefix)
+    config = isolated_config("dl", tmp_path, chdb_path, database, broker)
+    topics = Topics(prefix=config.kafka.topic_prefix)
     start_ns = time.time_ns() - 3_600 * 10**9
     bad = _bad_messages(start_ns)
     keys = [f"bad-{i}".encode() for i in range(len(bad))]
@@ -142,14 +120,12 @@ def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
             assert headers["offset"].isdigit() and headers["partition"].isdigit()
 
         client = connect(stack.config.store)
-        deadline = time.monotonic() + 90
-        stored = 0
-        while time.monotonic() < deadline:
-            stored = int(client.command(f"SELECT count() FROM `{database}`.iterations WHERE job = 'dl-valid'"))
-            if stored >= RANKS * ITERATIONS:
-                break
-            time.sleep(0.5)
-        assert stored == RANKS * ITERATIONS
+
+        def stored() -> int:
+            return int(client.command(f"SELECT count() FROM `{database}`.iterations WHERE job = 'dl-valid'"))
+
+        wait_until(lambda: stored() >= RANKS * ITERATIONS, timeout_s=90, interval_s=0.5)
+        assert stored() == RANKS * ITERATIONS
         for table in ("iterations", "function_patterns"):  # nothing of a rejected message is stored
             assert client.command(f"SELECT count() FROM `{database}`.{table} WHERE job != 'dl-valid'") == 0
         oversized = letters[keys[bad.index(OVERSIZED)]]

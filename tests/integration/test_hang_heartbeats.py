@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
+from harness import isolated_config, read_topic
 
-from fleetscope.config import load_config
 from fleetscope.schemas import Topics, decode, encode
 from fleetscope.schemas.topics import job_key
 from fleetscope.sinks import current_findings
@@ -39,13 +39,7 @@ def test_a_job_blocked_at_step_150_is_diagnosed_from_heartbeats_and_a_backlog_is
     tmp_path: Path, chdb_path: Path, database: str, broker: str
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path), "store.url": f"chdb://{chdb_path}", "store.database": database,
-            "kafka.bootstrap_servers": broker, "kafka.topic_prefix": f"hb{tag}", "streams.app_id": f"hb-{tag}",
-        },
-    )  # fmt: skip
+    config = isolated_config("hb", tmp_path, chdb_path, database, broker)
     hung, healthy = f"hung-{tag}", f"healthy-{tag}"
     with EmbeddedStack(config) as stack:
         assert stack.sink is not None and stack.client is not None
@@ -91,17 +85,6 @@ def test_a_job_blocked_at_step_150_is_diagnosed_from_heartbeats_and_a_backlog_is
 
 
 def _control_requests(broker: str, topic: str, wait_s: float = 5.0) -> list[dict[str, Any]]:
-    consumer = Consumer({"bootstrap.servers": broker, "group.id": f"t-{uuid.uuid4().hex}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False})  # fmt: skip
-    partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-    out: list[dict[str, Any]] = []
-    deadline = time.monotonic() + wait_s
-    try:
-        while time.monotonic() < deadline:
-            for msg in consumer.consume(100, 0.5):
-                if msg.error() is None:
-                    out.append(decode(msg.value())[1])
-    finally:
-        consumer.close()
-    return out
+    """Every request on the control topic, once none more came for ``wait_s`` (one that came twice shows)."""
+    messages = read_topic(broker, [topic], until=lambda got: bool(got), timeout_s=wait_s + 10, idle_s=wait_s)
+    return [decode(m.value())[1] for m in messages]

@@ -6,40 +6,27 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
+from harness import SLOW_GPU_RANK, SlowGpuRun
 
-from fleetscope.config import load_config
-from fleetscope.demo import run_demo
-from fleetscope.producers import SimulatorConfig, parse_fault
-from fleetscope.progress import Progress
 from fleetscope.sinks import connect, table_counts
 
 pytestmark = pytest.mark.integration
 
 
-def test_sixteen_ranks_with_one_slow_gpu_end_to_end(tmp_path: Path, chdb_path: Path, database: str) -> None:
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path),
-            "store.url": f"chdb://{chdb_path}",
-            "store.database": database,
-            "kafka.topic_prefix": f"it{uuid.uuid4().hex[:6]}",
-        },
-    )
-    sim = SimulatorConfig(job="it-job", ranks=16, iterations=20, faults=(parse_fault("slow_gpu:11:1.5"),))
-    result = run_demo(config, sim, Progress(enabled=False), timeout_s=180)
+def test_sixteen_ranks_with_one_slow_gpu_end_to_end(slow_gpu_demo: SlowGpuRun) -> None:
+    config, sim, result = slow_gpu_demo.config, slow_gpu_demo.sim, slow_gpu_demo.result
+    assert (sim.ranks, sim.iterations) == (16, 20)
 
-    assert [(f["rank"], f["category"]) for f in result.findings] == [(11, "gpu_slow")]
+    assert [(f["rank"], f["category"]) for f in result.findings] == [(SLOW_GPU_RANK, "gpu_slow")]
     finding = result.findings[0]
-    assert finding["job"] == "it-job" and finding["host"] == "node001"
+    assert finding["job"] == sim.job and finding["host"] == "node001"
     assert finding["value"] > 1.3 * finding["peer_median"]
     assert finding["iteration_first"] == 0 and finding["iteration_last"] == 19
 
-    counts = table_counts(connect(config.store), database)
+    counts = table_counts(connect(config.store), config.store.database)
     assert counts["iterations"] == 16 * 20
     assert counts["findings"] == 1
     functions_per_rank = finding["evidence"]["compared_functions"]

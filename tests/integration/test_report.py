@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,40 +13,32 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness import SLOW_GPU_RANK, SlowGpuRun
 
 from fleetscope.cli import main
-from fleetscope.config import Config, load_config
-from fleetscope.demo import run_demo
-from fleetscope.producers import SimulatorConfig, parse_fault
-from fleetscope.progress import Progress
+from fleetscope.config import Config
 from fleetscope.report import collect, render_html
 from fleetscope.sinks import connect
 
 pytestmark = pytest.mark.integration
 
-SLOW_RANK = 11
+SLOW_RANK = SLOW_GPU_RANK
+ITERATIONS = 20
+JOB = "it-job"
 
 
 @pytest.fixture(scope="module")
-def demo_store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator[tuple[Config, Any]]:
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path_factory.mktemp("report")),
-            "store.url": f"chdb://{chdb_path}",
-            "store.database": f"rep_{uuid.uuid4().hex[:10]}",
-            "kafka.topic_prefix": f"rp{uuid.uuid4().hex[:6]}",
-        },
-    )
-    sim = SimulatorConfig(job="rep", ranks=16, iterations=12, faults=(parse_fault(f"slow_gpu:{SLOW_RANK}:1.5"),))
-    result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
-    assert [f["rank"] for f in result.findings] == [SLOW_RANK]
-    yield config, connect(config.store)
+def demo_store(slow_gpu_demo: SlowGpuRun) -> Iterator[tuple[Config, Any]]:
+    """The shared demo run's store: 16 ranks, ``ITERATIONS`` iterations, rank ``SLOW_RANK``'s GPU slow."""
+    run = slow_gpu_demo
+    assert (run.sim.job, run.sim.ranks, run.sim.iterations) == (JOB, 16, ITERATIONS)
+    assert [f["rank"] for f in run.result.findings] == [SLOW_RANK]
+    yield run.config, connect(run.config.store)
 
 
 def test_the_slow_rank_stands_out_in_the_heatmap_data(demo_store: tuple[Config, Any]) -> None:
     config, client = demo_store
-    data = collect(client, config.store.database, "rep")
+    data = collect(client, config.store.database, JOB)
     heat = data.heatmap
     assert heat.ranks == list(range(16)) and heat.gap.shape == (len(heat.functions), 16)
     assert heat.top_outlier("compute")[0] == SLOW_RANK
@@ -62,14 +53,14 @@ def test_the_slow_rank_stands_out_in_the_heatmap_data(demo_store: tuple[Config, 
     collectives = [i for i, k in enumerate(heat.kinds) if k == "collective"]
     assert collectives and all(heat.gap[i, slow] < -0.5 for i in collectives), "it arrives last, never waits"
     assert data.flagged_ranks == [SLOW_RANK]
-    assert data.iteration_ms.shape == (16, 12) and np.isfinite(data.iteration_ms).all()
+    assert data.iteration_ms.shape == (16, ITERATIONS) and np.isfinite(data.iteration_ms).all()
     assert int(np.nanargmax(np.nanmean(data.compute_ms, axis=1))) == slow
     assert np.isfinite(data.busbw_gbps).all() and (data.busbw_gbps > 0).all()
 
 
 def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Any]) -> None:
     config, client = demo_store
-    page = render_html(collect(client, config.store.database, "rep"))
+    page = render_html(collect(client, config.store.database, JOB))
     assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 6
     without_ns = page.replace("http://www.w3.org/2000/svg", "")
     for external in ("http://", "https://", " src=", "<link", "<script", "url(", "@import"):
@@ -80,7 +71,7 @@ def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Any]) -
 
 def test_the_report_leads_with_a_verdict_in_time_per_iteration(demo_store: tuple[Config, Any]) -> None:
     config, client = demo_store
-    data = collect(client, config.store.database, "rep")
+    data = collect(client, config.store.database, JOB)
     page = render_html(data)
     verdict = re.search(r"<p class='verdict'>(.*?)</p>", page)
     assert verdict is not None and page.index("class='verdict'") < page.index("<h2>")
@@ -94,7 +85,7 @@ def test_the_report_leads_with_a_verdict_in_time_per_iteration(demo_store: tuple
 
 def test_a_job_without_profiled_kernels_gets_a_note_not_empty_panels(demo_store: tuple[Config, Any]) -> None:
     config, client = demo_store
-    data = collect(client, config.store.database, "rep")
+    data = collect(client, config.store.database, JOB)
     heat = data.heatmap
     python_only = [i for i, k in enumerate(heat.kinds) if k in ("python", "collective")]
     unprofiled = replace(
@@ -107,7 +98,7 @@ def test_a_job_without_profiled_kernels_gets_a_note_not_empty_panels(demo_store:
         link_gbps=np.full_like(data.link_gbps, np.nan),
     )  # fmt: skip
     page = render_html(unprofiled)
-    assert "No GPU kernels were profiled for this job" in page and "fleetscope profile --job rep" in page
+    assert "No GPU kernels were profiled for this job" in page and f"fleetscope profile --job {JOB}" in page
     assert "No NVLink samples" in page
     assert "GPU compute time (ms)" not in page
 
@@ -118,13 +109,14 @@ def test_the_cli_writes_the_report_quickly(demo_store: tuple[Config, Any], tmp_p
     cfg.write_text(json.dumps({"store": {"url": config.store.url, "database": config.store.database}}))
     out = tmp_path / "report.html"
     t0 = time.monotonic()
-    assert main(["report", "--job", "rep", "-o", str(out), "--config", str(cfg), "--json"]) == 0
+    assert main(["report", "--job", JOB, "-o", str(out), "--config", str(cfg), "--json"]) == 0
     seconds = time.monotonic() - t0
     summary = json.loads(capsys.readouterr().out)
     assert summary["top_deviation"]["rank"] == SLOW_RANK and summary["findings"] == 1
     assert summary["headline"]["subject"] == f"rank {SLOW_RANK}" and summary["headline"]["category"] == "gpu_slow"
     assert summary["verdict"].startswith(f"Rank {SLOW_RANK} ")
     assert out.stat().st_size > 20_000
-    print(f"report of 16 ranks x 12 iterations: {seconds:.2f} s by the CLI, {summary['build_seconds']:.3f} s to write")
+    built_s = summary["build_seconds"]
+    print(f"report of 16 ranks x {ITERATIONS} iterations: {seconds:.2f} s by the CLI, {built_s:.3f} s to write")
     assert seconds < 10
     assert main(["report", "--job", "no-such-job", "-o", str(tmp_path / "x.html"), "--config", str(cfg)]) == 1

@@ -243,11 +243,18 @@ def test_mutated_messages_end_exactly_like_fastavro(message: bytes) -> None:
     assert_same(message, canonical=False)
 
 
-def test_every_truncation_of_a_message_is_a_schema_error() -> None:
-    message = VALID[3]
-    for cut in range(len(message)):
-        with pytest.raises(SchemaError):
-            decode_event_batch(message[:cut])
+def test_every_truncation_of_a_message_of_every_kind_is_a_schema_error() -> None:
+    """Every cut of the smallest simulated message of each kind (every field and column of it non-empty): each
+    position class of the encoding, in a tenth of the time that cutting one long throughput batch took."""
+    smallest: dict[EventKind, bytes] = {}
+    for batch in simulate(SimulatorConfig(job="cut", ranks=2, iterations=1, layers=1, buckets=1)):
+        smallest.setdefault(batch.kind, encode_event_batch(batch))
+    assert set(smallest) == set(EventKind)
+    for kind, message in smallest.items():
+        for cut in range(len(message)):
+            with pytest.raises(SchemaError):
+                decode_event_batch(message[:cut])
+        assert decode_event_batch(message).kind is kind
 
 
 @EXAMPLES
