@@ -258,8 +258,7 @@ def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
 def cmd_sink(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.endpoint import ensure_unlocked
-    from fleetscope.sinks import ClickHouseWriter, Sink
-    from fleetscope.sinks.startup import open_store
+    from fleetscope.sinks import Sink, open_store
     from fleetscope.stack import other_store_sinks, sink_config
 
     if not config.kafka.bootstrap_servers:
@@ -276,19 +275,19 @@ def cmd_sink(args: argparse.Namespace, config: Config) -> int:
             file=sys.stderr,
         )
     ensure_unlocked(config)
-    ch = config.store
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    client = open_store(ch, stop)  # the store may come up after the sink: wait with backoff, no traceback
-    if client is None:
+    store = open_store(config.store, stop=stop)  # the store may come up after the sink: wait, no traceback
+    if store is None:
         return 0
-    sink = Sink(sink_config(config), ClickHouseWriter(client, ch.database))
+    sink = Sink(sink_config(config), store)
     sink.start()
     try:
         _wait_for_interrupt()
     finally:
         sink.stop()
+        store.close()
     return 0
 
 
@@ -310,15 +309,8 @@ def cmd_simulate(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _open_store(config: Config, write: bool = False) -> tuple[Any, str]:
-    from fleetscope.endpoint import open_store
-
-    client, database, _ = open_store(config, write=write)
-    return client, database
-
-
 def cmd_sql(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.sinks import run_sql
+    from fleetscope.endpoint import open_store
 
     params: dict[str, str] = {}
     for item in args.param:
@@ -326,9 +318,9 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
         if not sep:
             raise ConfigError([f"--param {item!r}: expected NAME=VALUE"])
         params[name] = value
-    client, database = _open_store(config, write=args.write)
+    store = open_store(config, write=args.write)
     try:
-        columns, rows = run_sql(client, database, args.query, params or None, readonly=not args.write)
+        columns, rows = store.query(args.query, params or None, readonly=not args.write)
     except PermissionError:
         # Not a read statement by its first word: let the engine parse it, so `SELEC 1` is reported as
         # the syntax error it is rather than as a write attempt.
@@ -336,7 +328,7 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
 
         prefix = "EXPLAIN AST "
         try:
-            client.query(prefix + args.query, parameters=params or None, settings={"readonly": 1})
+            store.query(prefix + args.query, params or None)
         except Exception as exc:
             syntax = syntax_error_of(args.query, exc, prefix)
             if syntax is not None:
@@ -352,10 +344,9 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_findings(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.sinks import current_findings
+    from fleetscope.endpoint import open_store
 
-    client, database = _open_store(config)
-    print_findings(current_findings(client, database, job=args.job), args.json)
+    print_findings(open_store(config).findings(job=args.job), args.json)
     return 0
 
 

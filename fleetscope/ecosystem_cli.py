@@ -95,9 +95,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_init(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.broker import ensure_topics
-    from fleetscope.endpoint import ensure_unlocked, running_endpoint, served_client
+    from fleetscope.endpoint import open_store
     from fleetscope.schemas import Topics
-    from fleetscope.sinks import connect, migrate
 
     k = config.kafka
     if not k.bootstrap_servers:
@@ -112,12 +111,7 @@ def cmd_init(args: argparse.Namespace, config: Config) -> int:
     names = [*topics.raw_all, *topics.derived_all]
     ids = _registry(config).register_catalog() if k.registry_url else {}
     ch = config.store
-    endpoint = running_endpoint(config.data_dir) if ch.chdb_path not in (None, ":memory:") else None
-    if endpoint is not None:  # `up` holds the store: prepare it through its server, with the write token
-        migrate(served_client(endpoint, write=True), endpoint.database)
-    else:
-        ensure_unlocked(config)
-        migrate(connect(ch), ch.database)
+    open_store(config, create=True).close()  # through `up`'s server (write token) when `up` holds it
     if args.json:
         print(json.dumps({"topics": names, "schemas": dict(sorted(ids.items())), "database": ch.database}))
         return 0
@@ -134,9 +128,9 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.report import write_report
     from fleetscope.schemas import units
 
-    client, database, _ = open_store(config)
+    store = open_store(config)
     t0 = time.monotonic()
-    data = write_report(client, database, args.job, args.output)
+    data = write_report(store, args.job, args.output)
     seconds = time.monotonic() - t0
     rank, function, gap = data.heatmap.top_outlier()
     lead = verdict.headline(data.findings)
@@ -184,7 +178,7 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
         WebhookSender,
         format_alert,
     )
-    from fleetscope.sinks.clickhouse import RetryPolicy
+    from fleetscope.sinks.retry import RetryPolicy
 
     k = config.kafka
     if not k.bootstrap_servers:
