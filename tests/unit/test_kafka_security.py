@@ -121,7 +121,7 @@ def test_control_producer_and_listener_get_the_settings(config: Config, recorded
 
 
 def test_alert_follower_gets_the_settings(config: Config, recorded: Any) -> None:
-    from fleetscope.ecosystem_cli import cmd_alerts
+    from fleetscope.commands.alerts import cmd_alerts
 
     consumers = recorded(alerts_module, "Consumer")
     args = argparse.Namespace(job=None, from_beginning=False, group="", json=True, webhook="")
@@ -131,7 +131,7 @@ def test_alert_follower_gets_the_settings(config: Config, recorded: Any) -> None
 
 
 def test_admin_clients_of_init_replay_and_the_stack_get_the_settings(config: Config, recorded: Any) -> None:
-    from fleetscope.ecosystem_cli import cmd_init
+    from fleetscope.commands.deployment import cmd_init
     from fleetscope.traces_cli import replay_traces
 
     admins = recorded(broker_module, "AdminClient")
