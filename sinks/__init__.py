@@ -32,7 +32,7 @@ _EXPORTS = {
     "open_store": "store",
     "RetryPolicy": "retry",
     "Sink": "sink",
-    "SinkConfig": "sink",
+    "SinkConfig": "sink_clients",
 }
 """Public name -> submodule. Imported on first use, so ``fleetscope.sinks.store_config`` (read by every
 process that loads the configuration) does not pull in the ClickHouse driver."""

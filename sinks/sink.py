@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,13 @@ from fleetscope.schemas import SchemaError, Topics, decode
 from fleetscope.sinks.records import pattern_rows
 from fleetscope.sinks.retry import MAX_PAUSE_S as _MAX_PAUSE_S
 from fleetscope.sinks.retry import backoff_s
+from fleetscope.sinks.sink_clients import (
+    ACCESS_ERRORS,
+    SinkConfig,
+    consumer_settings,
+    deadletter_settings,
+    produce_dead_letter,
+)
 from fleetscope.sinks.store import RecordWriter
 
 logger = logging.getLogger(__name__)
@@ -31,49 +38,6 @@ _ROWS_STAT = {"iterations": "iterations", "patterns": "function_patterns", "find
 """Stored subject -> the stat counting its rows written."""
 _MAX_BATCH_MESSAGES = 1_000
 _DEADLETTER_FLUSH_S = 10.0
-_ACCESS_ERRORS = frozenset(
-    {
-        KafkaError._AUTHENTICATION,
-        KafkaError._SSL,
-        KafkaError.SASL_AUTHENTICATION_FAILED,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.GROUP_AUTHORIZATION_FAILED,
-        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-    }
-)
-"""Errors a retry in 50 ms cannot cure (wrong credentials, missing ACLs): the consume loop backs off."""
-CLIENT_LOGGER = logging.getLogger(f"{__name__}.librdkafka")
-"""librdkafka's own log lines (not stderr), one of each kind per 30 s."""
-CLIENT_LOGGER.addFilter(telemetry.RepeatFilter(30.0))
-
-
-@dataclass(frozen=True, kw_only=True)
-class SinkConfig:
-    """Kafka side of the sink. ``extra`` passes librdkafka settings to the consumer and the dead-letter
-    producer (e.g. security); it is never logged."""
-
-    bootstrap_servers: str
-    topic_prefix: str = "fleetscope"
-    group_id: str = "fleetscope-sink"
-    session_timeout_ms: int = 6000
-    """Tansu holds a JoinGroup for half of it: keep it low in development."""
-    flush_rows: int = 50_000
-    flush_interval_ms: int = 500
-    extra: Mapping[str, str] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        errors: list[str] = []
-        if not self.bootstrap_servers:
-            errors.append("bootstrap_servers: must not be empty")
-        if not self.topic_prefix:
-            errors.append("topic_prefix: must not be empty")
-        if not self.group_id:
-            errors.append("group_id: must not be empty")
-        for name in ("session_timeout_ms", "flush_rows", "flush_interval_ms"):
-            if getattr(self, name) <= 0:
-                errors.append(f"{name}: must be > 0, got {getattr(self, name)}")
-        if errors:
-            raise ValueError("invalid SinkConfig: " + "; ".join(errors))
 
 
 _NOT_STORED = frozenset({"progress"})
@@ -231,36 +195,11 @@ class Sink:
 
     def _ensure_clients(self) -> Consumer:
         if self._consumer is None:
-            common = {
-                "reconnect.backoff.ms": 500,  # librdkafka's own reconnects: a refused login is not retried at 50 ms
-                "reconnect.backoff.max.ms": 30_000,
-                **self._config.extra,
-                "bootstrap.servers": self._config.bootstrap_servers,
-                "logger": CLIENT_LOGGER,
-                "error_cb": self._on_kafka_error,
-            }
             self._consumer = Consumer(
-                {
-                    **common,
-                    "group.id": self._config.group_id,
-                    "client.id": "fleetscope-sink",
-                    "enable.auto.commit": False,
-                    "auto.offset.reset": "earliest",
-                    "session.timeout.ms": self._config.session_timeout_ms,
-                    "heartbeat.interval.ms": max(100, self._config.session_timeout_ms // 3),
-                    "statistics.interval.ms": 5_000,
-                    "stats_cb": self._on_statistics,
-                }
+                consumer_settings(self._config, on_error=self._on_kafka_error, on_statistics=self._on_statistics)
             )
             self._consumer.subscribe(list(self.topics), on_assign=self._on_assign, on_revoke=self._on_revoke)
-            self._producer = Producer(
-                {
-                    **common,
-                    "client.id": "fleetscope-sink-deadletter",
-                    "linger.ms": 5,
-                    "message.timeout.ms": 30_000,
-                }
-            )
+            self._producer = Producer(deadletter_settings(self._config, on_error=self._on_kafka_error))
             logger.info("sink subscribed to %s as group %s", ", ".join(self.topics), self._config.group_id)
         return self._consumer
 
@@ -295,25 +234,7 @@ class Sink:
         producer = self._producer
         if producer is None:
             raise RuntimeError("dead letter before the producer exists")
-        headers: list[tuple[str, str | bytes | None]] = [
-            ("reason", reason[:2000].encode()),
-            ("topic", (msg.topic() or "").encode()),
-            ("partition", str(msg.partition()).encode()),
-            ("offset", str(msg.offset()).encode()),
-        ]
-        for _ in range(50):
-            try:
-                producer.produce(
-                    self._topics.deadletter,
-                    value=msg.value(),
-                    key=msg.key(),
-                    headers=headers,
-                    on_delivery=self._on_dead_letter_delivery,
-                )
-                break
-            except BufferError:
-                producer.poll(0.1)
-        else:
+        if not produce_dead_letter(producer, self._topics.deadletter, msg, reason, self._on_dead_letter_delivery):
             self._stats["dead_letter_errors"] += 1
             logger.error("dead-letter queue full; a bad message was dropped")
             return
@@ -334,7 +255,7 @@ class Sink:
     def _on_kafka_error(self, err: KafkaError) -> None:
         if err.fatal():
             raise KafkaException(err)
-        if err.code() in _ACCESS_ERRORS:
+        if err.code() in ACCESS_ERRORS:
             self._access_failures += 1
             delay = backoff_s(self._access_failures)
             self._access_retry_at_s = time.monotonic() + delay
