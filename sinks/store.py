@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, overload
 
 from fleetscope.sinks.retry import backoff_s
@@ -91,14 +91,13 @@ def open_store(config: ClickHouseConfig, *, stop: threading.Event | None = None,
     process that is exiting) is waited for with backoff until it answers (the store) or ``stop`` is set
     (None); without, the first error raises. Other errors always raise at once: they are configuration
     errors no wait cures."""
-    from fleetscope.sinks import clickhouse
-
+    opener, unavailable = _adapter(config)
     failures = 0
     while stop is None or not stop.is_set():
         try:
-            return clickhouse.open_clickhouse(config, prepare=prepare)
+            return opener(config, prepare=prepare)
         except Exception as exc:
-            if stop is None or not clickhouse.store_unavailable(exc):
+            if stop is None or not unavailable(exc):
                 raise
             failures += 1
             delay = backoff_s(failures)
@@ -106,3 +105,12 @@ def open_store(config: ClickHouseConfig, *, stop: threading.Event | None = None,
                            " ".join(str(exc).split())[:300])  # fmt: skip
             stop.wait(delay)
     return None
+
+
+def _adapter(config: ClickHouseConfig) -> tuple[Callable[..., Store], Callable[[BaseException], bool]]:
+    """(opener, is-the-store-just-not-there-yet) of the store kind ``config.url`` names. Every scheme the
+    configuration accepts (``chdb://``, ``http(s)://``) is ClickHouse today; the adapter is imported here
+    only, on first use, so that the configuration and the sink load no driver."""
+    from fleetscope.sinks import clickhouse
+
+    return clickhouse.open_clickhouse, clickhouse.store_unavailable
