@@ -37,7 +37,8 @@ from fleetscope import telemetry
 from fleetscope.producers.publisher.backlog import Backlog
 from fleetscope.producers.publisher.client_log import CLIENT_LOGGER
 from fleetscope.producers.publisher.config import PERMANENT_ERRORS, PublisherConfig, PublisherStats
-from fleetscope.producers.publisher.spool import DiskSpool, MemorySpool, Spool, SpoolError, SpoolRecord
+from fleetscope.producers.publisher.disk_spool import DiskSpool
+from fleetscope.producers.publisher.spool import MemorySpool, Spool, SpoolError, SpoolRecord
 from fleetscope.schemas import EventBatch, Topics, encode_event_batch
 from fleetscope.schemas.topics import rank_key
 
