@@ -22,7 +22,7 @@ from fleetscope.demo import publisher_config
 from fleetscope.producers import control as control_module
 from fleetscope.producers import torch_hook
 from fleetscope.producers.publisher import PublisherConfig
-from fleetscope.producers.publisher import core as publisher_core
+from fleetscope.producers.publisher import delivery as publisher_delivery
 from fleetscope.sinks import ClickHouseConfig, ClickHouseWriter, Sink, connect
 from fleetscope.sinks import alerts as alerts_module
 from fleetscope.sinks import sink as sink_module
@@ -83,7 +83,7 @@ def test_publisher_of_every_producing_process_gets_the_settings(config: Config, 
     """demo, simulate and replay (``publisher_config``), the agent and the torch hook (``from_config``)."""
     for built in (publisher_config(config), PublisherConfig.from_config(config, client_id="fleetscope-agent")):
         assert secured(built.librdkafka())
-    producers = recorded(publisher_core, "Producer")
+    producers = recorded(publisher_delivery, "Producer")
     monitor = torch_hook._build("sec-job", config)  # the torch hook's own path from a Config to its clients
     assert monitor is not None
     with pytest.raises(Built):
