@@ -35,7 +35,8 @@ lint: $(STAMP)
 # mypy reads the packages under the names they are imported by (fleetscope.<folder>) through a link tree.
 typecheck: $(STAMP)
 	rm -rf build/typecheck && mkdir -p build/typecheck/fleetscope
-	for f in fleetscope/*.py; do ln -s ../../../$$f build/typecheck/fleetscope/; done
+	for f in fleetscope/*.py $$(find fleetscope -mindepth 1 -maxdepth 1 -type d ! -name __pycache__); do \
+		ln -s ../../../$$f build/typecheck/fleetscope/; done
 	for d in producers streams schemas sinks; do ln -s ../../../$$d build/typecheck/fleetscope/$$d; done
 	MYPYPATH=build/typecheck $(BIN)/mypy -p fleetscope
 

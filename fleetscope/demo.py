@@ -10,7 +10,6 @@ from fleetscope.config import Config
 from fleetscope.errors import BrokerUnreachable
 from fleetscope.producers import Publisher, PublisherConfig, PublisherStats, SimulatorConfig, simulate
 from fleetscope.progress import Progress
-from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack
 
 
@@ -57,11 +56,8 @@ def run_demo(config: Config, sim: SimulatorConfig, progress: Progress, timeout_s
     stack = EmbeddedStack(config)
     progress.update("starting broker, ClickHouse store and stream worker", force=True)
     with stack:
-        ch = stack.config.store
-        for table in ("iterations", "function_patterns", "finding_updates"):
-            stack.client.command(
-                f"DELETE FROM {ch.database}.{table} WHERE job = {{job:String}}", parameters={"job": sim.job}
-            )
+        assert stack.store is not None
+        stack.store.forget_job(sim.job)
         batches = publish_simulation(stack.config, sim, progress)
         expected = sim.ranks * sim.expected_iterations
         settle_s = (config.streams.job_idle_ms + config.streams.windower.idle_close_ms) / 1000 + 1.5
@@ -82,7 +78,7 @@ def run_demo(config: Config, sim: SimulatorConfig, progress: Progress, timeout_s
             time.sleep(0.2)
         else:
             raise TimeoutError(f"the job was not analysed within {timeout_s} s ({last_rows} rows stored)")
-        findings = current_findings(stack.client, ch.database, job=sim.job)
+        findings = stack.store.findings(job=sim.job)
     seconds = time.monotonic() - t0
     progress.done(f"done in {seconds:.1f} s: {expected} rank-iterations, {len(findings)} findings")
     return DemoResult(findings=findings, iterations=expected, batches=batches, seconds=seconds)

@@ -19,10 +19,14 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.errors import StoreLocked
+from fleetscope.sinks.store_config import ClickHouseConfig
+
+if TYPE_CHECKING:
+    from fleetscope.sinks.store import Store
 
 ENDPOINT_FILE = "endpoint.json"
 TOKENS_FILE = "store-tokens.json"
@@ -126,10 +130,11 @@ def store_answers(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def open_store(config: Config, *, write: bool = False) -> tuple[Any, str, str]:
-    """(client, database, where) for a command that reads the store: through the running ``up`` of the
-    data directory when there is one, else the store itself. Never creates an empty store."""
-    from fleetscope.sinks import connect, migrate
+def open_store(config: Config, *, write: bool = False, create: bool = False) -> Store:
+    """The store a command works on: through the running ``up`` of the data directory when there is one
+    (read-only unless ``write``), else the store itself. Never creates an empty store unless ``create``
+    (``init``), which also prepares a served store's schema."""
+    from fleetscope.sinks.store import open_store as open_store_at
 
     ch = config.store
     endpoint = running_endpoint(config.data_dir) if ch.chdb_path not in (None, ":memory:") else None
@@ -141,9 +146,9 @@ def open_store(config: Config, *, write: bool = False) -> tuple[Any, str, str]:
                     f"{endpoint.store_url} does not answer; retry, or stop that process"
                 ]
             )
-        return served_client(endpoint, write=write), endpoint.database, endpoint.store_url
+        return open_store_at(served_store(endpoint, write=write or create), prepare=create)
     path = ch.chdb_path
-    if path is not None and path != ":memory:" and not Path(path).is_dir():
+    if not create and path is not None and path != ":memory:" and not Path(path).is_dir():
         raise ConfigError(
             [
                 f"store: no store at {path}; run `fleetscope up` or `fleetscope demo` first, "
@@ -151,9 +156,7 @@ def open_store(config: Config, *, write: bool = False) -> tuple[Any, str, str]:
             ]
         )
     ensure_unlocked(config)
-    client = connect(ch)
-    migrate(client, ch.database)
-    return client, ch.database, ch.url
+    return open_store_at(ch)
 
 
 def ensure_unlocked(config: Config) -> None:
@@ -207,17 +210,11 @@ def store_locked(path: str) -> bool:
         os.close(fd)
 
 
-def served_client(endpoint: Endpoint, *, write: bool = False) -> Any:
-    """A clickhouse-connect HTTP client on a served store (read-only unless ``write``)."""
-    from urllib.parse import urlsplit
-
-    import clickhouse_connect
-
-    parts = urlsplit(endpoint.store_url)
-    return clickhouse_connect.get_client(
-        host=parts.hostname or "127.0.0.1",
-        port=parts.port or 8123,
+def served_store(endpoint: Endpoint, *, write: bool = False) -> ClickHouseConfig:
+    """Where a served store is, as a store configuration: read-only unless ``write`` (the token says)."""
+    return ClickHouseConfig(
+        url=endpoint.store_url,
+        database=endpoint.database,
         username="fleetscope",
         password=endpoint.write_token if write else endpoint.read_token,
-        database=endpoint.database,
     )

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from fleetscope import svgcharts, verdict
 from fleetscope.schemas import units
-from fleetscope.sinks import current_findings, run_sql
+from fleetscope.sinks.store import Store
 
 Array = npt.NDArray[np.float64]
 MAX_FUNCTIONS = 40
@@ -91,15 +91,14 @@ class ReportData:
         return out
 
 
-def _rows(client: Any, database: str, query: str, job: str, **params: Any) -> list[tuple[Any, ...]]:
-    rows: list[tuple[Any, ...]] = run_sql(client, database, query, {"job": job, **params})[1]
+def _rows(store: Store, query: str, job: str, **params: Any) -> list[tuple[Any, ...]]:
+    rows: list[tuple[Any, ...]] = store.query(query, {"job": job, **params})[1]
     return rows
 
 
-def _heatmap(client: Any, database: str, job: str, notes: list[str]) -> Heatmap:
+def _heatmap(store: Store, job: str, notes: list[str]) -> Heatmap:
     rows = _rows(
-        client,
-        database,
+        store,
         "SELECT function, any(kind_name), rank, avg(mean_ns), sum(total_ns) FROM function_patterns "
         "WHERE job = {job:String} GROUP BY function, rank",
         job,
@@ -142,14 +141,13 @@ def _heatmap(client: Any, database: str, job: str, notes: list[str]) -> Heatmap:
     )
 
 
-def collect(client: Any, database: str, job: str) -> ReportData:
+def collect(store: Store, job: str) -> ReportData:
     """Query everything the report shows (a few aggregate queries; no raw rows leave ClickHouse)."""
     t0 = time.monotonic()
     notes: list[str] = []
-    heat = _heatmap(client, database, job, notes)
+    heat = _heatmap(store, job, notes)
     (lo, hi, n, started), *_ = _rows(
-        client,
-        database,
+        store,
         "SELECT min(iteration), max(iteration), uniqExact((rank, iteration)), min(start_at) FROM iterations "
         "WHERE job = {job:String}",
         job,
@@ -157,8 +155,7 @@ def collect(client: Any, database: str, job: str) -> ReportData:
     lo, hi = int(lo or 0), int(hi or 0)
     step = max(1, math.ceil((hi - lo + 1) / MAX_POINTS))
     it_rows = _rows(
-        client,
-        database,
+        store,
         "SELECT rank, any(host), intDiv(iteration, {step:UInt32}) * {step:UInt32} AS it, "
         "avg(duration_ns) / 1e6, avg(compute_ns) / 1e6 FROM iterations WHERE job = {job:String} "
         "GROUP BY rank, it ORDER BY rank, it",
@@ -176,8 +173,7 @@ def collect(client: Any, database: str, job: str) -> ReportData:
         it_ms[r_index[int(rank)], x_index[int(it)]] = dur
         comp_ms[r_index[int(rank)], x_index[int(it)]] = comp
     bw = _rows(
-        client,
-        database,
+        store,
         "SELECT rank, avgIf(busbw_gbps, isFinite(busbw_gbps) AND busbw_gbps > 0), "
         "avgIf(nvlink_mean_bps, isFinite(nvlink_mean_bps)) / 1e9 FROM function_patterns "
         "WHERE job = {job:String} AND kind_name = 'collective' GROUP BY rank",
@@ -204,7 +200,7 @@ def collect(client: Any, database: str, job: str) -> ReportData:
         ranks=ranks,
         busbw_gbps=busbw,
         link_gbps=link,
-        findings=current_findings(client, database, job=job),
+        findings=store.findings(job=job),
         generated_s=time.monotonic() - t0,
         notes=notes,
     )
@@ -380,8 +376,8 @@ def render_html(data: ReportData) -> str:
     )
 
 
-def write_report(client: Any, database: str, job: str, path: str | Path) -> ReportData:
+def write_report(store: Store, job: str, path: str | Path) -> ReportData:
     """Collect, render and write the report; returns the data behind it."""
-    data = collect(client, database, job)
+    data = collect(store, job)
     Path(path).write_text(render_html(data), encoding="utf-8")
     return data

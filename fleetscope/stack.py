@@ -21,7 +21,7 @@ from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port
 from fleetscope.config import Config, split_secrets
 from fleetscope.endpoint import Endpoint, ensure_unlocked, remove_endpoint, store_tokens, write_endpoint
 from fleetscope.schemas import Topics
-from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, connect, migrate
+from fleetscope.sinks import Sink, SinkConfig, Store, open_store
 from fleetscope.storeserver import StoreServer
 from fleetscope.wiring import stream_app_config as stream_app_config  # the CLI and tests find it here
 
@@ -151,7 +151,7 @@ class EmbeddedStack:
         self.broker: TansuBroker | None = None
         self.worker: StreamWorkerProcess | None = None
         self.sink: Sink | None = None
-        self.client: Any = None
+        self.store: Store | None = None
         self.store_server: StoreServer | None = None
 
     def start(self) -> Config:
@@ -171,11 +171,9 @@ class EmbeddedStack:
                 self.config = self.config.replace(kafka=replace(self.config.kafka, bootstrap_servers=servers))
             k = self.config.kafka
             ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
-            ch = self.config.store
-            self.client = connect(ch)
-            migrate(self.client, ch.database)
+            self.store = open_store(self.config.store)
             self._serve_store()
-            self.sink = Sink(sink_config(self.config), ClickHouseWriter(self.client, ch.database))
+            self.sink = Sink(sink_config(self.config), self.store)
             self.sink.start()
             if self.with_worker:
                 self.worker = StreamWorkerProcess(self.config)
@@ -184,6 +182,11 @@ class EmbeddedStack:
             self.stop()
             raise
         return self.config
+
+    @property
+    def client(self) -> Any:
+        """The store's ClickHouse client, for SQL of the benches' and tests' own (None before start)."""
+        return getattr(self.store, "client", None)
 
     def _serve_store(self) -> None:
         """Serve the chDB store to other processes and tell them where, through the data directory."""

@@ -13,7 +13,7 @@ anything; the read token runs every statement on a chDB connection locked down a
 session is (no ``Python()``, no introspection, then ``readonly=1``, which the engine enforces and the client
 cannot lift), and only once the engine's parser and AST show one read statement without ``INTO OUTFILE``
 (which chDB writes in-process even read-only) and without table functions outside the store
-(``sinks.user_sql.vet_canonical``).
+(``sinks.clickhouse.user_sql.vet_canonical``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from fleetscope.endpoint import Tokens
-from fleetscope.sinks.user_sql import CHDB_LOCKDOWN, vet_canonical
+from fleetscope.sinks.clickhouse.user_sql import CHDB_LOCKDOWN, vet_canonical
 
 log = logging.getLogger(__name__)
 

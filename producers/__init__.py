@@ -6,8 +6,9 @@ messages on the raw topics, keyed ``job/rank``. Producers speak to the rest of t
 ``fleetscope.schemas``; they never import ``streams`` or ``sinks``.
 """
 
-import importlib
 from typing import Any
+
+from fleetscope.schemas.lazy import load_export
 
 _EXPORTS = {
     "TraceError": "kineto",
@@ -31,9 +32,4 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    return load_export(__name__, _EXPORTS, name)

@@ -33,19 +33,23 @@ import itertools
 import struct
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-_LONG, _DOUBLE, _STRING, _STRINGS, _VARINTS, _DOUBLES, _RECORD, _RUN = range(8)
-_MEMO_CODES = frozenset({_LONG, _DOUBLE, _STRING, _STRINGS})
-_VOLATILE = frozenset({"seq", "sent_ns"})
-_RUN_ENTRIES = 512
-_RUN_BYTES = 4096
-_RUN_LENGTHS = 8
-"""Kept runs per field run, the longest run kept, and the distinct run lengths tried per message."""
+from fleetscope.schemas.fastplan import (
+    DOUBLE,
+    DOUBLES,
+    LONG,
+    RUN,
+    STRING,
+    STRINGS,
+    VARINTS,
+    Plan,
+    plan_for,
+)
+
 _HIGH_BYTES = bytes(range(0x80, 0x100))
 _PAD = bytes(16)
 _LOW_MASKS = np.array([0] + [(1 << (8 * k)) - 1 for k in range(1, 8)] + [2**64 - 1] * 3, dtype=np.uint64)
@@ -62,55 +66,10 @@ _ONE, _SEVEN, _THREE, _FIFTEEN, _SHIFT56 = (_u64(v) for v in (1, 7, 3, 15, 56))
 _B7F, _B80, _B7F7F = _u64(0x7F), _u64(0x80), _u64(0x7F7F7F7F7F7F7F7F)
 _LANE16, _LANE32, _LANE64 = _u64(0x007F007F007F007F), _u64(0x0000FFFF0000FFFF), _u64(0x00000000FFFFFFFF)
 _DOUBLE_LE = struct.Struct("<d")
-_ARRAY_DTYPES: dict[str, type[np.generic]] = {"long": np.int64, "int": np.int32, "double": np.float64}
-
-
-class Unsupported(Exception):
-    """A schema (or writer/reader pair) outside the subset this decoder implements."""
 
 
 class _Malformed(Exception):
     """Input this decoder will not vouch for."""
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """How to read one record: (step code, output name or None to skip, argument) per written field,
-    then the reader's added fields with their defaults."""
-
-    steps: tuple[tuple[int, str | None, Any], ...]
-    defaults: tuple[tuple[str, Any], ...]
-
-
-class _Run:
-    """Consecutive scalar/string fields whose decoded values are kept by their bytes."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-        self.kept: dict[bytes, tuple[tuple[str, Any], ...]] = {}
-        self.lengths: tuple[int, ...] = ()
-        """Byte lengths of the kept runs, most recently used first."""
-
-    def read(self, msg: _Message, out: dict[str, Any]) -> None:
-        data, pos = msg.data, msg.pos
-        for length in self.lengths:
-            hit = self.kept.get(data[pos : pos + length]) if pos + length <= msg.limit else None
-            if hit is not None:
-                msg.pos = pos + length
-                for name, value in hit:
-                    out[name] = list(value) if isinstance(value, list) else value
-                if length != self.lengths[0]:
-                    self.lengths = (length, *(n for n in self.lengths if n != length))
-                return
-        values = msg.record(self.plan)
-        out.update(values)
-        length = msg.pos - pos
-        if length > _RUN_BYTES:
-            return
-        if len(self.kept) >= _RUN_ENTRIES:
-            self.kept = {}
-        self.kept[data[pos : msg.pos]] = tuple((k, list(v) if isinstance(v, list) else v) for k, v in values.items())
-        self.lengths = (length, *(n for n in self.lengths if n != length))[:_RUN_LENGTHS]
 
 
 class _Message:
@@ -192,36 +151,36 @@ class _Message:
         out: dict[str, Any] = {}
         value: Any = None
         for code, name, arg in plan.steps:
-            if code == _LONG:
+            if code == LONG:
                 b = data[self.pos]
                 if b < 0x80:
                     self.pos += 1
                     value = (b >> 1) ^ -(b & 1)
                 else:
                     value = self.long()
-            elif code == _STRING:
+            elif code == STRING:
                 value = self.string()
-            elif code == _VARINTS:
+            elif code == VARINTS:
                 blocks = []
                 while n := self.count(1):
                     blocks.append(self.varint_block(n))
                 if name is not None:
                     self.pending.append((out, name, arg, blocks))
                 continue
-            elif code == _RUN:
+            elif code == RUN:
                 arg.read(self, out)
                 self.run_open = False
                 continue
-            elif code == _DOUBLES:
+            elif code == DOUBLES:
                 parts = []
                 while n := self.count(8):
                     parts.append(np.frombuffer(self.raw(8 * n), dtype="<f8").astype(np.float64))
                 value = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0)
-            elif code == _STRINGS:
+            elif code == STRINGS:
                 value = []
                 while n := self.count(1):
                     value += [self.string() for _ in range(n)]
-            elif code == _DOUBLE:
+            elif code == DOUBLE:
                 value = _DOUBLE_LE.unpack(self.raw(8))[0]
             else:
                 value = self.record(arg)
@@ -297,103 +256,6 @@ def _swar_pack(w: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     w = w + (w & _LANE32) * _THREE
     w = w + (w & _LANE64) * _FIFTEEN
     return w >> _SEVEN
-
-
-def _type_name(schema: Any) -> str:
-    if isinstance(schema, str):
-        return schema
-    if isinstance(schema, dict) and isinstance(schema.get("type"), str) and not schema.get("logicalType"):
-        return str(schema["type"])
-    raise Unsupported(f"schema {schema!r}")
-
-
-def _default(schema: Any, value: Any) -> Any:
-    kind = _type_name(schema)
-    items = _type_name(schema["items"]) if kind == "array" else ""
-    try:
-        if items in _ARRAY_DTYPES:
-            return np.array(value, dtype=_ARRAY_DTYPES[items])
-        if items == "string" and all(isinstance(v, str) for v in value):
-            return list(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise Unsupported(f"default {value!r}") from exc
-    if type(value) is {"long": int, "int": int, "string": str, "double": float}.get(kind):
-        return value
-    raise Unsupported(f"default {value!r} of {kind}")
-
-
-def _step(writer: Any, reader: Any) -> tuple[int, Any]:
-    kind = _type_name(writer)
-    if kind != _type_name(reader):
-        raise Unsupported(f"{kind} read as {_type_name(reader)}")
-    if kind in ("long", "int"):
-        return _LONG, None
-    if kind in ("double", "string"):
-        return (_DOUBLE if kind == "double" else _STRING), None
-    if kind == "record":
-        return _RECORD, compile_plan(writer, reader)
-    if kind == "array":
-        items = _type_name(writer["items"])
-        if items != _type_name(reader["items"]):
-            raise Unsupported(f"array of {items} read as array of {_type_name(reader['items'])}")
-        if items in ("long", "int"):
-            return _VARINTS, items
-        if items in ("double", "string"):
-            return (_DOUBLES if items == "double" else _STRINGS), None
-    raise Unsupported(f"type {kind}")
-
-
-def compile_plan(writer: Any, reader: Any) -> Plan:
-    """How to read a record written with ``writer`` as ``reader`` (fastavro-parsed, expanded schemas).
-
-    Raises ``Unsupported`` outside the subset: records, strings, ints, longs, doubles and arrays of
-    strings and numbers, with reader fields added (with a default) or dropped.
-    """
-    if _type_name(writer) != "record" or _type_name(reader) != "record":
-        raise Unsupported("not a record")
-    if writer.get("name") != reader.get("name"):
-        raise Unsupported(f"record {writer.get('name')} read as {reader.get('name')}")
-    if any(f.get("aliases") for f in reader["fields"]):
-        raise Unsupported("field aliases")
-    reader_fields = {f["name"]: f for f in reader["fields"]}
-    steps: list[tuple[int, str | None, Any]] = []
-    run: list[tuple[int, str | None, Any]] = []
-    for f in writer["fields"]:
-        r = reader_fields.get(f["name"])
-        code, arg = _step(f["type"], r["type"] if r else f["type"])
-        if code in _MEMO_CODES and f["name"] not in _VOLATILE:
-            run.append((code, f["name"] if r else None, arg))
-            continue
-        if run:
-            steps.append((_RUN, None, _Run(Plan(tuple(run), ()))))
-            run = []
-        steps.append((code, f["name"] if r else None, arg))
-    if run:
-        steps.append((_RUN, None, _Run(Plan(tuple(run), ()))))
-    written = {f["name"] for f in writer["fields"]}
-    defaults = []
-    for name, f in reader_fields.items():
-        if name not in written:
-            if "default" not in f:
-                raise Unsupported(f"field {name} has no default")
-            defaults.append((name, _default(f["type"], f["default"])))
-    return Plan(tuple(steps), tuple(defaults))
-
-
-_plans: dict[tuple[int, int], tuple[Any, Any, Plan | None]] = {}
-
-
-def plan_for(writer: Any, reader: Any) -> Plan | None:
-    """The plan of a writer/reader pair, cached; None when the pair is outside the subset."""
-    hit = _plans.get((id(writer), id(reader)))
-    if hit is not None and hit[0] is writer and hit[1] is reader:
-        return hit[2]
-    try:
-        plan: Plan | None = compile_plan(writer, reader)
-    except (Unsupported, KeyError, TypeError):
-        plan = None
-    _plans[(id(writer), id(reader))] = (writer, reader, plan)
-    return plan
 
 
 def decode_columns(message: bytes, offset: int, writer: Any, reader: Any) -> dict[str, Any] | None:

@@ -1,34 +1,38 @@
-"""ClickHouse storage for the pipeline's derived records.
+"""Sinks: the pipeline's derived records into a store, and alerts out of the findings topic.
 
 In: Avro records from the ``<prefix>.iterations``, ``<prefix>.patterns`` and ``<prefix>.findings`` topics
-(decoded with ``fleetscope.schemas.decode``), or the same records as dicts handed to ``ClickHouseWriter``.
-Out: rows in the ``iterations``, ``function_patterns`` and ``finding_updates`` tables and the ``findings``
-view (current state per finding) of one ClickHouse database; undecodable messages on ``<prefix>.deadletter``.
+(decoded with ``fleetscope.schemas.decode``). Out: the records in a ``Store`` (``store.py``: the seam;
+``open_store`` the one start-up sequence), undecodable messages on ``<prefix>.deadletter``, alerts.
 
-The store is chDB in-process by default (``chdb://<path>``; one path per process, so isolate by database)
-or a ClickHouse server (``http(s)://host:port``). DDL lives in ``sql/*.sql`` and runs on every start.
+The store is ClickHouse (``clickhouse/``): chDB in-process by default (``chdb://<path>``; one path per
+process, so isolate by database) or a server (``http(s)://host:port``). ``sink.py`` knows only the seam.
 """
 
-import importlib
 from typing import Any
+
+from fleetscope.schemas.lazy import load_export
 
 _EXPORTS = {
     "FINDINGS": "clickhouse",
     "FINDING_UPDATES": "clickhouse",
     "FUNCTION_PATTERNS": "clickhouse",
     "ITERATIONS": "clickhouse",
+    "ClickHouseStore": "clickhouse",
     "ClickHouseWriter": "clickhouse",
-    "RetryPolicy": "clickhouse",
     "connect": "clickhouse",
     "current_findings": "clickhouse",
     "migrate": "clickhouse",
-    "run_sql": "user_sql",
-    "readonly_session": "user_sql",
-    "readonly_settings": "user_sql",
+    "run_sql": "clickhouse",
+    "readonly_session": "clickhouse",
+    "readonly_settings": "clickhouse",
     "table_counts": "clickhouse",
     "ClickHouseConfig": "store_config",
+    "RecordWriter": "store",
+    "Store": "store",
+    "open_store": "store",
+    "RetryPolicy": "retry",
     "Sink": "sink",
-    "SinkConfig": "sink",
+    "SinkConfig": "sink_clients",
 }
 """Public name -> submodule. Imported on first use, so ``fleetscope.sinks.store_config`` (read by every
 process that loads the configuration) does not pull in the ClickHouse driver."""
@@ -37,9 +41,4 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    return load_export(__name__, _EXPORTS, name)

@@ -18,7 +18,6 @@ import json
 import logging
 import queue
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -31,7 +30,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from fleetscope.schemas import SchemaError, Topics, decode, units
-from fleetscope.sinks.clickhouse import RetryPolicy
+from fleetscope.sinks.retry import RetryPolicy, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -217,33 +216,47 @@ class WebhookSender:
             "User-Agent": "fleetscope-alerts",
             **self.config.headers,
         }
-        policy = self.config.retry
-        for attempt in range(policy.max_attempts):
+        attempts = 0
+
+        def attempt() -> None:
+            nonlocal attempts
+            attempts += 1
             # the URL scheme is checked in WebhookConfig (http/https only)
             request = urllib.request.Request(self.config.url, data=body, headers=headers, method="POST")  # noqa: S310
-            try:
-                with urllib.request.urlopen(request, timeout=self.config.timeout_s) as resp:  # noqa: S310
-                    resp.read()
-                self._count("sent")
-                return True
-            except urllib.error.HTTPError as exc:
-                retryable = exc.code == 429 or exc.code >= 500
-                reason = f"HTTP {exc.code}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-                retryable, reason = True, repr(getattr(exc, "reason", exc))
-            if not retryable or attempt + 1 == policy.max_attempts:
-                self._count("failed")
-                logger.warning(
-                    "webhook %s: alert %s not delivered after %d attempt(s): %s",
-                    self.config.url,
-                    alert.get("finding_id"),
-                    attempt + 1,
-                    reason,
-                )
-                return False
-            self._count("retries")
-            time.sleep(policy.delay_s(attempt))
-        return False
+            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as resp:  # noqa: S310
+                resp.read()
+
+        try:
+            with_retries(
+                attempt,
+                self.config.retry,
+                retryable=_retryable,
+                what=f"webhook {self.config.url}",
+                on_retry=lambda *_: self._count("retries"),
+                log_level=logging.DEBUG,
+            )
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+            reason = (
+                f"HTTP {exc.code}" if isinstance(exc, urllib.error.HTTPError) else repr(getattr(exc, "reason", exc))
+            )
+            self._count("failed")
+            logger.warning(
+                "webhook %s: alert %s not delivered after %d attempt(s): %s",
+                self.config.url,
+                alert.get("finding_id"),
+                attempts,
+                reason,
+            )
+            return False
+        self._count("sent")
+        return True
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A 429 or 5xx answer, a refused or dropped connection, a timeout; any other 4xx is permanent."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return exc.code == 429 or exc.code >= 500
+    return isinstance(exc, urllib.error.URLError | TimeoutError | ConnectionError | OSError)
 
 
 # -- follower -----------------------------------------------------------------------------------------------

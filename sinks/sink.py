@@ -1,4 +1,4 @@
-"""The sink process: iterations, patterns and findings topics -> ClickHouse, at least once.
+"""The sink process: iterations, patterns and findings topics -> the store, at least once.
 
 Offsets are committed only after every buffered row is inserted and every dead letter delivered, so a
 crash replays the uncommitted tail; the writer skips records whose natural key is stored already, so
@@ -12,79 +12,37 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clickhouse_connect.driver.exceptions import DataError
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from fleetscope import telemetry
 from fleetscope.schemas import SchemaError, Topics, decode
-from fleetscope.sinks.clickhouse import (
-    FINDING_UPDATES,
-    FUNCTION_PATTERNS,
-    ITERATIONS,
-    ClickHouseWriter,
-    is_transient,
-    pattern_rows,
+from fleetscope.sinks.records import pattern_rows
+from fleetscope.sinks.retry import MAX_PAUSE_S as _MAX_PAUSE_S
+from fleetscope.sinks.retry import backoff_s
+from fleetscope.sinks.sink_clients import (
+    ACCESS_ERRORS,
+    SinkConfig,
+    consumer_settings,
+    deadletter_settings,
+    produce_dead_letter,
 )
-from fleetscope.sinks.startup import MAX_PAUSE_S as _MAX_PAUSE_S
-from fleetscope.sinks.startup import backoff_s
+from fleetscope.sinks.store import RecordWriter
 
 logger = logging.getLogger(__name__)
 
-_SUBJECT_TABLE = {"iterations": ITERATIONS, "patterns": FUNCTION_PATTERNS, "findings": FINDING_UPDATES}
+_ROWS_STAT = {"iterations": "iterations", "patterns": "function_patterns", "findings": "finding_updates"}
+"""Stored subject -> the stat counting its rows written."""
 _MAX_BATCH_MESSAGES = 1_000
 _DEADLETTER_FLUSH_S = 10.0
-_ACCESS_ERRORS = frozenset(
-    {
-        KafkaError._AUTHENTICATION,
-        KafkaError._SSL,
-        KafkaError.SASL_AUTHENTICATION_FAILED,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.GROUP_AUTHORIZATION_FAILED,
-        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-    }
-)
-"""Errors a retry in 50 ms cannot cure (wrong credentials, missing ACLs): the consume loop backs off."""
-CLIENT_LOGGER = logging.getLogger(f"{__name__}.librdkafka")
-"""librdkafka's own log lines (not stderr), one of each kind per 30 s."""
-CLIENT_LOGGER.addFilter(telemetry.RepeatFilter(30.0))
-
-
-@dataclass(frozen=True, kw_only=True)
-class SinkConfig:
-    """Kafka side of the sink. ``extra`` passes librdkafka settings to the consumer and the dead-letter
-    producer (e.g. security); it is never logged."""
-
-    bootstrap_servers: str
-    topic_prefix: str = "fleetscope"
-    group_id: str = "fleetscope-sink"
-    session_timeout_ms: int = 6000
-    """Tansu holds a JoinGroup for half of it: keep it low in development."""
-    flush_rows: int = 50_000
-    flush_interval_ms: int = 500
-    extra: Mapping[str, str] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        errors: list[str] = []
-        if not self.bootstrap_servers:
-            errors.append("bootstrap_servers: must not be empty")
-        if not self.topic_prefix:
-            errors.append("topic_prefix: must not be empty")
-        if not self.group_id:
-            errors.append("group_id: must not be empty")
-        for name in ("session_timeout_ms", "flush_rows", "flush_interval_ms"):
-            if getattr(self, name) <= 0:
-                errors.append(f"{name}: must be > 0, got {getattr(self, name)}")
-        if errors:
-            raise ValueError("invalid SinkConfig: " + "; ".join(errors))
 
 
 @dataclass(slots=True)
 class _Buffer:
-    """Decoded records of one table with the messages they came from (to isolate a bad one)."""
+    """Decoded records of one subject with the messages they came from (to isolate a bad one)."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
@@ -92,21 +50,21 @@ class _Buffer:
 
 
 class Sink:
-    """Consumes the derived topics and writes them with a ``ClickHouseWriter``.
+    """Consumes the derived topics and writes them with a store's ``RecordWriter`` (``open_store``).
 
     Batches by rows and age; a flush that fails (after the writer's own retries) pauses the assigned
     partitions and is retried with backoff, so the buffer never grows without limit."""
 
-    def __init__(self, config: SinkConfig, writer: ClickHouseWriter) -> None:
+    def __init__(self, config: SinkConfig, writer: RecordWriter) -> None:
         self._config = config
         self._writer = writer
         self._topics = Topics(prefix=config.topic_prefix)
         self._write: dict[str, Callable[[Sequence[dict[str, Any]]], int]] = {
-            ITERATIONS: writer.write_iterations,
-            FUNCTION_PATTERNS: writer.write_patterns,
-            FINDING_UPDATES: writer.write_findings,
+            "iterations": writer.write_iterations,
+            "patterns": writer.write_patterns,
+            "findings": writer.write_findings,
         }
-        self._buffers = {table: _Buffer() for table in self._write}
+        self._buffers = {subject: _Buffer() for subject in self._write}
         self._offsets: dict[tuple[str, int], int] = {}
         self._oldest_s: float | None = None
         self._consumer: Consumer | None = None
@@ -123,9 +81,7 @@ class Sink:
         self._access_logged_at_s = -_MAX_PAUSE_S
         self._seen_errors: set[int] = set()
         self._stats: dict[str, int] = {
-            ITERATIONS: 0,
-            FUNCTION_PATTERNS: 0,
-            FINDING_UPDATES: 0,
+            **dict.fromkeys(_ROWS_STAT.values(), 0),
             "messages": 0,
             "dead_letters": 0,
             "dead_letter_errors": 0,
@@ -139,7 +95,7 @@ class Sink:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Rows written per table, messages consumed, dead letters, flushes and ``last_flush_ns``."""
+        """Rows written per kind, messages consumed, dead letters, flushes and ``last_flush_ns``."""
         with self._lock:
             return dict(self._stats)
 
@@ -235,36 +191,11 @@ class Sink:
 
     def _ensure_clients(self) -> Consumer:
         if self._consumer is None:
-            common = {
-                "reconnect.backoff.ms": 500,  # librdkafka's own reconnects: a refused login is not retried at 50 ms
-                "reconnect.backoff.max.ms": 30_000,
-                **self._config.extra,
-                "bootstrap.servers": self._config.bootstrap_servers,
-                "logger": CLIENT_LOGGER,
-                "error_cb": self._on_kafka_error,
-            }
             self._consumer = Consumer(
-                {
-                    **common,
-                    "group.id": self._config.group_id,
-                    "client.id": "fleetscope-sink",
-                    "enable.auto.commit": False,
-                    "auto.offset.reset": "earliest",
-                    "session.timeout.ms": self._config.session_timeout_ms,
-                    "heartbeat.interval.ms": max(100, self._config.session_timeout_ms // 3),
-                    "statistics.interval.ms": 5_000,
-                    "stats_cb": self._on_statistics,
-                }
+                consumer_settings(self._config, on_error=self._on_kafka_error, on_statistics=self._on_statistics)
             )
             self._consumer.subscribe(list(self.topics), on_assign=self._on_assign, on_revoke=self._on_revoke)
-            self._producer = Producer(
-                {
-                    **common,
-                    "client.id": "fleetscope-sink-deadletter",
-                    "linger.ms": 5,
-                    "message.timeout.ms": 30_000,
-                }
-            )
+            self._producer = Producer(deadletter_settings(self._config, on_error=self._on_kafka_error))
             logger.info("sink subscribed to %s as group %s", ", ".join(self.topics), self._config.group_id)
         return self._consumer
 
@@ -272,14 +203,13 @@ class Sink:
         value = msg.value() or b""
         try:
             subject, record = decode(value)
-            table = _SUBJECT_TABLE.get(subject)
-            if table is None:
+            if subject not in self._write:
                 raise SchemaError(f"subject {subject!r} does not belong on the sink's topics")
-            rows = pattern_rows(record) if table == FUNCTION_PATTERNS else 1
+            rows = pattern_rows(record) if subject == "patterns" else 1
         except (SchemaError, ValueError, KeyError, TypeError) as exc:
             self._dead_letter(msg, f"decode: {exc}")
         else:
-            buffer = self._buffers[table]
+            buffer = self._buffers[subject]
             buffer.records.append(record)
             buffer.messages.append(msg)
             buffer.rows += rows
@@ -297,25 +227,7 @@ class Sink:
         producer = self._producer
         if producer is None:
             raise RuntimeError("dead letter before the producer exists")
-        headers: list[tuple[str, str | bytes | None]] = [
-            ("reason", reason[:2000].encode()),
-            ("topic", (msg.topic() or "").encode()),
-            ("partition", str(msg.partition()).encode()),
-            ("offset", str(msg.offset()).encode()),
-        ]
-        for _ in range(50):
-            try:
-                producer.produce(
-                    self._topics.deadletter,
-                    value=msg.value(),
-                    key=msg.key(),
-                    headers=headers,
-                    on_delivery=self._on_dead_letter_delivery,
-                )
-                break
-            except BufferError:
-                producer.poll(0.1)
-        else:
+        if not produce_dead_letter(producer, self._topics.deadletter, msg, reason, self._on_dead_letter_delivery):
             self._stats["dead_letter_errors"] += 1
             logger.error("dead-letter queue full; a bad message was dropped")
             return
@@ -336,7 +248,7 @@ class Sink:
     def _on_kafka_error(self, err: KafkaError) -> None:
         if err.fatal():
             raise KafkaException(err)
-        if err.code() in _ACCESS_ERRORS:
+        if err.code() in ACCESS_ERRORS:
             self._access_failures += 1
             delay = backoff_s(self._access_failures)
             self._access_retry_at_s = time.monotonic() + delay
@@ -387,10 +299,10 @@ class Sink:
         if time.monotonic() < self._retry_at_s:
             return False
         try:
-            for table, buffer in self._buffers.items():
+            for subject, buffer in self._buffers.items():
                 if buffer.records:
-                    self._stats[table] += self._insert(table, buffer)
-                    self._buffers[table] = _Buffer()
+                    self._stats[_ROWS_STAT[subject]] += self._insert(subject, buffer)
+                    self._buffers[subject] = _Buffer()
             self._oldest_s = None
             if self._producer is not None and self._producer.flush(_DEADLETTER_FLUSH_S):
                 raise TimeoutError("dead letters not delivered")
@@ -405,25 +317,29 @@ class Sink:
         self._failures_in_row = 0
         return True
 
-    def _insert(self, table: str, buffer: _Buffer) -> int:
-        """Insert a buffer; when ClickHouse rejects the data itself, insert message by message and
+    def _insert(self, subject: str, buffer: _Buffer) -> int:
+        """Insert a buffer; when the store rejects the records themselves, insert message by message and
         dead-letter the ones it rejects."""
-        write = self._write[table]
+        write = self._write[subject]
         try:
             return write(buffer.records)
         except Exception as exc:
-            if is_transient(exc) or not _is_data_error(exc):
+            if not self._rejected(exc):
                 raise
-            logger.warning("insert into %s rejected a batch (%s); isolating the bad messages", table, exc)
+            logger.warning("the store rejected a batch of %s (%s); isolating the bad messages", subject, exc)
         written = 0
         for record, msg in zip(buffer.records, buffer.messages, strict=True):
             try:
                 written += write([record])
             except Exception as exc:
-                if is_transient(exc) or not _is_data_error(exc):
+                if not self._rejected(exc):
                     raise
                 self._dead_letter(msg, f"insert: {exc}")
         return written
+
+    def _rejected(self, exc: BaseException) -> bool:
+        """The records are at fault (not a store that is away, nor the SQL): dead-letter them."""
+        return not self._writer.is_transient(exc) and self._writer.rejects_records(exc)
 
     def _on_flush_failure(self, exc: Exception) -> None:
         self._failures_in_row += 1
@@ -460,8 +376,3 @@ class Sink:
             logger.warning("offset commit failed, retried at the next flush: %s", exc)
             return
         self._offsets.clear()
-
-
-def _is_data_error(exc: BaseException) -> bool:
-    """Errors caused by the records themselves, not by the store or the SQL."""
-    return isinstance(exc, ValueError | TypeError | OverflowError | DataError)

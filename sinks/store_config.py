@@ -1,7 +1,8 @@
 """Where the store lives: the store's configuration, importable without the ClickHouse driver.
 
-Kept apart from ``clickhouse`` so that loading the program's configuration (as every training rank's torch
-hook does) never imports clickhouse-connect or chDB.
+Kept outside the ``clickhouse`` package (importing it loads the driver) so that loading the program's
+configuration (as every training rank's torch hook does) never imports clickhouse-connect or chDB; the URL
+scheme names the store's kind (``sinks/store.py::open_store``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ broker are not ready; ``client_log``: librdkafka's own log lines.
 
 from fleetscope.producers.publisher.config import PublisherConfig, PublisherStats
 from fleetscope.producers.publisher.core import Publisher
-from fleetscope.producers.publisher.spool import DiskSpool, MemorySpool, SpoolError, SpoolRecord
+from fleetscope.producers.publisher.disk_spool import DiskSpool
+from fleetscope.producers.publisher.spool import MemorySpool, SpoolError, SpoolRecord
 
 __all__ = ["DiskSpool", "MemorySpool", "Publisher", "PublisherConfig", "PublisherStats", "SpoolError", "SpoolRecord"]

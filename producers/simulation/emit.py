@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.producers.simulation.engine import PYTHON_NAMES, Layout, Timeline
+from fleetscope.producers.simulation.engine import PYTHON_NAMES, Timeline
 from fleetscope.producers.simulation.faults import host_name
 from fleetscope.producers.simulation.groups import derived_layout
+from fleetscope.producers.simulation.program import Layout
 from fleetscope.producers.simulation.samples import METRICS, Samples, grid_ns
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, step_marker_name
 from fleetscope.schemas.records import OPTIONAL_COLUMNS

@@ -13,8 +13,9 @@ import numpy as np
 
 from fleetscope.producers.simulation.config import SimulatorConfig
 from fleetscope.producers.simulation.emit import Emitter, coalesce
-from fleetscope.producers.simulation.engine import Engine, Inputs, Layout, Timeline
+from fleetscope.producers.simulation.engine import Engine, Inputs, Timeline
 from fleetscope.producers.simulation.faults import GC_FUNCTION, HOST_FUNCTIONS, host_index
+from fleetscope.producers.simulation.program import Layout
 from fleetscope.producers.simulation.samples import (
     LinkState,
     pcie_link_state,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.producers.simulation.engine import Layout, Timeline
+from fleetscope.producers.simulation.engine import Timeline
+from fleetscope.producers.simulation.program import Layout
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]

@@ -17,10 +17,19 @@ from typing import Any
 import pytest
 from harness import SLOW_GPU_RANK, SlowGpuRun
 
+<<<<<<< HEAD
 from fleetscope.endpoint import Endpoint, served_client
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.sinks import ClickHouseWriter, connect, migrate, run_sql
 from fleetscope.sinks.clickhouse import TABLES
+=======
+from fleetscope.config import load_config
+from fleetscope.demo import run_demo
+from fleetscope.endpoint import Endpoint, served_store
+from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.progress import Progress
+from fleetscope.sinks import ClickHouseWriter, connect, open_store, run_sql
+>>>>>>> h15b
 from fleetscope.storeserver import StoreServer, Tokens
 from fleetscope.streams.offline import OfflinePipeline
 
@@ -90,7 +99,8 @@ def store(request: pytest.FixtureRequest, filled: tuple[Any, str], chdb_path: Pa
         pid=0, bootstrap_servers="", store_url=server.url, database=database, read_token=tokens.read, write_token="-"
     )
     try:
-        yield served_client(endpoint), database
+        served = open_store(served_store(endpoint), prepare=False)  # the read token: nothing is created
+        yield served.client, database  # type: ignore[attr-defined]
     finally:
         server.stop()
 

@@ -78,6 +78,35 @@ def test_analysis_imports_only_numpy_the_standard_library_and_schemas() -> None:
     assert bad == []
 
 
+STORE_INTERNALS = re.compile(
+    r"^(clickhouse_connect|chdb|fleetscope\.sinks\.(clickhouse|connect|migrate|ClickHouse\w*|run_sql|"
+    r"current_findings|table_counts|readonly_\w+))(\.|$)"
+)
+"""The ClickHouse driver, chDB and the adapter's internals: what only ``sinks/clickhouse/`` may import."""
+SERVES_CHDB = {"fleetscope/storeserver.py"}
+"""ClickHouse's HTTP interface over chDB for ``up``: speaks the engine's protocol by nature."""
+
+
+def test_the_store_seam_holds() -> None:
+    """Only the ClickHouse adapter knows ClickHouse: the sink, the alerts, the retry policy and the CLI reach
+    the store through ``sinks/store.py`` (``Store``, ``open_store``), and ``open_store`` is the one place that
+    imports the adapter (when a store is opened). Swapping the store then touches the adapter and that line."""
+    bad = []
+    for folder in ("sinks", "fleetscope"):
+        for path in _sources(folder):
+            where = path.relative_to(ROOT).as_posix()
+            if where.startswith("sinks/clickhouse/") or where in SERVES_CHDB:
+                continue
+            for name in sorted(_imports(path)):
+                if where == "sinks/store.py" and name == "fleetscope.sinks.clickhouse":
+                    continue
+                if STORE_INTERNALS.match(name):
+                    bad.append(f"{where} imports {name}")
+    assert bad == []
+    sink = _imports(ROOT / "sinks" / "sink.py")
+    assert "fleetscope.sinks.store.RecordWriter" in sink, "the sink writes through the seam"
+
+
 def test_a_training_rank_loads_neither_the_store_driver_nor_the_stream_engine_nor_the_simulator() -> None:
     """The torch hook runs in every rank: importing it and loading the configuration (as monitoring does at
     start) must not import clickhouse-connect, chDB, Faust, aiokafka, the simulator or the trace parser."""

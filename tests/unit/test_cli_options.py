@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from fleetscope.cli import _simulator_config, build_parser
+from fleetscope.cli import build_parser
+from fleetscope.commands.options import simulator_config
 
 
 def sim(*argv: str) -> object:
-    return _simulator_config(build_parser().parse_args(["demo", *argv]))
+    return simulator_config(build_parser().parse_args(["demo", *argv]))
 
 
 def test_tp_and_pp_reach_the_simulator() -> None:

@@ -22,7 +22,7 @@ from fleetscope.demo import publisher_config
 from fleetscope.producers import control as control_module
 from fleetscope.producers import torch_hook
 from fleetscope.producers.publisher import PublisherConfig
-from fleetscope.producers.publisher import core as publisher_core
+from fleetscope.producers.publisher import delivery as publisher_delivery
 from fleetscope.sinks import ClickHouseConfig, ClickHouseWriter, Sink, connect
 from fleetscope.sinks import alerts as alerts_module
 from fleetscope.sinks import sink as sink_module
@@ -83,7 +83,7 @@ def test_publisher_of_every_producing_process_gets_the_settings(config: Config, 
     """demo, simulate and replay (``publisher_config``), the agent and the torch hook (``from_config``)."""
     for built in (publisher_config(config), PublisherConfig.from_config(config, client_id="fleetscope-agent")):
         assert secured(built.librdkafka())
-    producers = recorded(publisher_core, "Producer")
+    producers = recorded(publisher_delivery, "Producer")
     monitor = torch_hook._build("sec-job", config)  # the torch hook's own path from a Config to its clients
     assert monitor is not None
     with pytest.raises(Built):
@@ -121,7 +121,7 @@ def test_control_producer_and_listener_get_the_settings(config: Config, recorded
 
 
 def test_alert_follower_gets_the_settings(config: Config, recorded: Any) -> None:
-    from fleetscope.ecosystem_cli import cmd_alerts
+    from fleetscope.commands.alerts import cmd_alerts
 
     consumers = recorded(alerts_module, "Consumer")
     args = argparse.Namespace(job=None, from_beginning=False, group="", json=True, webhook="")
@@ -131,7 +131,7 @@ def test_alert_follower_gets_the_settings(config: Config, recorded: Any) -> None
 
 
 def test_admin_clients_of_init_replay_and_the_stack_get_the_settings(config: Config, recorded: Any) -> None:
-    from fleetscope.ecosystem_cli import cmd_init
+    from fleetscope.commands.deployment import cmd_init
     from fleetscope.traces_cli import replay_traces
 
     admins = recorded(broker_module, "AdminClient")

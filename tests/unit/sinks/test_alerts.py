@@ -13,7 +13,7 @@ import pytest
 
 from fleetscope.broker import free_port
 from fleetscope.sinks.alerts import WebhookConfig, WebhookSender, alert_payload, format_alert
-from fleetscope.sinks.clickhouse import RetryPolicy
+from fleetscope.sinks.retry import RetryPolicy
 
 FINDING = {
     "finding_id": "demo/gpu_slow/7/0",

@@ -21,7 +21,7 @@ from fleetscope.sinks import (
     readonly_settings,
     run_sql,
 )
-from fleetscope.sinks.user_sql import IN_STORE_TABLE_FUNCTIONS, check_read_query, table_functions
+from fleetscope.sinks.clickhouse.user_sql import IN_STORE_TABLE_FUNCTIONS, check_read_query, table_functions
 from tests.unit.sinks.test_clickhouse import iteration, pattern_batch
 
 _S3 = "http://127.0.0.1:1/bucket-name/x.csv"

@@ -18,7 +18,7 @@ from typing import Any
 import clickhouse_connect
 from clickhouse_connect.driver import Client
 
-from fleetscope.sinks.clickhouse import _bound
+from fleetscope.sinks.clickhouse.client import bound as _bound
 from fleetscope.sinks.store_config import check_database
 
 READONLY_SETTINGS: dict[str, str] = {"readonly": "1"}

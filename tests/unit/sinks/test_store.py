@@ -1,4 +1,5 @@
-"""The sink's start against a store that is not there yet: retried with the mid-run backoff, no traceback."""
+"""The store's start (``open_store``) against a store that is not there yet: retried with the mid-run
+backoff, no traceback."""
 
 from __future__ import annotations
 
@@ -10,41 +11,52 @@ import pytest
 from clickhouse_connect.driver.exceptions import OperationalError, ProgrammingError
 
 from fleetscope.broker import free_port
-from fleetscope.sinks import ClickHouseConfig
-from fleetscope.sinks.startup import MAX_PAUSE_S, backoff_s, open_store, store_unavailable
+from fleetscope.sinks import ClickHouseConfig, clickhouse
+from fleetscope.sinks.clickhouse import store_unavailable
+from fleetscope.sinks.retry import MAX_PAUSE_S, backoff_s
+from fleetscope.sinks.store import open_store
 
 
 def test_an_unreachable_server_is_retried_with_backoff_until_stopped(caplog: pytest.LogCaptureFixture) -> None:
     config = ClickHouseConfig(url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
     stop = threading.Event()
     threading.Timer(2.0, stop.set).start()
-    caplog.set_level(logging.WARNING, logger="fleetscope.sinks.startup")
+    caplog.set_level(logging.WARNING, logger="fleetscope.sinks.store")
     t0 = time.monotonic()
-    assert open_store(config, stop) is None
+    assert open_store(config, stop=stop) is None
     assert 1.9 < time.monotonic() - t0 < 5.0
     waits = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
     assert 1 <= len(waits) <= 3 and "retrying in 0.5s" in waits[0]  # 0.5 s, then 1 s, ...
 
 
-def test_the_store_opens_once_it_is_available() -> None:
+def test_without_stop_an_unreachable_store_raises_at_once() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(OperationalError):
+        open_store(ClickHouseConfig(url=f"http://127.0.0.1:{free_port()}"))
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_the_store_opens_once_it_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
 
-    def attempt(config: ClickHouseConfig) -> object:
+    def attempt(config: ClickHouseConfig, *, prepare: bool) -> object:
         calls.append(1)
         if len(calls) < 3:
             raise OperationalError("connection refused")
-        return "client"
+        return "store"
 
-    assert open_store(ClickHouseConfig(), threading.Event(), attempt=attempt) == "client"  # type: ignore[arg-type]
+    monkeypatch.setattr(clickhouse, "open_clickhouse", attempt)
+    assert open_store(ClickHouseConfig(), stop=threading.Event()) == "store"
     assert len(calls) == 3
 
 
-def test_configuration_errors_are_not_retried() -> None:
-    def attempt(config: ClickHouseConfig) -> object:
+def test_configuration_errors_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    def attempt(config: ClickHouseConfig, *, prepare: bool) -> object:
         raise ValueError("bad schema")
 
+    monkeypatch.setattr(clickhouse, "open_clickhouse", attempt)
     with pytest.raises(ValueError, match="bad schema"):
-        open_store(ClickHouseConfig(), threading.Event(), attempt=attempt)  # type: ignore[arg-type]
+        open_store(ClickHouseConfig(), stop=threading.Event())
 
 
 def test_a_locked_chdb_directory_is_waited_for_and_backoff_is_capped() -> None:

@@ -142,11 +142,9 @@ def _silent_job(config: Config, job: str) -> str:
     from fleetscope.endpoint import open_store
 
     try:
-        client, database, _ = open_store(config)
-        (count, last_ns), *_ = client.query(
-            f"SELECT count(), max(end_ns) FROM `{database}`.iterations WHERE job = {{job:String}}",
-            parameters={"job": job},
-        ).result_rows
+        (count, last_ns), *_ = open_store(config).query(
+            "SELECT count(), max(end_ns) FROM iterations WHERE job = {job:String}", {"job": job}
+        )[1]
     except Exception as exc:  # the check is advisory: the request is published either way
         log.debug("could not ask the store about job %s: %s", job, exc)
         return ""

@@ -1,0 +1,138 @@
+"""Reading the store: ``sql``, ``findings`` and ``report``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from fleetscope.config import Config, ConfigError
+from fleetscope.tables import format_cell, print_findings, print_table
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``sql``, ``findings`` and ``report``."""
+    p = sub.add_parser(
+        "sql",
+        parents=[common],
+        help="run a SQL query on the store",
+        description="Run a query against the findings store (read-only unless --write). "
+        "Use {name:Type} placeholders with --param name=value.",
+    )
+    p.add_argument("query", help='e.g. "SELECT count() FROM findings"')
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="query parameter")
+    p.add_argument("--json", action="store_true", help="print rows as JSON objects")
+    p.add_argument("--write", action="store_true", help="allow statements that modify the store")
+    p.set_defaults(handler=cmd_sql)
+
+    p = sub.add_parser(
+        "findings",
+        parents=[common],
+        help="list findings from the store",
+        description="List current findings (one row per finding, latest state).",
+    )
+    p.add_argument("--job", help="only this job")
+    p.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    p.set_defaults(handler=cmd_findings)
+
+    p = sub.add_parser(
+        "report",
+        parents=[common],
+        help="write a self-contained HTML report of one job",
+        description="Query the store and write one HTML file (inline SVG, no external assets) with the "
+        "job's findings, a rank x function deviation heatmap, iteration and compute time per rank, and "
+        "collective bandwidth per rank.",
+    )
+    p.add_argument("--job", required=True, help="job id")
+    p.add_argument("-o", "--output", default="report.html", help="output file (default: report.html)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of a sentence")
+    p.set_defaults(handler=cmd_report)
+
+
+def cmd_sql(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.endpoint import open_store
+
+    params: dict[str, str] = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError([f"--param {item!r}: expected NAME=VALUE"])
+        params[name] = value
+    store = open_store(config, write=args.write)
+    try:
+        columns, rows = store.query(args.query, params or None, readonly=not args.write)
+    except PermissionError:
+        # Not a read statement by its first word: let the engine parse it, so `SELEC 1` is reported as
+        # the syntax error it is rather than as a write attempt.
+        from fleetscope.errors import syntax_error_of
+
+        prefix = "EXPLAIN AST "
+        try:
+            store.query(prefix + args.query, params or None)
+        except Exception as exc:
+            syntax = syntax_error_of(args.query, exc, prefix)
+            if syntax is not None:
+                raise syntax from None
+        raise
+    if args.json:
+        print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
+    elif len(columns) == 1 and len(rows) == 1:
+        print(format_cell(rows[0][0]))
+    else:
+        print_table(columns, rows)
+    return 0
+
+
+def cmd_findings(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.endpoint import open_store
+
+    print_findings(open_store(config).findings(job=args.job), args.json)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope import verdict
+    from fleetscope.endpoint import open_store
+    from fleetscope.report import write_report
+    from fleetscope.schemas import units
+
+    store = open_store(config)
+    t0 = time.monotonic()
+    data = write_report(store, args.job, args.output)
+    seconds = time.monotonic() - t0
+    rank, function, gap = data.heatmap.top_outlier()
+    lead = verdict.headline(data.findings)
+    summary = {
+        "path": args.output,
+        "job": args.job,
+        "ranks": len(data.ranks),
+        "iterations": [data.first_iteration, data.last_iteration],
+        "findings": len(data.findings),
+        "open_findings": sum(f["status"] != "closed" for f in data.findings),
+        "verdict": verdict.sentence(data.findings, data.median_iteration_ns),
+        "headline": None
+        if lead is None
+        else {
+            "subject": units.subject(lead),
+            "category": lead["category"],
+            "function": lead["function"],
+            "est_loss_ns": lead["est_loss_ns"],
+            "gpu": units.gpu(lead),
+        },
+        "top_deviation": {"rank": rank, "function": function, "gap": round(gap, 4)},
+        "build_seconds": round(seconds, 3),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        if lead is None:
+            head = f"no findings; largest deviation: rank {rank} {function} {gap:+.0%}"
+        else:
+            loss = units.duration(lead["est_loss_ns"])
+            head = f"headline: {units.subject(lead)} {lead['category']}, {loss} per iteration"
+        print(
+            f"wrote {args.output} in {seconds:.2f} s: job {args.job}, {len(data.ranks)} ranks, "
+            f"{len(data.findings)} findings; {head}"
+        )
+    return 0

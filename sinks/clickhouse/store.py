@@ -1,0 +1,82 @@
+"""``ClickHouseStore``: the ``Store`` of ``fleetscope.sinks.store`` on chDB or a ClickHouse server."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from clickhouse_connect.driver import Client
+
+from fleetscope.sinks.clickhouse.client import connect, is_chdb, is_transient, migrate, rejects_records
+from fleetscope.sinks.clickhouse.queries import current_findings, forget_job, table_counts
+from fleetscope.sinks.clickhouse.user_sql import run_sql
+from fleetscope.sinks.clickhouse.writer import ClickHouseWriter
+from fleetscope.sinks.store import Records
+from fleetscope.sinks.store_config import ClickHouseConfig
+
+
+class ClickHouseStore:
+    """One database of a ClickHouse store: the writer the sink drives and the reads of the commands.
+
+    ``client`` stays public for what only ClickHouse speaks (the benches' and tests' own SQL)."""
+
+    def __init__(self, client: Client, config: ClickHouseConfig) -> None:
+        self.client = client
+        self._database = config.database
+        self._url = config.url
+
+    @property
+    def database(self) -> str:
+        return self._database
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @functools.cached_property
+    def writer(self) -> ClickHouseWriter:
+        """Built on the first write: it loads pandas, which a read-only command never needs."""
+        return ClickHouseWriter(self.client, self._database)
+
+    def write_iterations(self, records: Records) -> int:
+        return self.writer.write_iterations(records)
+
+    def write_patterns(self, records: Records) -> int:
+        return self.writer.write_patterns(records)
+
+    def write_findings(self, records: Records) -> int:
+        return self.writer.write_findings(records)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return is_transient(exc)
+
+    def rejects_records(self, exc: BaseException) -> bool:
+        return rejects_records(exc)
+
+    def findings(self, job: str | None = None) -> list[dict[str, Any]]:
+        return current_findings(self.client, self._database, job)
+
+    def query(
+        self, sql: str, params: Mapping[str, Any] | None = None, *, readonly: bool = True
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        return run_sql(self.client, self._database, sql, dict(params) if params else None, readonly=readonly)
+
+    def counts(self) -> dict[str, int]:
+        return table_counts(self.client, self._database)
+
+    def forget_job(self, job: str) -> None:
+        forget_job(self.client, self._database, job)
+
+    def close(self) -> None:
+        """Close a server connection; a chDB handle is the process's engine and stays open until exit."""
+        if not is_chdb(self.client):
+            self.client.close()
+
+
+def open_clickhouse(config: ClickHouseConfig, *, prepare: bool = True) -> ClickHouseStore:
+    """Connect and, with ``prepare``, migrate the schema; without, touch nothing (a read-only login)."""
+    client = connect(config, create_database=prepare)
+    if prepare:
+        migrate(client, config.database)
+    return ClickHouseStore(client, config)

@@ -1,0 +1,58 @@
+"""The records a store keeps, read from the Avro schemas: their fields, the defaults of fields added later,
+and how many rows a PatternBatch explodes into. Store-neutral: the sink counts rows with it, every store's
+writer builds its columns from it, so the record contract is defined once (in ``schemas/avro``)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fleetscope.schemas import CATALOG
+
+STORED_SUBJECTS = ("iterations", "patterns", "findings")
+"""The subjects the sink stores, in the order it writes them."""
+
+
+def avro_fields(subject: str) -> list[tuple[str, Any]]:
+    """(name, Avro type) of the newest schema of ``subject``, in schema order."""
+    return [(f["name"], f["type"]) for f in CATALOG.latest(subject).parsed["fields"]]
+
+
+def avro_defaults(*subjects: str) -> dict[str, Any]:
+    """Defaults of fields added by later schema versions: records built before them (or by hand) lack them."""
+    return {f["name"]: f["default"] for s in subjects for f in CATALOG.latest(s).parsed["fields"] if "default" in f}
+
+
+def is_array(avro_type: Any) -> bool:
+    return isinstance(avro_type, dict) and avro_type.get("type") == "array"
+
+
+@functools.cache
+def _pattern_array_names() -> tuple[str, ...]:
+    return tuple(name for name, avro_type in avro_fields("patterns") if is_array(avro_type))
+
+
+def pattern_rows(record: Mapping[str, Any]) -> int:
+    """Rows a PatternBatch explodes into; ValueError when its column arrays differ in length."""
+    n = len(record["function"])
+    for name in _pattern_array_names():
+        if len(pattern_entries(record, name)) != n:
+            raise ValueError(f"pattern column {name!r} has {len(record[name])} entries, function has {n}")
+    return n
+
+
+@functools.cache
+def _optional_arrays() -> frozenset[str]:
+    """Pattern arrays added later with default ``[]``: a record from an older producer has none."""
+    return frozenset(n for n, v in avro_defaults("patterns").items() if v == [] and n in _pattern_array_names())
+
+
+def pattern_entries(record: Mapping[str, Any], name: str) -> Any:
+    """A pattern column; an optional one the record lacks (absent or empty) is zeros."""
+    values = record.get(name)
+    if name in _optional_arrays() and not (values is not None and len(values)):
+        return np.zeros(len(record["function"]), dtype=np.int64)
+    return record[name]
