@@ -9,11 +9,15 @@ ranks fits in memory; a file that is not a trace costs one ``skipped`` line on s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import multiprocessing
+import os
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -81,45 +85,79 @@ def find_traces(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _parsed(
-    paths: Iterable[str | Path],
-    job: str | None,
-    progress: Progress,
-    verb: str,
-    on_skip: SkipHandler,
-    tp: int = 0,
-    pp: int = 0,
-) -> Iterable[TraceRank]:
-    """Parse the files one by one (only the compact batches stay), then fill every rank's coordinates
-    from the job's layout (its process groups and p2p peers, or the given ``tp``/``pp``)."""
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How ``replay`` and ``analyze`` read trace files (one definition for both commands)."""
+
+    job: str | None = None
+    """Job id for every trace (default: each file's directory name)."""
+    tp: int = 0
+    """Tensor-parallel size; 0: from the process groups."""
+    pp: int = 0
+    """Pipeline-parallel size; 0: from the process groups."""
+    workers: int = 0
+    """Processes that parse files at once; 0: one per available core (never more than files)."""
+    progress: Progress | None = None
+    on_skip: SkipHandler | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoadOptions:
+        return cls(
+            job=args.job,
+            tp=getattr(args, "tp", 0),
+            pp=getattr(args, "pp", 0),
+            workers=getattr(args, "workers", 0),
+            progress=Progress(enabled=not args.quiet),
+        )
+
+
+def _parsed(paths: Iterable[str | Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
+    """Parse the files (only the compact batches stay), then fill every rank's coordinates from the
+    job's layout (its process groups and p2p peers, or the given ``tp``/``pp``)."""
     from fleetscope.producers.trace_layout import job_layouts, with_layout
 
-    traces = deque(_parsed_files(paths, job, progress, verb, on_skip))
-    layouts = job_layouts(traces, tp=tp, pp=pp)
+    traces = deque(_parsed_files(paths, options, verb))
+    layouts = job_layouts(traces, tp=options.tp, pp=options.pp)
     while traces:
         trace = traces.popleft()
         yield with_layout(trace, layouts[trace.job])
         del trace
 
 
-def _parsed_files(
-    paths: Iterable[str | Path], job: str | None, progress: Progress, verb: str, on_skip: SkipHandler
-) -> Iterable[TraceRank]:
-    """Parse the files one by one (the parsed JSON is garbage by the time the next is read)."""
+def _parse_one(task: tuple[Path, str | None, int]) -> TraceRank | TraceError:
+    """One file in a worker process: its compact trace, or why it is not one (sent back, not raised)."""
+    path, job, world_size = task
+    try:
+        return parse_trace(path, job=job, world_size=world_size)
+    except TraceError as exc:
+        return exc
+
+
+def _parsed_files(paths: Iterable[str | Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
+    """Parse the files in file order, several at once in worker processes when there are cores for it;
+    each worker holds one decoded file at a time and sends back only its compact batches."""
     files = find_traces(paths)
     if not files:
         raise ValueError(f"no trace files (*.json, *.json.gz) in {', '.join(map(str, paths))}")
+    progress = options.progress or Progress(enabled=False)
+    on_skip = options.on_skip or _stderr_skip(verb)
     # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
-    for i, path in enumerate(files):
-        progress.update(f"{verb}: file {i + 1}/{len(files)} {path.name}")
-        try:
-            trace = parse_trace(path, job=job, world_size=len(files))
-        except TraceError as exc:
-            on_skip(path, exc)
-            continue
-        log.debug("%s: %d events parsed in %.3f s", path, trace.events, trace.parse_s)
-        yield trace
-        del trace
+    tasks = [(path, options.job, len(files)) for path in files]
+    workers = min(options.workers or len(os.sched_getaffinity(0)), len(files))
+    with contextlib.ExitStack() as stack:
+        results: Iterable[TraceRank | TraceError] = map(_parse_one, tasks)
+        if workers > 1:
+            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=ctx))
+            results = pool.map(_parse_one, tasks)
+        for i, (path, trace) in enumerate(zip(files, results, strict=True)):
+            progress.update(f"{verb}: file {i + 1}/{len(files)} {path.name}")
+            if isinstance(trace, TraceError):
+                on_skip(path, trace)
+                continue
+            log.debug("%s: %d events parsed in %.3f s", path, trace.events, trace.parse_s)
+            yield trace
+            del trace
 
 
 def _stderr_skip(command: str) -> SkipHandler:
@@ -132,12 +170,7 @@ def _stderr_skip(command: str) -> SkipHandler:
 def replay_traces(
     paths: Sequence[str | Path],
     config: Config,
-    *,
-    job: str | None = None,
-    progress: Progress | None = None,
-    on_skip: SkipHandler | None = None,
-    tp: int = 0,
-    pp: int = 0,
+    options: LoadOptions | None = None,
 ) -> list[RankSummary]:
     """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
     from fleetscope.broker import ensure_topics
@@ -148,11 +181,12 @@ def replay_traces(
     k = config.kafka
     if not k.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: replay needs a broker (--bootstrap, e.g. from `fleetscope up`)"])
-    progress = progress or Progress(enabled=False)
+    options = options or LoadOptions()
+    progress = options.progress or Progress(enabled=False)
     ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
     summaries: list[RankSummary] = []
     with Publisher(publisher_config(config)) as publisher:
-        for trace in _parsed(paths, job, progress, "replay", on_skip or _stderr_skip("replay"), tp, pp):
+        for trace in _parsed(paths, options, "replay"):
             for batch in trace.batches:
                 publisher.publish(batch)
             summaries.append(RankSummary.of(trace))
@@ -178,12 +212,7 @@ class AnalyzeResult:
 def analyze_traces(
     paths: Sequence[str | Path],
     config: Config | None = None,
-    *,
-    job: str | None = None,
-    progress: Progress | None = None,
-    on_skip: SkipHandler | None = None,
-    tp: int = 0,
-    pp: int = 0,
+    options: LoadOptions | None = None,
 ) -> AnalyzeResult:
     """Window and compare the traces in-process, one file at a time; findings plus per-rank summaries."""
     from fleetscope.streams.analysis.explain import JobTally, tally_jobs
@@ -193,10 +222,11 @@ def analyze_traces(
     pipeline = OfflinePipeline(s.windower if s else None, s.differential if s else None, keep_patterns=True)
     lifecycle, scoring = pipeline.differential_config.lifecycle, pipeline.differential_config.scoring
     tallies: dict[str, JobTally] = {}
-    progress = progress or Progress(enabled=False)
+    options = options or LoadOptions()
+    progress = options.progress or Progress(enabled=False)
     summaries: list[RankSummary] = []
     seen = 0
-    for trace in _parsed(paths, job, progress, "analyze", on_skip or _stderr_skip("analyze"), tp, pp):
+    for trace in _parsed(paths, options, "analyze"):
         for batch in trace.batches:
             pipeline.add(batch)
         pipeline.close_rank(trace.job, trace.rank)
@@ -246,14 +276,7 @@ _RANK_COLUMNS = (
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import findings_json, print_findings, print_table
 
-    result = analyze_traces(
-        args.paths,
-        config,
-        job=args.job,
-        progress=Progress(enabled=not args.quiet),
-        tp=getattr(args, "tp", 0),
-        pp=getattr(args, "pp", 0),
-    )
+    result = analyze_traces(args.paths, config, LoadOptions.from_args(args))
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
@@ -301,14 +324,7 @@ def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
 def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import print_table
 
-    ranks = replay_traces(
-        args.paths,
-        config,
-        job=args.job,
-        progress=Progress(enabled=not args.quiet),
-        tp=getattr(args, "tp", 0),
-        pp=getattr(args, "pp", 0),
-    )
+    ranks = replay_traces(args.paths, config, LoadOptions.from_args(args))
     if args.json:
         print(json.dumps({"bootstrap_servers": config.kafka.bootstrap_servers, "ranks": [asdict(r) for r in ranks]}))
         return 0 if ranks else 1
@@ -349,3 +365,4 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--tp", type=int, default=0, help="tensor-parallel size (default: from the process groups)")
     p.add_argument("--pp", type=int, default=0, help="pipeline-parallel size (default: from the process groups)")
+    p.add_argument("--workers", type=int, default=0, help="files parsed at once (default: one per available core)")
