@@ -26,6 +26,7 @@ from fleetscope.config import Config, ConfigError
 from fleetscope.producers.kineto import TraceError, TraceRank, parse_trace
 from fleetscope.progress import Progress
 from fleetscope.schemas import EventKind
+from fleetscope.schemas.layout import JobLayout
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,18 @@ class RankSummary:
     iterations: int = 0
     mean_iteration_ms: float = 0.0
     gpu_busy_pct: float = 0.0
+    tp_rank: int = -1
+    """The rank's coordinates in the job's layout; -1: the dimension is unknown or absent."""
+    pp_rank: int = -1
+    dp_rank: int = -1
+    ep_rank: int = -1
 
     @classmethod
-    def of(cls, trace: TraceRank) -> RankSummary:
+    def of(cls, trace: TraceRank, layout: JobLayout | None = None) -> RankSummary:
+        role = layout.role(trace.rank) if layout is not None else None
+        coords = {f"{d}_rank": getattr(role, f"{d}_rank") for d in ("tp", "pp", "dp", "ep")} if role else {}
         return cls(
+            **coords,
             job=trace.job,
             rank=trace.rank,
             host=trace.host,
@@ -111,13 +120,15 @@ class LoadOptions:
         )
 
 
-def _parsed(paths: Iterable[str | Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
+def _parsed(
+    paths: Iterable[str | Path], options: LoadOptions, verb: str, layouts: dict[str, JobLayout]
+) -> Iterable[TraceRank]:
     """Parse the files (only the compact batches stay), then fill every rank's coordinates from the
-    job's layout (its process groups and p2p peers, or the given ``tp``/``pp``)."""
+    job's layout (its process groups and p2p peers, or the given ``tp``/``pp``), kept in ``layouts``."""
     from fleetscope.producers.trace_layout import job_layouts, with_layout
 
     traces = deque(_parsed_files(paths, options, verb))
-    layouts = job_layouts(traces, tp=options.tp, pp=options.pp)
+    layouts.update(job_layouts(traces, tp=options.tp, pp=options.pp))
     while traces:
         trace = traces.popleft()
         yield with_layout(trace, layouts[trace.job])
@@ -186,10 +197,11 @@ def replay_traces(
     ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
     summaries: list[RankSummary] = []
     with Publisher(publisher_config(config)) as publisher:
-        for trace in _parsed(paths, options, "replay"):
+        layouts: dict[str, JobLayout] = {}
+        for trace in _parsed(paths, options, "replay", layouts):
             for batch in trace.batches:
                 publisher.publish(batch)
-            summaries.append(RankSummary.of(trace))
+            summaries.append(RankSummary.of(trace, layouts[trace.job]))
             del trace
         publisher.flush(60.0)
     stats = publisher.stats
@@ -226,7 +238,8 @@ def analyze_traces(
     progress = options.progress or Progress(enabled=False)
     summaries: list[RankSummary] = []
     seen = 0
-    for trace in _parsed(paths, options, "analyze"):
+    layouts: dict[str, JobLayout] = {}
+    for trace in _parsed(paths, options, "analyze", layouts):
         for batch in trace.batches:
             pipeline.add(batch)
         pipeline.close_rank(trace.job, trace.rank)
@@ -239,7 +252,7 @@ def analyze_traces(
         busy = sum(int(it["gpu_busy_ns"]) for it in its)
         summaries.append(
             replace(
-                RankSummary.of(trace),
+                RankSummary.of(trace, layouts[trace.job]),
                 iterations=len(its),
                 mean_iteration_ms=duration / len(its) / 1e6 if its else 0.0,
                 gpu_busy_pct=100.0 * busy / duration if duration else 0.0,
@@ -254,6 +267,7 @@ def analyze_traces(
     with_findings = {f["job"] for f in result.findings}
     explanations = {
         job: {
+            "layout": layout_summary(layouts.get(job)),
             "iterations": len(t.iterations),
             "last_arrivals": t.last_arrivals(),
             "longest_compute": t.longest_compute(),
@@ -268,9 +282,19 @@ def analyze_traces(
 
 
 _RANK_COLUMNS = (
-    "job", "rank", "host", "iterations", "mean_iteration_ms", "gpu_busy_pct", "kernels", "collectives",
-    "kernel_ms",
+    "job", "rank", "host", "tp_rank", "pp_rank", "dp_rank", "ep_rank", "iterations", "mean_iteration_ms",
+    "gpu_busy_pct", "kernels", "collectives", "kernel_ms",
 )  # fmt: skip
+_COORDINATES = ("tp_rank", "pp_rank", "dp_rank", "ep_rank")
+
+
+def layout_summary(layout: JobLayout | None) -> dict[str, Any]:
+    """A job's layout as the report shows it: each known dimension's size and where it came from."""
+    if layout is None or not layout.known:
+        return {"sizes": {}, "sources": {}}
+    role = next(iter(layout.roles.values()), None)
+    sizes = {d: getattr(role, f"{d}_size") for d in ("dp", "tp", "pp", "ep", "shard")} if role else {}
+    return {"sizes": {d: n for d, n in sizes.items() if n > 1}, "sources": dict(layout.sources)}
 
 
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
@@ -287,7 +311,10 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     else:
         print_findings(result.findings, as_json=False)
         print()
-        print_table(_RANK_COLUMNS, [[getattr(r, c) for c in _RANK_COLUMNS] for r in result.ranks])
+        # a coordinate column only for the dimensions some job's layout has (size > 1)
+        dims = {f"{d}_rank" for ex in result.explanations.values() for d in ex["layout"]["sizes"]}
+        columns = [c for c in _RANK_COLUMNS if c not in _COORDINATES or c in dims]
+        print_table(columns, [[getattr(r, c) for c in columns] for r in result.ranks])
         for job, ex in result.explanations.items():
             print()
             print("\n".join(explanation_lines(job, ex)))
@@ -300,7 +327,9 @@ def _short(name: str, width: int = 60) -> str:
 
 def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
     """What a job's traces show beyond its findings, as text."""
-    out = [f"{job}: {ex['iterations']} iteration(s)"]
+    sizes = ex.get("layout", {}).get("sizes", {})
+    shape = " x ".join(f"{d}={n}" for d, n in sizes.items()) if sizes else "no process-group layout"
+    out = [f"{job}: {ex['iterations']} iteration(s), layout {shape}"]
     if ex["last_arrivals"]:
         out.append("  last to arrive (waits least) at each collective:")
         out += [f"    {_short(a['function']):<48} rank {a['rank']} ({a['iterations']}/{a['of']} iterations)"
