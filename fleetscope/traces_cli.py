@@ -275,6 +275,7 @@ def analyze_traces(
             if job not in with_findings and len(t.iterations) < lifecycle.persist_iterations
             else [],
             "reasons": t.reasons(lifecycle.persist_iterations, scoring.min_peers),
+            "limits": t.limits(),
         }
         for job, t in sorted(tallies.items())
     }
@@ -347,6 +348,7 @@ def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
         out.append(f"  signal, not a finding: {sig['category']} on {sig['subject']} ({_short(sig['function'])}), "
                    f"{sig['iterations']} iteration(s), up to {sig['est_loss_ms']:.3f} ms lost")  # fmt: skip
     out += [f"  no finding could open: {reason}" for reason in ex["reasons"]]
+    out += [f"  cannot judge: {limit}" for limit in ex.get("limits", ())]
     return out
 
 
