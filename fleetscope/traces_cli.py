@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 SkipHandler = Callable[[Path, TraceError], None]
 TRACE_SUFFIXES = (".json", ".json.gz")
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+"""Archives of traces (how jobs' profiles are often shared): unpacked into a temporary folder for the run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,18 +83,39 @@ class RankSummary:
         )
 
 
-def find_traces(paths: Iterable[str | Path]) -> list[Path]:
+def find_traces(paths: Iterable[str | Path], unpack_into: Path | None = None) -> list[Path]:
     """Files named on the command line as they are; directories expanded (recursively) to their
-    ``*.json``/``*.json.gz`` files, sorted, so a rank set is always read in the same order."""
+    ``*.json``/``*.json.gz`` files, sorted, so a rank set is always read in the same order. With
+    ``unpack_into``, tar archives (named or in a directory) are unpacked there and their traces found."""
     out: list[Path] = []
     for item in paths:
         p = Path(item)
         if p.is_dir():
-            found = (f for f in p.rglob("*") if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
-            out += sorted(found)
+            suffixes = TRACE_SUFFIXES + (ARCHIVE_SUFFIXES if unpack_into is not None else ())
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+            out += find_traces(found, unpack_into)
+        elif unpack_into is not None and p.name.endswith(ARCHIVE_SUFFIXES):
+            # named after the archive, so a skipped member's line says where it came from
+            dest = unpack_into / p.name
+            out += _unpacked(
+                p, dest if not dest.exists() else unpack_into / f"{len(list(unpack_into.iterdir()))}-{p.name}"
+            )
         else:
             out.append(p)
     return out
+
+
+def _unpacked(archive: Path, dest: Path) -> list[Path]:
+    """The traces of a tar archive, unpacked into ``dest`` (members keep their folders: the job names)."""
+    import tarfile
+
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest, filter="data")
+    except (OSError, tarfile.TarError) as exc:
+        log.warning("%s: not a readable tar archive (%s)", archive, exc)
+        return [archive]  # parsed as a file: skipped with its reason
+    return find_traces([dest])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,9 +171,14 @@ def _parse_one(task: tuple[Path, str | None, int]) -> TraceRank | TraceError:
 def _parsed_files(paths: Iterable[str | Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
     """Parse the files in file order, several at once in worker processes when there are cores for it;
     each worker holds one decoded file at a time and sends back only its compact batches."""
-    files = find_traces(paths)
-    if not files:
-        raise ValueError(f"no trace files (*.json, *.json.gz) in {', '.join(map(str, paths))}")
+    with tempfile.TemporaryDirectory(prefix="fleetscope-traces-") as scratch:
+        files = find_traces(paths, unpack_into=Path(scratch))
+        if not files:
+            raise ValueError(f"no trace files (*.json, *.json.gz, tar archives) in {', '.join(map(str, paths))}")
+        yield from _parsed_found(files, options, verb)
+
+
+def _parsed_found(files: list[Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
     progress = options.progress or Progress(enabled=False)
     on_skip = options.on_skip or _stderr_skip(verb)
     # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
@@ -329,8 +358,8 @@ def _short(name: str, width: int = 60) -> str:
 def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
     """What a job's traces show beyond its findings, as text."""
     sizes = ex.get("layout", {}).get("sizes", {})
-    shape = " x ".join(f"{d}={n}" for d, n in sizes.items()) if sizes else "no process-group layout"
-    out = [f"{job}: {ex['iterations']} iteration(s), layout {shape}"]
+    shape = "layout " + " x ".join(f"{d}={n}" for d, n in sizes.items()) if sizes else "no layout in its process groups"
+    out = [f"{job}: {ex['iterations']} iteration(s), {shape}"]
     if ex["last_arrivals"]:
         out.append("  last to arrive (waits least) at each collective:")
         out += [f"    {_short(a['function']):<48} rank {a['rank']} ({a['iterations']}/{a['of']} iterations)"

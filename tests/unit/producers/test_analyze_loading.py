@@ -4,6 +4,8 @@ the layout's coordinates (experts included) in its summary, and the stdlib path 
 from __future__ import annotations
 
 import json
+import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,20 @@ def test_input_the_typed_decoder_refuses_is_read_by_the_stdlib(tmp_path: Path) -
     trace = parse_trace(path)
     assert trace.kernels == 2 and trace.skipped_events == 2  # the NaN duration and the number
     assert trace.events == 4
+
+
+def test_a_tar_archive_of_traces_is_read_like_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    write_traces(TraceJob(dp=4, steps=3, seed=5), tmp_path / "src" / "myjob")
+    (tmp_path / "src" / "myjob" / "et.json").write_text('{"nodes": []}')  # an execution trace: skipped
+    (tmp_path / "in").mkdir()
+    with tarfile.open(tmp_path / "in" / "profiles.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "src" / "myjob", arcname="myjob")
+    skipped: list[str] = []
+    result = analyze_traces([tmp_path / "in"], None, LoadOptions(on_skip=lambda p, _e: skipped.append(p.name)))
+    assert [(r.job, r.rank) for r in result.ranks] == [("myjob", r) for r in range(4)]
+    assert skipped == ["et.json"]
+    assert not list(
+        Path(tempfile.gettempdir()).glob("fleetscope-traces-*/profiles.tar.gz")
+    )  # unpacked for the run only
