@@ -141,6 +141,7 @@ class _Extractor:
         return i
 
     def feed(self, events: Iterable[Event]) -> None:
+        base = self.base
         for e in events:
             cat, name = e.cat, e.name
             if type(cat) is not str:
@@ -152,7 +153,16 @@ class _Extractor:
                 continue
             if e.ph != "X":
                 continue
-            ts, dur = _ns(e.ts, self.base), _ns(e.dur, 0)
+            ts, dur = e.ts, e.dur
+            # the common case inline (float µs well inside range), else the general rule of _ns
+            if type(ts) is float and -9e12 < ts < 9e12 and type(dur) is float and 0.0 <= dur < 9e12:
+                ts, dur = round(ts * 1000) + base, round(dur * 1000)
+                ts = ts if -_LIMIT_NS < ts < _LIMIT_NS else None
+            elif type(ts) is int and type(dur) is int and 0 <= dur < 2**50:  # old traces: epoch µs
+                ts, dur = ts * 1000 + base, dur * 1000
+                ts = ts if -_LIMIT_NS < ts < _LIMIT_NS else None
+            else:
+                ts, dur = _ns(ts, base), _ns(dur, 0)
             if type(name) is not str or ts is None or dur is None or dur < 0:
                 self.skipped += 1
                 continue
