@@ -129,7 +129,8 @@ class LoadOptions:
     pp: int = 0
     """Pipeline-parallel size; 0: from the process groups."""
     workers: int = 0
-    """Processes that parse files at once; 0: one per available core (never more than files)."""
+    """Processes that parse files at once; 0: one per available core when the files hold at least
+    ``POOL_MIN_BYTES``, else one (never more than files)."""
     progress: Progress | None = None
     on_skip: SkipHandler | None = None
 
@@ -178,12 +179,25 @@ def _parsed_files(paths: Iterable[str | Path], options: LoadOptions, verb: str) 
         yield from _parsed_found(files, options, verb)
 
 
+POOL_MIN_BYTES = 16 * 2**20
+"""Below this much trace data, starting worker processes costs more than it saves: one process."""
+
+
+def _auto_workers(files: Sequence[Path]) -> int:
+    """One worker per available core for a large set of files, else one (no pool)."""
+    size = 0
+    for f in files:
+        with contextlib.suppress(OSError):
+            size += f.stat().st_size
+    return len(os.sched_getaffinity(0)) if size >= POOL_MIN_BYTES else 1
+
+
 def _parsed_found(files: list[Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
     progress = options.progress or Progress(enabled=False)
     on_skip = options.on_skip or _stderr_skip(verb)
     # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
     tasks = [(path, options.job, len(files)) for path in files]
-    workers = min(options.workers or len(os.sched_getaffinity(0)), len(files))
+    workers = min(options.workers or _auto_workers(files), len(files))
     with contextlib.ExitStack() as stack:
         results: Iterable[TraceRank | TraceError] = map(_parse_one, tasks)
         if workers > 1:
@@ -225,9 +239,11 @@ def replay_traces(
     progress = options.progress or Progress(enabled=False)
     ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
     summaries: list[RankSummary] = []
+    layouts: dict[str, JobLayout] = {}
+    traces = deque(_parsed(paths, options, "replay", layouts))  # parsed (the pool forked) before any client thread
     with Publisher(publisher_config(config)) as publisher:
-        layouts: dict[str, JobLayout] = {}
-        for trace in _parsed(paths, options, "replay", layouts):
+        while traces:
+            trace = traces.popleft()
             for batch in trace.batches:
                 publisher.publish(batch)
             summaries.append(RankSummary.of(trace, layouts[trace.job]))
