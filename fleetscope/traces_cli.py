@@ -198,6 +198,8 @@ def _parsed_found(files: list[Path], options: LoadOptions, verb: str) -> Iterabl
     # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
     tasks = [(path, options.job, len(files)) for path in files]
     workers = min(options.workers or _auto_workers(files), len(files))
+    if multiprocessing.current_process().daemon:  # a pool's worker (e.g. the quality bench's) has no children
+        workers = 1
     with contextlib.ExitStack() as stack:
         results: Iterable[TraceRank | TraceError] = map(_parse_one, tasks)
         if workers > 1:
