@@ -12,13 +12,10 @@ import argparse
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -172,6 +169,8 @@ def _parse_one(task: tuple[Path, str | None, int]) -> TraceRank | TraceError:
 def _parsed_files(paths: Iterable[str | Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
     """Parse the files in file order, several at once in worker processes when there are cores for it;
     each worker holds one decoded file at a time and sends back only its compact batches."""
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="fleetscope-traces-") as scratch:
         files = find_traces(paths, unpack_into=Path(scratch))
         if not files:
@@ -197,12 +196,16 @@ def _parsed_found(files: list[Path], options: LoadOptions, verb: str) -> Iterabl
     on_skip = options.on_skip or _stderr_skip(verb)
     # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
     tasks = [(path, options.job, len(files)) for path in files]
+    import multiprocessing
+
     workers = min(options.workers or _auto_workers(files), len(files))
     if multiprocessing.current_process().daemon:  # a pool's worker (e.g. the quality bench's) has no children
         workers = 1
     with contextlib.ExitStack() as stack:
         results: Iterable[TraceRank | TraceError] = map(_parse_one, tasks)
         if workers > 1:
+            from concurrent.futures import ProcessPoolExecutor
+
             ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
             pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=ctx))
             results = pool.map(_parse_one, tasks)
