@@ -295,4 +295,9 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--tp", type=int, default=0, help="tensor-parallel size (default: from the process groups)")
     p.add_argument("--pp", type=int, default=0, help="pipeline-parallel size (default: from the process groups)")
-    p.add_argument("--workers", type=int, default=0, help="files parsed at once (default: one per available core)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="files parsed at once (default: one per core from 16 MiB of traces, else 1)",
+    )
