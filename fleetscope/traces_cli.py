@@ -2,31 +2,29 @@
 
 ``replay`` publishes every rank's batches to the raw topics, for a running stack (``fleetscope up``) to
 analyse. ``analyze`` runs the same windower and differential in-process (``OfflinePipeline``), no Kafka.
-Both read one file at a time and keep only small per-rank summaries, so a directory of thousands of
-ranks fits in memory; a file that is not a trace costs one ``skipped`` line on stderr, not the run.
+Both read files through ``trace_loading`` (one ``LoadOptions``) and keep only compact batches and small
+per-rank summaries; a file that is not a trace costs one ``skipped`` line on stderr, not the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from fleetscope.config import Config, ConfigError
-from fleetscope.producers.kineto import TraceError, TraceRank, parse_trace
+from fleetscope.producers.kineto import TraceRank
 from fleetscope.progress import Progress
 from fleetscope.schemas import EventKind
+from fleetscope.schemas.layout import JobLayout
+from fleetscope.trace_loading import LoadOptions, find_traces, parsed_traces
 
-log = logging.getLogger(__name__)
-
-SkipHandler = Callable[[Path, TraceError], None]
-TRACE_SUFFIXES = (".json", ".json.gz")
+__all__ = ["AnalyzeResult", "LoadOptions", "RankSummary", "analyze_traces", "find_traces", "replay_traces"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,10 +46,18 @@ class RankSummary:
     iterations: int = 0
     mean_iteration_ms: float = 0.0
     gpu_busy_pct: float = 0.0
+    tp_rank: int = -1
+    """The rank's coordinates in the job's layout; -1: the dimension is unknown or absent."""
+    pp_rank: int = -1
+    dp_rank: int = -1
+    ep_rank: int = -1
 
     @classmethod
-    def of(cls, trace: TraceRank) -> RankSummary:
+    def of(cls, trace: TraceRank, layout: JobLayout | None = None) -> RankSummary:
+        role = layout.role(trace.rank) if layout is not None else None
+        coords = {f"{d}_rank": getattr(role, f"{d}_rank") for d in ("tp", "pp", "dp", "ep")} if role else {}
         return cls(
+            **coords,
             job=trace.job,
             rank=trace.rank,
             host=trace.host,
@@ -67,77 +73,10 @@ class RankSummary:
         )
 
 
-def find_traces(paths: Iterable[str | Path]) -> list[Path]:
-    """Files named on the command line as they are; directories expanded (recursively) to their
-    ``*.json``/``*.json.gz`` files, sorted, so a rank set is always read in the same order."""
-    out: list[Path] = []
-    for item in paths:
-        p = Path(item)
-        if p.is_dir():
-            found = (f for f in p.rglob("*") if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
-            out += sorted(found)
-        else:
-            out.append(p)
-    return out
-
-
-def _parsed(
-    paths: Iterable[str | Path],
-    job: str | None,
-    progress: Progress,
-    verb: str,
-    on_skip: SkipHandler,
-    tp: int = 0,
-    pp: int = 0,
-) -> Iterable[TraceRank]:
-    """Parse the files one by one (only the compact batches stay), then fill every rank's coordinates
-    from the job's layout (its process groups and p2p peers, or the given ``tp``/``pp``)."""
-    from fleetscope.producers.trace_layout import job_layouts, with_layout
-
-    traces = deque(_parsed_files(paths, job, progress, verb, on_skip))
-    layouts = job_layouts(traces, tp=tp, pp=pp)
-    while traces:
-        trace = traces.popleft()
-        yield with_layout(trace, layouts[trace.job])
-        del trace
-
-
-def _parsed_files(
-    paths: Iterable[str | Path], job: str | None, progress: Progress, verb: str, on_skip: SkipHandler
-) -> Iterable[TraceRank]:
-    """Parse the files one by one (the parsed JSON is garbage by the time the next is read)."""
-    files = find_traces(paths)
-    if not files:
-        raise ValueError(f"no trace files (*.json, *.json.gz) in {', '.join(map(str, paths))}")
-    # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
-    for i, path in enumerate(files):
-        progress.update(f"{verb}: file {i + 1}/{len(files)} {path.name}")
-        try:
-            trace = parse_trace(path, job=job, world_size=len(files))
-        except TraceError as exc:
-            on_skip(path, exc)
-            continue
-        log.debug("%s: %d events parsed in %.3f s", path, trace.events, trace.parse_s)
-        yield trace
-        del trace
-
-
-def _stderr_skip(command: str) -> SkipHandler:
-    def skip(_path: Path, exc: TraceError) -> None:
-        print(f"fleetscope {command}: skipped {exc}", file=sys.stderr)
-
-    return skip
-
-
 def replay_traces(
     paths: Sequence[str | Path],
     config: Config,
-    *,
-    job: str | None = None,
-    progress: Progress | None = None,
-    on_skip: SkipHandler | None = None,
-    tp: int = 0,
-    pp: int = 0,
+    options: LoadOptions | None = None,
 ) -> list[RankSummary]:
     """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
     from fleetscope.broker import ensure_topics
@@ -148,14 +87,20 @@ def replay_traces(
     k = config.kafka
     if not k.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: replay needs a broker (--bootstrap, e.g. from `fleetscope up`)"])
-    progress = progress or Progress(enabled=False)
+    options = options or LoadOptions()
+    progress = options.progress or Progress(enabled=False)
     ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
     summaries: list[RankSummary] = []
+    layouts: dict[str, JobLayout] = {}
+    traces = deque(
+        parsed_traces(paths, options, "replay", layouts)
+    )  # parsed (the pool forked) before any client thread
     with Publisher(publisher_config(config)) as publisher:
-        for trace in _parsed(paths, job, progress, "replay", on_skip or _stderr_skip("replay"), tp, pp):
+        while traces:
+            trace = traces.popleft()
             for batch in trace.batches:
                 publisher.publish(batch)
-            summaries.append(RankSummary.of(trace))
+            summaries.append(RankSummary.of(trace, layouts[trace.job]))
             del trace
         publisher.flush(60.0)
     stats = publisher.stats
@@ -178,12 +123,7 @@ class AnalyzeResult:
 def analyze_traces(
     paths: Sequence[str | Path],
     config: Config | None = None,
-    *,
-    job: str | None = None,
-    progress: Progress | None = None,
-    on_skip: SkipHandler | None = None,
-    tp: int = 0,
-    pp: int = 0,
+    options: LoadOptions | None = None,
 ) -> AnalyzeResult:
     """Window and compare the traces in-process, one file at a time; findings plus per-rank summaries."""
     from fleetscope.streams.analysis.explain import JobTally, tally_jobs
@@ -193,10 +133,12 @@ def analyze_traces(
     pipeline = OfflinePipeline(s.windower if s else None, s.differential if s else None, keep_patterns=True)
     lifecycle, scoring = pipeline.differential_config.lifecycle, pipeline.differential_config.scoring
     tallies: dict[str, JobTally] = {}
-    progress = progress or Progress(enabled=False)
+    options = options or LoadOptions()
+    progress = options.progress or Progress(enabled=False)
     summaries: list[RankSummary] = []
     seen = 0
-    for trace in _parsed(paths, job, progress, "analyze", on_skip or _stderr_skip("analyze"), tp, pp):
+    layouts: dict[str, JobLayout] = {}
+    for trace in parsed_traces(paths, options, "analyze", layouts):
         for batch in trace.batches:
             pipeline.add(batch)
         pipeline.close_rank(trace.job, trace.rank)
@@ -209,7 +151,7 @@ def analyze_traces(
         busy = sum(int(it["gpu_busy_ns"]) for it in its)
         summaries.append(
             replace(
-                RankSummary.of(trace),
+                RankSummary.of(trace, layouts[trace.job]),
                 iterations=len(its),
                 mean_iteration_ms=duration / len(its) / 1e6 if its else 0.0,
                 gpu_busy_pct=100.0 * busy / duration if duration else 0.0,
@@ -224,6 +166,7 @@ def analyze_traces(
     with_findings = {f["job"] for f in result.findings}
     explanations = {
         job: {
+            "layout": layout_summary(layouts.get(job)),
             "iterations": len(t.iterations),
             "last_arrivals": t.last_arrivals(),
             "longest_compute": t.longest_compute(),
@@ -231,6 +174,7 @@ def analyze_traces(
             if job not in with_findings and len(t.iterations) < lifecycle.persist_iterations
             else [],
             "reasons": t.reasons(lifecycle.persist_iterations, scoring.min_peers),
+            "limits": t.limits(),
         }
         for job, t in sorted(tallies.items())
     }
@@ -238,22 +182,25 @@ def analyze_traces(
 
 
 _RANK_COLUMNS = (
-    "job", "rank", "host", "iterations", "mean_iteration_ms", "gpu_busy_pct", "kernels", "collectives",
-    "kernel_ms",
+    "job", "rank", "host", "tp_rank", "pp_rank", "dp_rank", "ep_rank", "iterations", "mean_iteration_ms",
+    "gpu_busy_pct", "kernels", "collectives", "kernel_ms",
 )  # fmt: skip
+_COORDINATES = ("tp_rank", "pp_rank", "dp_rank", "ep_rank")
+
+
+def layout_summary(layout: JobLayout | None) -> dict[str, Any]:
+    """A job's layout as the report shows it: each known dimension's size and where it came from."""
+    if layout is None or not layout.known:
+        return {"sizes": {}, "sources": {}}
+    role = next(iter(layout.roles.values()), None)
+    sizes = {d: getattr(role, f"{d}_size") for d in ("dp", "tp", "pp", "ep", "shard")} if role else {}
+    return {"sizes": {d: n for d, n in sizes.items() if n > 1}, "sources": dict(layout.sources)}
 
 
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import findings_json, print_findings, print_table
 
-    result = analyze_traces(
-        args.paths,
-        config,
-        job=args.job,
-        progress=Progress(enabled=not args.quiet),
-        tp=getattr(args, "tp", 0),
-        pp=getattr(args, "pp", 0),
-    )
+    result = analyze_traces(args.paths, config, LoadOptions.from_args(args))
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
@@ -264,7 +211,10 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     else:
         print_findings(result.findings, as_json=False)
         print()
-        print_table(_RANK_COLUMNS, [[getattr(r, c) for c in _RANK_COLUMNS] for r in result.ranks])
+        # a coordinate column only for the dimensions some job's layout has (size > 1)
+        dims = {f"{d}_rank" for ex in result.explanations.values() for d in ex["layout"]["sizes"]}
+        columns = [c for c in _RANK_COLUMNS if c not in _COORDINATES or c in dims]
+        print_table(columns, [[getattr(r, c) for c in columns] for r in result.ranks])
         for job, ex in result.explanations.items():
             print()
             print("\n".join(explanation_lines(job, ex)))
@@ -277,7 +227,9 @@ def _short(name: str, width: int = 60) -> str:
 
 def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
     """What a job's traces show beyond its findings, as text."""
-    out = [f"{job}: {ex['iterations']} iteration(s)"]
+    sizes = ex.get("layout", {}).get("sizes", {})
+    shape = "layout " + " x ".join(f"{d}={n}" for d, n in sizes.items()) if sizes else "no layout in its process groups"
+    out = [f"{job}: {ex['iterations']} iteration(s), {shape}"]
     if ex["last_arrivals"]:
         out.append("  last to arrive (waits least) at each collective:")
         out += [f"    {_short(a['function']):<48} rank {a['rank']} ({a['iterations']}/{a['of']} iterations)"
@@ -295,20 +247,14 @@ def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
         out.append(f"  signal, not a finding: {sig['category']} on {sig['subject']} ({_short(sig['function'])}), "
                    f"{sig['iterations']} iteration(s), up to {sig['est_loss_ms']:.3f} ms lost")  # fmt: skip
     out += [f"  no finding could open: {reason}" for reason in ex["reasons"]]
+    out += [f"  cannot judge: {limit}" for limit in ex.get("limits", ())]
     return out
 
 
 def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import print_table
 
-    ranks = replay_traces(
-        args.paths,
-        config,
-        job=args.job,
-        progress=Progress(enabled=not args.quiet),
-        tp=getattr(args, "tp", 0),
-        pp=getattr(args, "pp", 0),
-    )
+    ranks = replay_traces(args.paths, config, LoadOptions.from_args(args))
     if args.json:
         print(json.dumps({"bootstrap_servers": config.kafka.bootstrap_servers, "ranks": [asdict(r) for r in ranks]}))
         return 0 if ranks else 1
@@ -349,3 +295,9 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--tp", type=int, default=0, help="tensor-parallel size (default: from the process groups)")
     p.add_argument("--pp", type=int, default=0, help="pipeline-parallel size (default: from the process groups)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="files parsed at once (default: one per core from 16 MiB of traces, else 1)",
+    )

@@ -4,36 +4,36 @@ Why it looks like this: traces are the zero-code-change input (``fleetscope repl
 in two generations (see ``reference/kineto-trace-format.md``). Old traces (<= 2023) have integer
 epoch-microsecond ``ts`` and keep NCCL sizes only on the CPU op (``nccl:*`` annotation or
 ``record_param_comms``); new ones have ``baseTimeNanoseconds`` + relative float ``ts`` and copy the NCCL
-metadata onto the kernel. Both become the same columns. A file is parsed whole with the stdlib ``json``
-(one file at a time: the parsed document is dropped before the batches are returned) and events go
-straight into compact ``array`` columns. A bad file raises ``TraceError`` with a one-line reason; a bad
-event inside a good file is skipped and counted, never fatal.
+metadata onto the kernel. Both become the same columns. ``kineto_load`` decodes a file whole, only the
+fields read here (the decoded events are dropped before the batches are returned); ``kineto_comms``
+reads the NCCL metadata; events go straight into compact ``array`` columns, in one pass. A bad file
+raises ``TraceError`` with a one-line reason; a bad event inside a good file is skipped and counted, never fatal.
 """
 
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import math
 import re
 import time
-import zlib
 from array import array
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.producers.kineto_comms import CommMeta, canonical_op, meta_from_args, nbytes_of, op_from_kernel
+from fleetscope.producers.kineto_comms import int_or_none as _int
+from fleetscope.producers.kineto_load import NO_ARGS, Args, Event, TraceDoc, TraceError, load_trace
 from fleetscope.producers.trace_layout import GroupNotes, groups_from_pg_config
 from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, FunctionKind, classify_kernel
 from fleetscope.schemas import parse_step_marker as _step
 from fleetscope.schemas.layout import ProcessGroup
-from fleetscope.schemas.vocabulary import is_sync_call, normalize_collective
+from fleetscope.schemas.vocabulary import is_sync_call
 
 DEFAULT_BATCH_EVENTS = 4096
 DEFAULT_PROCESS_GROUP = "0"  # PyTorch's name for the default (world) process group
@@ -44,21 +44,8 @@ _HOST_CATS = frozenset({"user_annotation", "python_function"})
 _USED_CATS = _GPU_CATS | _LAUNCH_CATS | _HOST_CATS
 _CPU_OP_PREFIXES = ("record_param_comms", "nccl:", "ProfilerStep#")
 _RANK_RE = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
-_NCCL_PREFIXES = ("ncclDevKernel_", "ncclKernel_")
-# Bytes per element, keyed by Kineto's ScalarType names ("Float") and the C++ names of "Input type" ("float").
-_DTYPE_BYTES = {
-    **dict.fromkeys(("float", "float32", "int", "int32", "unsigned int", "uint32", "complexhalf"), 4),
-    **dict.fromkeys(("double", "float64", "long", "long int", "int64", "long long", "uint64"), 8),
-    **dict.fromkeys(("complexfloat", "complex<float>"), 8),
-    **dict.fromkeys(("complexdouble", "complex<double>"), 16),
-    **dict.fromkeys(("half", "float16", "bfloat16", "short", "short int", "int16", "uint16"), 2),
-    **dict.fromkeys(("char", "signed char", "int8", "byte", "unsigned char", "uint8", "bool"), 1),
-    **dict.fromkeys(("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"), 1),
-}
 
-
-class TraceError(ValueError):
-    """A file that is not a readable Kineto trace: ``str(exc)`` is ``"<path>: <one-line reason>"``."""
+__all__ = ["DEFAULT_BATCH_EVENTS", "TraceError", "TraceRank", "parse_trace"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,28 +90,6 @@ class TraceRank:
         return sum(len(b) for b in self.batches if b.kind is kind)
 
 
-@dataclass(slots=True)
-class _Meta:
-    """What is known about one collective call; fields stay None until some source fills them."""
-
-    op: str | None = None
-    in_bytes: int | None = None
-    out_bytes: int | None = None
-    group_size: int | None = None
-    pg: str | None = None
-    seq: int | None = None
-    desc: str | None = None
-    ranks: tuple[int, ...] | None = None
-    peer: int | None = None
-    """The other end of a send/recv (``Dst Rank``/``Src Rank``), as written: group-local or global."""
-
-    def fill(self, other: _Meta | None) -> None:
-        if other is not None:
-            for f in fields(self):
-                if getattr(self, f.name) is None:
-                    setattr(self, f.name, getattr(other, f.name))
-
-
 def _text(s: str) -> str:
     """The string as valid UTF-8 (JSON may hold lone surrogates, which Avro cannot encode)."""
     try:
@@ -132,10 +97,6 @@ def _text(s: str) -> str:
         return s
     except UnicodeEncodeError:
         return s.encode(errors="replace").decode()
-
-
-def _int(v: Any) -> int | None:
-    return v if type(v) is int else None
 
 
 def _ns(value: Any, base: int) -> int | None:
@@ -153,95 +114,6 @@ def _ns(value: Any, base: int) -> int | None:
     return ns if -_LIMIT_NS < ns < _LIMIT_NS else None
 
 
-def _canonical_op(raw: str) -> str:
-    """``nccl:_all_gather_base`` / ``allreduce_coalesced`` / ``AllReduce`` -> the vocabulary's name."""
-    op = raw.strip().lower().removeprefix("nccl:").strip("_")
-    for suffix in ("_base", "_coalesced"):
-        op = op.removesuffix(suffix)
-    return normalize_collective(op)
-
-
-def _dtype_bytes(dtype: Any) -> int | None:
-    if type(dtype) is not str:
-        return None
-    return _DTYPE_BYTES.get(dtype.strip().lower().removeprefix("c10::").removeprefix("at::"))
-
-
-def _meta_from_args(args: Mapping[str, Any], op: str | None = None) -> _Meta:
-    """NCCL metadata written by ``record_param_comms`` (and copied onto kernels by new Kineto)."""
-    meta = _Meta(op=op)
-    name = args.get("Collective name")
-    if type(name) is str and name:
-        meta.op = _canonical_op(name)
-    elem = _dtype_bytes(args.get("dtype"))
-    n_in, n_out = _int(args.get("In msg nelems")), _int(args.get("Out msg nelems"))
-    if elem is not None:
-        meta.in_bytes = n_in * elem if n_in is not None and n_in >= 0 else None
-        meta.out_bytes = n_out * elem if n_out is not None and n_out >= 0 else None
-    if meta.in_bytes is None:
-        meta.in_bytes = _input_dims_bytes(args.get("Input Dims"), args.get("Input type"))
-    size = _int(args.get("Group size"))
-    meta.group_size = size if size is not None and size > 0 else None
-    pg = args.get("Process Group Name")
-    meta.pg = pg if type(pg) is str and pg else (str(pg) if type(pg) is int else None)
-    meta.seq = _int(args.get("Seq"))
-    desc = args.get("Process Group Description")
-    meta.desc = desc if type(desc) is str and desc else None
-    meta.ranks = _rank_list(args.get("Process Group Ranks"))
-    for key in ("Dst Rank", "Src Rank"):
-        peer = _int(args.get(key))
-        if peer is not None and peer >= 0 and meta.peer is None:
-            meta.peer = peer
-    return meta
-
-
-def _rank_list(value: Any) -> tuple[int, ...] | None:
-    """``"[0, 1, 2]"`` (how PyTorch writes ``Process Group Ranks``) or a JSON list -> global ranks."""
-    if type(value) is str:
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
-    if type(value) is not list or not value or not all(type(r) is int and 0 <= r < 2**31 for r in value):
-        return None
-    return tuple(value)
-
-
-def _input_dims_bytes(dims: Any, types: Any) -> int | None:
-    """Bytes of the tensor inputs of an old-style CPU op (``Input Dims`` + ``Input type``); None if none."""
-    if type(dims) is not list or type(types) is not list:
-        return None
-    total, seen = 0, False
-    for shape, dtype in zip(dims, types, strict=False):
-        elem = _dtype_bytes(dtype)
-        if elem is None or type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-            continue
-        total += math.prod(shape) * elem
-        seen = True
-    return total if seen else None
-
-
-def _op_from_kernel(name: str) -> str | None:
-    """``ncclKernel_AllReduce_RING_LL_Sum_float(...)`` -> ``allreduce`` (the name classify_kernel matched)."""
-    for prefix in _NCCL_PREFIXES:
-        if name.startswith(prefix):
-            word = name[len(prefix) :].split("(")[0].split("_")[0]
-            return _canonical_op(word) if word else None
-    return None
-
-
-def nbytes_of(meta: _Meta) -> int:
-    """nccl-tests message size S (reference §5.1): output for all-gather, input for the rest."""
-    n = meta.group_size or 1
-    if meta.op == "allgather":
-        if meta.out_bytes:
-            return meta.out_bytes
-        return meta.in_bytes * n if meta.in_bytes else 0
-    if meta.op == "reduce_scatter" and not meta.in_bytes and meta.out_bytes:
-        return meta.out_bytes * n
-    return meta.in_bytes or meta.out_bytes or 0
-
-
 class _Extractor:
     """One pass over ``traceEvents`` into compact columns; NCCL kernels are resolved afterwards."""
 
@@ -253,10 +125,10 @@ class _Extractor:
         self._kind: dict[str, FunctionKind] = {}
         self.k = {c: array("q") for c in ("start", "dur", "name", "stream", "corr")}
         self.p = {c: array("q") for c in ("start", "dur", "name", "thread", "step")}
-        self.nccl: list[tuple[int, int, str, int | None, int | None, dict[str, Any]]] = []
+        self.nccl: list[tuple[int, int, str, int | None, int | None, Args]] = []
         self.launch: dict[int, tuple[int, Any]] = {}
-        self.comm_by_ext: dict[int, _Meta] = {}
-        self.comm_by_thread: dict[Any, list[tuple[int, int, _Meta]]] = {}
+        self.comm_by_ext: dict[int, CommMeta] = {}
+        self.comm_by_thread: dict[Any, list[tuple[int, int, CommMeta]]] = {}
         self.threads: dict[Any, int] = {}
         self.gpu_device: int | None = None
         self.kernels = self.kernel_ns = self.memory_ops = self.skipped = 0
@@ -268,12 +140,10 @@ class _Extractor:
             self.names.append(_text(name))
         return i
 
-    def feed(self, events: Iterable[Any]) -> None:
+    def feed(self, events: Iterable[Event]) -> None:
+        base = self.base
         for e in events:
-            if type(e) is not dict:
-                self.skipped += 1
-                continue
-            cat, name = e.get("cat"), e.get("name")
+            cat, name = e.cat, e.name
             if type(cat) is not str:
                 continue
             if cat == "cpu_op":  # the bulk of a trace; only comms ops and step markers matter
@@ -281,19 +151,26 @@ class _Extractor:
                     continue
             elif cat not in _USED_CATS:
                 continue
-            if e.get("ph") != "X":
+            if e.ph != "X":
                 continue
-            ts, dur = _ns(e.get("ts"), self.base), _ns(e.get("dur"), 0)
+            ts, dur = e.ts, e.dur
+            # the common case inline (float µs well inside range), else the general rule of _ns
+            if type(ts) is float and -9e12 < ts < 9e12 and type(dur) is float and 0.0 <= dur < 9e12:
+                ts, dur = round(ts * 1000) + base, round(dur * 1000)
+                ts = ts if -_LIMIT_NS < ts < _LIMIT_NS else None
+            elif type(ts) is int and type(dur) is int and 0 <= dur < 2**50:  # old traces: epoch µs
+                ts, dur = ts * 1000 + base, dur * 1000
+                ts = ts if -_LIMIT_NS < ts < _LIMIT_NS else None
+            else:
+                ts, dur = _ns(ts, base), _ns(dur, 0)
             if type(name) is not str or ts is None or dur is None or dur < 0:
                 self.skipped += 1
                 continue
-            args = e.get("args")
-            if type(args) is not dict:
-                args = {}
+            args = e.args or NO_ARGS
             if cat in _GPU_CATS:
                 self._gpu(cat, name, ts, dur, e, args)
             elif cat in _LAUNCH_CATS:
-                corr = _int(args.get("correlation"))
+                corr = _int(args.correlation)
                 if corr is not None:
                     self.launch[corr] = (ts, _thread(e))
                 if _blocks(name):  # a host span: the annotations around it wait, they do not work
@@ -301,13 +178,13 @@ class _Extractor:
             else:
                 self._host(cat, name, ts, dur, e, args)
 
-    def _gpu(self, cat: str, name: str, ts: int, dur: int, e: dict[str, Any], args: dict[str, Any]) -> None:
-        stream = _int(args.get("stream"))
-        stream = stream if stream is not None else _int(e.get("tid"))
+    def _gpu(self, cat: str, name: str, ts: int, dur: int, e: Event, args: Args) -> None:
+        stream = _int(args.stream)
+        stream = stream if stream is not None else _int(e.tid)
         stream = stream if stream is not None and -(2**31) <= stream < 2**31 else -1
         if self.gpu_device is None:
-            self.gpu_device = _int(args.get("device")) if "device" in args else _int(e.get("pid"))
-        corr = _int(args.get("correlation"))
+            self.gpu_device = _int(args.device) if args.device is not None else _int(e.pid)
+        corr = _int(args.correlation)
         kind = self._kind.get(name)
         if kind is None:
             kind = self._kind[name] = classify_kernel(name)
@@ -315,7 +192,7 @@ class _Extractor:
             self.kernels += 1
             self.kernel_ns += dur
             if kind is FunctionKind.COLLECTIVE:
-                self.nccl.append((ts, dur, name, corr, _int(args.get("External id")), args))
+                self.nccl.append((ts, dur, name, corr, _int(args.external_id), args))
                 return
         else:
             self.memory_ops += 1
@@ -326,10 +203,10 @@ class _Extractor:
         k["stream"].append(stream)
         k["corr"].append(corr if corr is not None and -_LIMIT_NS < corr < _LIMIT_NS else -1)
 
-    def _host(self, cat: str, name: str, ts: int, dur: int, e: dict[str, Any], args: dict[str, Any]) -> None:
+    def _host(self, cat: str, name: str, ts: int, dur: int, e: Event, args: Args) -> None:
         if name.startswith("nccl:") or name == "record_param_comms":
-            meta = _meta_from_args(args, _canonical_op(name) if name.startswith("nccl:") else None)
-            ext = _int(args.get("External id"))
+            meta = meta_from_args(args, canonical_op(name) if name.startswith("nccl:") else None)
+            ext = _int(args.external_id)
             if ext is not None:
                 self.comm_by_ext.setdefault(ext, meta).fill(meta)
             self.comm_by_thread.setdefault(_thread(e), []).append((ts, ts + dur, meta))
@@ -352,7 +229,7 @@ class _Extractor:
         rows: list[tuple[int, ...]] = []
         ordinal: dict[str, int] = {}
         for ts, dur, name, corr, ext, args in sorted(self.nccl, key=lambda r: r[0]):
-            meta = _meta_from_args(args)
+            meta = meta_from_args(args)
             launch = self.launch.get(corr) if corr is not None else None
             if ext is not None and ext != corr:  # old traces reuse the correlation as External id
                 meta.fill(self.comm_by_ext.get(ext))
@@ -362,7 +239,7 @@ class _Extractor:
                 for j in range(i - 1, max(i - 17, -1), -1):  # innermost enclosing op first
                     if ops[j][1] >= t_launch:
                         meta.fill(ops[j][2])
-            meta.op = meta.op or _op_from_kernel(name) or "unknown"
+            meta.op = meta.op or op_from_kernel(name) or "unknown"
             pg = meta.pg = meta.pg or DEFAULT_PROCESS_GROUP
             meta.group_size = meta.group_size or pg_sizes.get(pg) or world_size
             self.notes.note(meta.op, pg, meta.desc, meta.ranks, meta.peer)
@@ -382,8 +259,8 @@ def _blocks(name: str) -> bool:
     return is_sync_call(name)
 
 
-def _thread(e: dict[str, Any]) -> Any:
-    pid, tid = e.get("pid"), e.get("tid")
+def _thread(e: Event) -> Any:
+    pid, tid = e.pid, e.tid
     return (pid if type(pid) in (int, str) else None, tid if type(tid) in (int, str) else None)
 
 
@@ -404,32 +281,11 @@ def _depths(start: npt.NDArray[np.int64], dur: npt.NDArray[np.int64], thread: np
     return depth
 
 
-def _load(path: Path) -> dict[str, Any]:
-    """Read and decode one file (gzip detected by its magic bytes, not its name)."""
-    try:
-        data = path.read_bytes()
-        doc = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise TraceError(f"{path}: truncated or corrupt gzip ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{path}: truncated or invalid JSON ({exc.msg} at line {exc.lineno})") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not a text (UTF-8) JSON file") from None
-    except (ValueError, RecursionError) as exc:
-        raise TraceError(f"{path}: invalid JSON ({(str(exc) or repr(exc)).splitlines()[0]})") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if type(doc) is not dict or type(doc.get("traceEvents")) is not list:
-        what = "no traceEvents list" if type(doc) is dict else f"top-level JSON is a {type(doc).__name__}"
-        raise TraceError(f"{path}: not a Kineto trace ({what})")
-    return doc
-
-
 def _identity(
-    doc: dict[str, Any], path: Path, job: str | None, rank: int | None, world_size: int | None
+    doc: TraceDoc, path: Path, job: str | None, rank: int | None, world_size: int | None
 ) -> tuple[BatchHeader, dict[str, int], list[ProcessGroup]]:
     """Who the rank is: distributedInfo, then the file name, then the caller; process groups and sizes."""
-    info = doc.get("distributedInfo")
+    info = doc.distributedInfo
     info = info if type(info) is dict else {}
     r = _int(info.get("rank"))
     if r is None:
@@ -446,8 +302,9 @@ def _identity(
         if size is not None and 0 < size < 2**31 and type(pg.get("pg_name")) is str:
             pg_sizes[pg["pg_name"]] = size
     host = ""
-    metadata = doc.get("metadata")
-    for source in (doc, info, metadata if isinstance(metadata, dict) else {}):
+    top = {"hostname": doc.hostname, "host": doc.host, "host_name": doc.host_name}
+    metadata = doc.metadata
+    for source in (top, info, metadata if isinstance(metadata, dict) else {}):
         for key in ("hostname", "host", "host_name"):
             if not host and type(source.get(key)) is str:
                 host = source[key].strip()
@@ -477,14 +334,15 @@ def parse_trace(
         raise ValueError(f"batch_events must be >= 1, got {batch_events}")
     p = Path(path)
     t0 = time.perf_counter()
-    doc = _load(p)
+    doc = load_trace(p)
     header, pg_sizes, configured = _identity(doc, p, job, rank, world_size)
-    base = doc.get("baseTimeNanoseconds")
+    base = doc.baseTimeNanoseconds
     base_ns = base if type(base) is int and 0 <= base < _LIMIT_NS else None
-    n_events = len(doc["traceEvents"])
+    n_events = len(doc.traceEvents) + doc.skipped
     ex = _Extractor(base_ns or 0, header.rank)
-    ex.feed(doc["traceEvents"])
-    del doc  # the parsed JSON is by far the largest object: free it before building batches
+    ex.skipped = doc.skipped
+    ex.feed(doc.traceEvents)
+    del doc  # the decoded events are by far the largest object: free them before building batches
     coll = ex.resolve_collectives(header.world_size, pg_sizes)
     if not (ex.k["start"] or ex.p["start"] or coll["start_ns"]):
         raise TraceError(f"{p}: not a Kineto trace (no kernel, memory-op or host-span events)")

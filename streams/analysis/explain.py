@@ -5,6 +5,9 @@ a profiler capture often has one or two steps. The data still says which rank ar
 collective (it waits least: its collective is the shortest) and which rank computes longest, and the
 per-iteration signals still show who stands out; ``JobTally`` keeps that (compact, capped) per job and
 ``JobTally.reasons`` says, one line each, why no finding could open and what to collect instead.
+``JobTally.limits`` says what the input cannot show at any length: without link throughput samples a slow
+link has no rank to name, since a collective runs at its slowest link's pace on every member (all members'
+kernels lengthen alike), and a member's longer kernel reads as a longer wait for the last arrival.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import numpy as np
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.outliers import score_iteration
 from fleetscope.streams.analysis.signals import ScoringConfig
+
+LINK_FAMILIES = ("nvlink", "pcie")
 
 MAX_ITERATIONS = 64
 """Iterations per job the tally keeps (a short trace is what it is for; a long one opens findings)."""
@@ -43,6 +48,8 @@ class JobTally:
     iterations: dict[int, dict[int, _RankIteration]] = field(default_factory=dict)
     records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     hosts: set[str] = field(default_factory=set)
+    link_samples: bool = False
+    """Some collective had link throughput samples (NVML, live jobs); traces have none."""
 
     def add(self, rec: Mapping[str, Any]) -> None:
         """One rank's pattern record of one iteration."""
@@ -60,6 +67,9 @@ class JobTally:
             stage=int(rec.get("pp_rank", -1)),
         )
         self.hosts.add(str(rec.get("host", "")))
+        if coll and not self.link_samples:
+            peaks = [np.asarray(rec.get(f"{f}_peak_bps", ()), dtype=np.float64) for f in LINK_FAMILIES]
+            self.link_samples = any(p.size and np.isfinite(p[coll]).any() for p in peaks)
         if it in self.records or len(self.records) < self.keep_records:
             self.records.setdefault(it, []).append(dict(rec))
 
@@ -143,6 +153,36 @@ class JobTally:
                 "link finding; profile the GPU activity (ProfilerActivity.CUDA) with record_shapes=True"
             )
         return out
+
+    def transfer_share(self) -> float | None:
+        """Share of the collectives' kernel time that is transfer: per collective and iteration, the
+        shortest member's kernel (the last to arrive waits for no one) over the members' mean; the rest
+        is waiting for the last arrival. None without collectives seen by two ranks or more."""
+        transfer = total = 0.0
+        for ranks in self.iterations.values():
+            by_fn: dict[str, list[float]] = {}
+            for ri in ranks.values():
+                for fn, mean in ri.collectives.items():
+                    if np.isfinite(mean):
+                        by_fn.setdefault(fn, []).append(mean)
+            for values in by_fn.values():
+                if len(values) >= 2:
+                    transfer += min(values) * len(values)
+                    total += sum(values)
+        return transfer / total if total > 0 else None
+
+    def limits(self) -> list[str]:
+        """What this input cannot show however long it is, with what to collect instead."""
+        share = self.transfer_share()
+        if self.link_samples or share is None:
+            return []
+        return [
+            "no link throughput samples (NVLink/PCIe): link_slow cannot be judged. A collective runs at its "
+            "slowest link's pace on every member, so a slow link lengthens all members' NCCL kernels alike "
+            f"and names no rank; here the transfer (each collective's shortest kernel) is {100 * share:.0f}% of "
+            "the NCCL kernel time and the rest is waiting for the last rank, so a longer kernel on one rank "
+            "reads as a longer wait. Run the job with the fleetscope hook (NVML link samples) to judge links"
+        ]
 
 
 def tally_jobs(records: Sequence[Mapping[str, Any]], tallies: dict[str, JobTally], keep_records: int = 3) -> None:

@@ -180,3 +180,21 @@ def test_expected_categories() -> None:
     assert TraceJob(pp=2, fault="slow_stage").expected_category == "stage_imbalance"
     assert TraceJob(fault="slow_worker").expected_category == "gpu_slow"
     assert TraceJob().expected_category == "" and TraceJob().culprits() == ()
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        TraceJob(dp=4, pp=4, steps=6, seed=103, fault="slow_stage", names="none", skew_ms=9.0),
+        TraceJob(dp=2, tp=2, pp=4, steps=8, seed=211, fault="slow_worker", fault_rank=11, names="mesh"),
+        TraceJob(dp=4, tp=2, pp=2, steps=8, seed=313, noise=0.04),
+    ],
+    ids=["pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy"],
+)
+def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
+    """A slow last stage is one stage_imbalance on its ranks (the first stage's data loader never
+    flagged); one slow worker is gpu_slow on it alone; a healthy job has nothing."""
+    write_traces(job, tmp_path / "job")
+    findings = analyze_traces([tmp_path / "job"]).findings
+    got = [(f["category"], sorted(f["ranks"])) for f in findings]
+    assert got == ([(job.expected_category, sorted(job.culprits()))] if job.expected_category else [])

@@ -72,3 +72,50 @@ def test_analyze_on_a_one_iteration_trace_says_who_is_last_and_why_nothing_opene
     assert main(["analyze", folder, "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "last to arrive (waits least)" in text and "no finding could open: only 1 iteration(s)" in text
+
+
+def slowed_nccl_copy(source: Path, dest: Path, rank: int, factor: float) -> Path:
+    """A copy of a trace folder with one rank's NCCL kernels ``factor`` times longer (start kept)."""
+    dest.mkdir(parents=True)
+    for f in sorted(source.glob("*.json")):
+        doc = json.loads(f.read_text())
+        if factor != 1.0 and doc["distributedInfo"]["rank"] == rank:
+            for e in doc["traceEvents"]:
+                if e.get("cat") == "kernel" and str(e.get("name", "")).startswith("ncclKernel"):
+                    e["dur"] = round(e["dur"] * factor)
+        (dest / f.name).write_text(json.dumps(doc))
+    return dest
+
+
+def test_link_samples_lift_the_link_limit():
+    tally = JobTally("j")
+    for rank in range(4):
+        tally.add(record(rank, 0, 2e6, 1e6 if rank else 2e5))
+    (limit,) = tally.limits()
+    # transfer = the shortest member's kernel: 4 x 0.2 ms of 3.2 ms in all
+    assert "link_slow cannot be judged" in limit and "is 25% of the NCCL kernel time" in limit
+    rec = record(4, 0, 2e6, 1e6)
+    rec["nvlink_peak_bps"] = [nan, 2e11]
+    tally.add(rec)
+    assert tally.limits() == []
+
+
+@pytest.mark.skipif(not DLRM_TAR.exists(), reason="no shared traces")
+@pytest.mark.parametrize("factor", [1.0, 1.75])
+def test_a_slowed_nccl_transfer_on_one_dlrm_rank_gives_no_finding_and_says_why(tmp_path, capsys, factor):
+    with tarfile.open(DLRM_TAR) as tar:
+        tar.extractall(tmp_path, filter="data")
+    folder = slowed_nccl_copy(tmp_path / "dlrm_kineto", tmp_path / "job", rank=3, factor=factor)
+    assert main(["analyze", str(folder), "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["findings"] == []  # one iteration: nothing can open (a reason says so)
+    ex = doc["explanations"]["job"]
+    # the rank's longer NCCL kernels read as waiting: no link signal, nothing new on rank 3 or any other
+    signals = {(s["category"], s["subject"]) for s in ex["unopened_signals"]}
+    assert not any(category == "link_slow" for category, _ in signals)
+    assert ("straggler", "rank:7") in signals and not any(
+        subject == "rank:3" and c != "host_slow" for c, subject in signals
+    )
+    (limit,) = ex["limits"]
+    share = float(limit.split("shortest kernel) is ")[1].split("%")[0])
+    assert 0 < share < 20  # DLRM's NCCL kernels are mostly waiting for the last rank
