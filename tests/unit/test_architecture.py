@@ -170,3 +170,20 @@ def test_the_node_agent_starts_on_a_gpu_node_that_has_no_store_engine() -> None:
     assert out.returncode != 0
     assert "NVML is not available" in out.stderr + out.stdout, out.stderr
     assert "ModuleNotFoundError" not in out.stderr + out.stdout and "clickhouse" not in out.stderr, out.stderr
+
+
+def test_every_package_folder_is_in_the_distribution() -> None:
+    """A package folder missing from pyproject's ``packages`` imports from a checkout but is absent from an
+    installed wheel (seen when ``streams/recovery/`` was added)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"fleetscope": "fleetscope"} | {
+        f: f"fleetscope.{f}" for f in ("producers", "streams", "schemas", "sinks")
+    }
+    found = set()
+    for folder, package in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *rel)))
+    assert found <= listed, sorted(found - listed)
