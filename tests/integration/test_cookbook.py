@@ -17,19 +17,10 @@ from typing import Any
 import pytest
 from harness import SLOW_GPU_RANK, SlowGpuRun
 
-<<<<<<< HEAD
-from fleetscope.endpoint import Endpoint, served_client
-from fleetscope.producers import SimulatorConfig, parse_fault, simulate
-from fleetscope.sinks import ClickHouseWriter, connect, migrate, run_sql
-from fleetscope.sinks.clickhouse import TABLES
-=======
-from fleetscope.config import load_config
-from fleetscope.demo import run_demo
 from fleetscope.endpoint import Endpoint, served_store
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
-from fleetscope.progress import Progress
-from fleetscope.sinks import ClickHouseWriter, connect, open_store, run_sql
->>>>>>> h15b
+from fleetscope.sinks import ClickHouseWriter, connect, migrate, open_store, run_sql
+from fleetscope.sinks.clickhouse import TABLES
 from fleetscope.storeserver import StoreServer, Tokens
 from fleetscope.streams.offline import OfflinePipeline
 

@@ -28,39 +28,17 @@ JOB = "it-job"
 
 
 @pytest.fixture(scope="module")
-<<<<<<< HEAD
-def demo_store(slow_gpu_demo: SlowGpuRun) -> Iterator[tuple[Config, Any]]:
+def demo_store(slow_gpu_demo: SlowGpuRun) -> Iterator[tuple[Config, Store]]:
     """The shared demo run's store: 16 ranks, ``ITERATIONS`` iterations, rank ``SLOW_RANK``'s GPU slow."""
     run = slow_gpu_demo
     assert (run.sim.job, run.sim.ranks, run.sim.iterations) == (JOB, 16, ITERATIONS)
     assert [f["rank"] for f in run.result.findings] == [SLOW_RANK]
-    yield run.config, connect(run.config.store)
-
-
-def test_the_slow_rank_stands_out_in_the_heatmap_data(demo_store: tuple[Config, Any]) -> None:
-    config, client = demo_store
-    data = collect(client, config.store.database, JOB)
-=======
-def demo_store(tmp_path_factory: pytest.TempPathFactory, chdb_path: Path) -> Iterator[tuple[Config, Store]]:
-    config = load_config(
-        env={},
-        overrides={
-            "data_dir": str(tmp_path_factory.mktemp("report")),
-            "store.url": f"chdb://{chdb_path}",
-            "store.database": f"rep_{uuid.uuid4().hex[:10]}",
-            "kafka.topic_prefix": f"rp{uuid.uuid4().hex[:6]}",
-        },
-    )
-    sim = SimulatorConfig(job="rep", ranks=16, iterations=12, faults=(parse_fault(f"slow_gpu:{SLOW_RANK}:1.5"),))
-    result = run_demo(config, sim, Progress(enabled=False), timeout_s=120)
-    assert [f["rank"] for f in result.findings] == [SLOW_RANK]
-    yield config, open_store(config.store)
+    yield run.config, open_store(run.config.store)
 
 
 def test_the_slow_rank_stands_out_in_the_heatmap_data(demo_store: tuple[Config, Store]) -> None:
     _, store = demo_store
-    data = collect(store, "rep")
->>>>>>> h15b
+    data = collect(store, JOB)
     heat = data.heatmap
     assert heat.ranks == list(range(16)) and heat.gap.shape == (len(heat.functions), 16)
     assert heat.top_outlier("compute")[0] == SLOW_RANK
@@ -80,15 +58,9 @@ def test_the_slow_rank_stands_out_in_the_heatmap_data(demo_store: tuple[Config, 
     assert np.isfinite(data.busbw_gbps).all() and (data.busbw_gbps > 0).all()
 
 
-<<<<<<< HEAD
-def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Any]) -> None:
-    config, client = demo_store
-    page = render_html(collect(client, config.store.database, JOB))
-=======
 def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Store]) -> None:
     _, store = demo_store
-    page = render_html(collect(store, "rep"))
->>>>>>> h15b
+    page = render_html(collect(store, JOB))
     assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 6
     without_ns = page.replace("http://www.w3.org/2000/svg", "")
     for external in ("http://", "https://", " src=", "<link", "<script", "url(", "@import"):
@@ -97,15 +69,9 @@ def test_the_report_is_one_self_contained_page(demo_store: tuple[Config, Store])
     assert "gpu_slow" in page and "+50%" in page
 
 
-<<<<<<< HEAD
-def test_the_report_leads_with_a_verdict_in_time_per_iteration(demo_store: tuple[Config, Any]) -> None:
-    config, client = demo_store
-    data = collect(client, config.store.database, JOB)
-=======
 def test_the_report_leads_with_a_verdict_in_time_per_iteration(demo_store: tuple[Config, Store]) -> None:
     _, store = demo_store
-    data = collect(store, "rep")
->>>>>>> h15b
+    data = collect(store, JOB)
     page = render_html(data)
     verdict = re.search(r"<p class='verdict'>(.*?)</p>", page)
     assert verdict is not None and page.index("class='verdict'") < page.index("<h2>")
@@ -117,15 +83,9 @@ def test_the_report_leads_with_a_verdict_in_time_per_iteration(demo_store: tuple
     assert "No GPU kernels were profiled" not in page
 
 
-<<<<<<< HEAD
-def test_a_job_without_profiled_kernels_gets_a_note_not_empty_panels(demo_store: tuple[Config, Any]) -> None:
-    config, client = demo_store
-    data = collect(client, config.store.database, JOB)
-=======
 def test_a_job_without_profiled_kernels_gets_a_note_not_empty_panels(demo_store: tuple[Config, Store]) -> None:
     _, store = demo_store
-    data = collect(store, "rep")
->>>>>>> h15b
+    data = collect(store, JOB)
     heat = data.heatmap
     python_only = [i for i, k in enumerate(heat.kinds) if k in ("python", "collective")]
     unprofiled = replace(
