@@ -104,7 +104,7 @@ def meta_from_args(args: Args, op: str | None = None) -> CommMeta:
 def _raw_json(raw: msgspec.Raw) -> Any:
     try:
         return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):  # a raw field is bytes as found: they may not be UTF-8
         return None
 
 
