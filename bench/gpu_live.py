@@ -252,11 +252,12 @@ def capture(out: Path, steps: int, fault_at: int, rounds: int, window_after_s: f
             for name, (mode, nvml) in modes.items():
                 res = _run_job(servers, f"gpu-overhead-{name}", "nccl1", 1, 400, mode, -1, 10**9, work, nvml)
                 runs[name].append(_median_step_ms(res))
-        off = statistics.median(runs["off"])
-        figures["overhead"] = {"step_ms": {m: [round(x, 3) for x in v] for m, v in runs.items()}} | {
-            f"{m}_pct": round(100 * (statistics.median(v) - off) / off, 2) for m, v in runs.items() if m != "off"
-        }
-        print("overhead", json.dumps(figures["overhead"]), flush=True)
+        if rounds:
+            off = statistics.median(runs["off"])
+            figures["overhead"] = {"step_ms": {m: [round(x, 3) for x in v] for m, v in runs.items()}} | {
+                f"{m}_pct": round(100 * (statistics.median(v) - off) / off, 2) for m, v in runs.items() if m != "off"
+            }
+            print("overhead", json.dumps(figures["overhead"]), flush=True)
         wanted = [*topics.raw_all, topics.heartbeats, topics.control]
         figures["captured"] = _dump(servers, wanted, out / "capture.bin")
     (out / "figures.json").write_text(json.dumps(figures, indent=1))
@@ -329,7 +330,7 @@ def main() -> None:
     c.add_argument("--steps", type=int, default=700)
     c.add_argument("--fault-at", type=int, default=300)
     c.add_argument("--window-after-s", type=float, default=15.0, help="profile request, seconds after launch")
-    c.add_argument("--rounds", type=int, default=4)
+    c.add_argument("--rounds", type=int, default=4, help="overhead rounds (0: none)")
     i = sub.add_parser("ingest")
     i.add_argument("out", type=Path)
     i.add_argument("--settle-s", type=float, default=20.0)
