@@ -24,7 +24,10 @@ from fleetscope.streams.recovery.statelog import StateLog
 
 log = logging.getLogger(__name__)
 
-_JOB_STATE_FORMAT = b"\x01"
+_JOB_STATE_FORMAT = b"\x02"
+"""2: ``progress_offset`` counts on ``<prefix>.stalls``. 1 (still read): it counted on the patterns topic,
+where stall reports travelled before, so it means nothing on the stalls topic and restarts at -1."""
+_PATTERNS_TOPIC_OFFSETS = b"\x01"
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,14 @@ def dump_job_state(state: JobState) -> bytes:
 
 def load_job_state(data: bytes) -> JobState:
     """Inverse of ``dump_job_state``; ``pickle.UnpicklingError`` for anything but the stage's own classes."""
-    if not data.startswith(_JOB_STATE_FORMAT):
-        raise pickle.UnpicklingError(f"unknown job state format {data[:1]!r}")
+    fmt = data[:1]
+    if fmt not in (_JOB_STATE_FORMAT, _PATTERNS_TOPIC_OFFSETS):
+        raise pickle.UnpicklingError(f"unknown job state format {fmt!r}")
     raw = _StateUnpickler(io.BytesIO(data[1:])).load()
     if not isinstance(raw, dict) or not isinstance(raw.get("job"), JobDifferential):
         raise pickle.UnpicklingError("job state record holds no JobDifferential")
-    return JobState(job=raw["job"], progress_offset=int(raw["progress_offset"]), flushed=bool(raw["flushed"]))
+    offset = int(raw["progress_offset"]) if fmt == _JOB_STATE_FORMAT else -1
+    return JobState(job=raw["job"], progress_offset=offset, flushed=bool(raw["flushed"]))
 
 
 _ALLOWED_GLOBALS = frozenset(

@@ -107,8 +107,11 @@ def test_a_job_restored_from_its_state_record_and_replayed_continues_exactly_lik
     original = JobDifferential(SIM.job)
     for rec in records[:cut]:
         original.add(rec)
-    restored = load_job_state(dump_job_state(JobState(job=original, progress_offset=41, flushed=False)))
+    record = dump_job_state(JobState(job=original, progress_offset=41, flushed=False))
+    restored = load_job_state(record)
     assert restored.progress_offset == 41 and not restored.flushed
+    older = load_job_state(b"\x01" + record[1:])  # written when stall reports shared the patterns topic
+    assert older.progress_offset == -1 and older.job.iterations_scored == original.iterations_scored
     replayed = restored.job
     for rec in records[:cut]:  # the replay: scored iterations are skipped, waiting ones come back
         replayed.add(rec)
