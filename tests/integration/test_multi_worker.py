@@ -32,9 +32,12 @@ from tests.integration.harness import (
 pytestmark = pytest.mark.integration
 
 
-def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
+def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome, known_gap: bool = False) -> None:
+    """``known_gap``: a run that differs by the lost idle flush alone (``_lost_idle_flush``) is an xfail."""
     print(f"\nphases (s): {moved.phases}; reference {one_worker_run.phases}")
     assert moved.acted_before_end and moved.acted_at_rows < MOVING_JOB.expected_rows, "partitions must move mid-run"
+    if known_gap and _lost_idle_flush(moved, one_worker_run):  # every other difference fails below
+        pytest.xfail("known gap: the new owner of a moved differential partition never flushes its idle job")
     assert moved.counts == one_worker_run.counts, (moved.findings, one_worker_run.findings)
     assert moved.findings == one_worker_run.findings, "a rebalance is no fault: same findings, same first iteration"
     assert moved.updates == one_worker_run.updates
@@ -110,6 +113,4 @@ def test_split_stages_moving_partitions_store_what_one_worker_stores(
         windowers = [w1, w2, w3] if action is kill else [w1, w2]
         steps = [Step(join, [d2]), Step(action, [windowers[-1], d1])]
         moved = run_pipeline(w1.config, MOVING_JOB, [*windowers, d1], steps)
-    if _lost_idle_flush(moved, one_worker_run):  # every other difference fails below
-        pytest.xfail("known gap: the new owner of a moved differential partition never flushes its idle job")
-    _assert_as_one_worker(moved, one_worker_run)
+    _assert_as_one_worker(moved, one_worker_run, known_gap=True)
