@@ -78,7 +78,8 @@ def _split(config_dir: Path, broker: str, chdb_path: Path) -> tuple[list[StreamW
 def _lost_idle_flush(moved: Outcome, one_worker_run: Outcome) -> bool:
     """Whether ``moved`` differs from one worker's run by the known handover gap alone (docs/scaling.md,
     "Known gap"): a job whose partition moved after its last records were acked, before its idle flush, is
-    never flushed by the new owner, so each open finding lacks its last update; nothing else differs."""
+    never flushed by the new owner, so each open finding lacks its last update (the flush's report of how far
+    it reaches, so its ``iteration_last`` stops short too); nothing else differs."""
     missing = [u for u in one_worker_run.updates if u not in moved.updates]
     last = {u[0]: u for u in one_worker_run.updates}  # ordered by finding and version: each finding's last
     same = [(f[0], f[1], f[3], f[4], f[5]) for f in moved.findings] == [
@@ -86,7 +87,7 @@ def _lost_idle_flush(moved: Outcome, one_worker_run: Outcome) -> bool:
     ]
     return (
         bool(missing)
-        and all(u[2] == "open" and last[u[0]] == u for u in missing)
+        and all(u[2] == "update" and last[u[0]] == u for u in missing)
         and moved.updates == [u for u in one_worker_run.updates if u not in missing]
         and {**moved.counts, "finding_updates": 0} == {**one_worker_run.counts, "finding_updates": 0}
         and same
