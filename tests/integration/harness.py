@@ -216,13 +216,13 @@ def kill(workers: Workers) -> None:
 def stall(workers: Workers) -> None:
     """SIGSTOP past the session timeout (their partitions go to the other workers), then SIGCONT: they come
     back and rejoin."""
-    pids = [w.pid for w in workers]
-    assert all(pid is not None for pid in pids), "a stalled worker must be running"
+    pids = [pid for w in workers if (pid := w.pid) is not None]
+    assert len(pids) == len(workers), "a stalled worker must be running"
     for pid in pids:
-        os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        os.kill(pid, signal.SIGSTOP)
     time.sleep(max(w.config.kafka.session_timeout_ms for w in workers) / 1000 * 1.5)
     for pid in pids:
-        os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+        os.kill(pid, signal.SIGCONT)
 
 
 def stop_all(workers: Workers) -> None:
