@@ -8,6 +8,7 @@ run they compare with is a session fixture (``one_worker_run`` in this folder's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -19,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetscope.broker import ensure_topics
 from fleetscope.config import Config, load_config
 from fleetscope.demo import check_delivered, publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
+from fleetscope.schemas import Topics
 from fleetscope.sinks import table_counts
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
 
@@ -165,8 +168,9 @@ Workers = Sequence[StreamWorkerProcess]
 Action = Callable[[Workers], None]
 
 
-def _each(workers: Workers, do: Callable[[StreamWorkerProcess], None]) -> None:
-    """``do`` to every worker at once (a worker's start or drain takes seconds), raising the first failure."""
+def _each_later(workers: Workers, do: Callable[[StreamWorkerProcess], None]) -> Callable[[], None]:
+    """Start ``do`` to every worker at once (a worker's start or drain takes seconds); the returned call
+    waits for all of them and raises the first failure."""
     errors: list[BaseException] = []
 
     def one(worker: StreamWorkerProcess) -> None:
@@ -178,10 +182,19 @@ def _each(workers: Workers, do: Callable[[StreamWorkerProcess], None]) -> None:
     threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+
+    def wait() -> None:
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    return wait
+
+
+def _each(workers: Workers, do: Callable[[StreamWorkerProcess], None]) -> None:
+    """``do`` to every worker at once, raising the first failure."""
+    _each_later(workers, do)()
 
 
 def join(workers: Workers) -> None:
@@ -203,13 +216,13 @@ def kill(workers: Workers) -> None:
 def stall(workers: Workers) -> None:
     """SIGSTOP past the session timeout (their partitions go to the other workers), then SIGCONT: they come
     back and rejoin."""
-    pids = [w.pid for w in workers]
-    assert all(pid is not None for pid in pids), "a stalled worker must be running"
+    pids = [pid for w in workers if (pid := w.pid) is not None]
+    assert len(pids) == len(workers), "a stalled worker must be running"
     for pid in pids:
-        os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        os.kill(pid, signal.SIGSTOP)
     time.sleep(max(w.config.kafka.session_timeout_ms for w in workers) / 1000 * 1.5)
     for pid in pids:
-        os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+        os.kill(pid, signal.SIGCONT)
 
 
 def stop_all(workers: Workers) -> None:
@@ -268,46 +281,53 @@ def run_pipeline(
     def lap(phase: str) -> None:
         outcome.phases[phase] = round(time.monotonic() - t0 - sum(outcome.phases.values()), 1)
 
-    with EmbeddedStack(config, with_worker=False) as stack:
+    k = config.kafka
+    ensure_topics(k.admin_settings(), Topics(prefix=k.topic_prefix), k.raw_partitions, k.derived_partitions)
+    started = _each_later(workers, lambda w: w.start())  # the workers boot while the store and sink start
+    stack = EmbeddedStack(config, with_worker=False)
+    try:
+        stack.start()
         sink, client = stack.sink, stack.client
         assert sink is not None and client is not None
-        try:
-            join(workers)
-            lap("start")
-            publishing = Publishing(stack.config, job)
-            publishing.start()
+        started()
+        lap("start")
+        publishing = Publishing(stack.config, job)
+        publishing.start()
 
-            def act() -> None:
-                rows = sink.stats["iterations"]
-                if steps and outcome.acted_at_rows < 0 and due(publishing, rows):
-                    outcome.acted_at_rows, outcome.acted_before_end = rows, not publishing.done.is_set()
-                    t0 = time.monotonic()
-                    for step in steps:
-                        step.action(step.workers)
-                        if step.action in (leave, kill):
-                            running.difference_update(step.workers)
-                        elif step.action is join:
-                            running.update(step.workers)
-                    outcome.act_s = time.monotonic() - t0
-                dead = [w.log_path for w in running if not w.alive()]
-                assert not dead, f"a stream worker died; see {dead}"
+        def act() -> None:
+            rows = sink.stats["iterations"]
+            if steps and outcome.acted_at_rows < 0 and due(publishing, rows):
+                outcome.acted_at_rows, outcome.acted_before_end = rows, not publishing.done.is_set()
+                began = time.monotonic()
+                for step in steps:
+                    step.action(step.workers)
+                    if step.action in (leave, kill):
+                        running.difference_update(step.workers)
+                    elif step.action is join:
+                        running.update(step.workers)
+                outcome.act_s = time.monotonic() - began
+            dead = [w.log_path for w in running if not w.alive()]
+            assert not dead, f"a stream worker died; see {dead}"
 
-            def stored() -> int:
-                stats = sink.stats
-                return stats["iterations"] + stats["function_patterns"] + stats["finding_updates"]
+        def stored() -> int:
+            stats = sink.stats
+            return stats["iterations"] + stats["function_patterns"] + stats["finding_updates"]
 
-            def ready() -> bool:
-                return publishing.finished() and sink.stats["iterations"] >= job.expected_rows
+        def ready() -> bool:
+            return publishing.finished() and sink.stats["iterations"] >= job.expected_rows
 
-            wait_settled(stored, ready, quiet_s(config), timeout_s, on_poll=act)
-            lap("run")
-            db = f"{config.store.database}."
-            outcome.counts = table_counts(client, config.store.database)
-            outcome.updates = client.query(UPDATES_SQL.format(db=db)).result_rows
-            outcome.findings = client.query(FINDINGS_SQL.format(db=db)).result_rows
-            outcome.sink_messages = sink.stats["messages"]
-            lap("query")
-        finally:
-            stop_all(everyone)
+        wait_settled(stored, ready, quiet_s(config), timeout_s, on_poll=act)
+        lap("run")
+        db = f"{config.store.database}."
+        outcome.counts = table_counts(client, config.store.database)
+        outcome.updates = client.query(UPDATES_SQL.format(db=db)).result_rows
+        outcome.findings = client.query(FINDINGS_SQL.format(db=db)).result_rows
+        outcome.sink_messages = sink.stats["messages"]
+        lap("query")
+    finally:
+        with contextlib.suppress(BaseException):
+            started()  # a worker still booting when the stack failed is stopped too
+        stop_all(everyone)
+        stack.stop()
     lap("stop")
     return outcome
