@@ -87,9 +87,11 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         windower.revoke({tp.partition for tp in revoked if tp.topic in raw_events.topics})
         differential.revoke({tp.partition for tp in revoked if tp.topic in differential_topics})
 
-    async def on_assigned(_sender: object, _assigned: set[faust.types.TP], **_kw: object) -> None:
+    async def on_assigned(_sender: object, assigned: set[faust.types.TP], **_kw: object) -> None:
         gate.paused = False
         clock.rebalancing(False)
+        if "differential" in cfg.stages:
+            differential.adopt({tp.partition for tp in assigned if tp.topic in differential_topics})
 
     # Faust awaits coroutine receivers; its stubs only describe plain callables.
     app.on_partitions_revoked.connect(on_revoked)  # type: ignore[arg-type]

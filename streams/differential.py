@@ -150,6 +150,9 @@ class DifferentialAgent:
         """Input-clock time of each job's last pattern record or stall report: idle jobs are flushed."""
         self.input: dict[str, int] = {}
         """Input-clock time of each job's last pattern, stall report or heartbeat: its end closes its findings."""
+        self.loading = asyncio.Lock()
+        """Restoring partitions' jobs (on assignment and at a batch) happens once per partition."""
+        self.adopting: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
         """Scoring, emission and state record run under it: a job's record never includes iterations whose
         findings are still on their way (a timer's flush writes records while a batch waits)."""
@@ -164,7 +167,7 @@ class DifferentialAgent:
         epoch = self.gate.epoch
         if not events:
             return
-        for job in await self.recovery.load({e.message.partition for e in events}):
+        for job in await self._load({e.message.partition for e in events}):
             self.seen[job] = self.clock.now_ns()  # restored before its idle flush: flush it when idle again
         if epoch != self.gate.epoch:
             return
@@ -204,6 +207,27 @@ class DifferentialAgent:
             await self.dead.send(event, reason)
         if epoch == self.gate.epoch:
             ack([*released, *(event.message for event, _ in rejected)], self.app)
+
+    def adopt(self, partitions: Collection[int]) -> None:
+        """Restore the jobs of assigned partitions now rather than at their next message: a job whose last
+        records were acked before its partition moved gets its idle flush from the new owner all the same."""
+        self.adopting = asyncio.ensure_future(self._adopt(partitions, self.gate.epoch))
+
+    async def _adopt(self, partitions: Collection[int], epoch: int) -> None:
+        try:
+            unflushed = await self._load(partitions)
+        except Exception as exc:  # the next batch of those partitions loads them again
+            log.warning("could not restore the jobs of partitions %s on assignment: %r", sorted(partitions), exc)
+            return
+        if epoch != self.gate.epoch:  # they moved again meanwhile: forget them; their next owner restores them
+            self.revoke(partitions)
+            return
+        for job in unflushed:
+            self.seen[job] = self.input[job] = self.clock.now_ns()
+
+    async def _load(self, partitions: Collection[int]) -> list[str]:
+        async with self.loading:
+            return await self.recovery.load(partitions)
 
     async def flush_idle(self, in_progress: set[str]) -> None:
         """Score what idle jobs have pending; ``in_progress``: jobs whose iterations are still being cut."""
