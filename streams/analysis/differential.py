@@ -257,8 +257,11 @@ class JobDifferential:
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
         budget = self.config.scoring.min_loss_fraction * iteration_ns
         signals = self._noise.keep(signals, budget)
+        persistent: list[RankSignal] = []
         if not profiled and np.unique(role_codes(records)).size == 1:  # every rank does the same work
-            signals += self._noise.stragglers(signals, budget, {int(r["rank"]): r["host"] for r in records})
+            hosts = {int(r["rank"]): r["host"] for r in records}
+            persistent = self._noise.stragglers(signals, budget, hosts, self.tracker.open_ranks())
+            signals += persistent
         self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
         late_open: list[RankSignal] = []
@@ -271,6 +274,9 @@ class JobDifferential:
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
         out = self.tracker.observe(it, signals, blind)
+        for sig in persistent:  # last in 7 of 8 iterations is its own persistence: open now
+            if not self.tracker.is_open(sig.key()):
+                out += self.tracker.emit_now(sig, it)
         if not self.tracker.peers_explain(it):  # a culprit still about to open explains it too
             for sig in late_open:
                 out += self.tracker.emit_now(sig, it)

@@ -122,11 +122,14 @@ class JobNoise:
                 return True
         return sig.category == "straggler" and _mostly_last(x[-cfg.level_iterations - 1 :], col)
 
-    def stragglers(self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str]) -> list[RankSignal]:
+    def stragglers(
+        self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str], named: set[int]
+    ) -> list[RankSignal]:
         """Straggler signals the single iteration missed: ranks that arrived last at a collective in all but
-        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median), and that no
-        signal of this iteration already names (a cause, or the straggler itself)."""
-        named = {s.rank for s in signals}
+        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median), that no signal
+        of this iteration names (a cause, or the straggler itself) nor an open finding (``named``: its cause,
+        found before)."""
+        named = named | {s.rank for s in signals}
         out: list[RankSignal] = []
         for function, series in self._series.items():
             if function in self._host or len(series) < self.config.min_history:
