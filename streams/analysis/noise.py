@@ -69,6 +69,10 @@ class JobNoise:
         self.config = config or NoiseConfig()
         self._series: dict[str, deque[dict[int, float]]] = {}
         self._host: set[str] = set()
+        self._lateness: dict[int, float] = {}
+        """Per rank, its arrival lateness in the latest recorded iteration (the largest over its collectives)."""
+        self._held: list[RankSignal] = []
+        """Host signals that stood out but did not cost their step: judged again on the next one."""
         """Host functions seen so far: zero on every rank in iterations where none ran them."""
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
@@ -95,18 +99,39 @@ class JobNoise:
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
+        self._lateness = {}
+        for function, values in seen.items():
+            if function in self._host or len(values) < 2:
+                continue
+            median = float(np.median(list(values.values())))
+            for rank, value in values.items():
+                self._lateness[rank] = max(self._lateness.get(rank, -np.inf), median - value)
 
     def keep(self, signals: Iterable[RankSignal], budget_ns: float) -> list[RankSignal]:
         """The signals, less host_slow and straggler ones whose excess does not stand out from the noise, and
-        host_slow ones that do not cost the step: their time saved (the excess, bounded by the rank's
-        arrival lateness: what its peers waited for it) is under ``budget_ns``."""
-        return [
-            s
-            for s in signals
-            if s.category not in JUDGED
-            or s.rank < 0
-            or ((s.category != "host_slow" or s.loss_ns >= budget_ns) and self.stands_out(s))
-        ]
+        host_slow ones that do not cost the step: the peers must wait for the rank's excess (its arrival
+        lateness at its collectives, the largest, bounds the time saved) at least ``budget_ns``, in this
+        iteration or the next (host work after a step's collectives delays the next step's): one that
+        does not yet is held for one iteration and kept then if it does."""
+        held, self._held = self._held, []
+        out: list[RankSignal] = []
+        for sig in signals:
+            if sig.category not in JUDGED or sig.rank < 0:
+                out.append(sig)
+            elif self.stands_out(sig):
+                if sig.category != "host_slow" or self._costs(sig, budget_ns):
+                    out.append(sig)
+                else:
+                    self._held.append(sig)
+        keys = {s.key() for s in out}
+        out += [s for s in held if s.key() not in keys and self._costs(s, budget_ns)]
+        return out
+
+    def _costs(self, sig: RankSignal, budget_ns: float) -> bool:
+        """Whether the host excess, bounded by the rank's latest lateness (none measured: unbounded), is
+        at least the budget."""
+        excess = float(sig.evidence.get("excess_ns", sig.loss_ns))
+        return min(excess, self._lateness.get(sig.rank, np.inf)) >= budget_ns
 
     def stands_out(self, sig: RankSignal) -> bool:
         cfg = self.config

@@ -258,7 +258,7 @@ SETTLE_S = 5.0
 def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding_and_loses_no_step(live: Live) -> None:
     """Automatic profiling is on (the default) and a manual window opens past step 120: the steps it covers
     are marked on every rank, none is lost, and the job gets no finding update of any status."""
-    assert live.config.profiling.auto
+    assert live.config.streams.profiling.auto
     steps = 300
     job = live.launch(steps=steps)
     _wait_for_steps(live, job.name, 120, timeout_s=90)
