@@ -243,6 +243,8 @@ class JobDifferential:
         self._scored_upto = it
         self.iterations_scored += 1
         profiled = sum(1 for r in records if r.get("profiled", False))
+        if profiled:
+            self._noise.forget_arrivals()
         if 0 < profiled < len(records):
             # A profiler slows the ranks it runs on: compared with unprofiled ones they would all stand out.
             self.skipped_profiled += 1
@@ -258,7 +260,13 @@ class JobDifferential:
         budget = self.config.scoring.min_loss_fraction * iteration_ns
         signals = self._noise.keep(signals, budget)
         persistent: list[RankSignal] = []
-        if not profiled and np.unique(role_codes(records)).size == 1:  # every rank does the same work
+        if (
+            not profiled
+            and not signals
+            and not self.tracker.open_findings()
+            and np.unique(role_codes(records)).size == 1
+        ):
+            # every rank does the same work, and no other rank's finding explains a late one (its victims)
             hosts = {int(r["rank"]): r["host"] for r in records}
             persistent = self._noise.stragglers(signals, budget, hosts, self.tracker.open_ranks())
             signals += persistent

@@ -19,8 +19,9 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   waits (on a few ranks, chance gives all but one of 8 to one rank once in ~2,500 windows). Such a rank
   is a straggler even where no single iteration's peer comparison flagged it (``stragglers``).
 
-Until the job has ``min_history`` iterations its noise is unknown: signals are kept as the peers judged
-them.
+Only jobs of up to ``max_ranks`` ranks are judged so: with more, the peers' spread in one iteration is
+itself a reliable yardstick. Until the job has ``min_history`` iterations its noise is unknown: signals
+are kept as the peers judged them, host ones only where they cost the step (``keep``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class NoiseConfig:
     level_iterations: int = 7
     """A persistent excess is the median over this many of the rank's latest iterations."""
     min_history: int = 4
+    max_ranks: int = 16
+    """Jobs with more ranks are judged on their peers' spread in one iteration alone: the MAD of many peers
+    is a reliable yardstick, and the largest jitter among hundreds of ranks would hide small faults."""
     z: float = 5.0
     """An excess in one iteration must be this many times the job's noise..."""
     level_z: float = 3.0
@@ -71,6 +75,7 @@ class JobNoise:
         self._host: set[str] = set()
         self._lateness: dict[int, float] = {}
         """Per rank, its arrival lateness in the latest recorded iteration (the largest over its collectives)."""
+        self._ranks = 0
         self._held: list[RankSignal] = []
         """Host signals that stood out but did not cost their step: judged again on the next one."""
         """Host functions seen so far: zero on every rank in iterations where none ran them."""
@@ -95,6 +100,7 @@ class JobNoise:
                 else:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
         ranks = [int(r["rank"]) for r in records]
+        self._ranks = max(self._ranks, len(ranks))
         for function, values in seen.items():
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
@@ -107,22 +113,33 @@ class JobNoise:
             for rank, value in values.items():
                 self._lateness[rank] = max(self._lateness.get(rank, -np.inf), median - value)
 
+    def forget_arrivals(self) -> None:
+        """A profiler window (on some ranks or all) ends the arrival history: its recording and the trace's
+        export afterwards slow the ranks unevenly, so arrivals before and after it do not form one run."""
+        for function in [f for f in self._series if f not in self._host]:
+            del self._series[function]
+
     def keep(self, signals: Iterable[RankSignal], budget_ns: float) -> list[RankSignal]:
-        """The signals, less host_slow and straggler ones whose excess does not stand out from the noise, and
-        host_slow ones that do not cost the step: the peers must wait for the rank's excess (its arrival
-        lateness at its collectives, the largest, bounds the time saved) at least ``budget_ns``, in this
-        iteration or the next (host work after a step's collectives delays the next step's): one that
-        does not yet is held for one iteration and kept then if it does."""
+        """The signals, less host_slow and straggler ones whose excess does not stand out from the noise.
+
+        Until the noise is known (the job's first ``min_history`` iterations: warm-up, where one rank's
+        first optimizer steps or batches take longer), a host excess must at least cost the step: the
+        peers must wait for it (the rank's arrival lateness at its collectives bounds the time saved) at
+        least ``budget_ns``, in this iteration or the next (host work after a step's collectives delays
+        the next step's): one that does not yet is held for one iteration and kept then if it does."""
         held, self._held = self._held, []
         out: list[RankSignal] = []
+        if self._ranks > self.config.max_ranks:
+            return list(signals)
         for sig in signals:
             if sig.category not in JUDGED or sig.rank < 0:
                 out.append(sig)
-            elif self.stands_out(sig):
-                if sig.category != "host_slow" or self._costs(sig, budget_ns):
-                    out.append(sig)
-                else:
-                    self._held.append(sig)
+                continue
+            verdict = self.stands_out(sig)
+            if verdict is None and sig.category == "host_slow" and not self._costs(sig, budget_ns):
+                self._held.append(sig)
+            elif verdict is not False:
+                out.append(sig)
         keys = {s.key() for s in out}
         out += [s for s in held if s.key() not in keys and self._costs(s, budget_ns)]
         return out
@@ -133,11 +150,12 @@ class JobNoise:
         excess = float(sig.evidence.get("excess_ns", sig.loss_ns))
         return min(excess, self._lateness.get(sig.rank, np.inf)) >= budget_ns
 
-    def stands_out(self, sig: RankSignal) -> bool:
+    def stands_out(self, sig: RankSignal) -> bool | None:
+        """Whether the signal stands out from the job's noise; None while that noise is unknown."""
         cfg = self.config
         x, col = self._matrix(sig.function, sig.rank, lateness=sig.category == "straggler")
         if x is None:
-            return True
+            return None
         noise = _noise(x, col)
         if sig.category == "host_slow" and sig.value - sig.peer_median >= max(cfg.z * noise, _largest_spike(x, col)):
             return True
@@ -163,6 +181,8 @@ class JobNoise:
             with quiet_nan_warnings():
                 late = np.nanmedian(x, axis=1, keepdims=True) - x
             recent = late[-self.config.level_iterations - 1 :]
+            if recent.shape[0] <= self.config.level_iterations:
+                continue  # not a whole window since the job started or a profiler window ended
             for col, rank in enumerate(ranks):
                 if rank in named or not _mostly_last(recent, col):
                     continue
@@ -213,9 +233,9 @@ def _largest_spike(x: F64, col: int) -> float:
 
 
 def _mostly_last(lateness: F64, col: int) -> bool:
-    """Whether column ``col`` is the latest (largest) in all but one of the complete rows."""
+    """Whether column ``col`` is the latest (largest) in all but one of the rows, every row complete."""
     rows = lateness[~np.isnan(lateness).any(axis=1)]
-    if rows.shape[0] < 3:
+    if rows.shape[0] < lateness.shape[0] or rows.shape[0] < 3:
         return False
     last = np.argmax(rows, axis=1) == col
     return bool(np.count_nonzero(last) >= rows.shape[0] - 1)
