@@ -273,8 +273,8 @@ class JobDifferential:
         self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
         late_open: list[RankSignal] = []
-        if regression is not None and self._explained(regression):
-            regression = None  # a peer finding explains the job's slowdown: it is the cause to report
+        if regression is not None and (self._explained(regression) or self._noise.late_explains(regression.loss_ns)):
+            regression = None  # a peer explains the job's slowdown (its finding, or it arrives that late)
         if regression is not None:
             regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
             if self.tracker.is_open(regression.key()):

@@ -77,6 +77,8 @@ class JobNoise:
         """Per rank, its arrival lateness in the latest recorded iteration (the largest over its collectives)."""
         self._ranks = 0
         self._held: list[RankSignal] = []
+        self._latest: deque[float] = deque(maxlen=self.config.min_history)
+        """The largest arrival lateness of any rank, per recent iteration."""
         """Host signals that stood out but did not cost their step: judged again on the next one."""
         """Host functions seen so far: zero on every rank in iterations where none ran them."""
 
@@ -112,6 +114,14 @@ class JobNoise:
             median = float(np.median(list(values.values())))
             for rank, value in values.items():
                 self._lateness[rank] = max(self._lateness.get(rank, -np.inf), median - value)
+        self._latest.append(max(self._lateness.values(), default=0.0))
+
+    def late_explains(self, slowdown_ns: float) -> bool:
+        """Whether one rank arrived late at its collectives by half the job's slowdown or more in one of the
+        latest ``min_history`` iterations (jobs of up to ``max_ranks``): the others waited for it, so the
+        slowdown is that rank's (a fault, or contention on its host), not the job's own regression, which
+        slows every rank alike."""
+        return self._ranks <= self.config.max_ranks and max(self._latest, default=0.0) >= 0.5 * slowdown_ns
 
     def forget_arrivals(self) -> None:
         """A profiler window (on some ranks or all) ends the arrival history: its recording and the trace's
