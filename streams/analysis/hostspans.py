@@ -84,4 +84,5 @@ def _other_threads_inside(it: I64, start: I64, dur: I64, depth: I64) -> I64:
     inside = cum[hi] - cum[lo]
     inside -= np.where(hi > lo, np.maximum(o_end[np.maximum(hi - 1, 0)] - end, 0), 0)
     inside[outer] -= dur[outer]  # an outermost span starts inside itself
-    return np.maximum(inside, 0)
+    out: I64 = np.maximum(inside, 0).astype(np.int64)
+    return out
