@@ -179,7 +179,8 @@ class JobNoise:
         self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str], named: set[int]
     ) -> list[RankSignal]:
         """Straggler signals the single iteration missed: ranks that arrived last at a collective in all but
-        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median), that no signal
+        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median) and by
+        ``level_z`` times the noise more than their peers, that no signal
         of this iteration names (a cause, or the straggler itself) nor an open finding (``named``: its cause,
         found before)."""
         named = named | {s.rank for s in signals}
@@ -197,8 +198,14 @@ class JobNoise:
                 if rank in named or not _mostly_last(recent, col):
                     continue
                 lateness = float(np.nanmedian(recent[:, col]))
-                if lateness < budget_ns or np.isnan(late[-1, col]):
-                    continue
+                with quiet_nan_warnings():
+                    others = float(np.nanmedian(np.delete(recent, col, axis=1)))
+                if (
+                    lateness < budget_ns
+                    or np.isnan(late[-1, col])
+                    or lateness - others < self.config.level_z * _noise(late, col)
+                ):
+                    continue  # last by a hair, or by no more than the noise: a rank on a busier core for a while
                 named.add(rank)
                 noise = max(_noise(late, col), 1.0)
                 last = int(np.count_nonzero(np.argmax(np.nan_to_num(recent, nan=-np.inf), axis=1) == col))
