@@ -179,8 +179,8 @@ class JobNoise:
         self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str], named: set[int]
     ) -> list[RankSignal]:
         """Straggler signals the single iteration missed: ranks that arrived last at a collective in all but
-        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median) and by
-        ``level_z`` times the noise more than their peers, that no signal
+        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median) and by more
+        than the noise beyond their peers, that no signal
         of this iteration names (a cause, or the straggler itself) nor an open finding (``named``: its cause,
         found before)."""
         named = named | {s.rank for s in signals}
@@ -200,11 +200,7 @@ class JobNoise:
                 lateness = float(np.nanmedian(recent[:, col]))
                 with quiet_nan_warnings():
                     others = float(np.nanmedian(np.delete(recent, col, axis=1)))
-                if (
-                    lateness < budget_ns
-                    or np.isnan(late[-1, col])
-                    or lateness - others < self.config.level_z * _noise(late, col)
-                ):
+                if lateness < budget_ns or np.isnan(late[-1, col]) or lateness - others < _noise(late, col):
                     continue  # last by a hair, or by no more than the noise: a rank on a busier core for a while
                 named.add(rank)
                 noise = max(_noise(late, col), 1.0)
