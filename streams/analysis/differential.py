@@ -11,8 +11,10 @@ import numpy as np
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
+from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 
 PROFILER_BLIND = ("host_slow",)
@@ -25,11 +27,14 @@ class DifferentialConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     job_level: JobLevelConfig = field(default_factory=JobLevelConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    """What a rank's host or arrival excess must stand out from: the job's own iteration-to-iteration noise."""
     missing_rank_wait_iterations: int = 3
     """An iteration still missing ranks is scored anyway once this many later iterations are complete."""
     missing_rank_timeout_ms: int = 10_000
-    """...or once every rank it lacks has sent nothing for this long (the worker's input clock, which stands
-    still while a backlog is worked off, so a lagging partition is not taken for a lost rank)."""
+    """...or once every rank it lacks sent nothing while its peers advanced this far in event time (the ends
+    of their iterations, on their own clocks): a backlog delays the peers' records too, so it is never silence,
+    whatever the worker's input gaps."""
     scorer: str = DEFAULT_SCORER
     """How a rank is compared with its peers: a name in ``SCORERS`` (``robust_z``: median and MAD; ``mean_z``:
     mean and standard deviation)."""
@@ -56,7 +61,9 @@ class JobDifferential:
         self._hosts: dict[int, str] = {}
         self._missing_run: dict[int, int] = {}
         self._last_seen_ns: OrderedDict[int, int] = OrderedDict()
-        """Input-clock time of each rank's last record, oldest first."""
+        """Per rank, the job's newest event time when a record of the rank last came, oldest first."""
+        self._newest_ns = 0
+        """The newest event time (end of an iteration, on its rank's clock) of any rank of the job."""
         self._first_seen_ns: int | None = None
         self._unseen: tuple[int, list[int]] = (-1, [])
         self._functions = FunctionIndex()
@@ -72,6 +79,7 @@ class JobDifferential:
         self._max_step = -1
         """The latest step any rank's heartbeat reported completed."""
         self._iteration_ns: deque[float] = deque(maxlen=20)
+        self._noise = JobNoise(self.config.noise)
 
     @property
     def scored_upto(self) -> int:
@@ -82,7 +90,7 @@ class JobDifferential:
         """Pickled state leaves out the records still waiting for ranks: a replay of their messages brings them back."""
         state = self.__dict__.copy()
         state["_pending"] = {}
-        for clock_field in ("_last_seen_ns", "_first_seen_ns", "_unseen"):  # another process's clock
+        for clock_field in ("_last_seen_ns", "_first_seen_ns", "_unseen", "_newest_ns"):  # rebuilt from replay
             del state[clock_field]
         return state
 
@@ -92,6 +100,7 @@ class JobDifferential:
         self.__dict__.setdefault("_functions", FunctionIndex())
         self.__dict__.setdefault("_last_seen_ns", OrderedDict())
         self.__dict__.setdefault("_first_seen_ns", None)
+        self.__dict__.setdefault("_newest_ns", 0)
         self.__dict__.setdefault("_unseen", (-1, []))
         self.__dict__.setdefault("skipped_profiled", 0)
         self.__dict__.setdefault("_heartbeats", {})
@@ -100,17 +109,21 @@ class JobDifferential:
         self.__dict__.setdefault("_hang_reported_step", -2)
         self.__dict__.setdefault("_max_step", -1)
         self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
+        self.__dict__.setdefault("_noise", JobNoise(self.config.noise))
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit.
 
-        ``now_ns`` is the worker's input clock; without it (offline) an iteration waits for all its ranks."""
+        ``now_ns`` (the worker's input clock) marks a live stream, where an iteration a silent rank lacks is
+        scored without it; without it (offline) an iteration waits for all its ranks."""
         it = int(record["iteration"])
         if now_ns is not None:
-            self._last_seen_ns[int(record["rank"])] = now_ns
+            ended = int(record.get("iteration_start_ns", 0)) + int(record.get("iteration_ns", 0))
+            self._newest_ns = max(self._newest_ns, ended)
+            self._last_seen_ns[int(record["rank"])] = self._newest_ns
             self._last_seen_ns.move_to_end(int(record["rank"]))
             if self._first_seen_ns is None:
-                self._first_seen_ns = now_ns
+                self._first_seen_ns = self._newest_ns
         if it <= self._scored_upto:
             self.late_records += 1
             return []
@@ -204,11 +217,12 @@ class JobDifferential:
         return out
 
     def _lacks_only_silent_ranks(self, it: int, now_ns: int | None) -> bool:
-        """Whether every rank missing from ``it`` has been silent for the timeout. Called on every record, so
-        it walks only the silent ranks (oldest first, usually none), never the whole world."""
+        """Whether every rank missing from ``it`` sent nothing (or never reported) while its peers advanced the
+        timeout in event time. Called on every record, so it walks only the ranks that reported longest ago
+        (usually none is silent), never the whole world."""
         if now_ns is None or self._first_seen_ns is None:
             return False
-        cutoff = now_ns - self.config.missing_rank_timeout_ms * 1_000_000
+        cutoff = self._newest_ns - self.config.missing_rank_timeout_ms * 1_000_000
         present = self._pending[it]
         silent_missing = 0
         for rank, seen in self._last_seen_ns.items():
@@ -238,6 +252,8 @@ class JobDifferential:
         self._scored_upto = it
         self.iterations_scored += 1
         profiled = sum(1 for r in records if r.get("profiled", False))
+        if profiled:
+            self._noise.forget_arrivals()
         if 0 < profiled < len(records):
             # A profiler slows the ranks it runs on: compared with unprofiled ones they would all stand out.
             self.skipped_profiled += 1
@@ -248,12 +264,27 @@ class JobDifferential:
         if profiled:  # profiled on every rank: its kernels compare, its host times carry the profiler's cost
             blind = PROFILER_BLIND
             signals = [s for s in signals if s.category not in blind]
+        else:
+            self._noise.record(records)
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
+        budget = self.config.scoring.min_loss_fraction * iteration_ns
+        signals = self._noise.keep(signals, budget)
+        persistent: list[RankSignal] = []
+        if (
+            not profiled
+            and not signals
+            and not self.tracker.open_findings()
+            and np.unique(role_codes(records)).size == 1
+        ):
+            # every rank does the same work, and no other rank's finding explains a late one (its victims)
+            hosts = {int(r["rank"]): r["host"] for r in records}
+            persistent = self._noise.stragglers(signals, budget, hosts, self.tracker.open_ranks())
+            signals += persistent
         self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
         late_open: list[RankSignal] = []
-        if regression is not None and self._explained(regression):
-            regression = None  # a peer finding explains the job's slowdown: it is the cause to report
+        if regression is not None and (self._explained(regression) or self._noise.late_explains(regression.loss_ns)):
+            regression = None  # a peer explains the job's slowdown (its finding, or it arrives that late)
         if regression is not None:
             regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
             if self.tracker.is_open(regression.key()):
@@ -261,6 +292,9 @@ class JobDifferential:
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
         out = self.tracker.observe(it, signals, blind)
+        for sig in persistent:  # last in 7 of 8 iterations is its own persistence: open now
+            if not self.tracker.is_open(sig.key()):
+                out += self.tracker.emit_now(sig, it)
         if not self.tracker.peers_explain(it):  # a culprit still about to open explains it too
             for sig in late_open:
                 out += self.tracker.emit_now(sig, it)

@@ -149,6 +149,10 @@ class FindingTracker:
         tr = self._tracks.get(key)
         return tr is not None and bool(tr.finding_id)
 
+    def open_ranks(self) -> set[int]:
+        """Ranks an open finding names."""
+        return {r for tr in self._tracks.values() if tr.finding_id and tr.best for r in tr.best.member_ranks()}
+
     def open_findings(self) -> int:
         return sum(1 for tr in self._tracks.values() if tr.finding_id)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetscope.streams.analysis.outliers import RankSignal
+from fleetscope.streams.analysis.signals import RankSignal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,8 @@ class StepTest:
     noise_ns: float
     above_baseline: int
     """Iterations of the segment slower than every usual baseline iteration."""
+    top_ns: float = np.inf
+    """The slowest usual baseline iteration (its slowest eighth left out)."""
 
     def flagged(self, segment: int) -> bool:
         return self.step >= self.threshold and self.above_baseline >= segment - 1
@@ -90,7 +92,7 @@ def step_test(baseline: Sequence[float], recent: Sequence[float], config: JobLev
     top = float(np.sort(b_arr)[-1 - spikes])
     return StepTest(
         baseline_ns=b, recent_ns=m, step=m / b - 1 if b > 0 else 0.0, threshold=float(threshold),
-        noise_ns=noise, above_baseline=int(np.count_nonzero(r_arr > top)),
+        noise_ns=noise, above_baseline=int(np.count_nonzero(r_arr > top)), top_ns=top,
     )  # fmt: skip
 
 
@@ -99,7 +101,12 @@ class RegressionCheck:
     step (``step_test``), confirmed on consecutive segments. Profiled iterations (slowed by the profiler)
     are neither baseline nor segment. While a step holds, or may hold (``StepTest.suspect``: a slow
     iteration can hide it for a segment), the baseline is frozen; when the job is back to its baseline
-    for a whole segment, the baseline learns again."""
+    for a whole segment, the baseline learns again.
+
+    A regression is sustained; an excursion that came back is not one (CPU contention on a shared host
+    slows the whole job for a few iterations at a time). So a step must outlast the longest excursion the
+    job has come back from: each iteration slower than the baseline's usual slowest extends the current
+    excursion, the first one back ends it, and confirmation needs that many more segments."""
 
     def __init__(self, config: JobLevelConfig) -> None:
         self.config = config
@@ -111,11 +118,20 @@ class RegressionCheck:
         self._suspect = False
         self._onset = -1
         self._iterations: deque[int] = deque(maxlen=config.recent_iterations)
+        self._excursion = 0
+        self.longest_excursion = 0
+        """Iterations of the longest run above the baseline that came back without being a regression."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A check saved before excursions were tracked restores with none seen."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_excursion", 0)
+        self.__dict__.setdefault("longest_excursion", 0)
 
     @property
     def active(self) -> bool:
         """A step was confirmed and the job has not been back to its baseline for a whole segment since."""
-        return self._hits >= self.config.confirm_iterations
+        return self._hits >= self.config.confirm_iterations + self.longest_excursion
 
     def observe(self, iteration_ns: float, iteration: int = -1, profiled: bool = False) -> RankSignal | None:
         cfg = self.config
@@ -131,6 +147,13 @@ class RegressionCheck:
         if len(self._recent) < cfg.recent_iterations or len(self._baseline) < cfg.baseline_min_iterations:
             return None
         test = step_test(self._baseline, self._recent, cfg)
+        confirmed = self.active
+        if iteration_ns > test.top_ns:
+            self._excursion += 1
+        elif self._excursion:
+            if not confirmed:  # it came back without being a regression: later steps must outlast it
+                self.longest_excursion = min(max(self.longest_excursion, self._excursion), cfg.history_iterations)
+            self._excursion = 0
         self._suspect = test.suspect(cfg.recent_iterations, cfg.regression_threshold)
         if test.flagged(cfg.recent_iterations):
             if self._hits == 0:

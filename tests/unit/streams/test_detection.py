@@ -28,7 +28,9 @@ def test_the_faulty_rank_and_only_it_is_found_with_its_category(fault, category)
     assert [(f["rank"], f["category"]) for f in findings] == [(cfg.faults[0].rank, category)]
     f = findings[0]
     assert f["est_loss_ns"] > 0
-    assert f["iteration_first"] == 0 and f["iteration_last"] == 11
+    # a host excess counts once the peers wait for it: in iteration 0 the slow host's work comes after the
+    # step's collectives (no peer waited yet), from iteration 1 on they wait for it at every collective
+    assert f["iteration_first"] == (1 if category == "host_slow" else 0) and f["iteration_last"] == 11
     assert json.loads(f["evidence"])["functions"]
 
 
@@ -130,11 +132,11 @@ def test_findings_need_persistence_within_a_window_and_close_after_recovery():
     assert np.isclose(closed[0]["est_loss_ns"], 10)
 
 
-def _feed(patterns, skip, arrival_s):
-    """Feed pattern records in iteration order with the worker's input clock; return the stage and findings."""
+def _feed(patterns, skip, arrival_s, config=None):
+    """Feed pattern records in order of arrival with the worker's input clock; return the stage and findings."""
     from fleetscope.streams.analysis.differential import JobDifferential
 
-    differential = JobDifferential(patterns[0]["job"])
+    differential = JobDifferential(patterns[0]["job"], config)
     findings = []
     records = [p for p in patterns if not skip(p)]
     for p in sorted(records, key=lambda p: (arrival_s(p), p["iteration"], p["rank"])):
@@ -143,10 +145,19 @@ def _feed(patterns, skip, arrival_s):
 
 
 def test_a_rank_that_stops_reporting_does_not_stall_the_job_and_is_reported_as_hung():
+    """Rank 5 stops after iteration 4: once its peers advanced the timeout (10 iterations) in event time
+    since its last record, the iterations it lacks are scored without it and it is reported."""
+    from fleetscope.streams.analysis.differential import DifferentialConfig
+
     iterations, gone_after = 30, 4
     _, patterns, _ = analyse(SimulatorConfig(ranks=8, iterations=iterations, seed=5))
+    iteration_ms = float(np.median([p["iteration_ns"] for p in patterns])) / 1e6
+    config = DifferentialConfig(missing_rank_timeout_ms=max(int(10 * iteration_ms), 1))
     differential, findings = _feed(
-        patterns, skip=lambda p: p["rank"] == 5 and p["iteration"] > gone_after, arrival_s=lambda p: p["iteration"]
+        patterns,
+        skip=lambda p: p["rank"] == 5 and p["iteration"] > gone_after,
+        arrival_s=lambda p: p["iteration"],
+        config=config,
     )
     assert differential.scored_upto == iterations - 1  # iterations without rank 5 are scored, not held
     assert {(f["rank"], f["category"], f["metric"]) for f in findings} == {(5, "hang", "missing_iterations")}
@@ -157,10 +168,31 @@ def test_a_rank_that_stops_reporting_does_not_stall_the_job_and_is_reported_as_h
 
 
 def test_a_rank_whose_records_lag_behind_its_peers_is_waited_for_not_reported():
+    """Rank 5's records come 6 iterations behind its peers' (many seconds of input clock): its peers advanced
+    less than the timeout in event time meanwhile, so it is a backlog, not a silent rank."""
+    from fleetscope.streams.analysis.differential import DifferentialConfig
+
     _, patterns, _ = analyse(SimulatorConfig(ranks=8, iterations=30, seed=5))
-    lag_s = 6  # rank 5's partition is worked off 6 iterations (seconds of input clock) behind the others
+    iteration_ms = float(np.median([p["iteration_ns"] for p in patterns])) / 1e6
+    config = DifferentialConfig(missing_rank_timeout_ms=max(int(10 * iteration_ms), 1))
+    lag_s = 6
     differential, findings = _feed(
-        patterns, skip=lambda p: False, arrival_s=lambda p: p["iteration"] + (lag_s if p["rank"] == 5 else 0)
+        patterns,
+        skip=lambda p: False,
+        arrival_s=lambda p: p["iteration"] + (lag_s if p["rank"] == 5 else 0),
+        config=config,
+    )
+    assert differential.late_records == 0 and differential.scored_upto == 29
+    assert findings == []
+
+
+def test_gaps_in_the_workers_input_are_never_silence():
+    """The worker reads the job in bursts a minute apart (a consumer that stalls and catches up), rank 5's
+    records half a minute after its peers': many timeouts of input clock, but no rank fell behind its peers
+    in event time, so every iteration is scored with all its ranks and nothing is reported."""
+    _, patterns, _ = analyse(SimulatorConfig(ranks=8, iterations=30, seed=5))
+    differential, findings = _feed(
+        patterns, skip=lambda p: False, arrival_s=lambda p: 60 * p["iteration"] + (30 if p["rank"] == 5 else 0)
     )
     assert differential.late_records == 0 and differential.scored_upto == 29
     assert findings == []

@@ -104,6 +104,18 @@ def test_self_time_leaves_out_children_and_blocking_calls():
     assert host_self_ns(it, start, dur, depth, sync).tolist() == [80, 20, 30, 0, 50]
 
 
+def test_an_annotation_whose_work_runs_on_another_thread_has_only_its_own_time():
+    # `## backward ##` [0, 100) on the main thread, one op of its own [2, 6); the autograd engine's thread
+    # runs the backward meanwhile: two outermost ops [10, 50) and [60, 90), one of them with a child; an op
+    # of a background thread that starts inside and ends after it counts only for its part inside.
+    start = np.array([0, 2, 10, 20, 60, 95], dtype=np.int64)
+    dur = np.array([100, 4, 40, 10, 30, 20], dtype=np.int64)
+    depth = np.array([0, 1, 0, 1, 0, 0], dtype=np.int32)
+    it = np.zeros(6, dtype=np.int64)
+    sync = np.zeros(6, dtype=bool)
+    assert host_self_ns(it, start, dur, depth, sync).tolist() == [100 - 4 - 40 - 30 - 5, 4, 30, 10, 30, 20]
+
+
 def test_an_annotation_that_only_waits_never_makes_a_rank_host_slow(pipeline_job):
     records = _iteration(pipeline_job, 2)
     for r in records:

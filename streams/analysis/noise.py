@@ -1,0 +1,263 @@
+"""A job's own iteration-to-iteration noise, against which a rank's host or arrival excess must stand out.
+
+Peers' spread in one iteration is a poor yardstick on a few ranks (4 peers give a tiny MAD), and on a
+shared host CPU contention hits ranks at random: a few milliseconds more in one rank's data loader this
+iteration, another rank's the next. A real fault hits the same rank every iteration (or every few). So a
+host_slow or straggler signal is kept only when its rank's excess stands out from the job's own noise:
+
+- the noise of a function is the largest iteration-to-iteration jitter among the rank's peers (robust:
+  the median of successive differences, which a step change moves once and a spike twice), so a rank's
+  own fault never hides itself, and ranks that are all noisy at random vouch for each other's noise;
+- a host signal stands out in this iteration when its excess is ``z`` times that noise and larger than
+  any rise a peer showed over the history (an intermittent fault, which hits its own rank only); a host
+  or straggler signal stands out persistently (the rank's median over
+  its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about as large as the
+  noise, on the same rank every time). A single late arrival is no evidence: a rank descheduled for a
+  moment on a shared host arrives late by as much as the whole iteration;
+- a straggler also stands out when it arrived last in all but one of its last ``level_iterations + 1``
+  iterations: contention makes a random rank last, a slow rank is last every time, however noisy the
+  waits (on a few ranks, chance gives all but one of 8 to one rank once in ~2,500 windows). Such a rank
+  is a straggler even where no single iteration's peer comparison flagged it (``stragglers``).
+
+Only jobs of up to ``max_ranks`` ranks are judged so: with more, the peers' spread in one iteration is
+itself a reliable yardstick. Until the job has ``min_history`` iterations its noise is unknown: signals
+are kept as the peers judged them, host ones only where they cost the step (``keep``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fleetscope.schemas import FunctionKind
+from fleetscope.streams.analysis.signals import RankSignal
+from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
+
+_PYTHON, _COLLECTIVE = int(FunctionKind.PYTHON), int(FunctionKind.COLLECTIVE)
+JUDGED = ("host_slow", "straggler")
+"""Categories judged against the job's noise: the host's own work and the arrival it delays."""
+_JITTER_PER_MEDIAN_STEP = 1.4826 / np.sqrt(2.0)
+"""A Gaussian series' standard deviation per median absolute successive difference."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoiseConfig:
+    history_iterations: int = 24
+    """Iterations over which each rank's jitter is measured."""
+    level_iterations: int = 7
+    """A persistent excess is the median over this many of the rank's latest iterations."""
+    min_history: int = 4
+    max_ranks: int = 16
+    """Jobs with more ranks are judged on their peers' spread in one iteration alone: the MAD of many peers
+    is a reliable yardstick, and the largest jitter among hundreds of ranks would hide small faults."""
+    z: float = 5.0
+    """An excess in one iteration must be this many times the job's noise..."""
+    level_z: float = 3.0
+    """...or the rank's recent median excess this many times."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_history <= self.history_iterations or self.level_iterations < 1:
+            raise ValueError("need 2 <= min_history <= history_iterations and level_iterations >= 1")
+        if self.z <= 0 or self.level_z <= 0:
+            raise ValueError("z and level_z must be > 0")
+
+
+class JobNoise:
+    """Per function, each rank's recent values (host self time, collective time), and the test above."""
+
+    def __init__(self, config: NoiseConfig | None = None) -> None:
+        self.config = config or NoiseConfig()
+        self._series: dict[str, deque[dict[int, float]]] = {}
+        self._host: set[str] = set()
+        self._lateness: dict[int, float] = {}
+        """Per rank, its arrival lateness in the latest recorded iteration (the largest over its collectives)."""
+        self._ranks = 0
+        self._held: list[RankSignal] = []
+        self._latest: deque[float] = deque(maxlen=self.config.min_history)
+        """The largest arrival lateness of any rank, per recent iteration."""
+        """Host signals that stood out but did not cost their step: judged again on the next one."""
+        """Host functions seen so far: zero on every rank in iterations where none ran them."""
+
+    def record(self, records: Sequence[dict[str, Any]]) -> None:
+        """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
+        there (a GC pause only the culprit has); collectives absent are unknown."""
+        seen: dict[str, dict[int, float]] = {name: {} for name in self._host}
+        for rec in records:
+            kinds = np.asarray(rec["kind"])
+            wanted = np.flatnonzero((kinds == _PYTHON) | (kinds == _COLLECTIVE))
+            if not wanted.size:
+                continue
+            rank, functions = int(rec["rank"]), rec["function"]
+            own = rec.get("self_ns")
+            if own is None or len(own) != len(functions):  # a producer that predates self times
+                own = rec["total_ns"]
+            for j in wanted.tolist():
+                if kinds[j] == _PYTHON:
+                    self._host.add(functions[j])
+                    seen.setdefault(functions[j], {})[rank] = float(own[j])
+                else:
+                    seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
+        ranks = [int(r["rank"]) for r in records]
+        self._ranks = max(self._ranks, len(ranks))
+        for function, values in seen.items():
+            if function not in self._series:
+                self._series[function] = deque(maxlen=self.config.history_iterations)
+            self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
+        self._lateness = {}
+        for function, values in seen.items():
+            if function in self._host or len(values) < 2:
+                continue
+            median = float(np.median(list(values.values())))
+            for rank, value in values.items():
+                self._lateness[rank] = max(self._lateness.get(rank, -np.inf), median - value)
+        self._latest.append(max(self._lateness.values(), default=0.0))
+
+    def late_explains(self, slowdown_ns: float) -> bool:
+        """Whether one rank arrived late at its collectives by half the job's slowdown or more in one of the
+        latest ``min_history`` iterations (jobs of up to ``max_ranks``): the others waited for it, so the
+        slowdown is that rank's (a fault, or contention on its host), not the job's own regression, which
+        slows every rank alike."""
+        return self._ranks <= self.config.max_ranks and max(self._latest, default=0.0) >= 0.5 * slowdown_ns
+
+    def forget_arrivals(self) -> None:
+        """A profiler window (on some ranks or all) ends the arrival history: its recording and the trace's
+        export afterwards slow the ranks unevenly, so arrivals before and after it do not form one run."""
+        for function in [f for f in self._series if f not in self._host]:
+            del self._series[function]
+
+    def keep(self, signals: Iterable[RankSignal], budget_ns: float) -> list[RankSignal]:
+        """The signals, less host_slow and straggler ones whose excess does not stand out from the noise.
+
+        Until the noise is known (the job's first ``min_history`` iterations: warm-up, where one rank's
+        first optimizer steps or batches take longer), a host excess must at least cost the step: the
+        peers must wait for it (the rank's arrival lateness at its collectives bounds the time saved) at
+        least ``budget_ns``, in this iteration or the next (host work after a step's collectives delays
+        the next step's): one that does not yet is held for one iteration and kept then if it does."""
+        held, self._held = self._held, []
+        out: list[RankSignal] = []
+        if self._ranks > self.config.max_ranks:
+            return list(signals)
+        for sig in signals:
+            if sig.category not in JUDGED or sig.rank < 0:
+                out.append(sig)
+                continue
+            verdict = self.stands_out(sig)
+            if verdict is None and sig.category == "host_slow" and not self._costs(sig, budget_ns):
+                self._held.append(sig)
+            elif verdict is not False:
+                out.append(sig)
+        keys = {s.key() for s in out}
+        out += [s for s in held if s.key() not in keys and self._costs(s, budget_ns)]
+        return out
+
+    def _costs(self, sig: RankSignal, budget_ns: float) -> bool:
+        """Whether the host excess, bounded by the rank's latest lateness (none measured: unbounded), is
+        at least the budget."""
+        excess = float(sig.evidence.get("excess_ns", sig.loss_ns))
+        return min(excess, self._lateness.get(sig.rank, np.inf)) >= budget_ns
+
+    def stands_out(self, sig: RankSignal) -> bool | None:
+        """Whether the signal stands out from the job's noise; None while that noise is unknown."""
+        cfg = self.config
+        x, col = self._matrix(sig.function, sig.rank, lateness=sig.category == "straggler")
+        if x is None:
+            return None
+        noise = _noise(x, col)
+        if sig.category == "host_slow" and sig.value - sig.peer_median >= max(cfg.z * noise, _largest_spike(x, col)):
+            return True
+        with quiet_nan_warnings():
+            level = np.nanmedian(x[-cfg.level_iterations :], axis=0)
+            if level[col] - np.nanmedian(np.delete(level, col)) >= cfg.level_z * noise:
+                return True
+        return sig.category == "straggler" and _mostly_last(x[-cfg.level_iterations - 1 :], col)
+
+    def stragglers(
+        self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str], named: set[int]
+    ) -> list[RankSignal]:
+        """Straggler signals the single iteration missed: ranks that arrived last at a collective in all but
+        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median) and by more
+        than the noise beyond their peers, that no signal
+        of this iteration names (a cause, or the straggler itself) nor an open finding (``named``: its cause,
+        found before)."""
+        named = named | {s.rank for s in signals}
+        out: list[RankSignal] = []
+        for function, series in self._series.items():
+            if function in self._host or len(series) < self.config.min_history:
+                continue
+            x, ranks = _as_matrix(series)
+            with quiet_nan_warnings():
+                late = np.nanmedian(x, axis=1, keepdims=True) - x
+            recent = late[-self.config.level_iterations - 1 :]
+            if recent.shape[0] <= self.config.level_iterations:
+                continue  # not a whole window since the job started or a profiler window ended
+            for col, rank in enumerate(ranks):
+                if rank in named or not _mostly_last(recent, col):
+                    continue
+                lateness = float(np.nanmedian(recent[:, col]))
+                with quiet_nan_warnings():
+                    others = float(np.nanmedian(np.delete(recent, col, axis=1)))
+                if lateness < budget_ns or np.isnan(late[-1, col]) or lateness - others < _noise(late, col):
+                    continue  # last by a hair, or by no more than the noise: a rank on a busier core for a while
+                named.add(rank)
+                noise = max(_noise(late, col), 1.0)
+                last = int(np.count_nonzero(np.argmax(np.nan_to_num(recent, nan=-np.inf), axis=1) == col))
+                out.append(
+                    RankSignal(
+                        rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
+                        metric="arrival_lateness_ns", value=float(late[-1, col]), peer_median=0.0,
+                        score=lateness / noise, loss_ns=lateness,
+                        evidence={"last_arrivals": last, "iterations": int(recent.shape[0]),
+                                  "median_lateness_ns": lateness, "noise_ns": noise},
+                    )
+                )  # fmt: skip
+        return out
+
+    def _matrix(self, function: str, rank: int, lateness: bool) -> tuple[F64 | None, int]:
+        """The function's recent values (iterations x ranks; lateness for a collective) and the rank's column."""
+        series = self._series.get(function)
+        if series is None or len(series) < self.config.min_history:
+            return None, -1
+        x, ranks = _as_matrix(series)
+        if rank not in ranks:
+            return None, -1
+        if lateness:  # how much less than its peers' median the rank waited
+            with quiet_nan_warnings():
+                x = np.nanmedian(x, axis=1, keepdims=True) - x
+        return x, ranks.index(rank)
+
+
+def _as_matrix(series: Iterable[dict[int, float]]) -> tuple[F64, list[int]]:
+    rows = list(series)
+    ranks = sorted({r for values in rows for r in values})
+    return np.array([[values.get(r, np.nan) for r in ranks] for values in rows]), ranks
+
+
+def _largest_spike(x: F64, col: int) -> float:
+    """The largest rise above its own median that any other rank showed over the history: contention that
+    hits ranks at random gives each of them such spikes, an intermittent fault only its own rank."""
+    with quiet_nan_warnings():
+        peers = np.delete(x, col, axis=1)
+        rise = np.nanmax(peers - np.nanmedian(peers, axis=0), initial=0.0)
+    return float(rise) if np.isfinite(rise) else 0.0
+
+
+def _mostly_last(lateness: F64, col: int) -> bool:
+    """Whether column ``col`` is the latest (largest) in all but one of the rows, every row complete."""
+    rows = lateness[~np.isnan(lateness).any(axis=1)]
+    if rows.shape[0] < lateness.shape[0] or rows.shape[0] < 3:
+        return False
+    last = np.argmax(rows, axis=1) == col
+    return bool(np.count_nonzero(last) >= rows.shape[0] - 1)
+
+
+def _noise(x: F64, col: int) -> float:
+    """The largest robust jitter among the other columns (ranks) of ``x`` (iterations x ranks)."""
+    with quiet_nan_warnings():
+        jitter = np.nanmedian(np.abs(np.diff(x, axis=0)), axis=0) * _JITTER_PER_MEDIAN_STEP
+        peers = np.delete(jitter, col)
+        top = float(np.nanmax(peers)) if peers.size else np.nan
+    return top if np.isfinite(top) else float("inf")
