@@ -106,7 +106,10 @@ def test_the_differential_uses_the_scorer_its_configuration_names() -> None:
     robust = OfflinePipeline().add_all(simulate(SLOW_GPU)).finish()
     assert _categories(robust.findings) == {(11, "gpu_slow")}
     mean = OfflinePipeline(differential=DifferentialConfig(scorer="mean_z")).add_all(simulate(SLOW_GPU)).finish()
-    assert mean.findings == [] and len(mean.iterations) == len(robust.iterations)
+    # the mean/std z of one slow rank among 16 stays under the threshold (sqrt(15)): no gpu_slow; the rank's
+    # late arrival, judged without a scorer, may still name it, and only it
+    assert {c for _, c in _categories(mean.findings)} <= {"straggler"}, mean.findings
+    assert {r for r, _ in _categories(mean.findings)} <= {11} and len(mean.iterations) == len(robust.iterations)
     x = np.array([[1.0], [1.1], [0.9], [1.0], [9.0]])
     for name, factory in SCORERS.items():
         assert scorer_named(name, ScoringConfig())(x).z.shape == x.shape, factory
