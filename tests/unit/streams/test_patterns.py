@@ -162,7 +162,8 @@ def iterations(draw: st.DrawFn) -> IterationEvents:
     samples = {
         "t_ns": np.array(t, dtype=np.int64),
         "metric_id": np.array(draw(st.lists(st.sampled_from(METRICS), min_size=ns, max_size=ns)), dtype=np.int32),
-        "value": np.array(draw(st.lists(st.sampled_from([0.0, 1e6, 3e9, 2.5e10]) | st.floats(0, 3e10),
+        # NVML counts KB/s: a sample is 0 or at least 1 B/s (subnormal rates only test float underflow)
+        "value": np.array(draw(st.lists(st.sampled_from([0.0, 1e6, 3e9, 2.5e10]) | st.floats(1.0, 3e10),
                                         min_size=ns, max_size=ns))),
     }  # fmt: skip
     return IterationEvents(step=1, start_ns=lo, end_ns=hi, names=NAMES, kernels=kernels,
