@@ -311,7 +311,8 @@ def ingest(out: Path, settle_s: float) -> None:
             print(f"{job}: pattern rows by kind (kind, rows, rows with PCIe/NVLink samples) {kinds}")
             top = client.query(
                 f"SELECT function, count(), round(avg(mean_ns) / 1e3, 1) FROM {db}.function_patterns "
-                f"WHERE job = %(j)s AND kind_name = 'kernel' GROUP BY function ORDER BY count() DESC LIMIT 5",
+                f"WHERE job = %(j)s AND kind_name NOT IN ('python', 'collective') "
+                f"GROUP BY function ORDER BY count() DESC LIMIT 5",
                 parameters={"j": job},
             ).result_rows
             print(f"{job}: kernels (name, rows, mean µs) {top}")
