@@ -65,6 +65,10 @@ class JobDifferential:
         self._newest_ns = 0
         """The newest event time (end of an iteration, on its rank's clock) of any rank of the job."""
         self._first_seen_ns: int | None = None
+        self._last_input_ns: dict[int, int] = {}
+        """Per rank, the worker's input clock when a record of the rank last came: it stands still while
+        partitions move, so a rank whose partition is changing hands is not silent either."""
+        self._first_input_ns: int | None = None
         self._unseen: tuple[int, list[int]] = (-1, [])
         self._functions = FunctionIndex()
         self.iterations_scored = 0
@@ -90,7 +94,8 @@ class JobDifferential:
         """Pickled state leaves out the records still waiting for ranks: a replay of their messages brings them back."""
         state = self.__dict__.copy()
         state["_pending"] = {}
-        for clock_field in ("_last_seen_ns", "_first_seen_ns", "_unseen", "_newest_ns"):  # rebuilt from replay
+        clocks = ("_last_seen_ns", "_first_seen_ns", "_unseen", "_newest_ns", "_last_input_ns", "_first_input_ns")
+        for clock_field in clocks:  # rebuilt from replay
             del state[clock_field]
         return state
 
@@ -101,6 +106,8 @@ class JobDifferential:
         self.__dict__.setdefault("_last_seen_ns", OrderedDict())
         self.__dict__.setdefault("_first_seen_ns", None)
         self.__dict__.setdefault("_newest_ns", 0)
+        self.__dict__.setdefault("_last_input_ns", {})
+        self.__dict__.setdefault("_first_input_ns", None)
         self.__dict__.setdefault("_unseen", (-1, []))
         self.__dict__.setdefault("skipped_profiled", 0)
         self.__dict__.setdefault("_heartbeats", {})
@@ -124,6 +131,9 @@ class JobDifferential:
             self._last_seen_ns.move_to_end(int(record["rank"]))
             if self._first_seen_ns is None:
                 self._first_seen_ns = self._newest_ns
+            self._last_input_ns[int(record["rank"])] = now_ns
+            if self._first_input_ns is None:
+                self._first_input_ns = now_ns
         if it <= self._scored_upto:
             self.late_records += 1
             return []
@@ -218,18 +228,24 @@ class JobDifferential:
 
     def _lacks_only_silent_ranks(self, it: int, now_ns: int | None) -> bool:
         """Whether every rank missing from ``it`` sent nothing (or never reported) while its peers advanced the
-        timeout in event time. Called on every record, so it walks only the ranks that reported longest ago
-        (usually none is silent), never the whole world."""
-        if now_ns is None or self._first_seen_ns is None:
+        timeout in event time (a backlog delays the peers too) and the worker's input clock did too (it stands
+        still while partitions move: a rank whose windower partition changes hands is late, not silent).
+        Called on every record, so it walks only the ranks that reported longest ago (usually none is silent),
+        never the whole world."""
+        if now_ns is None or self._first_seen_ns is None or self._first_input_ns is None:
             return False
-        cutoff = self._newest_ns - self.config.missing_rank_timeout_ms * 1_000_000
+        timeout = self.config.missing_rank_timeout_ms * 1_000_000
+        cutoff, input_cutoff = self._newest_ns - timeout, now_ns - timeout
         present = self._pending[it]
         silent_missing = 0
         for rank, seen in self._last_seen_ns.items():
             if seen > cutoff:
                 break
-            silent_missing += rank not in present and not self._alive(rank, it)
+            quiet = self._last_input_ns.get(rank, self._first_input_ns) <= input_cutoff
+            silent_missing += rank not in present and quiet and not self._alive(rank, it)
         if len(self._last_seen_ns) < self._world_size and self._first_seen_ns <= cutoff:
+            if self._first_input_ns > input_cutoff:
+                return False
             if self._unseen[0] != len(self._last_seen_ns):
                 unseen = [r for r in range(self._world_size) if r not in self._last_seen_ns]
                 self._unseen = (len(self._last_seen_ns), unseen)
