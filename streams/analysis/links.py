@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
-from fleetscope.streams.analysis.signals import OutlierScorer, RankSignal, ScoringConfig, row_signal, top_functions
+from fleetscope.streams.analysis.signals import (
+    OutlierScorer,
+    RankSignal,
+    ScoringConfig,
+    flagged,
+    row_signal,
+    top_functions,
+)
 from fleetscope.streams.analysis.stats import F64, I64, nan_median, quiet_nan_warnings
 
 LINK_FAMILIES = ("nvlink", "pcie")
@@ -39,7 +46,7 @@ def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budge
             with quiet_nan_warnings():
                 x[x < LINK_IN_USE_SHARE * np.nanmax(x)] = np.nan  # this link does not carry it
             sc = scorer(x)
-            flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
+            flag = flagged(sc, cfg, low=True)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratios.append((feature, np.where(flag, x / sc.median, 1.0), x, sc))
         if not ratios:
@@ -113,7 +120,7 @@ def score_hosts(
     calls = nan_median(pm.features["calls"])
     sc, sm = score(per_host), score(active_mean)
     # On/off: full speed while it sends, stalled in between; the hosts it paces run at partial rates.
-    flag = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.host_min_relative_gap) & (sm.z >= cfg.z_threshold)
+    flag = flagged(sc, cfg, min_gap=cfg.host_min_relative_gap) & (sm.z >= cfg.z_threshold)
     loss = np.where(flag, np.nan_to_num(transfer * calls), 0.0).sum(axis=1)
     budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
     out: list[RankSignal] = []

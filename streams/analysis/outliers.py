@@ -23,7 +23,14 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
-from fleetscope.streams.analysis.signals import OutlierScorer, RankSignal, ScoringConfig, row_signal, top_functions
+from fleetscope.streams.analysis.signals import (
+    OutlierScorer,
+    RankSignal,
+    ScoringConfig,
+    flagged,
+    row_signal,
+    top_functions,
+)
 from fleetscope.streams.analysis.stages import score_stages, staged
 from fleetscope.streams.analysis.stats import F64, I64, quiet_nan_warnings
 from fleetscope.streams.analysis.timelost import bound_by_lateness, split_shares
@@ -77,7 +84,7 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
         return {}
     mean = pm.features["mean_ns"]
     sc = scorer(mean)
-    flag = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.min_relative_gap)
+    flag = flagged(sc, cfg)
     excess = np.zeros(mean.shape, order="F")  # laid out as the scores, so row sums add in the same order
     suspects = np.flatnonzero(flag.any(axis=1))
     if suspects.size:  # calls matter only where flagged: converted for these ranks alone
@@ -118,7 +125,7 @@ def _uniformly_slow(mean: F64, median: F64, cfg: ScoringConfig, scorer: OutlierS
         typical = np.nanmean(np.where(median > 0, mean / median, np.nan), axis=1)[:, None]
     st = scorer(typical)
     with np.errstate(invalid="ignore"):
-        return ((st.z >= cfg.z_threshold) & (st.rel_gap >= cfg.min_relative_gap))[:, 0]
+        return flagged(st, cfg)[:, 0]
 
 
 def _slow_host(
@@ -173,7 +180,7 @@ def _late_arrivals(
         return {}, nothing, np.zeros(pm.ranks.size)
     mean = pm.features["mean_ns"]
     sc = scorer(mean)
-    flag = (sc.z <= -cfg.z_threshold) & (sc.rel_gap <= -cfg.min_relative_gap)
+    flag = flagged(sc, cfg, low=True)
     # A late rank delays the job by its lateness once, however many collectives it is late for.
     lateness = np.where(flag, sc.median - mean, 0.0)
     loss = np.nanmax(np.nan_to_num(lateness), axis=1)
@@ -218,7 +225,7 @@ def _waited_ns(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer) -> F64
     present = ~np.isnan(time)
     per_class = np.where(present.astype(np.float64) @ onehot > 0, np.nan_to_num(time) @ onehot, np.nan)
     sc = scorer(per_class)
-    waiting = (sc.z >= cfg.z_threshold) & (sc.rel_gap >= cfg.min_relative_gap)
+    waiting = flagged(sc, cfg)
     waited: F64 = np.where(waiting, per_class - sc.median, 0.0).sum(axis=1)
     return waited
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.stats import F64, RobustScores, mean_std_scores, robust_scores
@@ -89,6 +90,18 @@ def scorer_named(name: str, cfg: ScoringConfig) -> OutlierScorer:
     if factory is None:
         raise ValueError(f"scorer {name!r} is not one of {', '.join(sorted(SCORERS))}")
     return factory(cfg)
+
+
+def flagged(
+    scores: RobustScores, cfg: ScoringConfig, *, low: bool = False, min_gap: float | None = None
+) -> npt.NDArray[np.bool_]:
+    """The one flag rule: beyond ``cfg.z_threshold`` robust z's and the minimum relative gap from the peers,
+    above them (slower, longer) or, with ``low``, below them (a rank that waits least at a collective, a
+    link that moves fewer bytes). ``min_gap`` replaces ``cfg.min_relative_gap`` (hosts use their own)."""
+    gap = cfg.min_relative_gap if min_gap is None else min_gap
+    if low:
+        return (scores.z <= -cfg.z_threshold) & (scores.rel_gap <= -gap)
+    return (scores.z >= cfg.z_threshold) & (scores.rel_gap >= gap)
 
 
 @dataclass(frozen=True, slots=True)
