@@ -181,16 +181,12 @@ class Monitor:
         finally:  # the steps it covers ran under the profiler: the windower marks them profiled
             recorder.python_span(PROFILING_WINDOW, window.started_ns, time.time_ns() - window.started_ns, 0)
         config = WindowConfig(max_batch_events=recorder.config.max_batch_events)
-        closed_ns = time.time_ns()
 
         def build() -> list[Any]:
             try:
                 events = results.events() if results is not None else []
                 return window_batches(events, recorder.next_header, config)
             finally:
-                # reading the window's events holds the interpreter for a while (on an H100 job, ~20k events
-                # slowed 4 steps ×10 right after the window): those steps are the profiler's doing too
-                recorder.python_span(PROFILING_WINDOW, closed_ns, time.time_ns() - closed_ns, 0)
                 recorder.release()
 
         if not recorder.submit(build):
