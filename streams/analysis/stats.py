@@ -239,14 +239,7 @@ def robust_scores(
     with np.errstate(invalid="ignore"):
         med = nan_median(x)
         mad = nan_median(np.abs(x - med)) * MAD_TO_SIGMA
-    absmed = np.abs(med)
-    scale = np.maximum(np.maximum(mad, rel_scale_floor * absmed), abs_scale_floor)
-    scale = np.where(scale > 0, scale, np.inf)
-    enough = np.sum(~np.isnan(x), axis=0) >= min_count
-    with np.errstate(invalid="ignore", divide="ignore"):
-        z = np.where(enough, (x - med) / scale, np.nan)
-        rel = np.where(absmed > 0, (x - med) / absmed, 0.0)
-    return RobustScores(median=med, scale=scale, z=z, rel_gap=rel)
+    return _scores(x, med, mad, rel_scale_floor, abs_scale_floor, min_count)
 
 
 def mean_std_scores(
@@ -260,14 +253,21 @@ def mean_std_scores(
     with np.errstate(invalid="ignore"), quiet_nan_warnings():
         mean = np.nanmean(x, axis=0)
         std = np.nanstd(x, axis=0)
-    absmean = np.abs(mean)
-    scale = np.maximum(np.maximum(std, rel_scale_floor * absmean), abs_scale_floor)
+    return _scores(x, mean, std, rel_scale_floor, abs_scale_floor, min_count)
+
+
+def _scores(
+    x: F64, centre: F64, spread: F64, rel_scale_floor: float, abs_scale_floor: float, min_count: int
+) -> RobustScores:
+    """z and relative gap of every row from its column's centre, the spread floored as both scorers do."""
+    abscentre = np.abs(centre)
+    scale = np.maximum(np.maximum(spread, rel_scale_floor * abscentre), abs_scale_floor)
     scale = np.where(scale > 0, scale, np.inf)
     enough = np.sum(~np.isnan(x), axis=0) >= min_count
     with np.errstate(invalid="ignore", divide="ignore"):
-        z = np.where(enough, (x - mean) / scale, np.nan)
-        rel = np.where(absmean > 0, (x - mean) / absmean, 0.0)
-    return RobustScores(median=mean, scale=scale, z=z, rel_gap=rel)
+        z = np.where(enough, (x - centre) / scale, np.nan)
+        rel = np.where(abscentre > 0, (x - centre) / abscentre, 0.0)
+    return RobustScores(median=centre, scale=scale, z=z, rel_gap=rel)
 
 
 class quiet_nan_warnings:
