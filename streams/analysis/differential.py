@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from fleetscope.schemas import Category
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
@@ -289,12 +290,13 @@ class JobDifferential:
         if (
             not profiled
             and not signals
-            and not self.tracker.open_findings()
+            and self.tracker.open_findings() == self.tracker.open_findings(Category.STRAGGLER.value)
             and np.unique(role_codes(records)).size == 1
         ):
-            # every rank does the same work, and no other rank's finding explains a late one (its victims)
+            # every rank does the same work, and no other rank's finding explains a late one (its victims);
+            # a straggler found so before is judged again, so that it stays open while it still holds
             hosts = {int(r["rank"]): r["host"] for r in records}
-            persistent = self._noise.stragglers(signals, budget, hosts, self.tracker.open_ranks())
+            persistent = self._noise.stragglers(signals, budget, hosts, set())
             signals += persistent
         self._iteration_ns.append(iteration_ns)
         regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
@@ -308,7 +310,7 @@ class JobDifferential:
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
         out = self.tracker.observe(it, signals, blind)
-        for sig in persistent:  # last in 7 of 8 iterations is its own persistence: open now
+        for sig in persistent:  # mostly last over 8 iterations is its own persistence: open now
             if not self.tracker.is_open(sig.key()):
                 out += self.tracker.emit_now(sig, it)
         if not self.tracker.peers_explain(it):  # a culprit still about to open explains it too

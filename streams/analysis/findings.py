@@ -153,8 +153,9 @@ class FindingTracker:
         """Ranks an open finding names."""
         return {r for tr in self._tracks.values() if tr.finding_id and tr.best for r in tr.best.member_ranks()}
 
-    def open_findings(self) -> int:
-        return sum(1 for tr in self._tracks.values() if tr.finding_id)
+    def open_findings(self, category: str | None = None) -> int:
+        """How many findings are open (of ``category``, when given)."""
+        return sum(1 for (_, cat), tr in self._tracks.items() if tr.finding_id and category in (None, cat))
 
     @staticmethod
     def _accumulate(tr: _Track, sig: RankSignal, iteration: int) -> None:
