@@ -34,6 +34,9 @@ T = TypeVar("T")
 
 _PY = 0
 _COLL = 1
+HOLD_GRACE_NS = 10_000_000_000
+"""After a window's planned end, the time its events may take to be read and published before the rank's
+silence counts again (reading a GPU window's ~20k events took well under a second on an H100)."""
 
 
 class BatchPublisher(Protocol):
@@ -181,6 +184,7 @@ class Recorder:
         self._batches: deque[Callable[[], list[EventBatch]]] = deque()
         self._streams = set(streams)
         self._held = False
+        self._held_until_ns: int | None = None
         self._staged: dict[int, list[tuple[Any, ...]]] = {_PY: [], _COLL: []}
         self._seq = 0
         self._recorded = 0
@@ -284,16 +288,26 @@ class Recorder:
     def streams(self) -> tuple[str, ...]:
         return tuple(sorted(self._streams))
 
-    def hold(self) -> None:
+    def hold(self, until_ns: int | None = None) -> None:
         """Keep host events back (a profiling window runs) until ``release`` is submitted after its kernels.
 
         Why: the window's kernels are known only when the profiler stops; if the step markers went out
-        first, the windower would close those steps and drop the kernels as late.
+        first, the windower would close those steps and drop the kernels as late. Heartbeats say
+        ``profiling`` (the rank's silence is no stall) only until ``HOLD_GRACE_NS`` after the window's
+        planned end ``until_ns``: a window closes at a step boundary, so a rank blocked for good inside
+        one would otherwise look busy profiling forever, and its hang would never be reported.
         """
         self._held = True
+        self._held_until_ns = until_ns
 
     def release(self) -> None:
         self._held = False
+
+    @property
+    def profiling(self) -> bool:
+        """Whether host events are held back for a window that may still be running (see ``hold``)."""
+        until = self._held_until_ns
+        return self._held and (until is None or time.time_ns() < until + HOLD_GRACE_NS)
 
     def guard(self, site: str, fn: Callable[..., T], *args: Any, default: Any = None) -> T | Any:
         """Run our own code on a hook: an exception is counted, logged once, and ``default`` returned."""
@@ -355,7 +369,7 @@ class Recorder:
             seq=self._heartbeats,
             sent_ns=time.time_ns(),
             state=self.state,
-            profiling=self._held,
+            profiling=self.profiling,
         )
         if self._publisher.publish_record(self._heartbeat_topic, job_key(ident.job), encode("heartbeat", record)):
             self._heartbeats += 1

@@ -158,7 +158,7 @@ class Monitor:
         if torch.autograd.profiler._is_profiler_enabled:
             logger.warning("a profiler is already running in this process; profiling request skipped")
             return
-        self.recorder.hold()
+        self.recorder.hold(request.end_at_ns)
         try:
             self._window = ProfilingWindow(request.end_at_ns, cuda=torch.cuda.is_available())
         except Exception:

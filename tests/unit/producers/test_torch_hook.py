@@ -14,7 +14,7 @@ import pytest
 
 from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.publisher import PublisherStats
-from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
+from fleetscope.producers.rank_recorder import HOLD_GRACE_NS, RankIdentity, Recorder, RecorderConfig
 from fleetscope.schemas import (
     GC_PAUSE,
     BatchHeader,
@@ -458,3 +458,17 @@ def test_profiler_events_are_classified_alike_without_activity_type() -> None:
     assert [(b.kind, b.names) for b in old_batches] == [(b.kind, b.names) for b in new_batches]
     pairs = zip(old_batches, new_batches, strict=True)
     assert all((a.columns["start_ns"] == b.columns["start_ns"]).all() for a, b in pairs)
+
+
+def test_a_rank_blocked_inside_a_window_stops_saying_profiling_once_the_window_should_have_ended() -> None:
+    """A window closes at a step boundary: a rank blocked for good inside one still holds its events, but
+    its heartbeats say ``profiling`` only until the grace after the window's planned end, so its hang is
+    reported."""
+    recorder = Recorder(ME, FakePublisher(), RecorderConfig(flush_interval_ms=10_000))
+    now = time.time_ns()
+    recorder.hold(now + 1_000_000_000)
+    assert recorder.profiling
+    recorder.hold(now - HOLD_GRACE_NS - 1)  # planned to end longer ago than the grace
+    assert not recorder.profiling
+    recorder.release()
+    assert not recorder.profiling
