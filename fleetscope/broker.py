@@ -66,7 +66,11 @@ def notice_logger(what: str, servers: str) -> logging.Logger:
     return client_log
 
 
-def require_broker(admin_config: dict[str, str], timeout_s: float = 5.0) -> None:
+PROBE_TIMEOUT_S = 5.0
+"""How long a command waits for a broker's first answer before it says that none answers."""
+
+
+def require_broker(admin_config: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Raise ``BrokerUnreachable`` unless a broker answers a metadata request within ``timeout_s``."""
     servers = admin_config.get("bootstrap.servers", "")
     admin = AdminClient(quiet_client(admin_config))
@@ -203,7 +207,7 @@ def ensure_topics(
     """Create every pipeline topic that does not exist yet (idempotent)."""
     admin = AdminClient(quiet_client(admin_config))
     try:
-        existing = set(admin.list_topics(timeout=timeout_s).topics)
+        existing = set(admin.list_topics(timeout=min(timeout_s, PROBE_TIMEOUT_S)).topics)
     except KafkaException as exc:
         raise BrokerUnreachable(admin_config.get("bootstrap.servers", ""), exc.args[0].str()) from exc
     wanted = [NewTopic(t, raw_partitions, 1) for t in topics.raw_all if t not in existing]

@@ -53,6 +53,9 @@ class NoiseConfig:
     level_iterations: int = 7
     """A persistent excess is the median over this many of the rank's latest iterations."""
     min_history: int = 4
+    arrival_warmup_iterations: int = 5
+    """The job's first iterations say nothing about who is slow to arrive: its ranks start at different
+    moments and take their first batches and optimizer steps at different speeds."""
     max_ranks: int = 16
     """Jobs with more ranks are judged on their peers' spread in one iteration alone: the MAD of many peers
     is a reliable yardstick, and the largest jitter among hundreds of ranks would hide small faults."""
@@ -87,11 +90,17 @@ class JobNoise:
         self._lateness: dict[int, float] = {}
         """Per rank, its arrival lateness in the latest recorded iteration (the largest over its collectives)."""
         self._ranks = 0
+        self._recorded = 0
         self._held: list[RankSignal] = []
         self._latest: deque[float] = deque(maxlen=self.config.min_history)
         """The largest arrival lateness of any rank, per recent iteration."""
         """Host signals that stood out but did not cost their step: judged again on the next one."""
         """Host functions seen so far: zero on every rank in iterations where none ran them."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A job's noise saved before warm-up was counted restores as past it (the job was running)."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_recorded", 1 << 30)
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
@@ -114,6 +123,7 @@ class JobNoise:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
+        self._recorded += 1
         for function, values in seen.items():
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
@@ -197,7 +207,7 @@ class JobNoise:
         named = named | {s.rank for s in signals}
         out: list[RankSignal] = []
         for function, series in self._series.items():
-            if function in self._host or len(series) < self.config.min_history:
+            if function in self._host or len(series) < self.config.min_history or not self._past_warmup():
                 continue
             x, ranks = _as_matrix(series)
             with quiet_nan_warnings():
@@ -225,6 +235,10 @@ class JobNoise:
                     )
                 )  # fmt: skip
         return out
+
+    def _past_warmup(self) -> bool:
+        """Whether none of the series' latest ``level_iterations + 1`` iterations is of the job's warm-up."""
+        return self._recorded - self.config.arrival_warmup_iterations > self.config.level_iterations
 
     def _clearly_last(self, lateness: F64, col: int, noise: float) -> bool:
         """Whether column ``col`` of a complete window (iterations x ranks) is the latest, and by

@@ -1,4 +1,4 @@
-"""Fixtures of the multi-worker, restart, split-stage and chaos tests (their harness is ``harness.py``)."""
+"""Fixtures of the multi-worker, restart, split-stage and chaos tests (their runs: ``worker_runs.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fleetscope.stack import StreamWorkerProcess
-from tests.integration.harness import MOVING_JOB, Outcome, run_config, run_pipeline
+from tests.integration.worker_runs import MOVING_JOB, Outcome, run_config, run_pipeline
 
 
 @pytest.fixture(scope="session")

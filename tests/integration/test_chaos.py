@@ -28,7 +28,7 @@ from fleetscope.config import split_secrets
 from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.schemas import Topics
 from fleetscope.stack import StreamWorkerProcess
-from tests.integration.harness import FINDINGS_SQL, UPDATES_SQL, Job, Publishing, run_config, wait_settled
+from tests.integration.worker_runs import FINDINGS_SQL, UPDATES_SQL, Job, Publishing, run_config, wait_settled
 
 pytestmark = pytest.mark.integration
 

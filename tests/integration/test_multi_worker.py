@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleetscope.stack import StreamWorkerProcess
-from tests.integration.harness import (
+from tests.integration.worker_runs import (
     MOVING_JOB,
     QUICK_HANDOVER,
     Action,

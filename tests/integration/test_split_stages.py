@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import wait_until
 
 from fleetscope.config import ConfigError, load_config
 from fleetscope.demo import publish_simulation
@@ -14,7 +15,7 @@ from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.progress import Progress
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
-from tests.integration.harness import quiet_s, run_config, stage_config, wait_settled, wait_until
+from tests.integration.worker_runs import quiet_s, run_config, stage_config, wait_settled
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +29,7 @@ def test_a_windower_app_and_a_differential_app_find_the_slow_rank(tmp_path: Path
         sink = stack.sink
         publish_simulation(stack.config, SIM, Progress(enabled=False))
         expected = SIM.ranks * SIM.expected_iterations
-        wait_until(lambda: sink.stats["iterations"] >= expected, 120, "iteration rows of the windower-only app")
+        assert wait_until(lambda: sink.stats["iterations"] >= expected, 120), "iteration rows of the windower-only app"
         time.sleep(quiet_s(config))  # a differential in this worker would have flushed the idle job by now
         assert sink.stats["finding_updates"] == 0
 

@@ -1,5 +1,5 @@
-"""One harness for the tests that run a simulated job through real stream workers while workers join, leave,
-are SIGKILLed or stall: an isolated configuration per run, a paced publisher, polled waits, the actions on
+"""Runs of a simulated job through real stream workers while workers join, leave, are SIGKILLed or stall: a
+configuration per run (built on tests/harness.py's ``isolated_config``), a paced publisher, the actions on
 workers, and the stored outcome a run is compared by (row counts, finding updates, findings).
 
 Used by test_multi_worker, test_worker_restart, test_split_stages and test_chaos; the one-worker reference
@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import isolated_config
+
 from fleetscope.broker import ensure_topics
-from fleetscope.config import Config, load_config
+from fleetscope.config import Config
 from fleetscope.demo import check_delivered, publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import Topics
@@ -65,18 +67,11 @@ FINDINGS_SQL = (
 
 
 def run_config(data_dir: Path, broker: str, store_url: str, database: str | None = None, **overrides: object) -> Config:
-    """A configuration of its own for one run: data folder, topics, consumer groups and database (one per
-    run: the session's tests share one chDB directory). ``{data_dir}`` in ``store_url`` is the run's folder."""
-    tag = uuid.uuid4().hex[:8]
-    isolated: dict[str, object] = {
-        "data_dir": str(data_dir / tag),
-        "store.url": store_url.format(data_dir=data_dir / tag),
-        "store.database": database or f"t_{tag}",
-        "kafka.bootstrap_servers": broker,
-        "kafka.topic_prefix": f"t{tag}",
-        "streams.app_id": f"app-{tag}",
-    }
-    return load_config(env={}, overrides={**isolated, **overrides})
+    """A configuration of its own for one run (``isolated_config``) in a folder of its own under ``data_dir``,
+    with a database of its own; ``{data_dir}`` in ``store_url`` is that folder."""
+    folder = data_dir / uuid.uuid4().hex[:8]
+    settings = {"store.url": store_url.format(data_dir=folder), **overrides}
+    return isolated_config("t", folder, database=database or f"t_{folder.name}", broker=broker, overrides=settings)
 
 
 def stage_config(config: Config, *stages: str) -> Config:
@@ -89,15 +84,6 @@ def quiet_s(config: Config) -> float:
     """How long nothing new must be stored before a run counts as settled: the windower closes an idle rank's
     last step, then the differential flushes the idle job, with a margin."""
     return (config.streams.job_idle_ms + config.streams.windower.idle_close_ms) / 1000 + 1.5
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
-    """Poll ``condition`` until it holds; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(poll_s)
 
 
 def wait_settled(
