@@ -29,8 +29,17 @@ import numpy.typing as npt
 from fleetscope.producers.kineto_comms import CommMeta, canonical_op, meta_from_args, nbytes_of, op_from_kernel
 from fleetscope.producers.kineto_comms import int_or_none as _int
 from fleetscope.producers.kineto_load import NO_ARGS, Args, Event, TraceDoc, TraceError, load_trace
+from fleetscope.producers.kineto_threads import THREAD_BUSY_NAME, busy_outside_spans
 from fleetscope.producers.trace_layout import GroupNotes, groups_from_pg_config
-from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, FunctionKind, classify_kernel
+from fleetscope.schemas import (
+    COLUMNS,
+    THREAD_BUSY_DEPTH,
+    BatchHeader,
+    EventBatch,
+    EventKind,
+    FunctionKind,
+    classify_kernel,
+)
 from fleetscope.schemas import parse_step_marker as _step
 from fleetscope.schemas.layout import ProcessGroup
 from fleetscope.schemas.vocabulary import is_sync_call
@@ -125,6 +134,7 @@ class _Extractor:
         self._kind: dict[str, FunctionKind] = {}
         self.k = {c: array("q") for c in ("start", "dur", "name", "stream", "corr")}
         self.p = {c: array("q") for c in ("start", "dur", "name", "thread", "step")}
+        self.busy = {c: array("q") for c in ("start", "end", "thread")}
         self.nccl: list[tuple[int, int, str, int | None, int | None, Args]] = []
         self.launch: dict[int, tuple[int, Any]] = {}
         self.comm_by_ext: dict[int, CommMeta] = {}
@@ -146,9 +156,9 @@ class _Extractor:
             cat, name = e.cat, e.name
             if type(cat) is not str:
                 continue
-            if cat == "cpu_op":  # the bulk of a trace; only comms ops and step markers matter
-                if type(name) is not str or not (name.startswith(_CPU_OP_PREFIXES) or _blocks(name)):
-                    continue
+            busy_only = False  # the bulk of a trace: a CPU op that is no comms op, step marker or wait
+            if cat == "cpu_op":
+                busy_only = type(name) is not str or not (name.startswith(_CPU_OP_PREFIXES) or _blocks(name))
             elif cat not in _USED_CATS:
                 continue
             if e.ph != "X":
@@ -163,6 +173,14 @@ class _Extractor:
                 ts = ts if -_LIMIT_NS < ts < _LIMIT_NS else None
             else:
                 ts, dur = _ns(ts, base), _ns(dur, 0)
+            if busy_only or cat in _LAUNCH_CATS:  # only when its thread works (kineto_threads)
+                if ts is not None and dur is not None and dur > 0:
+                    b = self.busy
+                    b["start"].append(ts)
+                    b["end"].append(ts + dur)
+                    b["thread"].append(self.threads.setdefault(_thread(e), len(self.threads)))
+                if busy_only:
+                    continue
             if type(name) is not str or ts is None or dur is None or dur < 0:
                 self.skipped += 1
                 continue
@@ -389,7 +407,16 @@ def _columns(ex: _Extractor, coll: dict[str, Any]) -> dict[EventKind, Cols]:
     kernels["launch_ns"] = np.array(launch if any(known) else [], dtype=np.int64)
     depth = _depths(p["start"], p["dur"], p["thread"])
     depth[p["step"] >= 0] = 0
-    python = {"start_ns": p["start"], "dur_ns": p["dur"], "name_id": p["name"], "depth": depth}
+    b = {c: np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64) for c, a in ex.busy.items()}
+    b_start, b_end, _ = busy_outside_spans(
+        b["start"], b["end"], b["thread"], p["start"], p["start"] + p["dur"], p["thread"]
+    )
+    python = {
+        "start_ns": np.concatenate([p["start"], b_start]),
+        "dur_ns": np.concatenate([p["dur"], b_end - b_start]),
+        "name_id": np.concatenate([p["name"], np.full(b_start.size, ex.intern(THREAD_BUSY_NAME), dtype=np.int64)]),
+        "depth": np.concatenate([depth, np.full(b_start.size, THREAD_BUSY_DEPTH, dtype=np.int32)]),
+    }
     out: dict[EventKind, Cols] = {}
     for kind, cols in ((EventKind.KERNELS, kernels), (EventKind.COLLECTIVES, coll)):
         cols = {c: np.asarray(v, dtype=COLUMNS[kind][c]) for c, v in cols.items()}

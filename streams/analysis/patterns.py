@@ -200,6 +200,14 @@ class _Batch:
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
         return self.cols[name]
 
+    def where(self, keep: npt.NDArray[np.bool_]) -> _Batch:
+        """The rows where ``keep`` holds, still in iteration order."""
+        out = _Batch.__new__(_Batch)
+        out.it = self.it[keep]
+        out.counts = np.bincount(out.it, minlength=self.counts.size).astype(np.int64)
+        out.cols = {name: col[keep] for name, col in self.cols.items()}
+        return out
+
 
 def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 | None:
     """Per iteration, what moves every time its link statistics compare (samples, function intervals,
@@ -256,7 +264,9 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         return []
     k = _Batch([ev.kernels for ev in evs], _SPANS)
     c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
-    p = _Batch([with_depth(ev.python) for ev in evs], _HOST_SPANS)
+    p_all = _Batch([with_depth(ev.python) for ev in evs], _HOST_SPANS)
+    p_fns = p_all["depth"] >= 0  # a thread's busy stretches (THREAD_BUSY_DEPTH) count in self time only
+    p = p_all if p_fns.all() else p_all.where(p_fns)
     s = _Batch([ev.samples for ev in evs], _SAMPLES)
     lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
     width = [ev.end_ns - ev.start_ns for ev in evs]
@@ -326,7 +336,8 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
 
     # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
     st = group_duration_stats(group, dur, n)
-    p_self = host_self_ns(p.it, p["start_ns"], p["dur_ns"], p["depth"], sync_of[p["name_id"] + name_base[p.it]])
+    p_sync = sync_of[p_all["name_id"] + name_base[p_all.it]]
+    p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync)[p_fns]
     self_total = np.bincount(group, weights=np.concatenate([k["dur_ns"], c["dur_ns"], p_self]), minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).
