@@ -173,14 +173,13 @@ class _Extractor:
                 ts = ts if -_LIMIT_NS < ts < _LIMIT_NS else None
             else:
                 ts, dur = _ns(ts, base), _ns(dur, 0)
-            if busy_only or cat in _LAUNCH_CATS:  # only when its thread works (kineto_threads)
+            if busy_only:  # only when its thread works (kineto_threads)
                 if ts is not None and dur is not None and dur > 0:
                     b = self.busy
                     b["start"].append(ts)
                     b["end"].append(ts + dur)
                     b["thread"].append(self.threads.setdefault(_thread(e), len(self.threads)))
-                if busy_only:
-                    continue
+                continue
             if type(name) is not str or ts is None or dur is None or dur < 0:
                 self.skipped += 1
                 continue

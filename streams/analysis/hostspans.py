@@ -73,7 +73,7 @@ def _other_threads_inside(it: I64, start: I64, dur: I64, depth: I64) -> I64:
     sum of their durations give each span's total with two ``searchsorted``; where the last one that starts
     inside ends outside, only its part inside counts."""
     outer = np.flatnonzero(depth <= 0)
-    if outer.size < 2:
+    if outer.size == 0:
         return np.zeros(start.size, dtype=np.int64)
     n = start.size + 1
     times = np.sort(start)
