@@ -134,7 +134,9 @@ class _Extractor:
         self._kind: dict[str, FunctionKind] = {}
         self.k = {c: array("q") for c in ("start", "dur", "name", "stream", "corr")}
         self.p = {c: array("q") for c in ("start", "dur", "name", "thread", "step")}
-        self.busy = {c: array("q") for c in ("start", "end", "thread")}
+        self.busy = array("q")
+        """(start, duration, thread) of every CPU op that is no host span, one after the other."""
+        self._raw_threads: dict[Any, int] = {}
         self.nccl: list[tuple[int, int, str, int | None, int | None, Args]] = []
         self.launch: dict[int, tuple[int, Any]] = {}
         self.comm_by_ext: dict[int, CommMeta] = {}
@@ -150,8 +152,19 @@ class _Extractor:
             self.names.append(_text(name))
         return i
 
+    def _thread_id(self, e: Event) -> int:
+        """The number of an event's thread (``_thread``), looked up by its raw ids first: once per CPU op."""
+        key = (e.pid, e.tid)
+        try:
+            return self._raw_threads[key]
+        except KeyError:
+            thread = self._raw_threads[key] = self.threads.setdefault(_thread(e), len(self.threads))
+            return thread
+        except TypeError:  # unhashable ids
+            return self.threads.setdefault(_thread(e), len(self.threads))
+
     def feed(self, events: Iterable[Event]) -> None:
-        base = self.base
+        base, busy = self.base, self.busy
         for e in events:
             cat, name = e.cat, e.name
             if type(cat) is not str:
@@ -175,10 +188,7 @@ class _Extractor:
                 ts, dur = _ns(ts, base), _ns(dur, 0)
             if busy_only:  # only when its thread works (kineto_threads)
                 if ts is not None and dur is not None and dur > 0:
-                    b = self.busy
-                    b["start"].append(ts)
-                    b["end"].append(ts + dur)
-                    b["thread"].append(self.threads.setdefault(_thread(e), len(self.threads)))
+                    busy.extend((ts, dur, self._thread_id(e)))
                 continue
             if type(name) is not str or ts is None or dur is None or dur < 0:
                 self.skipped += 1
@@ -406,9 +416,9 @@ def _columns(ex: _Extractor, coll: dict[str, Any]) -> dict[EventKind, Cols]:
     kernels["launch_ns"] = np.array(launch if any(known) else [], dtype=np.int64)
     depth = _depths(p["start"], p["dur"], p["thread"])
     depth[p["step"] >= 0] = 0
-    b = {c: np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64) for c, a in ex.busy.items()}
+    b = np.frombuffer(ex.busy, dtype=np.int64).reshape(-1, 3) if ex.busy else np.zeros((0, 3), np.int64)
     b_start, b_end, _ = busy_outside_spans(
-        b["start"], b["end"], b["thread"], p["start"], p["start"] + p["dur"], p["thread"]
+        b[:, 0], b[:, 0] + b[:, 1], b[:, 2], p["start"], p["start"] + p["dur"], p["thread"]
     )
     python = {
         "start_ns": np.concatenate([p["start"], b_start]),

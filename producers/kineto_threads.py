@@ -23,20 +23,21 @@ THREAD_BUSY_NAME = "[thread busy]"
 def busy_outside_spans(
     busy_start: I64, busy_end: I64, busy_thread: I64, span_start: I64, span_end: I64, span_thread: I64
 ) -> tuple[I64, I64, I64]:
-    """Per thread, the disjoint stretches that its CPU ops ``[busy_start, busy_end)`` cover (nested or
-    not) and none of its host spans does; returned as (start, end, thread), by thread then time.
+    """Per thread (small ints from 0), the disjoint stretches that its CPU ops ``[busy_start, busy_end)``
+    cover (nested or not) and none of its host spans does; returned as (start, end, thread), by thread
+    then time.
 
     One sweep per thread: over the sorted boundaries of both sets, an elementary segment is busy where
     more ops than have ended started at or before it (likewise for spans); runs of busy, span-free
     segments are the stretches. A span-free thread's stretches are the union of its ops.
     """
     out: list[tuple[I64, I64, I64]] = []
-    for t in np.unique(busy_thread).tolist():
+    for t in np.flatnonzero(np.bincount(busy_thread)).tolist() if busy_thread.size else ():
         mine = busy_thread == t
         bs, be = np.sort(busy_start[mine]), np.sort(busy_end[mine])
         own = span_thread == t
         ss, se = np.sort(span_start[own]), np.sort(span_end[own])
-        points = np.unique(np.concatenate([bs, be, ss, se]))
+        points = np.sort(np.concatenate([bs, be, ss, se]))  # repeated points: empty segments, harmless
         left = points[:-1]
         busy = bs.searchsorted(left, side="right") > be.searchsorted(left, side="right")
         free = ss.searchsorted(left, side="right") == se.searchsorted(left, side="right")

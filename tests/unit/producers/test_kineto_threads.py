@@ -110,13 +110,13 @@ def test_an_annotation_that_works_itself_is_flagged(tmp_path: Path) -> None:
 
 def test_busy_stretches_union_a_thread_s_ops_and_leave_out_its_spans() -> None:
     a = np.array
-    # thread 0: ops [0, 10) with a nested [2, 4), [8, 20), [30, 40); its span [15, 35)
-    # thread 1: op [5, 6); no span (a span of thread 0 never covers thread 1's time)
+    # thread 0: ops [0, 10) with a nested [2, 4), [8, 20), [30, 40) and [40, 45) touching it; its span
+    # [15, 35). Thread 1: op [5, 6), no span (thread 0's spans never cover thread 1's time)
     start, end, thread = busy_outside_spans(
-        a([0, 2, 8, 30, 5]), a([10, 4, 20, 40, 6]), a([0, 0, 0, 0, 1]), a([15, 5]), a([35, 6]), a([0, 7])
+        a([0, 2, 8, 30, 40, 5]), a([10, 4, 20, 40, 45, 6]), a([0, 0, 0, 0, 0, 1]), a([15, 5]), a([35, 6]), a([0, 7])
     )
     assert list(zip(start.tolist(), end.tolist(), thread.tolist(), strict=True)) == [
-        (0, 15, 0), (35, 40, 0), (5, 6, 1)]  # fmt: skip
+        (0, 15, 0), (35, 45, 0), (5, 6, 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("n", [0, 1])
