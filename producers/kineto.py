@@ -29,7 +29,7 @@ import numpy.typing as npt
 from fleetscope.producers.kineto_comms import CommMeta, canonical_op, meta_from_args, nbytes_of, op_from_kernel
 from fleetscope.producers.kineto_comms import int_or_none as _int
 from fleetscope.producers.kineto_load import NO_ARGS, Args, Event, TraceDoc, TraceError, load_trace
-from fleetscope.producers.kineto_threads import THREAD_BUSY_NAME, busy_outside_spans
+from fleetscope.producers.kineto_threads import THREAD_BUSY_NAME, busy_outside_spans, depths
 from fleetscope.producers.trace_layout import GroupNotes, groups_from_pg_config
 from fleetscope.schemas import (
     COLUMNS,
@@ -291,23 +291,6 @@ def _thread(e: Event) -> Any:
     return (pid if type(pid) in (int, str) else None, tid if type(tid) in (int, str) else None)
 
 
-def _depths(start: npt.NDArray[np.int64], dur: npt.NDArray[np.int64], thread: npt.NDArray[np.int64]) -> Any:
-    """Nesting depth of each host span within its thread (0 = outermost)."""
-    depth = np.zeros(start.size, dtype=np.int32)
-    order = np.lexsort((-dur, start, thread))
-    stack: list[int] = []
-    current = None
-    for i in order.tolist():
-        if thread[i] != current:
-            current, stack = thread[i], []
-        s = int(start[i])
-        while stack and stack[-1] <= s:
-            stack.pop()
-        depth[i] = len(stack)
-        stack.append(s + int(dur[i]))
-    return depth
-
-
 def _identity(
     doc: TraceDoc, path: Path, job: str | None, rank: int | None, world_size: int | None
 ) -> tuple[BatchHeader, dict[str, int], list[ProcessGroup]]:
@@ -414,7 +397,7 @@ def _columns(ex: _Extractor, coll: dict[str, Any]) -> dict[EventKind, Cols]:
     launch = [x[0] if x is not None else s for x, s in zip(known, ex.k["start"], strict=True)]
     kernels = {"start_ns": k["start"], "dur_ns": k["dur"], "name_id": k["name"], "stream": k["stream"]}
     kernels["launch_ns"] = np.array(launch if any(known) else [], dtype=np.int64)
-    depth = _depths(p["start"], p["dur"], p["thread"])
+    depth = depths(p["start"], p["dur"], p["thread"])
     depth[p["step"] >= 0] = 0
     b = np.frombuffer(ex.busy, dtype=np.int64).reshape(-1, 3) if ex.busy else np.zeros((0, 3), np.int64)
     b_start, b_end, _ = busy_outside_spans(

@@ -1,4 +1,5 @@
-"""The time each thread of a trace worked outside its own host spans: what self time needs on several threads.
+"""A trace's host threads: each span's nesting depth within its thread, and the time each thread worked
+outside its own host spans, which self time needs on traces with several threads.
 
 Why: the parser keeps only annotations, comms ops, step markers and blocking calls of a trace's CPU ops
 (the bulk of a trace is the rest). The backward runs on the autograd engine's thread while
@@ -18,6 +19,23 @@ I64 = npt.NDArray[np.int64]
 
 THREAD_BUSY_NAME = "[thread busy]"
 """The name of a ``THREAD_BUSY_DEPTH`` row (no function: the depth says so, the name reads in a dump)."""
+
+
+def depths(start: I64, dur: I64, thread: I64) -> npt.NDArray[np.int32]:
+    """Nesting depth of each host span within its thread (0 = outermost)."""
+    depth = np.zeros(start.size, dtype=np.int32)
+    order = np.lexsort((-dur, start, thread))
+    stack: list[int] = []
+    current = None
+    for i in order.tolist():
+        if thread[i] != current:
+            current, stack = thread[i], []
+        s = int(start[i])
+        while stack and stack[-1] <= s:
+            stack.pop()
+        depth[i] = len(stack)
+        stack.append(s + int(dur[i]))
+    return depth
 
 
 def busy_outside_spans(

@@ -200,14 +200,6 @@ class _Batch:
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
         return self.cols[name]
 
-    def where(self, keep: npt.NDArray[np.bool_]) -> _Batch:
-        """The rows where ``keep`` holds, still in iteration order."""
-        out = _Batch.__new__(_Batch)
-        out.it = self.it[keep]
-        out.counts = np.bincount(out.it, minlength=self.counts.size).astype(np.int64)
-        out.cols = {name: col[keep] for name, col in self.cols.items()}
-        return out
-
 
 def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 | None:
     """Per iteration, what moves every time its link statistics compare (samples, function intervals,
@@ -264,9 +256,11 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         return []
     k = _Batch([ev.kernels for ev in evs], _SPANS)
     c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
-    p_all = _Batch([with_depth(ev.python) for ev in evs], _HOST_SPANS)
+    p_parts = [with_depth(ev.python) for ev in evs]
+    p_all = _Batch(p_parts, _HOST_SPANS)
     p_fns = p_all["depth"] >= 0  # a thread's busy stretches (THREAD_BUSY_DEPTH) count in self time only
-    p = p_all if p_fns.all() else p_all.where(p_fns)
+    fns_only = [{k: v[x["depth"] >= 0] for k, v in x.items()} for x in p_parts] if not p_fns.all() else p_parts
+    p = p_all if fns_only is p_parts else _Batch(fns_only, _HOST_SPANS)
     s = _Batch([ev.samples for ev in evs], _SAMPLES)
     lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
     width = [ev.end_ns - ev.start_ns for ev in evs]
