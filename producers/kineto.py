@@ -29,8 +29,17 @@ import numpy.typing as npt
 from fleetscope.producers.kineto_comms import CommMeta, canonical_op, meta_from_args, nbytes_of, op_from_kernel
 from fleetscope.producers.kineto_comms import int_or_none as _int
 from fleetscope.producers.kineto_load import NO_ARGS, Args, Event, TraceDoc, TraceError, load_trace
+from fleetscope.producers.kineto_threads import THREAD_BUSY_NAME, busy_outside_spans, depths
 from fleetscope.producers.trace_layout import GroupNotes, groups_from_pg_config
-from fleetscope.schemas import COLUMNS, BatchHeader, EventBatch, EventKind, FunctionKind, classify_kernel
+from fleetscope.schemas import (
+    COLUMNS,
+    THREAD_BUSY_DEPTH,
+    BatchHeader,
+    EventBatch,
+    EventKind,
+    FunctionKind,
+    classify_kernel,
+)
 from fleetscope.schemas import parse_step_marker as _step
 from fleetscope.schemas.layout import ProcessGroup
 from fleetscope.schemas.vocabulary import is_sync_call
@@ -125,6 +134,9 @@ class _Extractor:
         self._kind: dict[str, FunctionKind] = {}
         self.k = {c: array("q") for c in ("start", "dur", "name", "stream", "corr")}
         self.p = {c: array("q") for c in ("start", "dur", "name", "thread", "step")}
+        self.busy = array("q")
+        """(start, duration, thread) of every CPU op that is no host span, one after the other."""
+        self._raw_threads: dict[Any, int] = {}
         self.nccl: list[tuple[int, int, str, int | None, int | None, Args]] = []
         self.launch: dict[int, tuple[int, Any]] = {}
         self.comm_by_ext: dict[int, CommMeta] = {}
@@ -140,15 +152,26 @@ class _Extractor:
             self.names.append(_text(name))
         return i
 
+    def _thread_id(self, e: Event) -> int:
+        """The number of an event's thread (``_thread``), looked up by its raw ids first: once per CPU op."""
+        key = (e.pid, e.tid)
+        try:
+            return self._raw_threads[key]
+        except KeyError:
+            thread = self._raw_threads[key] = self.threads.setdefault(_thread(e), len(self.threads))
+            return thread
+        except TypeError:  # unhashable ids
+            return self.threads.setdefault(_thread(e), len(self.threads))
+
     def feed(self, events: Iterable[Event]) -> None:
-        base = self.base
+        base, busy = self.base, self.busy
         for e in events:
             cat, name = e.cat, e.name
             if type(cat) is not str:
                 continue
-            if cat == "cpu_op":  # the bulk of a trace; only comms ops and step markers matter
-                if type(name) is not str or not (name.startswith(_CPU_OP_PREFIXES) or _blocks(name)):
-                    continue
+            busy_only = False  # the bulk of a trace: a CPU op that is no comms op, step marker or wait
+            if cat == "cpu_op":
+                busy_only = type(name) is not str or not (name.startswith(_CPU_OP_PREFIXES) or _blocks(name))
             elif cat not in _USED_CATS:
                 continue
             if e.ph != "X":
@@ -163,6 +186,10 @@ class _Extractor:
                 ts = ts if -_LIMIT_NS < ts < _LIMIT_NS else None
             else:
                 ts, dur = _ns(ts, base), _ns(dur, 0)
+            if busy_only:  # only when its thread works (kineto_threads)
+                if ts is not None and dur is not None and dur > 0:
+                    busy.extend((ts, dur, self._thread_id(e)))
+                continue
             if type(name) is not str or ts is None or dur is None or dur < 0:
                 self.skipped += 1
                 continue
@@ -262,23 +289,6 @@ def _blocks(name: str) -> bool:
 def _thread(e: Event) -> Any:
     pid, tid = e.pid, e.tid
     return (pid if type(pid) in (int, str) else None, tid if type(tid) in (int, str) else None)
-
-
-def _depths(start: npt.NDArray[np.int64], dur: npt.NDArray[np.int64], thread: npt.NDArray[np.int64]) -> Any:
-    """Nesting depth of each host span within its thread (0 = outermost)."""
-    depth = np.zeros(start.size, dtype=np.int32)
-    order = np.lexsort((-dur, start, thread))
-    stack: list[int] = []
-    current = None
-    for i in order.tolist():
-        if thread[i] != current:
-            current, stack = thread[i], []
-        s = int(start[i])
-        while stack and stack[-1] <= s:
-            stack.pop()
-        depth[i] = len(stack)
-        stack.append(s + int(dur[i]))
-    return depth
 
 
 def _identity(
@@ -387,9 +397,18 @@ def _columns(ex: _Extractor, coll: dict[str, Any]) -> dict[EventKind, Cols]:
     launch = [x[0] if x is not None else s for x, s in zip(known, ex.k["start"], strict=True)]
     kernels = {"start_ns": k["start"], "dur_ns": k["dur"], "name_id": k["name"], "stream": k["stream"]}
     kernels["launch_ns"] = np.array(launch if any(known) else [], dtype=np.int64)
-    depth = _depths(p["start"], p["dur"], p["thread"])
+    depth = depths(p["start"], p["dur"], p["thread"])
     depth[p["step"] >= 0] = 0
-    python = {"start_ns": p["start"], "dur_ns": p["dur"], "name_id": p["name"], "depth": depth}
+    b = np.frombuffer(ex.busy, dtype=np.int64).reshape(-1, 3) if ex.busy else np.zeros((0, 3), np.int64)
+    b_start, b_end, _ = busy_outside_spans(
+        b[:, 0], b[:, 0] + b[:, 1], b[:, 2], p["start"], p["start"] + p["dur"], p["thread"]
+    )
+    python = {
+        "start_ns": np.concatenate([p["start"], b_start]),
+        "dur_ns": np.concatenate([p["dur"], b_end - b_start]),
+        "name_id": np.concatenate([p["name"], np.full(b_start.size, ex.intern(THREAD_BUSY_NAME), dtype=np.int64)]),
+        "depth": np.concatenate([depth, np.full(b_start.size, THREAD_BUSY_DEPTH, dtype=np.int32)]),
+    }
     out: dict[EventKind, Cols] = {}
     for kind, cols in ((EventKind.KERNELS, kernels), (EventKind.COLLECTIVES, coll)):
         cols = {c: np.asarray(v, dtype=COLUMNS[kind][c]) for c, v in cols.items()}

@@ -17,6 +17,7 @@ from fleetscope.schemas.codec import (
 from fleetscope.schemas.limits import CLOCKS, IntakeLimits
 from fleetscope.schemas.records import (
     COLUMNS,
+    THREAD_BUSY_DEPTH,
     BatchHeader,
     EventBatch,
     EventKind,
@@ -40,6 +41,7 @@ __all__ = [
     "CATEGORIES",
     "CLOCKS",
     "COLUMNS",
+    "THREAD_BUSY_DEPTH",
     "Category",
     "BatchHeader",
     "EventBatch",

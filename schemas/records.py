@@ -64,6 +64,11 @@ COLUMNS: dict[EventKind, dict[str, type[np.generic]]] = {
 
 OPTIONAL_COLUMNS = frozenset({"launch_ns"})
 
+THREAD_BUSY_DEPTH = -1
+"""A host row with this depth is no function: a stretch of time its thread worked outside every host span
+of its own (a trace parser sends the outermost CPU ops it drops, e.g. the autograd engine's thread), so
+that an annotation of another thread that waits meanwhile (``## backward ##``) shows no self time."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchHeader:

@@ -28,9 +28,12 @@ def host_self_ns(it: I64, start: I64, dur: I64, depth: npt.NDArray[np.integer], 
     iteration), and 0 for a blocking call (``is_sync_call``), whose time is waiting for the GPU or peers.
 
     So an annotation that only waits (``## backward ##`` around ``cudaStreamSynchronize``, or while another
-    thread does the work: ``_other_threads_inside``) has no self time. The parent of a child is the last
-    span one level up that starts no later than it (spans of one thread nest); starts are ranked once so
-    that one sorted key (iteration, depth, start rank) finds every parent with one ``searchsorted``.
+    thread does the work: ``_other_threads_inside``) has no self time. Rows of depth ``THREAD_BUSY_DEPTH``
+    (a thread's work outside its own spans, from a trace parser) only count in that rule; theirs is 0.
+
+    The parent of a child is the last span one level up that starts no later than it (spans of one thread
+    nest); starts are ranked once so that one sorted key (iteration, depth, start rank) finds every parent
+    with one ``searchsorted``.
     """
     n = start.size
     own = dur.astype(np.int64, copy=True)
@@ -56,20 +59,21 @@ def host_self_ns(it: I64, start: I64, dur: I64, depth: npt.NDArray[np.integer], 
         overlap = np.minimum(end[child], end[parent]) - start[child]
         own -= np.bincount(parent[inside], weights=overlap[inside], minlength=n).astype(np.int64)
     own -= _other_threads_inside(it, start, dur, d)
-    own[sync] = 0
+    own[sync | (d < 0)] = 0
     return np.maximum(own, 0)
 
 
 def _other_threads_inside(it: I64, start: I64, dur: I64, depth: I64) -> I64:
-    """Per span, the time of outermost spans (depth 0) of its iteration that start and end inside it: a
-    thread's spans of one depth never overlap, so these are other threads' work (``## backward ##`` on the
-    main thread while the autograd engine's thread runs the backward): its own thread only waited meanwhile.
+    """Per span, the time of outermost spans (depth 0, and a thread's work outside its spans: depth
+    ``THREAD_BUSY_DEPTH``) of its iteration that start and end inside it: a thread's spans of one depth never
+    overlap, so these are other threads' work (``## backward ##`` on the main thread while the autograd
+    engine's thread runs the backward): its own thread only waited meanwhile.
 
     Times are ranked once, so that one sorted key (iteration, start rank) of the outermost spans and a prefix
     sum of their durations give each span's total with two ``searchsorted``; where the last one that starts
     inside ends outside, only its part inside counts."""
-    outer = np.flatnonzero(depth == 0)
-    if outer.size < 2:
+    outer = np.flatnonzero(depth <= 0)
+    if outer.size == 0:
         return np.zeros(start.size, dtype=np.int64)
     n = start.size + 1
     times = np.sort(start)

@@ -256,7 +256,11 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         return []
     k = _Batch([ev.kernels for ev in evs], _SPANS)
     c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
-    p = _Batch([with_depth(ev.python) for ev in evs], _HOST_SPANS)
+    p_parts = [with_depth(ev.python) for ev in evs]
+    p_all = _Batch(p_parts, _HOST_SPANS)
+    p_fns = p_all["depth"] >= 0  # a thread's busy stretches (THREAD_BUSY_DEPTH) count in self time only
+    fns_only = [{k: v[x["depth"] >= 0] for k, v in x.items()} for x in p_parts] if not p_fns.all() else p_parts
+    p = p_all if fns_only is p_parts else _Batch(fns_only, _HOST_SPANS)
     s = _Batch([ev.samples for ev in evs], _SAMPLES)
     lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
     width = [ev.end_ns - ev.start_ns for ev in evs]
@@ -326,7 +330,8 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
 
     # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
     st = group_duration_stats(group, dur, n)
-    p_self = host_self_ns(p.it, p["start_ns"], p["dur_ns"], p["depth"], sync_of[p["name_id"] + name_base[p.it]])
+    p_sync = sync_of[p_all["name_id"] + name_base[p_all.it]]
+    p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync)[p_fns]
     self_total = np.bincount(group, weights=np.concatenate([k["dur_ns"], c["dur_ns"], p_self]), minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).

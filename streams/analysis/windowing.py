@@ -332,6 +332,9 @@ class RankWindower:
                 self._steps[step] = (start, end)
 
     def _detect_host_sequence(self, cols: Cols) -> None:
+        depth = cols.get("depth")
+        if depth is not None and depth.size and int(np.minimum.reduce(depth)) < 0:
+            cols = {k: v[depth >= 0] for k, v in cols.items()}  # a thread's busy stretches are no spans
         if not cols["start_ns"].size:
             return
         order = np.argsort(cols["start_ns"], kind="stable")
