@@ -23,6 +23,7 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
+from fleetscope.streams.analysis.shards import Columns, ShardColumns, assemble, first_keys, split_records
 from fleetscope.streams.analysis.signals import (
     OutlierScorer,
     RankSignal,
@@ -37,7 +38,8 @@ from fleetscope.streams.analysis.timelost import bound_by_lateness, split_shares
 
 __all__ = [  # names other modules import from here
     "OutlierScorer", "RankSignal", "ScoringConfig", "build_matrices", "gather_matrices", "group_by_host",
-    "peer_group_rows", "score_hosts", "score_iteration", "score_peer_group", "score_stages",
+    "merge_columns", "peer_group_rows", "score_columns", "score_hosts", "score_iteration", "score_peer_group",
+    "score_stages",
 ]  # fmt: skip
 
 _COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
@@ -83,7 +85,7 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
     if not pm.functions:
         return {}
     mean = pm.features["mean_ns"]
-    sc = scorer(mean)
+    sc = pm.scored("mean_ns", scorer)
     flag = flagged(sc, cfg)
     excess = np.zeros(mean.shape, order="F")  # laid out as the scores, so row sums add in the same order
     suspects = np.flatnonzero(flag.any(axis=1))
@@ -179,7 +181,7 @@ def _late_arrivals(
         nothing = np.full(pm.ranks.size, np.nan)
         return {}, nothing, np.zeros(pm.ranks.size)
     mean = pm.features["mean_ns"]
-    sc = scorer(mean)
+    sc = pm.scored("mean_ns", scorer)
     flag = flagged(sc, cfg, low=True)
     # A late rank delays the job by its lateness once, however many collectives it is late for.
     lateness = np.where(flag, sc.median - mean, 0.0)
@@ -348,30 +350,79 @@ def score_iteration(
     """Every signal of one iteration of one job: per peer group (ranks of one pipeline stage), victims
     explained by their causes, grouped by host, plus hosts and stages; each with its time saved.
 
-    One set of matrices serves every test; ``index`` (the job's, kept across iterations) spares
-    re-interning function names. Where ``gather`` cannot be used, ``PeerMatrix.build`` per group.
+    The column phase (``score_columns``) per shard of the functions (``config.shards``; one: all of them),
+    then the merge (``merge_columns``): one code path, the same signals for any number of shards.
+    ``index`` (the job's, kept across iterations) spares re-interning function names.
     """
     cfg = config or ScoringConfig()
     score = scorer or cfg.scorer()
     records = with_self_time(records)
-    is_staged = staged(int(rec.get("pp_rank", -1)) for rec in records)
-    gathered = gather_matrices(records, index, is_staged)
+    index = index if index is not None else FunctionIndex()
+    if cfg.shards == 1:
+        parts = [score_columns(records, cfg, score, index)]
+    else:
+        subs = split_records(records, cfg.shards)
+        parts = [score_columns(sub, cfg, score, index.shard(k)) for k, sub in enumerate(subs)]
+    return merge_columns(parts, records, cfg, score)
+
+
+SHARD_SCORED = (_COMPUTE, _COLLECTIVE)
+"""Kinds whose ``mean_ns`` column scores a shard computes (the tests score them as they are; the others'
+matrices are derived across functions or ranks first)."""
+
+
+def score_columns(
+    records: Sequence[dict[str, Any]], cfg: ScoringConfig, scorer: OutlierScorer, index: FunctionIndex | None = None
+) -> ShardColumns:
+    """The column phase: one shard's records (``shards.split_records``; or the whole records) as matrices,
+    for every rank and each peer group, with the per-function peer statistics of each group.
+
+    One set of matrices serves every test. Where ``gather`` cannot be used, ``PeerMatrix.build`` per group.
+    """
+    index = index if index is not None else FunctionIndex()
+    gathered = gather_matrices(records, index, staged(int(rec.get("pp_rank", -1)) for rec in records))
     pms = gathered or build_matrices(records)
-    roles = role_codes(records)
-    signals: list[RankSignal] = []
+    row_ids = gathered.row_ids if gathered is not None else None
+    whole = Columns(pms, first_keys(pms, records, np.arange(len(records)), row_ids, index.names))
+    out = ShardColumns(whole)
     for rows in peer_group_rows(records):
         if rows.size < cfg.min_peers:
+            out.groups.append(None)
             continue
         if gathered is None and rows.size < len(records):
             group = build_matrices([records[i] for i in rows.tolist()])
         else:
             group = pms.rows(rows)
-        signals += _score_group(group, cfg, score, roles[rows])
-    compute = gathered.of_kind(_COMPUTE) if gathered is not None and is_staged else None
+        for k in SHARD_SCORED:
+            if k in group.by_kind:
+                group.by_kind[k].scored("mean_ns", scorer)
+        out.groups.append(
+            whole if group is pms else Columns(group, first_keys(group, records, rows, row_ids, index.names))
+        )
+    return out
+
+
+def merge_columns(
+    parts: Sequence[ShardColumns], records: Sequence[dict[str, Any]], cfg: ScoringConfig, scorer: OutlierScorer
+) -> list[RankSignal]:
+    """The merge: the shards' columns in the unsharded order (``shards.assemble``), then what reads all
+    of a rank's functions (per-rank sums, victims, hosts, stages). ``records``: every rank's, whole."""
+    pms = assemble([p.whole for p in parts])
+    roles = role_codes(records)
+    signals: list[RankSignal] = []
+    for g, rows in enumerate(peer_group_rows(records)):
+        blocks = [p.groups[g] for p in parts]
+        if any(b is None for b in blocks):
+            continue
+        whole = all(b is p.whole for b, p in zip(blocks, parts, strict=True))
+        group = pms if whole else assemble([b for b in blocks if b is not None])
+        signals += _score_group(group, cfg, scorer, roles[rows])
+    gathered = all(p.whole.pms.row_ids is not None for p in parts)
+    compute = pms.of_kind(_COMPUTE) if gathered and staged(int(r.get("pp_rank", -1)) for r in records) else None
     stages = score_stages(records, cfg, compute)
     signals += [s for s in stages if s.rank >= 0]  # slow members of a stage too small to compare inside
     stages = [s for s in stages if s.rank < 0]
     signals = explain_victims(signals, records, stages)
     signals = group_by_host(signals, records, cfg.host_group_min_share)
-    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + stages
+    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, scorer) + stages
     return split_shares(signals, records)
