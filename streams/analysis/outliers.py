@@ -95,7 +95,7 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
         some[np.isnan(some)] = 0.0  # as nansum counts them, without copying the whole matrix
         excess[suspects] = some
     loss = excess.sum(axis=1)
-    uniform = _uniformly_slow(mean, sc.median, cfg, scorer) & (loss < budget)
+    uniform = _uniformly_slow(_kernel_ratio(pm), cfg, scorer) & (loss < budget)
     rows = np.flatnonzero(uniform)
     if rows.size:  # every kernel's excess, net of the ones it runs faster
         calls = np.nan_to_num(pm.feature_rows("calls", rows))
@@ -120,11 +120,25 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
     return out
 
 
-def _uniformly_slow(mean: F64, median: F64, cfg: ScoringConfig, scorer: OutlierScorer) -> npt.NDArray[np.bool_]:
+_RATIO = "mean_ratio"
+"""Compute kernels' mean time as a ratio to the column's peer median (a feature, once ``mean_ns`` is scored)."""
+
+
+def _kernel_ratio(pm: PeerMatrix) -> F64:
+    """Each kernel's mean time over its peers' median (NaN where that is not positive), computed once."""
+    got = pm.features.get(_RATIO)
+    if got is None:
+        median = pm.scores["mean_ns"].median
+        with np.errstate(divide="ignore", invalid="ignore"):
+            got = pm.features[_RATIO] = np.where(median > 0, pm.features["mean_ns"] / median, np.nan)
+    return got
+
+
+def _uniformly_slow(ratio: F64, cfg: ScoringConfig, scorer: OutlierScorer) -> npt.NDArray[np.bool_]:
     """Rows whose typical kernel (mean ratio to the column medians) is slower than the other rows' by
     the z threshold and the relative gap."""
-    with quiet_nan_warnings(), np.errstate(divide="ignore", invalid="ignore"):
-        typical = np.nanmean(np.where(median > 0, mean / median, np.nan), axis=1)[:, None]
+    with quiet_nan_warnings():
+        typical = np.nanmean(ratio, axis=1)[:, None]
     st = scorer(typical)
     with np.errstate(invalid="ignore"):
         return flagged(st, cfg)[:, 0]
@@ -143,10 +157,8 @@ def _slow_host(
     """
     if not pm.functions:
         return {}
-    it = float(np.median(pm.iteration_ns))
-    own = pm.features["self_ns"]
-    share = (absent_as_zero(own, role) if role is not None else np.nan_to_num(own)) / it
-    sc = scorer(share, cfg.host_share_floor)
+    share, it = _host_share(pm, role)
+    sc = pm.scored(_SHARE, lambda x: scorer(x, cfg.host_share_floor))
     flag = (sc.z >= cfg.z_threshold) & (share - sc.median >= cfg.min_loss_fraction / 2)
     excess = np.where(flag, np.nan_to_num((share - sc.median) * it), 0.0)
     loss = excess.sum(axis=1)
@@ -165,6 +177,20 @@ def _slow_host(
             },
         )  # fmt: skip
     return out
+
+
+_SHARE = "self_share"
+"""Host functions' self time as a share of the group's median iteration, absent as zero by role (a feature)."""
+
+
+def _host_share(pm: PeerMatrix, role: I64 | None) -> tuple[F64, float]:
+    """Each host function's self time per iteration as a share of it (``_slow_host``), computed once."""
+    it = float(np.median(pm.iteration_ns))
+    share = pm.features.get(_SHARE)
+    if share is None:
+        own = pm.features["self_ns"]
+        share = pm.features[_SHARE] = (absent_as_zero(own, role) if role is not None else np.nan_to_num(own)) / it
+    return share, it
 
 
 def _late_arrivals(
@@ -367,8 +393,8 @@ def score_iteration(
 
 
 SHARD_SCORED = (_COMPUTE, _COLLECTIVE)
-"""Kinds whose ``mean_ns`` column scores a shard computes (the tests score them as they are; the others'
-matrices are derived across functions or ranks first)."""
+"""Kinds whose ``mean_ns`` column scores a shard computes, with the kernels' ratios to their peers and the
+host functions' shares (the merge reads them; what is derived across functions or hosts stays there)."""
 
 
 def score_columns(
@@ -385,6 +411,7 @@ def score_columns(
     row_ids = gathered.row_ids if gathered is not None else None
     whole = Columns(pms, first_keys(pms, records, np.arange(len(records)), row_ids, index.names))
     out = ShardColumns(whole)
+    roles = role_codes(records)
     for rows in peer_group_rows(records):
         if rows.size < cfg.min_peers:
             out.groups.append(None)
@@ -396,6 +423,12 @@ def score_columns(
         for k in SHARD_SCORED:
             if k in group.by_kind:
                 group.by_kind[k].scored("mean_ns", scorer)
+        if _COMPUTE in group.by_kind:
+            _kernel_ratio(group.by_kind[_COMPUTE])
+        host = group.by_kind.get(_PYTHON)
+        if host is not None:
+            _host_share(host, roles[rows])
+            host.scored(_SHARE, lambda x: scorer(x, cfg.host_share_floor))
         out.groups.append(
             whole if group is pms else Columns(group, first_keys(group, records, rows, row_ids, index.names))
         )
