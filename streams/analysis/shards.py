@@ -135,16 +135,19 @@ def assemble(parts: Sequence[Columns]) -> PeerMatrices:
         pos = np.concatenate([p.keys[k][1] for p in parts])
         order = np.lexsort((pos, rows))
         functions = [f for pm in pms for f in pm.functions]
-        n = first.ranks.size
         # a built part has every feature; a gathered one some, some of them on demand: the ones all parts have
         names = [
             name
             for name in dict.fromkeys(name for pm in pms for name in pm.features)
             if all(name in pm.features or name in pm.on_demand for pm in pms)
         ]
+        every = np.arange(first.ranks.size)
         features = {
-            name: _columns([pm.feature_rows(name, np.arange(n)) for pm in pms], order) for name in names
-        }  # fmt: skip
+            name: _columns(
+                [pm.features[name] if name in pm.features else pm.on_demand[name](every) for pm in pms], order
+            )
+            for name in names
+        }
         lazy = [name for name in pms[0].on_demand if name not in features]
         on_demand = {name: _fetch_columns([pm.on_demand[name] for pm in pms], order) for name in lazy}
         scores = {}
