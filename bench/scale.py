@@ -14,7 +14,13 @@
    build inside it; the peak memory of cold scoring (tracemalloc); ``add``, ``JobDifferential.add``
    of every record of the next iteration after the first was scored (the last one triggers
    scoring); the warm cost per rank; and whether the slow rank is found (cold and warm) at every size.
-2. Windower: a simulated job fed rank by rank into ``RankWindower``; the cost per rank-iteration, and
+2. Sharded differential (``--shards``, at the largest ``--ranks``): the functions split N ways
+   (``shards.split_records``; each shard's records pickled and read back, as a shard would decode its
+   own message), then each shard's column phase (``outliers.score_columns``) and the merge
+   (``outliers.merge_columns``) timed apart in CPU seconds, steady state (each shard's index warm);
+   the signals checked equal to unsharded scoring; the split's cost (the windower's side) printed
+   apart; and what a 100k-GPU job needs: shard cores and merge cores at one iteration per second.
+3. Windower: a simulated job fed rank by rank into ``RankWindower``; the cost per rank-iteration, and
    the state memory per rank after N open steps (one declared stream withheld so no step closes).
 
 Not a test: figures depend on the machine and its load. Targets (issue 5): 10,240 ranks x 300
@@ -25,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import pickle
 import statistics
 import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -37,8 +45,15 @@ import numpy as np
 from fleetscope.producers import SimulatorConfig, simulate
 from fleetscope.schemas import EventKind, FunctionKind
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.outliers import gather_matrices, score_iteration
+from fleetscope.streams.analysis.outliers import (
+    ScoringConfig,
+    gather_matrices,
+    merge_columns,
+    score_columns,
+    score_iteration,
+)
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.shards import split_records
 from fleetscope.streams.analysis.windowing import RankWindower, summarize_closed
 
 SLOW_FACTOR = 1.3
@@ -216,6 +231,72 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
     return all_found
 
 
+def cpu_s(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """CPU seconds of one call, and its result."""
+    c0 = time.process_time()
+    out = fn()
+    return time.process_time() - c0, out
+
+
+def bench_shards(ranks: int, f: int, counts: list[int], repeat: int, interleave: bool) -> bool:
+    """Each shard's column phase and the merge, CPU seconds, steady state; signals equal to unsharded."""
+    slow = ranks * 7 // 10 + 3
+    first = make_records(ranks, f, slow, interleave=interleave)
+    second = make_records(ranks, f, slow, iteration=1, interleave=interleave)
+    cfg = ScoringConfig()
+    scorer = cfg.scorer()
+    index = FunctionIndex()
+    score_iteration(first, cfg, scorer, index)
+    want = [asdict(s) for s in score_iteration(second, cfg, scorer, index)]
+    print(f"\nsharded differential: {ranks:,} ranks x {f} functions, CPU s per iteration (steady, median of {repeat})")
+    print(
+        f"{'shards':>6} {'split':>6} {'shard max':>9} {'shard sum':>9} {'merge':>6} {'total':>6} "
+        f"{'rank-it/CPU s':>13} {'it/s, one core each':>19} {'same':>5}"
+    )
+    same = True
+    rows: list[tuple[int, float, float, float]] = []
+    for n in counts:
+        t_split, _ = cpu_s(lambda n=n: split_records(second, n))
+        decoded = [pickle.loads(pickle.dumps(split_records(recs, n))) for recs in (first, second)]
+        indexes = [FunctionIndex() for _ in range(n)]
+        for k, sub in enumerate(decoded[0]):
+            score_columns(sub, cfg, scorer, indexes[k])
+        shard_runs: list[list[float]] = [[] for _ in range(n)]
+        merges: list[float] = []
+        got: list[Any] = []
+        for _ in range(repeat):
+            gc.collect()
+            parts = []
+            for k, sub in enumerate(decoded[1]):
+                t, part = cpu_s(lambda sub=sub, ix=indexes[k]: score_columns(sub, cfg, scorer, ix))
+                shard_runs[k].append(t)
+                parts.append(part)
+            t, got = cpu_s(lambda parts=parts: merge_columns(parts, second, cfg, scorer))
+            merges.append(t)
+        shard = [statistics.median(ts) for ts in shard_runs]
+        merge = statistics.median(merges)
+        ok = [asdict(s) for s in got] == want
+        same &= ok
+        total = sum(shard) + merge
+        rows.append((n, max(shard), sum(shard), merge))
+        print(
+            f"{n:>6} {t_split if n > 1 else 0.0:>6.2f} {max(shard):>9.3f} {sum(shard):>9.3f} {merge:>6.3f} "
+            f"{total:>6.3f} {ranks / total:>13,.0f} {1 / max(max(shard), merge):>19.2f} {'yes' if ok else 'NO':>5}"
+        )
+    gpus = 100_000
+    scale = gpus / ranks
+    print(f"  a {gpus:,}-GPU job at 1 iteration/s (CPU s scaled by ranks, x{scale:.1f}), in cores:")
+    for n, most, summed, merge in rows:
+        largest = max(most, merge) * scale
+        print(
+            f"    {n} shard(s): {(summed + merge) * scale:5.1f} cores in all (shards {summed * scale:5.1f}, "
+            f"merge {merge * scale:4.1f}); the busiest process {largest:4.1f} cores: "
+            + ("fits" if largest <= 1 else f"one job at most {1 / largest:.2f} iterations/s")
+        )
+    print("  (split: the windower's cost of cutting records by shard here, in Python; not counted above)")
+    return same
+
+
 def bench_windower(ranks: int, iterations: int, open_steps: int) -> None:
     cfg = SimulatorConfig(job="wscale", ranks=ranks, iterations=iterations, seed=1)
     batches = list(simulate(cfg))
@@ -267,11 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--functions", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--interleave", action="store_true", help="shuffle odd ranks' whole function lists")
+    ap.add_argument("--shards", default="1,2,4,8", help="comma-separated shard counts ('' to skip)")
     ap.add_argument("--windower-ranks", type=int, default=16)
     ap.add_argument("--windower-iterations", type=int, default=12)
     ap.add_argument("--open-steps", type=int, default=8)
     args = ap.parse_args(argv)
-    ok = bench_differential([int(x) for x in args.ranks.split(",")], args.functions, args.repeat, args.interleave)
+    sizes = [int(x) for x in args.ranks.split(",")]
+    ok = bench_differential(sizes, args.functions, args.repeat, args.interleave)
+    if args.shards:
+        counts = [int(x) for x in args.shards.split(",")]
+        ok &= bench_shards(max(sizes), args.functions, counts, args.repeat, args.interleave)
     bench_windower(args.windower_ranks, args.windower_iterations, args.open_steps)
     return 0 if ok else 1
 

@@ -23,6 +23,7 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
+from fleetscope.streams.analysis.shards import Columns, ShardColumns, assemble, first_keys, split_records
 from fleetscope.streams.analysis.signals import (
     OutlierScorer,
     RankSignal,
@@ -37,7 +38,8 @@ from fleetscope.streams.analysis.timelost import bound_by_lateness, split_shares
 
 __all__ = [  # names other modules import from here
     "OutlierScorer", "RankSignal", "ScoringConfig", "build_matrices", "gather_matrices", "group_by_host",
-    "peer_group_rows", "score_hosts", "score_iteration", "score_peer_group", "score_stages",
+    "merge_columns", "peer_group_rows", "score_columns", "score_hosts", "score_iteration", "score_peer_group",
+    "score_stages",
 ]  # fmt: skip
 
 _COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
@@ -83,7 +85,7 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
     if not pm.functions:
         return {}
     mean = pm.features["mean_ns"]
-    sc = scorer(mean)
+    sc = pm.scored("mean_ns", scorer)
     flag = flagged(sc, cfg)
     excess = np.zeros(mean.shape, order="F")  # laid out as the scores, so row sums add in the same order
     suspects = np.flatnonzero(flag.any(axis=1))
@@ -93,7 +95,7 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
         some[np.isnan(some)] = 0.0  # as nansum counts them, without copying the whole matrix
         excess[suspects] = some
     loss = excess.sum(axis=1)
-    uniform = _uniformly_slow(mean, sc.median, cfg, scorer) & (loss < budget)
+    uniform = _uniformly_slow(_kernel_ratio(pm), cfg, scorer) & (loss < budget)
     rows = np.flatnonzero(uniform)
     if rows.size:  # every kernel's excess, net of the ones it runs faster
         calls = np.nan_to_num(pm.feature_rows("calls", rows))
@@ -118,11 +120,25 @@ def _slow_kernels(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, bud
     return out
 
 
-def _uniformly_slow(mean: F64, median: F64, cfg: ScoringConfig, scorer: OutlierScorer) -> npt.NDArray[np.bool_]:
+_RATIO = "mean_ratio"
+"""Compute kernels' mean time as a ratio to the column's peer median (a feature, once ``mean_ns`` is scored)."""
+
+
+def _kernel_ratio(pm: PeerMatrix) -> F64:
+    """Each kernel's mean time over its peers' median (NaN where that is not positive), computed once."""
+    got = pm.features.get(_RATIO)
+    if got is None:
+        median = pm.scores["mean_ns"].median
+        with np.errstate(divide="ignore", invalid="ignore"):
+            got = pm.features[_RATIO] = np.where(median > 0, pm.features["mean_ns"] / median, np.nan)
+    return got
+
+
+def _uniformly_slow(ratio: F64, cfg: ScoringConfig, scorer: OutlierScorer) -> npt.NDArray[np.bool_]:
     """Rows whose typical kernel (mean ratio to the column medians) is slower than the other rows' by
     the z threshold and the relative gap."""
-    with quiet_nan_warnings(), np.errstate(divide="ignore", invalid="ignore"):
-        typical = np.nanmean(np.where(median > 0, mean / median, np.nan), axis=1)[:, None]
+    with quiet_nan_warnings():
+        typical = np.nanmean(ratio, axis=1)[:, None]
     st = scorer(typical)
     with np.errstate(invalid="ignore"):
         return flagged(st, cfg)[:, 0]
@@ -141,10 +157,8 @@ def _slow_host(
     """
     if not pm.functions:
         return {}
-    it = float(np.median(pm.iteration_ns))
-    own = pm.features["self_ns"]
-    share = (absent_as_zero(own, role) if role is not None else np.nan_to_num(own)) / it
-    sc = scorer(share, cfg.host_share_floor)
+    share, it = _host_share(pm, role)
+    sc = pm.scored(_SHARE, lambda x: scorer(x, cfg.host_share_floor))
     flag = (sc.z >= cfg.z_threshold) & (share - sc.median >= cfg.min_loss_fraction / 2)
     excess = np.where(flag, np.nan_to_num((share - sc.median) * it), 0.0)
     loss = excess.sum(axis=1)
@@ -165,6 +179,20 @@ def _slow_host(
     return out
 
 
+_SHARE = "self_share"
+"""Host functions' self time as a share of the group's median iteration, absent as zero by role (a feature)."""
+
+
+def _host_share(pm: PeerMatrix, role: I64 | None) -> tuple[F64, float]:
+    """Each host function's self time per iteration as a share of it (``_slow_host``), computed once."""
+    it = float(np.median(pm.iteration_ns))
+    share = pm.features.get(_SHARE)
+    if share is None:
+        own = pm.features["self_ns"]
+        share = pm.features[_SHARE] = (absent_as_zero(own, role) if role is not None else np.nan_to_num(own)) / it
+    return share, it
+
+
 def _late_arrivals(
     pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
 ) -> tuple[dict[int, RankSignal], F64, F64]:
@@ -179,7 +207,7 @@ def _late_arrivals(
         nothing = np.full(pm.ranks.size, np.nan)
         return {}, nothing, np.zeros(pm.ranks.size)
     mean = pm.features["mean_ns"]
-    sc = scorer(mean)
+    sc = pm.scored("mean_ns", scorer)
     flag = flagged(sc, cfg, low=True)
     # A late rank delays the job by its lateness once, however many collectives it is late for.
     lateness = np.where(flag, sc.median - mean, 0.0)
@@ -348,30 +376,86 @@ def score_iteration(
     """Every signal of one iteration of one job: per peer group (ranks of one pipeline stage), victims
     explained by their causes, grouped by host, plus hosts and stages; each with its time saved.
 
-    One set of matrices serves every test; ``index`` (the job's, kept across iterations) spares
-    re-interning function names. Where ``gather`` cannot be used, ``PeerMatrix.build`` per group.
+    The column phase (``score_columns``) per shard of the functions (``config.shards``; one: all of them),
+    then the merge (``merge_columns``): one code path, the same signals for any number of shards.
+    ``index`` (the job's, kept across iterations) spares re-interning function names.
     """
     cfg = config or ScoringConfig()
     score = scorer or cfg.scorer()
     records = with_self_time(records)
-    is_staged = staged(int(rec.get("pp_rank", -1)) for rec in records)
-    gathered = gather_matrices(records, index, is_staged)
+    index = index if index is not None else FunctionIndex()
+    if cfg.shards == 1:
+        parts = [score_columns(records, cfg, score, index)]
+    else:
+        subs = split_records(records, cfg.shards)
+        parts = [score_columns(sub, cfg, score, index.shard(k)) for k, sub in enumerate(subs)]
+    return merge_columns(parts, records, cfg, score)
+
+
+SHARD_SCORED = (_COMPUTE, _COLLECTIVE)
+"""Kinds whose ``mean_ns`` column scores a shard computes, with the kernels' ratios to their peers and the
+host functions' shares (the merge reads them; what is derived across functions or hosts stays there)."""
+
+
+def score_columns(
+    records: Sequence[dict[str, Any]], cfg: ScoringConfig, scorer: OutlierScorer, index: FunctionIndex | None = None
+) -> ShardColumns:
+    """The column phase: one shard's records (``shards.split_records``; or the whole records) as matrices,
+    for every rank and each peer group, with the per-function peer statistics of each group.
+
+    One set of matrices serves every test. Where ``gather`` cannot be used, ``PeerMatrix.build`` per group.
+    """
+    index = index if index is not None else FunctionIndex()
+    gathered = gather_matrices(records, index, staged(int(rec.get("pp_rank", -1)) for rec in records))
     pms = gathered or build_matrices(records)
+    row_ids = gathered.row_ids if gathered is not None else None
+    whole = Columns(pms, first_keys(pms, records, np.arange(len(records)), row_ids, index.names))
+    out = ShardColumns(whole)
     roles = role_codes(records)
-    signals: list[RankSignal] = []
     for rows in peer_group_rows(records):
         if rows.size < cfg.min_peers:
+            out.groups.append(None)
             continue
         if gathered is None and rows.size < len(records):
             group = build_matrices([records[i] for i in rows.tolist()])
         else:
             group = pms.rows(rows)
-        signals += _score_group(group, cfg, score, roles[rows])
-    compute = gathered.of_kind(_COMPUTE) if gathered is not None and is_staged else None
+        for k in SHARD_SCORED:
+            if k in group.by_kind:
+                group.by_kind[k].scored("mean_ns", scorer)
+        if _COMPUTE in group.by_kind:
+            _kernel_ratio(group.by_kind[_COMPUTE])
+        host = group.by_kind.get(_PYTHON)
+        if host is not None:
+            _host_share(host, roles[rows])
+            host.scored(_SHARE, lambda x: scorer(x, cfg.host_share_floor))
+        out.groups.append(
+            whole if group is pms else Columns(group, first_keys(group, records, rows, row_ids, index.names))
+        )
+    return out
+
+
+def merge_columns(
+    parts: Sequence[ShardColumns], records: Sequence[dict[str, Any]], cfg: ScoringConfig, scorer: OutlierScorer
+) -> list[RankSignal]:
+    """The merge: the shards' columns in the unsharded order (``shards.assemble``), then what reads all
+    of a rank's functions (per-rank sums, victims, hosts, stages). ``records``: every rank's, whole."""
+    pms = assemble([p.whole for p in parts])
+    roles = role_codes(records)
+    signals: list[RankSignal] = []
+    for g, rows in enumerate(peer_group_rows(records)):
+        blocks = [p.groups[g] for p in parts]
+        if any(b is None for b in blocks):
+            continue
+        whole = all(b is p.whole for b, p in zip(blocks, parts, strict=True))
+        group = pms if whole else assemble([b for b in blocks if b is not None])
+        signals += _score_group(group, cfg, scorer, roles[rows])
+    gathered = all(p.whole.pms.row_ids is not None for p in parts)
+    compute = pms.of_kind(_COMPUTE) if gathered and staged(int(r.get("pp_rank", -1)) for r in records) else None
     stages = score_stages(records, cfg, compute)
     signals += [s for s in stages if s.rank >= 0]  # slow members of a stage too small to compare inside
     stages = [s for s in stages if s.rank < 0]
     signals = explain_victims(signals, records, stages)
     signals = group_by_host(signals, records, cfg.host_group_min_share)
-    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, score) + stages
+    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, scorer) + stages
     return split_shares(signals, records)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetscope.streams.analysis.stats import F64, I64
+from fleetscope.streams.analysis.stats import F64, I64, RobustScores
 
 Picker = Callable[[Sequence[Any]], Sequence[Any]]
 
@@ -103,6 +103,14 @@ class FunctionIndex:
         self._ids: dict[str, int] = {}
         self._by_rank: dict[int, _Layout] = {}
         self._by_head: dict[tuple[Any, ...], _Layout] = {}
+        self._shards: dict[int, FunctionIndex] = {}
+
+    def shard(self, k: int) -> FunctionIndex:
+        """The index of the job's shard ``k`` (``shards.split_records``): each shard's layouts apart."""
+        got = self._shards.get(k)
+        if got is None:
+            got = self._shards[k] = FunctionIndex(self.max_names)
+        return got
 
     def trim(self) -> None:
         """Forget everything once names keep changing (e.g. a name per step): ids stay bounded."""
@@ -149,6 +157,15 @@ class PeerMatrix:
     features: dict[str, F64]
     on_demand: dict[str, Callable[[I64], F64]] = field(default_factory=dict)
     """Features that ``gather`` converts only for the rows asked (``feature_rows``)."""
+    scores: dict[str, RobustScores] = field(default_factory=dict)
+    """Column scores of features, once computed (``scored``): a shard computes them, the merge reads them."""
+
+    def scored(self, name: str, scorer: Callable[[F64], RobustScores]) -> RobustScores:
+        """The scores of feature ``name`` against each column's peers, computed once."""
+        got = self.scores.get(name)
+        if got is None:
+            got = self.scores[name] = scorer(self.features[name])
+        return got
 
     def feature_rows(self, name: str, rows: I64) -> F64:
         """These rows of one feature, converted now where ``gather`` left it for when it is needed."""

@@ -39,6 +39,9 @@ class ScoringConfig:
     """Hosts' link fluctuation must differ this much: hosts are few and their traffic mixes."""
     host_group_min_share: float = 0.75
     """Ranks of one host flagged together become a host finding when they are this share of it."""
+    shards: int = 1
+    """Functions split this many ways (``shards``): each shard's columns apart, then one merge; the same
+    signals for any number. In process here; a deployment would run each shard in a worker of its own."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -50,6 +53,8 @@ class ScoringConfig:
             errors.append("min_loss_fraction must be in [0, 1)")
         if self.min_peers < 3:
             errors.append("min_peers must be >= 3 (a median of fewer is no peer group)")
+        if self.shards < 1:
+            errors.append("shards must be >= 1")
         if not 0 < self.host_group_min_share <= 1:
             errors.append("host_group_min_share must be in (0, 1]")
         if errors:
