@@ -29,7 +29,7 @@ are kept as the peers judged them, host ones only where they cost the step (``ke
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,11 +64,11 @@ class NoiseConfig:
     level_z: float = 3.0
     """...or the rank's recent median excess this many times."""
     last_z: float = 2.0
-    """A straggler by arrival is last by this many times the noise beyond its peers' median..."""
+    """A straggler by arrival is last by this many times its peers' typical jitter beyond their median..."""
     last_misses: int = 2
     """...in all but this many of its last ``level_iterations + 1`` iterations. Chance alone (a random rank
-    last, by that much, in 6 of 8 iterations) is then below one in ten million windows on 4 ranks
-    (tests/unit/streams/test_noise.py); a slow rank that contention overtook twice is still named."""
+    last, by that much, in 6 of 8 iterations) is then about one in 300,000 windows on 4 ranks (fewer on
+    more; tests/unit/streams/test_noise.py); a slow rank that contention overtook twice is still named."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_history <= self.history_iterations or self.level_iterations < 1:
@@ -193,16 +193,14 @@ class JobNoise:
             level = np.nanmedian(x[-cfg.level_iterations :], axis=0)
             if level[col] - np.nanmedian(np.delete(level, col)) >= cfg.level_z * noise:
                 return True
-        return sig.category == "straggler" and self._clearly_last(x[-cfg.level_iterations - 1 :], col, noise)
+        return sig.category == "straggler" and self._clearly_last(x, col)
 
     def stragglers(
         self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str], named: set[int]
     ) -> list[RankSignal]:
-        """Straggler signals the single iteration missed: ranks that arrived last at a collective in all but
-        one of their last ``level_iterations + 1`` iterations, late by ``budget_ns`` (median) and by more
-        than the noise beyond their peers, that no signal
-        of this iteration names (a cause, or the straggler itself) nor an open finding (``named``: its cause,
-        found before)."""
+        """Straggler signals the single iteration missed: ranks clearly last at a collective (``_clearly_last``)
+        and late by ``budget_ns`` (median) over their last ``level_iterations + 1`` iterations, that no signal
+        of this iteration names (a cause, or the straggler itself) nor ``named`` (a cause found before)."""
         named = named | {s.rank for s in signals}
         out: list[RankSignal] = []
         for function, series in self._series.items():
@@ -215,14 +213,13 @@ class JobNoise:
             if recent.shape[0] <= self.config.level_iterations:
                 continue  # not a whole window since the job started or a profiler window ended
             for col, rank in enumerate(ranks):
-                noise = _noise(late, col)
-                if rank in named or not self._clearly_last(recent, col, noise) or np.isnan(late[-1, col]):
+                if rank in named or not self._clearly_last(late, col) or np.isnan(late[-1, col]):
                     continue
                 lateness = float(np.nanmedian(recent[:, col]))
                 if lateness < budget_ns:
                     continue  # late, but at no cost worth a finding
                 named.add(rank)
-                noise = max(noise, 1.0)
+                noise = max(_noise(late, col), 1.0)
                 last = int(np.count_nonzero(np.argmax(np.nan_to_num(recent, nan=-np.inf), axis=1) == col))
                 out.append(
                     RankSignal(
@@ -239,18 +236,26 @@ class JobNoise:
         """Whether none of the series' latest ``level_iterations + 1`` iterations is of the job's warm-up."""
         return self._recorded - self.config.arrival_warmup_iterations > self.config.level_iterations
 
-    def _clearly_last(self, lateness: F64, col: int, noise: float) -> bool:
-        """Whether column ``col`` of a complete window (iterations x ranks) is the latest, and by
-        ``last_z`` times the noise beyond its peers' median, in all but ``last_misses`` of the rows.
+    def _clearly_last(self, late: F64, col: int) -> bool:
+        """Whether rank ``col`` was the latest, and by ``last_z`` times the noise (its peers' typical jitter)
+        beyond its peers' median, in all but ``last_misses`` of the last ``level_iterations + 1`` rows of
+        its lateness history ``late`` (iterations x ranks), every one of them complete, and by ``level_z``
+        times that noise in the median of those rows.
 
-        Never on 2 ranks: one's lateness is the other's earliness, so no statistic of the pair says which
-        one is the cause, and two ranks sharing a device take turns being last for long stretches (a
-        healthy 2-rank job on one H100 got 8 such stragglers in 700 steps)."""
-        if lateness.shape[1] < 3 or lateness.shape[0] <= self.config.level_iterations or np.isnan(lateness).any():
+        Only on 4 ranks or more: one rank's lateness is the other's earliness on 2, so no statistic of the
+        pair says which one is the cause (a healthy 2-rank job on one H100 took turns being last for long
+        stretches: 8 such stragglers in 700 steps), and the median of 2 peers is as weak on 3 (chance
+        alone then passes once in ~25,000 windows; on 4 ranks once in ~300,000)."""
+        window = late[-self.config.level_iterations - 1 :]
+        if late.shape[1] < 4 or window.shape[0] <= self.config.level_iterations or np.isnan(window).any():
             return False
-        peers = np.median(np.delete(lateness, col, axis=1), axis=1)
-        last = (np.argmax(lateness, axis=1) == col) & (lateness[:, col] - peers >= self.config.last_z * noise)
-        return bool(np.count_nonzero(last) >= lateness.shape[0] - self.config.last_misses)
+        noise = _noise(late, col, among=np.nanmedian)
+        peers = np.median(np.delete(window, col, axis=1), axis=1)
+        excess = window[:, col] - peers
+        last = (np.argmax(window, axis=1) == col) & (excess >= self.config.last_z * noise)
+        if np.count_nonzero(last) < window.shape[0] - self.config.last_misses:
+            return False
+        return bool(np.median(excess) >= self.config.level_z * noise)  # and late by far, typically
 
     def _matrix(self, function: str, rank: int, lateness: bool) -> tuple[F64 | None, int]:
         """The function's recent values (iterations x ranks; lateness for a collective) and the rank's column."""
@@ -281,10 +286,11 @@ def _largest_spike(x: F64, col: int) -> float:
     return float(rise) if np.isfinite(rise) else 0.0
 
 
-def _noise(x: F64, col: int) -> float:
-    """The largest robust jitter among the other columns (ranks) of ``x`` (iterations x ranks)."""
+def _noise(x: F64, col: int, among: Callable[[F64], Any] = np.nanmax) -> float:
+    """The largest (or, with ``among``, another statistic of the) robust jitter among the other columns
+    (ranks) of ``x`` (iterations x ranks)."""
     with quiet_nan_warnings():
         jitter = np.nanmedian(np.abs(np.diff(x, axis=0)), axis=0) * _JITTER_PER_MEDIAN_STEP
         peers = np.delete(jitter, col)
-        top = float(np.nanmax(peers)) if peers.size else np.nan
+        top = float(among(peers)) if peers.size else np.nan
     return top if np.isfinite(top) else float("inf")

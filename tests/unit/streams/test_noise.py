@@ -12,24 +12,26 @@ from fleetscope.streams.analysis.noise import JobNoise
 
 
 def test_chance_alone_makes_no_rank_clearly_last_a_slow_rank_overtaken_twice_is() -> None:
-    """Random arrival order on 3 or 4 ranks (Gaussian waits, the noise their jitter) never gives a rank
-    clearly last in a window of 8; a slow rank is, even when contention overtook it twice. On 2 ranks,
-    not even a rank always last by far: the pair cannot say which one is the cause."""
+    """Random arrival order on 4 or 8 ranks (Gaussian waits) never gives a rank clearly last over the last 8
+    iterations of its history; a slow rank is, even when contention overtook it twice. On 2 or 3 ranks, not
+    even a rank always last by far: so few peers cannot say which one is the cause."""
     noise = JobNoise()
     rng = np.random.default_rng(1)
-    for ranks in (3, 4):
-        windows = rng.normal(size=(20_000, 8, ranks))
-        assert not any(noise._clearly_last(w, 0, 1.0) for w in windows)
-    pair = rng.normal(size=(8, 2))
-    pair[:, 1] += 6.0
-    assert not noise._clearly_last(pair, 1, 1.0)
-    late = rng.normal(size=(8, 4))
-    late[:, 2] += 6.0
-    assert noise._clearly_last(late, 2, 1.0) and not noise._clearly_last(late, 0, 1.0)
-    late[[1, 4], 2] = 0.0  # overtaken twice
-    assert noise._clearly_last(late, 2, 1.0)
-    late[6, 2] = 0.0  # three times: not clearly last in this window
-    assert not noise._clearly_last(late, 2, 1.0)
+    for ranks in (4, 8):
+        waits = rng.normal(size=(5_000, 24, ranks))
+        histories = np.median(waits, axis=2, keepdims=True) - waits
+        assert not any(noise._clearly_last(h, 0) for h in histories)
+    late = rng.normal(size=(24, 4))
+    late[-8:, 2] += 6.0
+    assert noise._clearly_last(late, 2) and not noise._clearly_last(late, 0)
+    late[[-7, -4], 2] = 0.0  # overtaken twice
+    assert noise._clearly_last(late, 2)
+    late[-2, 2] = 0.0  # three times: not clearly last in this window
+    assert not noise._clearly_last(late, 2)
+    for ranks in (2, 3):
+        few = rng.normal(size=(24, ranks))
+        few[:, 1] += 6.0
+        assert not noise._clearly_last(few, 1)
 
 
 def _record(rank: int, it: int, wait_ms: float, loader_ms: float) -> dict[str, Any]:
