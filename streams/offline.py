@@ -56,7 +56,11 @@ class OfflinePipeline:
         # Offline input is complete and read in order: no backlog, so no processing-time silence to wait for.
         self.windower_config = replace(windower or WindowerConfig(), stall_silence_ms=0)
         self.windower = WindowerStage(self.windower_config, limits or IntakeLimits())
-        self.differential = DifferentialStage(differential, scorer)
+        # A trace is recorded after the job's warm-up (a profiler schedule waits and warms up first), a
+        # live stream is not: its first iterations are judged from the first one on.
+        judged = differential or DifferentialConfig()
+        judged = replace(judged, noise=replace(judged.noise, warmup_iterations=0))
+        self.differential = DifferentialStage(judged, scorer)
         self.differential_config = self.differential.config
         self.keep_patterns = keep_patterns
         self.patterns: list[dict[str, Any]] = []

@@ -22,8 +22,9 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   rank is a straggler even where no single iteration's peer comparison flagged it (``stragglers``).
 
 Only jobs of up to ``max_ranks`` ranks are judged so: with more, the peers' spread in one iteration is
-itself a reliable yardstick. Until the job has ``min_history`` iterations its noise is unknown: signals
-are kept as the peers judged them, host ones only where they cost the step (``keep``).
+itself a reliable yardstick. The job's first ``warmup_iterations`` raise no such signal (ranks start apart);
+until a function has ``min_history`` iterations its noise is unknown: signals are kept as the peers judged
+them, host ones only where they cost the step (``keep``).
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ class NoiseConfig:
     level_iterations: int = 7
     """A persistent excess is the median over this many of the rank's latest iterations."""
     min_history: int = 4
-    arrival_warmup_iterations: int = 5
-    """The job's first iterations say nothing about who is slow to arrive: its ranks start at different
-    moments and take their first batches and optimizer steps at different speeds."""
+    warmup_iterations: int = 5
+    """The job's first iterations say nothing about whose host is slow or who is slow to arrive: its ranks
+    start at different moments and take their first batches and optimizer steps at different speeds (a
+    real 4-rank job: rank 0's first 4 batches slower, by enough to cost the step). No host_slow or
+    straggler signal is raised on them."""
     max_ranks: int = 16
     """Jobs with more ranks are judged on their peers' spread in one iteration alone: the MAD of many peers
     is a reliable yardstick, and the largest jitter among hundreds of ranks would hide small faults."""
@@ -152,8 +155,8 @@ class JobNoise:
     def keep(self, signals: Iterable[RankSignal], budget_ns: float) -> list[RankSignal]:
         """The signals, less host_slow and straggler ones whose excess does not stand out from the noise.
 
-        Until the noise is known (the job's first ``min_history`` iterations: warm-up, where one rank's
-        first optimizer steps or batches take longer), a host excess must at least cost the step: the
+        None in the job's warm-up (``warmup_iterations``). Until the noise is known (a function seen for
+        fewer than ``min_history`` iterations), a host excess must at least cost the step: the
         peers must wait for it (the rank's arrival lateness at its collectives bounds the time saved) at
         least ``budget_ns``, in this iteration or the next (host work after a step's collectives delays
         the next step's): one that does not yet is held for one iteration and kept then if it does."""
@@ -161,6 +164,8 @@ class JobNoise:
         out: list[RankSignal] = []
         if self._ranks > self.config.max_ranks:
             return list(signals)
+        if self._recorded <= self.config.warmup_iterations:
+            return [sig for sig in signals if sig.category not in JUDGED or sig.rank < 0]
         for sig in signals:
             if sig.category not in JUDGED or sig.rank < 0:
                 out.append(sig)
@@ -234,7 +239,7 @@ class JobNoise:
 
     def _past_warmup(self) -> bool:
         """Whether none of the series' latest ``level_iterations + 1`` iterations is of the job's warm-up."""
-        return self._recorded - self.config.arrival_warmup_iterations > self.config.level_iterations
+        return self._recorded - self.config.warmup_iterations > self.config.level_iterations
 
     def _clearly_last(self, late: F64, col: int) -> bool:
         """Whether rank ``col`` was the latest, and by ``last_z`` times the noise (its peers' typical jitter)
