@@ -14,12 +14,13 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about as large as the
   noise, on the same rank every time). A single late arrival is no evidence: a rank descheduled for a
   moment on a shared host arrives late by as much as the whole iteration;
-- a straggler also stands out when it arrived last, and by ``last_z`` times the noise beyond its peers'
-  median, in all but ``last_misses`` of its last ``level_iterations + 1`` iterations: contention makes
-  a random rank last now and then, a slow rank is last nearly every time. Arrival order alone is weak
-  evidence on a few ranks (one of 4 ranks is last in 7 of 8 iterations by chance once in ~2,600
-  windows: a false straggler every few hundred steps); the margin makes chance negligible. Such a
-  rank is a straggler even where no single iteration's peer comparison flagged it (``stragglers``).
+- a straggler also stands out when it arrived last, and by ``last_z`` times its peers' typical jitter
+  beyond their median, in all but ``last_misses`` of its last ``level_iterations + 1`` iterations (and
+  by ``level_z`` times it in their median): contention makes a random rank last now and then, a slow
+  rank is last nearly every time. Arrival order alone is weak evidence on a few ranks (one of 4 ranks
+  is last in 7 of 8 iterations by chance once in ~2,600 windows: a false straggler every few hundred
+  steps); the margin makes chance negligible. Such a rank is a straggler even where no single
+  iteration's peer comparison flagged it (``stragglers``). Never on fewer than 4 ranks.
 
 Only jobs of up to ``max_ranks`` ranks are judged so: with more, the peers' spread in one iteration is
 itself a reliable yardstick. The job's first ``warmup_iterations`` raise no such signal (ranks start apart);
