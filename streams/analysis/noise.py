@@ -71,7 +71,7 @@ class NoiseConfig:
     """A straggler by arrival is last by this many times its peers' typical jitter beyond their median..."""
     last_misses: int = 2
     """...in all but this many of its last ``level_iterations + 1`` iterations. Chance alone (a random rank
-    last, by that much, in 6 of 8 iterations) is then about one in 300,000 windows on 4 ranks (fewer on
+    last, by that much, in 6 of 8 iterations) is then about one in 100,000 windows on 4 ranks (fewer on
     more; tests/unit/streams/test_noise.py); a slow rank that contention overtook twice is still named."""
 
     def __post_init__(self) -> None:
@@ -251,7 +251,7 @@ class JobNoise:
         Only on 4 ranks or more: one rank's lateness is the other's earliness on 2, so no statistic of the
         pair says which one is the cause (a healthy 2-rank job on one H100 took turns being last for long
         stretches: 8 such stragglers in 700 steps), and the median of 2 peers is as weak on 3 (chance
-        alone then passes once in ~25,000 windows; on 4 ranks once in ~300,000)."""
+        alone then passes once in ~25,000 windows; on 4 ranks once in ~100,000)."""
         window = late[-self.config.level_iterations - 1 :]
         if late.shape[1] < 4 or window.shape[0] <= self.config.level_iterations or np.isnan(window).any():
             return False
