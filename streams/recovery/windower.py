@@ -60,9 +60,16 @@ class WindowerRecovery:
         for c in emitted:
             latest[(c.job, c.rank)] = (c.step, c.end_ns)
         self.emitted.update(latest)
+        # Partitions looked up before the first write: a rebalance may revoke some while a write awaits (a
+        # worker resumed after a stall crashed on a rank revoked mid-loop). A rank already revoked has
+        # no partition here; its new owner rebuilds it from the log and replay.
+        places = {key: self._partition.get(key) for key in latest}
         for (job, rank), (step, end_ns) in latest.items():
+            partition = places[(job, rank)]
+            if partition is None:
+                continue
             value = json.dumps({"job": job, "rank": rank, "step": step, "end_ns": end_ns}).encode()
-            await self.log.write(self._partition[(job, rank)], rank_key(job, rank), value)
+            await self.log.write(partition, rank_key(job, rank), value)
         return list(latest)
 
     def release(self, keys: Iterable[RankId]) -> list[Message]:

@@ -3,6 +3,7 @@ records, and which iterations a restarted windower may emit."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import time
@@ -151,3 +152,25 @@ def test_the_input_clock_stands_still_while_partitions_move():
     clock.rebalancing(False)
     time.sleep(0.05)
     assert clock.now_ns() - before >= 40_000_000
+
+
+def test_a_rank_revoked_while_the_windower_writes_its_state_records_is_skipped_not_a_crash() -> None:
+    """A worker resumed after a stall wrote state records while the rebalance revoked some of its ranks
+    (their partition forgotten between two writes): it crashed with a KeyError. Partitions are now looked
+    up before the first write."""
+
+    class Log:
+        def __init__(self) -> None:
+            self.writes: list[tuple[int, bytes]] = []
+
+        async def write(self, partition: int, key: bytes, value: bytes) -> None:
+            self.writes.append((partition, key))
+            wrec.revoke([3])  # the rebalance revokes partition 3 while this write awaits
+
+    log = Log()
+    wrec = WindowerRecovery(cast(StateLog, log))
+    wrec.place(("j", 0), 1)
+    wrec.place(("j", 1), 3)
+    emitted = asyncio.run(wrec.record([_rank_iteration(0, 5, 500), _rank_iteration(1, 5, 500)]))
+    assert sorted(emitted) == [("j", 0), ("j", 1)] and [p for p, _ in log.writes] == [1, 3]
+    assert asyncio.run(wrec.record([_rank_iteration(1, 6, 600)])) == [("j", 1)] and len(log.writes) == 2
