@@ -56,8 +56,8 @@ class OfflinePipeline:
         # Offline input is complete and read in order: no backlog, so no processing-time silence to wait for.
         self.windower_config = replace(windower or WindowerConfig(), stall_silence_ms=0)
         self.windower = WindowerStage(self.windower_config, limits or IntakeLimits())
-        # A trace is recorded after the job's warm-up (a profiler schedule waits and warms up first), a
-        # live stream is not: its first iterations are judged from the first one on.
+        # A trace is recorded after the job's warm-up (a profiler schedule waits and warms up first), so it
+        # is judged from its first iteration; only a live stream sees the warm-up itself.
         judged = differential or DifferentialConfig()
         judged = replace(judged, noise=replace(judged.noise, warmup_iterations=0))
         self.differential = DifferentialStage(judged, scorer)

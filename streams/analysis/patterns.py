@@ -259,8 +259,10 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     p_parts = [with_depth(ev.python) for ev in evs]
     p_all = _Batch(p_parts, _HOST_SPANS)
     p_fns = p_all["depth"] >= 0  # a thread's busy stretches (THREAD_BUSY_DEPTH) count in self time only
-    fns_only = [{k: v[x["depth"] >= 0] for k, v in x.items()} for x in p_parts] if not p_fns.all() else p_parts
-    p = p_all if fns_only is p_parts else _Batch(fns_only, _HOST_SPANS)
+    if p_fns.all():
+        p = p_all
+    else:
+        p = _Batch([{col: v[part["depth"] >= 0] for col, v in part.items()} for part in p_parts], _HOST_SPANS)
     s = _Batch([ev.samples for ev in evs], _SAMPLES)
     lo = np.array([ev.start_ns for ev in evs], dtype=np.int64)
     width = [ev.end_ns - ev.start_ns for ev in evs]
