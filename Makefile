@@ -21,12 +21,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fleetscope demo $(DEMO_ARGS)
 
-# Lint, format and types first (seconds), then the tests.
+# Lint, format and types first (seconds), then the tests: the unit tests (CPU-bound, no shared service) one
+# process per core, then the integration tests one at a time (their real jobs and workers share the cores,
+# and several judge timing).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto tests/unit
+	$(BIN)/python -m pytest -q tests/integration
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -9,10 +9,12 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   the median of successive differences, which a step change moves once and a spike twice), so a rank's
   own fault never hides itself, and ranks that are all noisy at random vouch for each other's noise;
 - a host signal stands out in this iteration when its excess is ``z`` times that noise and larger than
-  any rise a peer showed over the history (an intermittent fault, which hits its own rank only); a host
-  or straggler signal stands out persistently (the rank's median over
-  its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about as large as the
-  noise, on the same rank every time). A single late arrival is no evidence: a rank descheduled for a
+  any rise a peer showed over the history, and the rank stood out so in two separate runs of iterations
+  of the history (an intermittent fault hits its own rank only, and comes back; one burst of contention,
+  a rank descheduled for a few iterations in a row, does not: seen on a real 4-rank job under load,
+  iterations 15-17 of rank 2's data loader); a host or straggler signal stands out persistently (the
+  rank's median over its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about
+  as large as the noise, on the same rank every time). A single late arrival is no evidence: a rank descheduled for a
   moment on a shared host arrives late by as much as the whole iteration;
 - a straggler also stands out when it arrived last, and by ``last_z`` times its peers' typical jitter
   beyond their median, in all but ``last_misses`` of its last ``level_iterations + 1`` iterations (and
@@ -193,8 +195,10 @@ class JobNoise:
         if x is None:
             return None
         noise = _noise(x, col)
-        if sig.category == "host_slow" and sig.value - sig.peer_median >= max(cfg.z * noise, _largest_spike(x, col)):
-            return True
+        if sig.category == "host_slow":
+            bar = max(cfg.z * noise, _largest_spike(x, col))
+            if sig.value - sig.peer_median >= bar and _episodes(x, col, bar) >= 2:
+                return True
         with quiet_nan_warnings():
             level = np.nanmedian(x[-cfg.level_iterations :], axis=0)
             if level[col] - np.nanmedian(np.delete(level, col)) >= cfg.level_z * noise:
@@ -290,6 +294,16 @@ def _largest_spike(x: F64, col: int) -> float:
         peers = np.delete(x, col, axis=1)
         rise = np.nanmax(peers - np.nanmedian(peers, axis=0), initial=0.0)
     return float(rise) if np.isfinite(rise) else 0.0
+
+
+def _episodes(x: F64, col: int, bar: float) -> int:
+    """How many separate runs of iterations rank ``col`` spent ``bar`` or more above its peers' median in
+    ``x`` (iterations x ranks): an intermittent fault comes back, one burst of contention on a shared host
+    does not (a fault that stays is the persistent rule's)."""
+    with quiet_nan_warnings():
+        excess = x[:, col] - np.nanmedian(np.delete(x, col, axis=1), axis=1)
+    spike = np.concatenate(([False], excess >= bar))
+    return int(np.count_nonzero(spike[1:] & ~spike[:-1]))
 
 
 def _noise(x: F64, col: int, among: Callable[[F64], Any] = np.nanmax) -> float:

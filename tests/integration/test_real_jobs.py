@@ -295,6 +295,10 @@ FAULT_STEPS = 56
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_faulty_rank_is_named_within_ten_iterations_and_no_other_rank_is(live: Live, fault: str) -> None:
+    """The faulty rank is named within 10 iterations and no finding names another rank as its culprit. A
+    ``job_regression`` names none (rank -1): the whole job is slower, and here it can truly be, since the
+    job shares 2 cores with the broker, worker and store (one recorded run: every step from 115 to 165 ms
+    from iteration 15 on, a sustained step of the whole job, which the detector must report)."""
     faulty, category, function = FAULTS[fault]
 
     def named(updates: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -317,7 +321,7 @@ def test_a_faulty_rank_is_named_within_ten_iterations_and_no_other_rank_is(live:
         job.kill()
     assert named(found), _show(found)
     assert FAULT_AT <= named(found)[0]["iteration_last"] <= FAULT_AT + 10, _show(found)
-    assert _named(found) == {faulty}, _show(found)
+    assert _named([u for u in found if u["rank"] >= 0]) == {faulty}, _show(found)
 
 
 def test_a_rank_blocked_forever_is_named_as_the_one_that_never_entered_the_collective(live: Live) -> None:
