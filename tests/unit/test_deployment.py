@@ -129,6 +129,17 @@ def test_every_fleetscope_variable_is_a_real_config_key() -> None:
     assert ":9100/metrics" in healthcheck
 
 
+def test_the_readme_configuration_is_a_valid_configuration_with_the_defaults_it_shows(tmp_path: Path) -> None:
+    """The README's configuration block loads (every key real, in its section: two Kafka keys once stood under
+    [producer] there) and shows the defaults the code has, so a user copying it changes nothing by surprise."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```toml\n(.*?)```", readme, re.DOTALL)
+    (tmp_path / "fleetscope.toml").write_text(block)
+    shown = load_config(tmp_path / "fleetscope.toml", env={})
+    assert shown.streams == load_config(env={}).streams
+    assert shown.kafka.sasl_mechanism == "" and shown.producer.heartbeat_interval_ms == 1000
+
+
 def test_every_fleetscope_command_parses_with_the_real_cli() -> None:
     parser = build_parser()
     for name in FLEETSCOPE_SERVICES:
