@@ -11,8 +11,8 @@ from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.noise import JobNoise
 
 
-def test_chance_alone_makes_no_rank_clearly_last_a_slow_rank_overtaken_twice_is() -> None:
-    """Random arrival order on 4 or 8 ranks (Gaussian waits) never gives a rank clearly last over the last 8
+def test_chance_alone_makes_no_rank_clearly_late_a_slow_rank_overtaken_twice_is() -> None:
+    """Random arrival order on 4 or 8 ranks (Gaussian waits) never gives a rank clearly late over the last 8
     iterations of its history; a slow rank is, even when contention overtook it twice. On 2 or 3 ranks, not
     even a rank always last by far: so few peers cannot say which one is the cause."""
     noise = JobNoise()
@@ -20,18 +20,18 @@ def test_chance_alone_makes_no_rank_clearly_last_a_slow_rank_overtaken_twice_is(
     for ranks in (4, 8):
         waits = rng.normal(size=(5_000, 24, ranks))
         histories = np.median(waits, axis=2, keepdims=True) - waits
-        assert not any(noise._clearly_last(h, 0) for h in histories)
+        assert not any(noise._clearly_late(h, 0) for h in histories)
     late = rng.normal(size=(24, 4))
     late[-8:, 2] += 6.0
-    assert noise._clearly_last(late, 2) and not noise._clearly_last(late, 0)
+    assert noise._clearly_late(late, 2) and not noise._clearly_late(late, 0)
     late[[-7, -4], 2] = 0.0  # overtaken twice
-    assert noise._clearly_last(late, 2)
-    late[-2, 2] = 0.0  # three times: not clearly last in this window
-    assert not noise._clearly_last(late, 2)
+    assert noise._clearly_late(late, 2)
+    late[-2, 2] = 0.0  # three times: not clearly late in this window
+    assert not noise._clearly_late(late, 2)
     for ranks in (2, 3):
         few = rng.normal(size=(24, ranks))
         few[:, 1] += 6.0
-        assert not noise._clearly_last(few, 1)
+        assert not noise._clearly_late(few, 1)
 
 
 def _record(rank: int, it: int, wait_ms: float, loader_ms: float) -> dict[str, Any]:
@@ -52,15 +52,20 @@ def _record(rank: int, it: int, wait_ms: float, loader_ms: float) -> dict[str, A
     }  # fmt: skip
 
 
-def _job(late_ms: float, fault_at: int, overtaken: set[int], seed: int, iterations: int = 60) -> list[dict[str, Any]]:
+def _job(
+    late_ms: float, fault_at: int, overtaken: set[int], seed: int, iterations: int = 60, hiccups: float = 0.0
+) -> list[dict[str, Any]]:
     """Finding records of a job where rank 1 is late by ``late_ms`` from ``fault_at``, except in the
     ``overtaken`` iterations, where contention makes another rank later still; every rank's wait jitters
-    by a few milliseconds (a shared CPU host)."""
+    by a few milliseconds (a shared CPU host), and with probability ``hiccups`` an iteration has one
+    random rank descheduled for 5 to 30 ms more."""
     rng = np.random.default_rng(seed)
     diff = JobDifferential("j")
     out: list[dict[str, Any]] = []
     for it in range(iterations):
         arrival = rng.normal(0.0, 2.0, size=4)  # ms after the first possible arrival
+        if rng.random() < hiccups:
+            arrival[rng.integers(4)] += rng.uniform(5.0, 30.0)
         if it >= fault_at:
             arrival[1] += late_ms
             if it in overtaken:
@@ -116,3 +121,17 @@ def test_one_burst_of_contention_on_a_rank_is_no_host_fault_a_fault_that_stays_o
             assert opened and {f["rank"] for f in opened} == {2}, fault
             assert (opened[0]["category"], opened[0]["function"]) == ("host_slow", "dataloader.next"), opened
             assert 30 <= opened[0]["iteration_last"] <= 40, opened
+
+
+def test_a_slow_rank_among_descheduled_ones_is_named_within_ten_iterations_healthy_ranks_never() -> None:
+    """In one iteration of two some rank is descheduled for 5 to 30 ms more (heavy contention, as the real
+    4-rank job's arrivals in the full suite), so the slow rank is often not the last; it is late beyond
+    its peers' median by the margin nearly every time, which names it within 10 iterations, and no other
+    rank (when it also had to be last in 6 of 8: named at 34-47 on these seeds, once never). Healthy jobs
+    with such hiccups in one iteration of four get no finding."""
+    for seed in range(8):
+        out = _job(late_ms=12.0, fault_at=30, overtaken=set(), seed=seed, hiccups=0.5)
+        assert {f["rank"] for f in out} == {1}, out
+        assert 30 <= out[0]["iteration_last"] <= 40 and out[0]["status"] == "open", out[0]
+    for seed in range(4):
+        assert _job(late_ms=0.0, fault_at=0, overtaken=set(), seed=100 + seed, iterations=300, hiccups=0.25) == []
