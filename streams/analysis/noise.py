@@ -14,8 +14,8 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   a rank descheduled for a few iterations in a row, does not: seen on a real 4-rank job under load,
   iterations 15-17 of rank 2's data loader); a host or straggler signal stands out persistently (the
   rank's median over its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about
-  as large as the noise, on the same rank every time). A single late arrival is no evidence: a rank descheduled for a
-  moment on a shared host arrives late by as much as the whole iteration;
+  as large as the noise, on the same rank every time). A single late arrival is no evidence: a rank
+  descheduled for a moment on a shared host arrives late by as much as the whole iteration;
 - a straggler also stands out when it arrived ``last_z`` times its peers' typical jitter later than
   their median in all but ``last_misses`` of its last ``level_iterations + 1`` iterations (and by
   ``level_z`` times it in their median): contention makes a random rank late now and then, a slow rank
@@ -255,7 +255,7 @@ class JobNoise:
 
         Not that it was the latest: under heavy contention a peer descheduled for a moment arrives later
         still in one iteration of three or four, and a slow rank required to be last was named up to 13
-        iterations late (a real 4-rank job in the full suite; simulated: 34-49 and once never, against
+        iterations late (a real 4-rank job in the full suite; simulated: 34-47 and once never, against
         32-36 by the margin alone). The peers' median is robust to that one peer, and chance stays where
         it was (the margin implies being last nearly always).
 
