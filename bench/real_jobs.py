@@ -1,0 +1,165 @@
+"""Real 4-rank PyTorch jobs (tests/integration/test_real_jobs.py's job, gloo on CPU) recorded under load, then
+replayed through today's differential: how a rule change does on the same real arrivals, before and after.
+
+    python bench/real_jobs.py record DIR [--jobs compute,dataloader,gc,none] [--load steady|bursty|none]
+    python bench/real_jobs.py replay DIR
+
+``record`` runs each job (faults from step 30, healthy ones 300 steps) through the embedded stack (real
+Tansu broker, worker and chDB) beside a background load, and writes every pattern message the windower
+published for it, byte for byte, with the findings the live worker stored. ``replay`` feeds those messages
+to ``DifferentialStage`` in publication order and prints each job's opened findings and whether they meet
+the real-job test's bar: the faulty rank named within 10 iterations of the fault and no culprit rank
+other than it (a healthy job: nothing at all). Not a test: what a run records depends on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import pickle
+import random
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+
+import test_real_jobs as real  # noqa: E402  (the test's job, faults and harness: one definition)
+
+from fleetscope.broker import TansuBroker  # noqa: E402
+from fleetscope.config import load_config  # noqa: E402
+from fleetscope.schemas import Topics  # noqa: E402
+from fleetscope.stack import EmbeddedStack  # noqa: E402
+from fleetscope.streams.differential import DifferentialStage  # noqa: E402
+
+Message = tuple[int, int, int, bytes]
+"""partition, offset, broker timestamp (ms), value"""
+
+
+def _load(kind: str, seconds: float, seed: int) -> None:
+    """A background CPU load: always busy (steady) or busy 0.2-2 s, idle 0.2-3 s at random (bursty)."""
+    rng, end = random.Random(seed), time.monotonic() + seconds
+    while time.monotonic() < end:
+        busy = time.monotonic() + (rng.uniform(0.2, 2.0) if kind == "bursty" else 1.0)
+        while time.monotonic() < busy:
+            sum(range(5000))
+        if kind == "bursty":
+            time.sleep(rng.uniform(0.2, 3.0))
+
+
+def _patterns(config: Any, job: str) -> list[Message]:
+    topic = Topics(prefix=config.kafka.topic_prefix).patterns
+    consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": uuid.uuid4().hex})
+    partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    out: list[Message] = []
+    idle = 0
+    while idle < 5:
+        batch = consumer.consume(500, 0.5)
+        idle = idle + 1 if not batch else 0
+        out += [(m.partition(), m.offset(), m.timestamp()[1], m.value() or b"") for m in batch
+                if m.error() is None and m.key() == job.encode()]  # fmt: skip
+    consumer.close()
+    return out
+
+
+def record(folder: Path, jobs: list[str], load: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    loads = [multiprocessing.Process(target=_load, args=(load, 3600.0, i), daemon=True) for i in range(2)]
+    with tempfile.TemporaryDirectory(prefix="fleetscope-real-") as tmp:
+        broker = TansuBroker(log_path=Path(tmp) / "tansu.log")
+        servers = broker.start()
+        config = load_config(env={}, overrides={
+            "data_dir": tmp, "kafka.bootstrap_servers": servers, "kafka.topic_prefix": f"real{uuid.uuid4().hex[:6]}",
+            "store.url": f"chdb://{tmp}/store", "store.database": "real",
+        })  # fmt: skip
+        script = Path(tmp) / "job.py"
+        script.write_text(real.JOB)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")} | {
+            "FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS": servers, "FLEETSCOPE__DATA_DIR": tmp,
+            "FLEETSCOPE__KAFKA__TOPIC_PREFIX": config.kafka.topic_prefix,
+            "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+        }  # fmt: skip
+        try:
+            with EmbeddedStack(config) as stack:
+                for process in loads if load != "none" else []:
+                    process.start()
+                live = real.Live(stack, config, "real", script, env)
+                for fault in jobs:
+                    faulty = real.FAULTS[fault][0] if fault in real.FAULTS else -1
+                    steps = real.FAULT_STEPS if fault in real.FAULTS else 300
+                    job = live.launch(fault, faulty, steps=steps)
+                    try:
+                        job.wait(timeout_s=600)
+                        real._wait_for_steps(live, job.name, steps - 2, timeout_s=60)
+                        found = live.wait_for(job.name, lambda _: False, timeout_s=real.SETTLE_S)
+                    finally:
+                        job.kill()
+                    saved = {"fault": fault, "faulty": faulty, "load": load, "found": found,
+                             "messages": _patterns(config, job.name)}  # fmt: skip
+                    (folder / f"{job.name}.pkl").write_bytes(pickle.dumps(saved))
+                    print(f"{job.name}: {len(saved['messages'])} messages; live: {verdict(faulty, found)}", flush=True)
+        finally:
+            for process in loads:
+                if process.is_alive():
+                    process.terminate()
+            broker.stop()
+
+
+def verdict(faulty: int, updates: list[dict[str, Any]]) -> str:
+    """Opened findings as category:rank@iteration, then OK or BAD by the real-job test's bar."""
+    opened = [u for u in updates if u["status"] == "open"]
+    named = [u for u in opened if u["rank"] == faulty]
+    culprits = {int(u["rank"]) for u in opened if int(u["rank"]) >= 0}
+    on_time = bool(named) and real.FAULT_AT <= named[0]["iteration_last"] <= real.FAULT_AT + 10
+    ok = not opened if faulty < 0 else on_time and culprits == {faulty}
+    text = " ".join(f"{u['category']}:{u['rank']}@{u['iteration_last']}" for u in opened) or "nothing"
+    return f"{'OK ' if ok else 'BAD'} {text}"
+
+
+def replay(folder: Path) -> int:
+    bad = 0
+    for path in sorted(folder.glob("*.pkl")):
+        saved = pickle.loads(path.read_bytes())
+        stage = DifferentialStage()
+        updates: list[dict[str, Any]] = []
+        for _, _, ts_ms, value in sorted(saved["messages"], key=lambda m: (m[2], m[0], m[1])):
+            taken = stage.take(value, ts_ms * 1_000_000)
+            if taken.reason:
+                print(f"  {path.name}: refused: {taken.reason}")
+            updates += taken.findings
+        for job in list(stage.jobs):
+            updates += stage.flush(job)
+        line = verdict(saved["faulty"], updates)
+        bad += line.startswith("BAD")
+        print(f"{path.stem:24} {saved['fault']:10} {saved['load']:7} now: {line}")
+        print(f"{'':43} live: {verdict(saved['faulty'], saved['found'])}")
+    print(f"{bad} job(s) below the bar")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="run real jobs under load and save their pattern messages")
+    rec.add_argument("folder", type=Path)
+    rec.add_argument("--jobs", default="compute,dataloader,gc,none", help="faults (none: healthy), in order")
+    rec.add_argument("--load", choices=("steady", "bursty", "none"), default="bursty")
+    rep = sub.add_parser("replay", help="replay saved jobs through today's differential")
+    rep.add_argument("folder", type=Path)
+    args = ap.parse_args(argv)
+    if args.command == "record":
+        record(args.folder, args.jobs.split(","), args.load)
+        return 0
+    return replay(args.folder)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
