@@ -349,7 +349,9 @@ def test_a_rank_blocked_forever_is_named_as_the_one_that_never_entered_the_colle
     hang = hangs[0]
     assert hang["rank"] == 0 and set(hang["ranks"]) <= {0}, (_show(found), hang["evidence"])
     assert not [u for u in found if u["category"] == "hang" and u["rank"] != 0], _show(found)
-    assert _named(found) == {0}, _show(found)  # and no finding of the job, before or after, names another
+    # and no finding of the job, before or after, names another culprit (a job-wide one names none: the job
+    # shares 2 cores with the pipeline, and one recorded run truly slowed as a whole at iteration 27)
+    assert _named([u for u in found if u["rank"] >= 0]) == {0}, _show(found)
     assert hang["emitted_ns"] - blocked_ns <= 30e9, (hang, blocked_ns)
     evidence = json.loads(hang["evidence"])
     assert (evidence["group"], evidence["not_entered"], evidence["entered"]) == ("0", [0], [1, 2, 3]), evidence
