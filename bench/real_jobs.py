@@ -4,12 +4,13 @@ replayed through today's differential: how a rule change does on the same real a
     python bench/real_jobs.py record DIR [--jobs compute,dataloader,gc,none] [--load steady|bursty|none]
     python bench/real_jobs.py replay DIR
 
-``record`` runs each job (faults from step 30, healthy ones 300 steps) through the embedded stack (real
-Tansu broker, worker and chDB) beside a background load, and writes every pattern message the windower
-published for it, byte for byte, with the findings the live worker stored. ``replay`` feeds those messages
-to ``DifferentialStage`` in publication order and prints each job's opened findings and whether they meet
-the real-job test's bar: the faulty rank named within 10 iterations of the fault and no culprit rank
-other than it (a healthy job: nothing at all). Not a test: what a run records depends on the machine's load.
+``record`` runs each job (faults from step 30, healthy ones as the test runs them: 300 steps, a manual
+profiling window past step 120) through the embedded stack (real Tansu broker, worker and chDB) beside a
+background load, and writes every pattern message the windower published for it and its heartbeats, byte for
+byte, with the findings the live worker stored. ``replay`` feeds those messages to ``DifferentialStage`` in
+publication order and prints each job's opened findings and whether they meet the real-job test's bar: the
+faulty rank named within 10 iterations of the fault and no culprit rank other than it (a healthy job: nothing
+at all). Not a test: what a run records depends on the machine's load.
 """
 
 from __future__ import annotations
@@ -55,10 +56,15 @@ def _load(kind: str, seconds: float, seed: int) -> None:
 
 
 def _patterns(config: Any, job: str) -> list[Message]:
-    topic = Topics(prefix=config.kafka.topic_prefix).patterns
+    """The job's pattern records and heartbeats (a rank in a profiling window says so in its heartbeats: its
+    records are late, not missing), as the differential reads them."""
+    topics = Topics(prefix=config.kafka.topic_prefix)
     consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": uuid.uuid4().hex})
-    partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    assigned = []
+    for topic in (topics.patterns, topics.heartbeats):
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        assigned += [TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions]
+    consumer.assign(assigned)
     out: list[Message] = []
     idle = 0
     while idle < 5:
@@ -94,8 +100,8 @@ def record(folder: Path, jobs: list[str], load: str) -> None:
                 live = real.Live(stack, config, "real", script, env)
                 for fault in jobs:
                     faulty = real.FAULTS[fault][0] if fault in real.FAULTS else -1
-                    steps = real.FAULT_STEPS if fault in real.FAULTS else 300
-                    job = live.launch(fault, faulty, steps=steps)
+                    steps = real.FAULT_STEPS if fault in real.FAULTS else real.HEALTHY_STEPS
+                    job = live.launch(fault, faulty, steps=steps) if faulty >= 0 else real.launch_healthy(live)
                     try:
                         job.wait(timeout_s=600)
                         real._wait_for_steps(live, job.name, steps - 2, timeout_s=60)

@@ -11,16 +11,18 @@ import numpy as np
 from fleetscope.schemas import Category
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
-from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, RegressionCheck
-from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig
+from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
+from fleetscope.streams.analysis.noise import JUDGED, JobNoise, NoiseConfig
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 
-PROFILER_BLIND = ("host_slow",)
-"""Categories not judged in profiled iterations: a profiler records every CPU op, and its overhead per op
-differs by rank and op (x3 to x300 on a shared host), so host times under a window are no evidence."""
+PROFILER_BLIND = JUDGED
+"""Categories not judged in iterations a profiler window disturbs (``ProfilerAftermath``): a profiler
+records every CPU op, and its overhead per op differs by rank and op (x3 to x300 on a shared host); the
+trace's export and the held-back events after it cost each rank its own time. Host times and arrivals
+then are no evidence; kernels still compare."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +60,7 @@ class JobDifferential:
         self._world_size = 0
         self._scored_upto = -(2**62)
         self._regression = RegressionCheck(self.config.job_level)
+        self._aftermath = ProfilerAftermath()
         self._hang = HangCheck()
         self._hosts: dict[int, str] = {}
         self._missing_run: dict[int, int] = {}
@@ -118,6 +121,7 @@ class JobDifferential:
         self.__dict__.setdefault("_max_step", -1)
         self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
         self.__dict__.setdefault("_noise", JobNoise(self.config.noise))
+        self.__dict__.setdefault("_aftermath", ProfilerAftermath())
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit.
@@ -269,7 +273,8 @@ class JobDifferential:
         self._scored_upto = it
         self.iterations_scored += 1
         profiled = sum(1 for r in records if r.get("profiled", False))
-        if profiled:
+        disturbed = self._aftermath.observe(profiled > 0)
+        if disturbed:
             self._noise.forget_arrivals()
         if 0 < profiled < len(records):
             # A profiler slows the ranks it runs on: compared with unprofiled ones they would all stand out.
@@ -278,7 +283,7 @@ class JobDifferential:
         scorer = self.scorer or scorer_named(self.config.scorer, self.config.scoring)
         signals = score_iteration(records, self.config.scoring, scorer, self._functions)
         blind: tuple[str, ...] = ()
-        if profiled:  # profiled on every rank: its kernels compare, its host times carry the profiler's cost
+        if disturbed:  # by a window on every rank, or after one: kernels compare, host times and arrivals not
             blind = PROFILER_BLIND
             signals = [s for s in signals if s.category not in blind]
         else:
@@ -288,7 +293,7 @@ class JobDifferential:
         signals = self._noise.keep(signals, budget)
         persistent: list[RankSignal] = []
         if (
-            not profiled
+            not disturbed
             and not signals
             and self.tracker.open_findings() == self.tracker.open_findings(Category.STRAGGLER.value)
             and np.unique(role_codes(records)).size == 1
@@ -299,7 +304,7 @@ class JobDifferential:
             persistent = self._noise.stragglers(signals, budget, hosts, set())
             signals += persistent
         self._iteration_ns.append(iteration_ns)
-        regression = self._regression.observe(iteration_ns, it, profiled=profiled > 0)
+        regression = self._regression.observe(iteration_ns, it, disturbed=disturbed)
         late_open: list[RankSignal] = []
         if regression is not None and (self._explained(regression) or self._noise.late_explains(regression.loss_ns)):
             regression = None  # a peer explains the job's slowdown (its finding, or it arrives that late)

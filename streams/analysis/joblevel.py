@@ -96,12 +96,41 @@ def step_test(baseline: Sequence[float], recent: Sequence[float], config: JobLev
     )  # fmt: skip
 
 
+class ProfilerAftermath:
+    """Which iterations a profiler window disturbs: its own, and twice as many as it lasted after it.
+
+    After a window the ranks export its trace and publish the events it held back, and the pipeline digests
+    them: the steps run slower by the tool's doing, and unevenly by rank (each rank's export and backlog
+    end at their own time). A real healthy 4-rank job on 2 cores: every step 30-250 % slower for 18
+    iterations after a 16-iteration window, a false ``job_regression``; and one rank late at every
+    all-reduce for 8 iterations a dozen steps after one, a false ``straggler``. Twice the window's length
+    is a margin over that measurement, not a law."""
+
+    def __init__(self) -> None:
+        self._window = 0
+        """Profiled iterations in a row so far (a window in progress)."""
+        self._left = 0
+        """Iterations of the latest window's aftermath still to come."""
+
+    def observe(self, profiled: bool) -> bool:
+        """One scored iteration, in order (profiled on some ranks or all): whether the window disturbs it."""
+        if profiled:
+            self._window += 1
+            return True
+        if self._window:
+            self._left, self._window = 2 * self._window, 0
+        if self._left:
+            self._left -= 1
+            return True
+        return False
+
+
 class RegressionCheck:
     """The job's iteration time against a baseline learnt after warm-up: a change-point test for a sustained
-    step (``step_test``), confirmed on consecutive segments. Profiled iterations (slowed by the profiler)
-    are neither baseline nor segment. While a step holds, or may hold (``StepTest.suspect``: a slow
-    iteration can hide it for a segment), the baseline is frozen; when the job is back to its baseline
-    for a whole segment, the baseline learns again.
+    step (``step_test``), confirmed on consecutive segments. Iterations a profiler window disturbs
+    (``ProfilerAftermath``) are neither baseline nor segment. While a step holds, or may hold
+    (``StepTest.suspect``: a slow iteration can hide it for a segment), the baseline is frozen; when the
+    job is back to its baseline for a whole segment, the baseline learns again.
 
     A regression is sustained; an excursion that came back is not one (CPU contention on a shared host
     slows the whole job for a few iterations at a time). So a step must outlast the longest excursion the
@@ -121,15 +150,11 @@ class RegressionCheck:
         self._excursion = 0
         self.longest_excursion = 0
         """Iterations of the longest run above the baseline that came back without being a regression."""
-        self._window = 0
-        """Profiled iterations in a row so far (a profiler window in progress)."""
-        self._aftermath = 0
-        """Iterations still to skip after a profiler window (``observe``)."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A check saved before excursions or windows were tracked restores with none seen."""
+        """A check saved before excursions were tracked restores with none seen."""
         self.__dict__.update(state)
-        for name in ("_excursion", "longest_excursion", "_window", "_aftermath"):
+        for name in ("_excursion", "longest_excursion"):
             self.__dict__.setdefault(name, 0)
 
     @property
@@ -137,20 +162,10 @@ class RegressionCheck:
         """A step was confirmed and the job has not been back to its baseline for a whole segment since."""
         return self._hits >= self.config.confirm_iterations + self.longest_excursion
 
-    def observe(self, iteration_ns: float, iteration: int = -1, profiled: bool = False) -> RankSignal | None:
-        """One iteration's time. Profiled ones, and twice as many as a window lasted after it, are neither
-        baseline nor segment: after a window the ranks export its trace and publish the events it held
-        back, and the pipeline digests them, which slows the job by the tool's doing (a real healthy 4-rank
-        job on 2 cores: every step 30-250 % slower for 18 iterations after a 16-iteration window, a false
-        regression)."""
+    def observe(self, iteration_ns: float, iteration: int = -1, disturbed: bool = False) -> RankSignal | None:
+        """One iteration's time; one a profiler window ``disturbed`` (``ProfilerAftermath``) is skipped."""
         cfg = self.config
-        if profiled:
-            self._window += 1
-            return None
-        if self._window:
-            self._aftermath, self._window = 2 * self._window, 0
-        if self._aftermath:
-            self._aftermath -= 1
+        if disturbed:
             return None
         self._seen += 1
         if self._seen <= cfg.warmup_iterations:

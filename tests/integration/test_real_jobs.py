@@ -255,16 +255,25 @@ def _wait_for_steps(live: Live, job: str, steps: int, timeout_s: float) -> None:
 
 SETTLE_S = 5.0
 """After a job's last iteration is stored, time for its last patterns to reach the differential's findings."""
+HEALTHY_STEPS = 300
+WINDOW_AFTER_STEP = 120
+
+
+def launch_healthy(live: Live) -> Job:
+    """The healthy job: 300 steps, automatic profiling on (the default) and a manual window of 1.5 s asked
+    for once every rank is past step 120 (bench/real_jobs.py records the same job)."""
+    job = live.launch(steps=HEALTHY_STEPS)
+    _wait_for_steps(live, job.name, WINDOW_AFTER_STEP, timeout_s=90)
+    request_profile(live.config, job.name, 1.5, "manual, mid-job", start_in_s=0.5)
+    return job
 
 
 def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding_and_loses_no_step(live: Live) -> None:
     """Automatic profiling is on (the default) and a manual window opens past step 120: the steps it covers
     are marked on every rank, none is lost, and the job gets no finding update of any status."""
     assert live.config.streams.profiling.auto
-    steps = 300
-    job = live.launch(steps=steps)
-    _wait_for_steps(live, job.name, 120, timeout_s=90)
-    request_profile(live.config, job.name, 1.5, "manual, mid-job", start_in_s=0.5)
+    steps = HEALTHY_STEPS
+    job = launch_healthy(live)
     outputs = job.wait(timeout_s=150)
     assert all("profiling window" in out and "opened" in out for out in outputs), outputs
     stats = [line.split()[1:] for out in outputs for line in out.splitlines() if line.startswith("STATS")]
@@ -279,7 +288,7 @@ def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding_and
     # every rank marks the steps its windows covered (the manual one, requested past step 120): the same
     # ones, give or take the edges (each rank opens and closes at its own step boundary)
     assert set(profiled) == set(range(WORLD)), profiled
-    assert all(len([i for i in its if i >= 120]) >= 2 for its in profiled.values()), profiled
+    assert all(len([i for i in its if i >= WINDOW_AFTER_STEP]) >= 2 for its in profiled.values()), profiled
     assert all(len(set(profiled[0]) ^ set(its)) <= 4 for its in profiled.values()), profiled
     found = live.wait_for(job.name, bool, timeout_s=SETTLE_S)
     assert found == [], _show(found)

@@ -148,3 +148,33 @@ def test_two_ranks_late_together_are_not_one_straggler() -> None:
     assert not noise._clearly_late(late, 0) and not noise._clearly_late(late, 1)
     late[-8:, 1] -= 10.0  # rank 1 back with the others: rank 0 alone is late
     assert noise._clearly_late(late, 0)
+
+
+def _windowed_job(late: range, window: range, seed: int, iterations: int = 190) -> list[dict[str, Any]]:
+    """Finding records of a 4-rank job profiled on every rank in ``window``, where rank 3 arrives 12 ms late
+    at every all-reduce in the ``late`` iterations (each rank's wait jitters by 2 ms)."""
+    rng = np.random.default_rng(seed)
+    diff = JobDifferential("j")
+    out: list[dict[str, Any]] = []
+    for it in range(iterations):
+        arrival = rng.normal(0.0, 2.0, size=4) + np.where(np.arange(4) == 3, 12.0 * (it in late), 0.0)
+        for rank in range(4):
+            record = _record(rank, it, 4.0 + arrival.max() - arrival[rank], 9.0 + rng.normal(0.0, 0.5))
+            out += diff.add(record | {"profiled": it in window})
+    return out + diff.flush()
+
+
+def test_a_rank_late_in_a_profiler_windows_aftermath_is_no_straggler_one_late_after_it_is() -> None:
+    """After a 16-iteration window the ranks export its trace and publish the events it held back, each in
+    its own time: one rank late at every all-reduce for 12 iterations of the window's aftermath (twice its
+    length) is the tool's doing (a real healthy job in the suite: a false straggler a dozen steps after its
+    window). The same lateness without a window is a straggler; one that starts after the aftermath is
+    named within 10 iterations, as in a job that had no window."""
+    window = range(100, 116)
+    for seed in range(4):
+        assert _windowed_job(late=range(122, 134), window=window, seed=seed) == []
+        unannounced = _windowed_job(late=range(122, 134), window=range(0), seed=seed)
+        assert {(f["category"], f["rank"]) for f in unannounced} == {("straggler", 3)}, unannounced
+        after = _windowed_job(late=range(150, 190), window=window, seed=seed)
+        assert {(f["category"], f["rank"]) for f in after} == {("straggler", 3)}, after
+        assert 150 <= after[0]["iteration_last"] <= 160 and after[0]["status"] == "open", after[0]

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from fleetscope.streams.analysis.joblevel import JobLevelConfig, RegressionCheck, step_test
+from fleetscope.streams.analysis.joblevel import JobLevelConfig, ProfilerAftermath, RegressionCheck, step_test
 
 
 def first_flag(durations, profiled=()) -> int | None:
-    check = RegressionCheck(JobLevelConfig())
+    check, aftermath = RegressionCheck(JobLevelConfig()), ProfilerAftermath()
     for i, d in enumerate(durations):
-        if check.observe(float(d), i, profiled=i in profiled) is not None:
+        if check.observe(float(d), i, disturbed=aftermath.observe(i in profiled)) is not None:
             return i
     return None
 
