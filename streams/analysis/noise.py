@@ -16,13 +16,13 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   rank's median over its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about
   as large as the noise, on the same rank every time). A single late arrival is no evidence: a rank
   descheduled for a moment on a shared host arrives late by as much as the whole iteration;
-- a straggler also stands out when it arrived ``last_z`` times its peers' typical jitter later than
-  their median in all but ``last_misses`` of its last ``level_iterations + 1`` iterations (and by
-  ``level_z`` times it in their median): contention makes a random rank late now and then, a slow rank
-  is late nearly every time, also when a descheduled peer arrives later still. Arrival order alone is
-  weak evidence on a few ranks (one of 4 ranks is last in 7 of 8 iterations by chance once in ~2,600
-  windows: a false straggler every few hundred steps); the margin makes chance negligible. Such a rank
-  is a straggler even where no single iteration's peer comparison flagged it (``stragglers``). Never on
+- a straggler also stands out when it arrived ``last_z`` times its peers' typical jitter later than their
+  median, and than each peer on its own, in all but ``last_misses`` of its last ``level_iterations + 1``
+  iterations (and by ``level_z`` times it in their median): contention makes a random rank late now and
+  then, a slow rank is late nearly every time, also when a descheduled peer arrives later still. Arrival
+  order alone is weak evidence on a few ranks (one of 4 ranks is last in 7 of 8 iterations by chance once in
+  ~2,600 windows: a false straggler every few hundred steps); the margin makes chance negligible. Such a
+  rank is a straggler even where no single iteration's peer comparison flagged it (``stragglers``). Never on
   fewer than 4 ranks.
 
 Only jobs of up to ``max_ranks`` ranks are judged so: with more, the peers' spread in one iteration is
@@ -251,16 +251,20 @@ class JobNoise:
         """Whether rank ``col`` arrived ``last_z`` times the noise (its peers' typical jitter) later than its
         peers' median in all but ``last_misses`` of the last ``level_iterations + 1`` rows of its lateness
         history ``late`` (iterations x ranks), every one of them complete, and by ``level_z`` times that
-        noise in the median of those rows; and later than each peer, on its own, in as many rows.
+        noise in the median of those rows; and later by the same margin than each peer, on its own, in as
+        many rows.
 
         Later than each peer, not the latest of all: under heavy contention some peer, a different one each
         time, is descheduled for a moment and arrives later still in one iteration of three or four, and a
         slow rank required to be the latest was named up to 13 iterations late (a real 4-rank job in the
         full suite; simulated: 35-57, against 35-37 now). Each peer on its own still arrives before it
-        nearly every time. A peer as late as the rank passes the margin too (each one's peers' median is an
-        early rank's), and the rank is named only if it still beats that peer 6 times in 8, as before: two
-        of 4 ranks starved together on a shared host (one real job's first iterations) gave a false
-        straggler by the margin alone.
+        nearly every time. By the margin against each peer, not merely later: a peer as late as the rank
+        passes the margin over the peers' median too (each one's peers' median is an early rank's). 4 ranks
+        on 2 cores pair up per core, and the pair on the busier core arrives late together for a dozen
+        iterations, one of them a few ms the later 7 times in 8 (two healthy real 4-rank jobs: false
+        stragglers at iterations 90 and 212; and one job's first iterations). A rank slow of its own is
+        late by the margin beyond its core mate too, which its extra work slows a little as well (the
+        recorded 3x-forward jobs: named at 35-38, as before but one, 35 to 36).
 
         Only on 4 ranks or more: one rank's lateness is the other's earliness on 2, so no statistic of the
         pair says which one is the cause (a healthy 2-rank job on one H100 took turns being last for long
@@ -277,7 +281,8 @@ class JobNoise:
             return False
         if np.median(excess) < self.config.level_z * noise:
             return False  # late by far, typically
-        return bool((np.count_nonzero(window[:, [col]] > peers, axis=0) >= need).all())
+        margin = self.config.last_z * noise
+        return bool((np.count_nonzero(window[:, [col]] - peers >= margin, axis=0) >= need).all())
 
     def _matrix(self, function: str, rank: int, lateness: bool) -> tuple[F64 | None, int]:
         """The function's recent values (iterations x ranks; lateness for a collective) and the rank's column."""

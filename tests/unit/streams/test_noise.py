@@ -178,3 +178,21 @@ def test_a_rank_late_in_a_profiler_windows_aftermath_is_no_straggler_one_late_af
         after = _windowed_job(late=range(150, 190), window=window, seed=seed)
         assert {(f["category"], f["rank"]) for f in after} == {("straggler", 3)}, after
         assert 150 <= after[0]["iteration_last"] <= 160 and after[0]["status"] == "open", after[0]
+
+
+def test_two_ranks_starved_together_are_no_straggler_even_when_one_is_a_hair_later_a_slow_rank_beside_them_is() -> None:
+    """4 ranks on 2 cores pair up per core; the pair on the busier core arrives late together for a dozen
+    iterations (two healthy real jobs, recorded: ranks 0 and 2 late by 10-50 ms at iterations 205-222, rank 2
+    the later of the two 7 times in 8 by a few ms, and a false straggler). Later than each peer is not
+    enough: by the margin, against each peer on its own. A rank slow of its own (3x forward) is late by the
+    margin beyond its core mate too, which its extra work slows a little as well."""
+    noise = JobNoise()
+    rng = np.random.default_rng(5)
+    late = rng.normal(size=(24, 4))
+    late[-8:, [0, 2]] += rng.uniform(10.0, 50.0, size=(8, 1))  # starved together, by as much
+    late[-8:, 2] = late[-8:, 0] + np.array([0.6, 0.4, -0.5, 0.3, 0.7, 0.2, 0.5, 0.4])
+    assert not noise._clearly_late(late, 2) and not noise._clearly_late(late, 0)
+    slow = rng.normal(size=(24, 4))
+    slow[-8:, 1] += 30.0
+    slow[-8:, 3] += 10.0  # its core mate
+    assert noise._clearly_late(slow, 1) and not noise._clearly_late(slow, 3)
