@@ -102,9 +102,9 @@ class ProfilerAftermath:
     After a window the ranks export its trace and publish the events it held back, and the pipeline digests
     them: the steps run slower by the tool's doing, and unevenly by rank (each rank's export and backlog
     end at their own time). A real healthy 4-rank job on 2 cores: every step 30-250 % slower for 18
-    iterations after a 16-iteration window, a false ``job_regression``; and one rank late at every
-    all-reduce for 8 iterations a dozen steps after one, a false ``straggler``. Twice the window's length
-    is a margin over that measurement, not a law."""
+    iterations after a 16-iteration window, a false ``job_regression``; and, in a suite run beside other
+    load, one rank late at every all-reduce for 8 iterations a dozen steps after one, a false ``straggler``.
+    Twice the window's length is a margin over the first measurement, not a law."""
 
     def __init__(self) -> None:
         self._window = 0
