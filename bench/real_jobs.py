@@ -3,6 +3,7 @@ replayed through today's differential: how a rule change does on the same real a
 
     python bench/real_jobs.py record DIR [--jobs compute,dataloader,gc,none] [--load steady|bursty|none]
     python bench/real_jobs.py replay DIR
+    python bench/real_jobs.py export DIR NAME...   (into tests/data/real_jobs, which a unit test replays)
 
 ``record`` runs each job (faults from step 30, healthy ones as the test runs them: 300 steps, a manual
 profiling window past step 120) through the embedded stack (real Tansu broker, worker and chDB) beside a
@@ -30,13 +31,14 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path[:0] = [str(ROOT / "tests" / "integration"), str(ROOT / "tests")]
 
+import recorded_jobs  # noqa: E402  (the unit tests' recorded jobs: their format)
 import test_real_jobs as real  # noqa: E402  (the test's job, faults and harness: one definition)
 
 from fleetscope.broker import TansuBroker  # noqa: E402
 from fleetscope.config import load_config  # noqa: E402
-from fleetscope.schemas import Topics  # noqa: E402
+from fleetscope.schemas import Topics, decode  # noqa: E402
 from fleetscope.stack import EmbeddedStack  # noqa: E402
 from fleetscope.streams.differential import DifferentialStage  # noqa: E402
 
@@ -151,6 +153,17 @@ def replay(folder: Path) -> int:
     return 0
 
 
+def export(folder: Path, names: list[str]) -> None:
+    """Save the named recordings' pattern records, in publication order, as the unit tests' recorded jobs."""
+    for name in names:
+        saved = pickle.loads((folder / f"{name}.pkl").read_bytes())
+        messages = sorted(saved["messages"], key=lambda m: (m[2], m[0], m[1]))
+        values = [value for _, _, _, value in messages if decode(value)[0] == "patterns"]
+        path = recorded_jobs.RECORDED / recorded_jobs.file_name(saved["fault"], saved["faulty"], name.split("-")[-1])
+        recorded_jobs.save(path, values)
+        print(f"{path}: {len(values)} pattern records, {path.stat().st_size} bytes")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -160,9 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--load", choices=("steady", "bursty", "none"), default="bursty")
     rep = sub.add_parser("replay", help="replay saved jobs through today's differential")
     rep.add_argument("folder", type=Path)
+    exp = sub.add_parser("export", help="save recordings as the unit tests' recorded jobs (tests/data/real_jobs)")
+    exp.add_argument("folder", type=Path)
+    exp.add_argument("names", nargs="+", help="recordings (file names without .pkl)")
     args = ap.parse_args(argv)
     if args.command == "record":
         record(args.folder, args.jobs.split(","), args.load)
+        return 0
+    if args.command == "export":
+        export(args.folder, args.names)
         return 0
     return replay(args.folder)
 

@@ -1,0 +1,49 @@
+"""Real 4-rank PyTorch jobs as their windowers published them: the pattern records of each, byte for byte, in
+publication order (``bench/real_jobs.py record`` ran them through the live stack, ``export`` wrote these).
+
+A file is ``<fault>-rank<R>-<id>.bin.gz`` (``none-<id>.bin.gz`` for a healthy job): gzip of the messages,
+each a 4-byte big-endian length and the message. Importable from every test as ``recorded_jobs``."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+RECORDED = Path(__file__).resolve().parent / "data" / "real_jobs"
+_LENGTH = struct.Struct(">I")
+
+
+@dataclass(frozen=True)
+class Recording:
+    path: Path
+    fault: str
+    faulty: int
+    """The faulty rank; -1 for a healthy job."""
+
+    def messages(self) -> list[bytes]:
+        data = gzip.decompress(self.path.read_bytes())
+        out, at = [], 0
+        while at < len(data):
+            (n,) = _LENGTH.unpack_from(data, at)
+            out.append(data[at + _LENGTH.size : at + _LENGTH.size + n])
+            at += _LENGTH.size + n
+        return out
+
+
+def file_name(fault: str, faulty: int, job_id: str) -> str:
+    return f"none-{job_id}.bin.gz" if faulty < 0 else f"{fault}-rank{faulty}-{job_id}.bin.gz"
+
+
+def save(path: Path, messages: list[bytes]) -> None:
+    path.write_bytes(gzip.compress(b"".join(_LENGTH.pack(len(m)) + m for m in messages), mtime=0))
+
+
+def recordings() -> list[Recording]:
+    out = []
+    for path in sorted(RECORDED.glob("*.bin.gz")):
+        fault, *rest = path.name.removesuffix(".bin.gz").split("-")
+        faulty = int(rest[0].removeprefix("rank")) if fault != "none" else -1
+        out.append(Recording(path, fault, faulty))
+    return out

@@ -1,0 +1,55 @@
+"""Real 4-rank PyTorch jobs (gloo on 2 shared cores, beside the stack), replayed from what their windowers
+published (tests/data/real_jobs, ``recorded_jobs``): real arrivals, not the simulator's.
+
+The healthy ones each gave a false straggler before the arrival rule asked for the margin against each
+peer: 4 ranks on 2 cores pair up per core, and the pair on the busier core arrives late together for a
+dozen iterations (iterations 90, 190 and 212). The faulty ones (from step 30) must be named within 10
+iterations, and no other rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from recorded_jobs import Recording, recordings
+
+from fleetscope.streams.differential import DifferentialStage
+
+FAULT_AT = 30
+NAMED: dict[str, tuple[str | None, str | None]] = {
+    "compute": ("straggler", None),  # 3x forward: late at the all-reduce
+    "dataloader": ("host_slow", "dataloader.next"),
+    "gc": ("host_slow", "gc.collect"),
+}
+
+
+def _opened(recording: Recording) -> list[dict[str, Any]]:
+    """Every finding the differential opens on the recording, fed as the worker reads it (offline: an
+    iteration waits for all its ranks)."""
+    stage = DifferentialStage()
+    updates: list[dict[str, Any]] = []
+    for message in recording.messages():
+        taken = stage.take(message, None)
+        assert taken.reason is None, taken.reason
+        updates += taken.findings
+    for job in list(stage.jobs):
+        updates += stage.flush(job)
+    return [u for u in updates if u["status"] == "open"]
+
+
+@pytest.mark.parametrize("recording", recordings(), ids=lambda r: r.path.name.removesuffix(".bin.gz"))
+def test_a_recorded_real_job_gets_exactly_its_faults_finding(recording: Recording) -> None:
+    opened = _opened(recording)
+    shown = [(u["category"], u["rank"], u["function"], u["iteration_last"]) for u in opened]
+    if recording.faulty < 0:
+        assert opened == [], shown
+        return
+    category, function = NAMED[recording.fault]
+    named = [u for u in opened if u["rank"] == recording.faulty and u["category"] == category]
+    assert named and function in (None, named[0]["function"]), shown
+    assert FAULT_AT <= named[0]["iteration_last"] <= FAULT_AT + 10, shown
+    assert {u["rank"] for u in opened if u["rank"] >= 0} == {recording.faulty}, shown
+
+
+def test_the_recordings_are_there() -> None:
+    assert {r.fault for r in recordings()} == {"none", *NAMED}, "tests/data/real_jobs lost a recording"
