@@ -12,6 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RECORDED = Path(__file__).resolve().parent / "data" / "real_jobs"
+FAULT_AT = 30
+"""The step from which a faulty rank of the real-job test's job is faulty."""
+FAULTS: dict[str, tuple[int, str | None, str | None]] = {
+    "dataloader": (2, "host_slow", "dataloader.next"),
+    "gc": (3, "host_slow", "gc.collect"),
+    "compute": (1, None, None),  # any finding naming the rank (continuous mode: a straggler from arrival)
+}
+"""Each fault of the real-job test's job: its rank and the finding that must name it (category and function;
+None: any), within 10 iterations of ``FAULT_AT``. The live test, the bench and the recordings' test share it."""
 _LENGTH = struct.Struct(">I")
 
 

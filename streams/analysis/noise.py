@@ -276,12 +276,11 @@ class JobNoise:
         noise = _noise(late, col, among=np.nanmedian)
         peers = np.delete(window, col, axis=1)
         excess = window[:, col] - np.median(peers, axis=1)
-        need = window.shape[0] - self.config.last_misses
-        if np.count_nonzero(excess >= self.config.last_z * noise) < need:
+        need, margin = window.shape[0] - self.config.last_misses, self.config.last_z * noise
+        if np.count_nonzero(excess >= margin) < need:
             return False
         if np.median(excess) < self.config.level_z * noise:
             return False  # late by far, typically
-        margin = self.config.last_z * noise
         return bool((np.count_nonzero(window[:, [col]] - peers >= margin, axis=0) >= need).all())
 
     def _matrix(self, function: str, rank: int, lateness: bool) -> tuple[F64 | None, int]:

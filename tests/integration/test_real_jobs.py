@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from recorded_jobs import FAULT_AT, FAULTS
 
 from fleetscope.broker import free_port
 from fleetscope.config import Config, load_config
@@ -32,7 +33,6 @@ from fleetscope.stack import EmbeddedStack
 pytestmark = pytest.mark.integration
 
 WORLD = 4
-FAULT_AT = 30
 
 # argv: steps, fault (none|dataloader|gc|compute|block), faulty rank, fault step
 JOB = """
@@ -294,11 +294,6 @@ def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding_and
     assert found == [], _show(found)
 
 
-FAULTS: dict[str, tuple[int, str | None, str | None]] = {
-    "dataloader": (2, "host_slow", "dataloader.next"),
-    "gc": (3, "host_slow", "gc.collect"),
-    "compute": (1, None, None),  # any finding naming the rank (continuous mode: a straggler from arrival)
-}
 FAULT_STEPS = 56
 
 

@@ -11,16 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from recorded_jobs import Recording, recordings
+from recorded_jobs import FAULT_AT, FAULTS, Recording, recordings
 
 from fleetscope.streams.differential import DifferentialStage
-
-FAULT_AT = 30
-NAMED: dict[str, tuple[str | None, str | None]] = {
-    "compute": ("straggler", None),  # 3x forward: late at the all-reduce
-    "dataloader": ("host_slow", "dataloader.next"),
-    "gc": ("host_slow", "gc.collect"),
-}
 
 
 def _opened(recording: Recording) -> list[dict[str, Any]]:
@@ -44,12 +37,13 @@ def test_a_recorded_real_job_gets_exactly_its_faults_finding(recording: Recordin
     if recording.faulty < 0:
         assert opened == [], shown
         return
-    category, function = NAMED[recording.fault]
-    named = [u for u in opened if u["rank"] == recording.faulty and u["category"] == category]
+    faulty, category, function = FAULTS[recording.fault]
+    assert recording.faulty == faulty, recording
+    named = [u for u in opened if u["rank"] == faulty and category in (None, u["category"])]
     assert named and function in (None, named[0]["function"]), shown
     assert FAULT_AT <= named[0]["iteration_last"] <= FAULT_AT + 10, shown
     assert {u["rank"] for u in opened if u["rank"] >= 0} == {recording.faulty}, shown
 
 
 def test_the_recordings_are_there() -> None:
-    assert {r.fault for r in recordings()} == {"none", *NAMED}, "tests/data/real_jobs lost a recording"
+    assert {r.fault for r in recordings()} == {"none", *FAULTS}, "tests/data/real_jobs lost a recording"
