@@ -343,7 +343,12 @@ def test_a_rank_blocked_forever_is_named_as_the_one_that_never_entered_the_colle
         found = live.wait_for(job.name, lambda us: any(u["category"] == "hang" for u in us), timeout_s=40)
 
         def settled(latest: dict[int, dict[str, Any]]) -> bool:
-            return len(latest) == WORLD and all(hb["sent_ns"] > blocked_ns + 1e9 for hb in latest.values())
+            """Every rank's heartbeat since the block, none still saying ``profiling``: an automatic window
+            (a job-wide finding before the block asks for one) is claimed until ``HOLD_GRACE_NS`` past its
+            planned end, and the hang is reported only after that (``hangs``), so such heartbeats come."""
+            return len(latest) == WORLD and all(
+                hb["sent_ns"] > blocked_ns + 1e9 and not hb["profiling"] for hb in latest.values()
+            )
 
         latest = live.heartbeats(job.name, settled, timeout_s=20)
     finally:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.noise import JobNoise
+from fleetscope.streams.analysis.noise import JobNoise, _noise
 
 
 def test_chance_alone_makes_no_rank_clearly_late_a_slow_rank_overtaken_twice_is() -> None:
@@ -32,6 +32,33 @@ def test_chance_alone_makes_no_rank_clearly_late_a_slow_rank_overtaken_twice_is(
         few = rng.normal(size=(24, ranks))
         few[:, 1] += 6.0
         assert not noise._clearly_late(few, 1)
+
+
+def _behind_every_peer(leads: list[float], seed: int) -> tuple[np.ndarray, float]:
+    """A 4-rank lateness history (24 iterations) whose rank 1 arrives ``leads`` (in units of its peers'
+    jitter) after the latest peer in its last iterations; and that jitter."""
+    late = np.random.default_rng(seed).normal(size=(24, 4))
+    noise = _noise(late, 1, among=np.nanmedian)
+    rows = range(24 - len(leads), 24)
+    late[rows, 1] = np.delete(late[rows], 1, axis=1).max(axis=1) + np.asarray(leads) * noise
+    return late, noise
+
+
+def test_a_rank_behind_every_peer_each_iteration_is_named_by_its_summed_lead_a_burst_of_three_is_not() -> None:
+    """The recorded 3x-forward job's pattern: behind every peer each iteration, but in half of them by less
+    than the margin (twice the jitter), which the count by the margin misses; its lead adds up (``_leads``).
+    Three iterations behind every peer by far, one descheduling burst, add up to less than the alarm; a
+    fourth passes it."""
+    noise = JobNoise()
+    for seed in range(20):
+        late, noise_ns = _behind_every_peer([1.6, 4.0] * 4, seed)  # a sum of 8.4 after 7 iterations
+        assert noise._clearly_late(late, 1), seed
+        late[-8:, 1] -= noise_ns  # by one unit less: 6.4 after 8
+        assert not noise._clearly_late(late, 1), seed
+        late, _ = _behind_every_peer([8.0] * 3, seed)
+        assert not noise._clearly_late(late, 1), seed
+        late, _ = _behind_every_peer([8.0] * 4, seed)
+        assert noise._clearly_late(late, 1), seed
 
 
 def _record(rank: int, it: int, wait_ms: float, loader_ms: float) -> dict[str, Any]:
