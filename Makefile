@@ -22,17 +22,14 @@ demo: $(STAMP)
 	$(BIN)/fleetscope demo $(DEMO_ARGS)
 
 # Lint, format and types first (seconds), then the tests: the unit tests (CPU-bound, no shared service) one
-# process per core; then the integration tests two at a time (each mostly waits on its broker, worker and
-# store; tests that share a session's run stay together: xdist_group), each process with its own broker and
-# chDB; then, one at a time with nothing beside them, the real PyTorch jobs, whose 4 ranks take both cores
-# and whose findings are judged on their timing (marker `alone`).
+# process per core, then the integration tests one at a time (their real jobs and workers share the cores,
+# and several judge timing).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest -q -n auto tests/unit
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not alone" tests/integration
-	$(BIN)/python -m pytest -q -m alone tests/integration
+	$(BIN)/python -m pytest -q tests/integration
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

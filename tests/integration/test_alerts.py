@@ -21,7 +21,7 @@ from fleetscope.broker import ensure_topics
 from fleetscope.schemas import Topics, encode
 from fleetscope.schemas.topics import job_key
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("slow_gpu_demo")]
+pytestmark = pytest.mark.integration
 
 MAX_DELAY_S = 5.0
 

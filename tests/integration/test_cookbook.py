@@ -24,7 +24,7 @@ from fleetscope.sinks.clickhouse import TABLES
 from fleetscope.storeserver import StoreServer, Tokens
 from fleetscope.streams.offline import OfflinePipeline
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("slow_gpu_demo")]
+pytestmark = pytest.mark.integration
 
 COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "sql-cookbook.md"
 SLOW_RANK = SLOW_GPU_RANK

@@ -29,7 +29,7 @@ from tests.integration.worker_runs import (
     stall,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("one_worker_run")]
+pytestmark = pytest.mark.integration
 
 
 def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:

@@ -13,7 +13,7 @@ from harness import SLOW_GPU_RANK, SlowGpuRun
 
 from fleetscope.sinks import connect, table_counts
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("slow_gpu_demo")]
+pytestmark = pytest.mark.integration
 
 
 def test_sixteen_ranks_with_one_slow_gpu_end_to_end(slow_gpu_demo: SlowGpuRun) -> None:

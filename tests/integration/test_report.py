@@ -20,7 +20,7 @@ from fleetscope.config import Config
 from fleetscope.report import collect, render_html
 from fleetscope.sinks import Store, open_store
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("slow_gpu_demo")]
+pytestmark = pytest.mark.integration
 
 SLOW_RANK = SLOW_GPU_RANK
 ITERATIONS = 20

@@ -20,7 +20,7 @@ from tests.integration.worker_runs import (
     run_pipeline,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("one_worker_run")]
+pytestmark = pytest.mark.integration
 
 
 def _a_third_stored(_publishing: Publishing, rows: int) -> bool:
