@@ -103,7 +103,7 @@ def record(folder: Path, jobs: list[str], load: str) -> None:
                 for fault in jobs:
                     faulty = real.FAULTS[fault][0] if fault in real.FAULTS else -1
                     steps = real.FAULT_STEPS if fault in real.FAULTS else real.HEALTHY_STEPS
-                    job = live.launch(fault, faulty, steps=steps) if faulty >= 0 else real.launch_healthy(live)
+                    job = live.launch(fault, faulty, steps=steps) if fault in real.FAULTS else real.launch_healthy(live)
                     try:
                         job.wait(timeout_s=600)
                         real._wait_for_steps(live, job.name, steps - 2, timeout_s=60)
@@ -113,7 +113,7 @@ def record(folder: Path, jobs: list[str], load: str) -> None:
                     saved = {"fault": fault, "faulty": faulty, "load": load, "found": found,
                              "messages": _patterns(config, job.name)}  # fmt: skip
                     (folder / f"{job.name}.pkl").write_bytes(pickle.dumps(saved))
-                    print(f"{job.name}: {len(saved['messages'])} messages; live: {verdict(faulty, found)}", flush=True)
+                    print(f"{job.name}: {len(saved['messages'])} messages; live: {verdict(fault, found)}", flush=True)
         finally:
             for process in loads:
                 if process.is_alive():
@@ -121,13 +121,14 @@ def record(folder: Path, jobs: list[str], load: str) -> None:
             broker.stop()
 
 
-def verdict(faulty: int, updates: list[dict[str, Any]]) -> str:
+def verdict(fault: str, updates: list[dict[str, Any]]) -> str:
     """Opened findings as category:rank@iteration, then OK or BAD by the real-job test's bar."""
     opened = [u for u in updates if u["status"] == "open"]
-    named = [u for u in opened if u["rank"] == faulty]
+    faulty, category, _ = real.FAULTS.get(fault, (-1, None, None))
+    named = [u for u in opened if u["rank"] == faulty and category in (None, u["category"])]
     culprits = {int(u["rank"]) for u in opened if int(u["rank"]) >= 0}
     on_time = bool(named) and real.FAULT_AT <= named[0]["iteration_last"] <= real.FAULT_AT + 10
-    ok = not opened if faulty < 0 else on_time and culprits == {faulty}
+    ok = not opened if fault not in real.FAULTS else on_time and culprits == {faulty} - {-1}
     text = " ".join(f"{u['category']}:{u['rank']}@{u['iteration_last']}" for u in opened) or "nothing"
     return f"{'OK ' if ok else 'BAD'} {text}"
 
@@ -145,10 +146,10 @@ def replay(folder: Path) -> int:
             updates += taken.findings
         for job in list(stage.jobs):
             updates += stage.flush(job)
-        line = verdict(saved["faulty"], updates)
+        line = verdict(saved["fault"], updates)
         bad += line.startswith("BAD")
         print(f"{path.stem:24} {saved['fault']:10} {saved['load']:7} now: {line}")
-        print(f"{'':43} live: {verdict(saved['faulty'], saved['found'])}")
+        print(f"{'':43} live: {verdict(saved['fault'], saved['found'])}")
     print(f"{bad} job(s) below the bar")
     return 0
 

@@ -52,10 +52,11 @@ except ImportError as _exc:  # torch is an optional extra
 
 from fleetscope.producers import torch_layout, torch_patches
 from fleetscope.producers.control import ControlListener, ControlListenerConfig, ControlRequest
+from fleetscope.producers.cpu_wait import CpuWaitClock
 from fleetscope.producers.publisher import Publisher, PublisherConfig
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig, RecorderStats
 from fleetscope.producers.torch_profiling import ProfilingWindow, WindowConfig, window_batches
-from fleetscope.schemas import PROFILING_WINDOW, EventKind, step_marker_name
+from fleetscope.schemas import CPU_WAIT, PROFILING_WINDOW, EventKind, step_marker_name
 
 __all__ = ["Monitor", "monitor", "profile", "span", "start", "stats", "step", "stop"]
 
@@ -92,6 +93,9 @@ class Monitor:
         self._window: ProfilingWindow | None = None
         self._pending: ControlRequest | None = None
         self._layout: torch_layout.LayoutTracker | None = None
+        self._cpu_wait = CpuWaitClock()
+        """Read at the start and at each boundary, so in the training thread (the file stays bound to it)."""
+        self._wait_start: int | None = None
 
     def start(self) -> None:
         self.recorder.start()
@@ -102,6 +106,7 @@ class Monitor:
         torch_patches.reset_sequences()
         self._layout = self.recorder.guard("layout_start", torch_layout.track, self.recorder)
         self._step_start_ns = time.time_ns()
+        self._wait_start = self._cpu_wait.read()
 
     def stop(self) -> None:
         if self._window is not None:
@@ -109,6 +114,7 @@ class Monitor:
         for part in (self._listener, self._sampler):
             if part is not None:
                 self.recorder.guard("stop", part.stop)
+        self._cpu_wait.close()
         self.recorder.stop()
 
     # -- step boundaries (training thread) -----------------------------------------------------------
@@ -121,12 +127,16 @@ class Monitor:
         now = time.time_ns() if now_ns is None else now_ns
         if self._layout is not None:  # groups created after the start (a counter compare per step)
             self.recorder.guard("layout", self._layout.refresh)
+        wait = self._cpu_wait.read()
         if self._step_start_ns is not None:
             name = step_marker_name(self.step_num)
             self.recorder.python_span(name, self._step_start_ns, now - self._step_start_ns, 0)
+            if wait is not None and self._wait_start is not None:  # the step's run-queue wait (cpu_wait)
+                self.recorder.python_span(CPU_WAIT, self._step_start_ns, max(wait - self._wait_start, 0), 0)
             self.recorder.state.step_done(self.step_num, now)
             self.step_num += 1
         self._step_start_ns = now
+        self._wait_start = wait
         self._window_tick(now)
 
     def on_optimizer_step(self, start_ns: int, end_ns: int) -> None:

@@ -116,6 +116,17 @@ def is_profiling_window(name: str) -> bool:
     return name == PROFILING_WINDOW
 
 
+CPU_WAIT = "fleetscope#cpu_wait"
+"""Host span a producer publishes at each step boundary: it starts with the step, and its length is the time
+the training thread waited for a CPU during the step (run-queue wait), not an interval of work; the
+iteration's ``cpu_wait_ns``."""
+
+
+def is_cpu_wait(name: str) -> bool:
+    """Whether a host span carries a step's run-queue wait (not a host function: never scored)."""
+    return name == CPU_WAIT
+
+
 _SYNC_RE = re.compile(
     r"^(cuda(Stream|Device|Event|Ctx)Synchronize|cudaStreamWaitEvent|cuStreamSynchronize|cuCtxSynchronize"
     r"|cuEventSynchronize|cudaStreamQuery|aten::item|aten::_local_scalar_dense|c10d::wait|ProcessGroupNCCL::wait"

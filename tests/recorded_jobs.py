@@ -1,8 +1,9 @@
 """Real 4-rank PyTorch jobs as their windowers published them: the pattern records of each, byte for byte, in
 publication order (``bench/real_jobs.py record`` ran them through the live stack, ``export`` wrote these).
 
-A file is ``<fault>-rank<R>-<id>.bin.gz`` (``none-<id>.bin.gz`` for a healthy job): gzip of the messages,
-each a 4-byte big-endian length and the message. Importable from every test as ``recorded_jobs``."""
+A file is ``<fault>-rank<R>-<id>.bin.gz`` (``<fault>-<id>.bin.gz`` for a healthy job, ``none``, and a fault of
+the whole job): gzip of the messages, each a 4-byte big-endian length and the message. Importable from every
+test as ``recorded_jobs``."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ FAULTS: dict[str, tuple[int, str | None, str | None]] = {
     "dataloader": (2, "host_slow", "dataloader.next"),
     "gc": (3, "host_slow", "gc.collect"),
     "compute": (1, None, None),  # any finding naming the rank (continuous mode: a straggler from arrival)
+    "slowdown": (-1, "job_regression", "iteration"),  # every rank's forward 4 times over: the job's own work
 }
-"""Each fault of the real-job test's job: its rank and the finding that must name it (category and function;
-None: any), within 10 iterations of ``FAULT_AT``. The live test, the bench and the recordings' test share it."""
+"""Each fault of the real-job test's job: its rank (-1: every rank, the job) and the finding that must name it
+(category and function; None: any), within 10 iterations of ``FAULT_AT``, and no other rank. The live test,
+the bench and the recordings' test share it."""
 _LENGTH = struct.Struct(">I")
 
 
@@ -29,7 +32,7 @@ class Recording:
     path: Path
     fault: str
     faulty: int
-    """The faulty rank; -1 for a healthy job."""
+    """The faulty rank; -1 for a healthy job or a fault of the whole job."""
 
     def messages(self) -> list[bytes]:
         data = gzip.decompress(self.path.read_bytes())
@@ -42,7 +45,7 @@ class Recording:
 
 
 def file_name(fault: str, faulty: int, job_id: str) -> str:
-    return f"none-{job_id}.bin.gz" if faulty < 0 else f"{fault}-rank{faulty}-{job_id}.bin.gz"
+    return f"{fault}-{job_id}.bin.gz" if faulty < 0 else f"{fault}-rank{faulty}-{job_id}.bin.gz"
 
 
 def save(path: Path, messages: list[bytes]) -> None:
@@ -53,6 +56,6 @@ def recordings() -> list[Recording]:
     out = []
     for path in sorted(RECORDED.glob("*.bin.gz")):
         fault, *rest = path.name.removesuffix(".bin.gz").split("-")
-        faulty = int(rest[0].removeprefix("rank")) if fault != "none" else -1
+        faulty = int(rest[0].removeprefix("rank")) if rest[0].startswith("rank") else -1
         out.append(Recording(path, fault, faulty))
     return out

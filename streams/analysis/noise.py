@@ -322,7 +322,9 @@ def _leads(lead: F64, noise: float, cfg: NoiseConfig) -> bool:
     for the 3x-forward ranks; a burst of three stays below the alarm; pairs starved together lead nobody
     (each one's core mate is as late)."""
     total = 0.0
-    for step in np.minimum(lead / noise, cfg.lead_cap) - cfg.lead_allowance:
+    with np.errstate(divide="ignore", invalid="ignore"):  # no jitter at all: any lead counts in full
+        steps = np.minimum(lead / noise, cfg.lead_cap) - cfg.lead_allowance
+    for step in steps:
         total = max(0.0, total + float(step))
         if total >= cfg.lead_alarm:
             return True

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
-from fleetscope.schemas.vocabulary import host_phase, is_profiling_window
+from fleetscope.schemas.vocabulary import host_phase, is_cpu_wait, is_profiling_window
 from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
@@ -151,6 +151,10 @@ class RankWindower:
     _windows: list[tuple[int, int]] = field(default_factory=list)
     """The rank's latest profiler windows (start, end): the steps they overlap are ``profiled``, and the
     events a window holds back make no stall."""
+    _is_wait: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    """Per name of ``_names``, whether it is a step's run-queue wait span (``CPU_WAIT``)."""
+    _waits: dict[int, int] = field(default_factory=dict)
+    """Run-queue wait spans not yet attributed to a closed step: start -> wait (ns)."""
     _mean_ns: float = 0.0
     _gpu_end_memo: tuple[tuple[int, int], Cols | None, Cols | None, int] | None = None
     """The last ``_gpu_end`` answer and the kernel/collective buffers it read (buffers are replaced, never
@@ -295,9 +299,15 @@ class RankWindower:
             self._is_marker = np.concatenate((self._is_marker, np.array([s is not None for s in new], dtype=bool)))
             windows = np.array([is_profiling_window(n) for n in names], dtype=bool)
             self._is_window = np.concatenate((self._is_window, windows))
+            waits = np.array([is_cpu_wait(n) for n in names], dtype=bool)
+            self._is_wait = np.concatenate((self._is_wait, waits))
         is_window = self._is_window[ids]
         if is_window.any():
             cols = self._take_windows(cols, is_window)
+            ids = cols["name_id"]
+        is_wait = self._is_wait[ids]
+        if is_wait.any():
+            cols = self._take_waits(cols, is_wait)
             ids = cols["name_id"]
         is_marker = self._is_marker[ids]
         if not is_marker.any():
@@ -318,6 +328,22 @@ class RankWindower:
             self._windows.append((start, start + max(int(cols["dur_ns"][i]), 0)))
         self._windows = sorted(set(self._windows))[-_MAX_WINDOWS:]
         return {k: v[~is_window] for k, v in cols.items()}
+
+    def _take_waits(self, cols: Cols, is_wait: npt.NDArray[np.bool_]) -> Cols:
+        for i in np.flatnonzero(is_wait).tolist():
+            start = int(cols["start_ns"][i])
+            if start >= self._closed_end_ns and len(self._waits) < 16 * self.config.max_open_steps:
+                self._waits[start] = self._waits.get(start, 0) + max(int(cols["dur_ns"][i]), 0)
+        return {k: v[~is_wait] for k, v in cols.items()}
+
+    def _cpu_wait(self, start: int, end: int) -> int:
+        """The run-queue wait of the step [start, end) (the wait spans starting in it; -1: none measured),
+        and those of earlier steps forgotten."""
+        waits = [(t, w) for t, w in self._waits.items() if t < end]
+        for t, _ in waits:
+            del self._waits[t]
+        inside = [w for t, w in waits if t >= start]
+        return sum(inside) if inside else -1
 
     def _profiled(self, start: int, end: int) -> bool:
         """Whether a profiler window overlaps the step [start, end)."""
@@ -448,4 +474,5 @@ class RankWindower:
         self.counters.iterations += 1
         who = identity(self.header) if self.header else {}
         who["profiled"] = self._profiled(start, end)
+        who["cpu_wait_ns"] = self._cpu_wait(start, end)
         return ClosedIteration.pending(events, who, self._mode or "step_marker")

@@ -2,7 +2,8 @@
 Tansu broker, real Faust worker, real chDB — held to the issue's strict acceptance: a healthy 300-step job
 with automatic profiling on and a manual profiling window in the middle gets no finding update at all and
 loses no step; a slow data loader, a GC-bound rank or a rank computing its forward 3 times over, from step
-30, is named within 10 iterations and no other rank is named by any finding of its job; a rank blocked
+30, is named within 10 iterations and no other rank is named by any finding of its job (every rank computing
+its forward 4 times over: a ``job_regression``, and no rank named); a rank blocked
 forever is named, from heartbeats alone, as the one that never entered the collective, with its group and
 sequence number.
 """
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 WORLD = 4
 
-# argv: steps, fault (none|dataloader|gc|compute|block), faulty rank, fault step
+# argv: steps, fault (none|dataloader|gc|compute|slowdown|block), faulty rank (slowdown: every rank), fault step
 JOB = """
 import gc, logging, os, sys, threading, time
 from datetime import timedelta
@@ -64,7 +65,8 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         with torch.no_grad():
-            for _ in range(3 if fault == "compute" and mine and step >= at else 1):
+            reps = 3 if fault == "compute" and mine and step >= at else 1
+            for _ in range(4 if fault == "slowdown" and step >= at else reps):
                 features = torch.tanh(x @ self.projection)
         return self.mlp(features)
 
@@ -299,10 +301,11 @@ FAULT_STEPS = 56
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_faulty_rank_is_named_within_ten_iterations_and_no_other_rank_is(live: Live, fault: str) -> None:
-    """The faulty rank is named within 10 iterations and no finding names another rank as its culprit. A
-    ``job_regression`` names none (rank -1): the whole job is slower, and here it can truly be, since the
-    job shares 2 cores with the broker, worker and store (one recorded run: every step from 115 to 165 ms
-    from iteration 15 on, a sustained step of the whole job, which the detector must report)."""
+    """The faulty rank (for ``slowdown``, the job: rank -1) is named within 10 iterations and no finding names
+    another rank as its culprit. A ``job_regression`` names none (rank -1). The job shares 2 cores with the
+    broker, worker and store, which slow every step by 30-100 % for a while (one recorded run: every step
+    from 115 to 165 ms from iteration 15 on): every ms of that is the ranks' run-queue wait, which the torch
+    hook measures and the regression test leaves out."""
     faulty, category, function = FAULTS[fault]
 
     def named(updates: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -325,7 +328,7 @@ def test_a_faulty_rank_is_named_within_ten_iterations_and_no_other_rank_is(live:
         job.kill()
     assert named(found), _show(found)
     assert FAULT_AT <= named(found)[0]["iteration_last"] <= FAULT_AT + 10, _show(found)
-    assert _named([u for u in found if u["rank"] >= 0]) == {faulty}, _show(found)
+    assert _named([u for u in found if u["rank"] >= 0]) == {faulty} - {-1}, _show(found)
 
 
 def test_a_rank_blocked_forever_is_named_as_the_one_that_never_entered_the_collective(live: Live) -> None:

@@ -16,6 +16,7 @@ from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.publisher import PublisherStats
 from fleetscope.producers.rank_recorder import HOLD_GRACE_NS, RankIdentity, Recorder, RecorderConfig
 from fleetscope.schemas import (
+    CPU_WAIT,
     GC_PAUSE,
     BatchHeader,
     EventBatch,
@@ -303,6 +304,13 @@ def test_step_markers_optimizer_spans_and_collectives_with_sequence_numbers(hook
     names = [b.names[i] for b in spans for i in b["name_id"]]
     assert [parse_step_marker(n) for n in names if parse_step_marker(n) is not None] == [0, 1, 2]
     assert names.count("optimizer.step") == 3
+    # each step's run-queue wait, as a span starting with the step (its length: the wait, here a few ms)
+    markers = {int(s): int(b["start_ns"][j]) for b in spans for j, i in enumerate(b["name_id"])
+               if (s := parse_step_marker(b.names[i])) is not None}  # fmt: skip
+    waits = [(int(b["start_ns"][j]), int(b["dur_ns"][j])) for b in spans for j, i in enumerate(b["name_id"])
+             if b.names[i] == CPU_WAIT]  # fmt: skip
+    assert [start for start, _ in waits] == [markers[0], markers[1], markers[2]]
+    assert all(0 <= wait < 1_000_000_000 for _, wait in waits), waits
     coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
     assert [int(s) for b in coll for s in b["seq"]] == list(range(6))  # a DDP bucket + an all_reduce per step
     assert {b.names[i] for b in coll for i in b["op_id"]} == {"allreduce"}

@@ -210,6 +210,7 @@ ITERATION = {
     "profiled": False,
     "local_rank": 3,
     "gpu_uuid": "GPU-0f3c",
+    "cpu_wait_ns": 21_000_000,
 }
 
 

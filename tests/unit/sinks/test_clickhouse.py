@@ -55,7 +55,7 @@ def iteration(rank: int, it: int, job: str = "job-a") -> dict[str, Any]:
         "duration_ns": 900_000_000, "gpu_busy_ns": 800_000_000, "compute_ns": 600_000_000,
         "collective_ns": 200_000_000, "exposed_collective_ns": 50_000_000, "idle_ns": 100_000_000,
         "max_idle_gap_ns": 7_000_000, "kernels": 1200 + rank, "functions": 3, "profiled": it == 2,
-        "local_rank": rank % 8, "gpu_uuid": f"GPU-{rank:04d}",
+        "local_rank": rank % 8, "gpu_uuid": f"GPU-{rank:04d}", "cpu_wait_ns": -1 if rank == 3 else 1_000 * it,
     }  # fmt: skip
 
 
@@ -103,7 +103,7 @@ def test_migrate_twice_is_idempotent_and_keeps_data(client: Client, writer: Clic
 
 def test_ddl_substitutes_only_the_validated_database_name() -> None:
     statements = ddl_statements("fleet_1")
-    assert len(statements) == 5 + 12  # five tables and views, twelve added columns
+    assert len(statements) == 5 + 14  # five tables and views, fourteen added columns
     assert all("`fleet_1`." in s and "{database}" not in s for s in statements)
     with pytest.raises(ValueError, match="identifier"):
         ddl_statements("x; DROP TABLE y")

@@ -1,10 +1,14 @@
 """Real 4-rank PyTorch jobs (gloo on 2 shared cores, beside the stack), replayed from what their windowers
 published (tests/data/real_jobs, ``recorded_jobs``): real arrivals, not the simulator's.
 
-The healthy ones each gave a false straggler before the arrival rule asked for the margin against each
+Three healthy ones each gave a false straggler before the arrival rule asked for the margin against each
 peer: 4 ranks on 2 cores pair up per core, and the pair on the busier core arrives late together for a
-dozen iterations (iterations 90, 190 and 212). The faulty ones (from step 30) must be named within 10
-iterations, and no other rank."""
+dozen iterations (iterations 90, 190 and 212). The fourth (none-e519c9, recorded with each step's run-queue
+wait) gave a false ``job_regression`` at iteration 21 on its steps' time: the broker, worker and store took
+their share of the 2 cores, and its steps less that wait show no step. The faulty ones (from step 30) must
+be named within 10 iterations, and no other rank: the 3x-forward rank aa8c5d was named at iteration 41
+before the summed lead (``noise._leads``); slowdown-2f5da0, every rank's forward 4 times over, is the
+job's own regression, wait included."""
 
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ def _opened(recording: Recording) -> list[dict[str, Any]]:
 def test_a_recorded_real_job_gets_exactly_its_faults_finding(recording: Recording) -> None:
     opened = _opened(recording)
     shown = [(u["category"], u["rank"], u["function"], u["iteration_last"]) for u in opened]
-    if recording.faulty < 0:
+    if recording.fault == "none":
         assert opened == [], shown
         return
     faulty, category, function = FAULTS[recording.fault]
@@ -42,7 +46,7 @@ def test_a_recorded_real_job_gets_exactly_its_faults_finding(recording: Recordin
     named = [u for u in opened if u["rank"] == faulty and category in (None, u["category"])]
     assert named and function in (None, named[0]["function"]), shown
     assert FAULT_AT <= named[0]["iteration_last"] <= FAULT_AT + 10, shown
-    assert {u["rank"] for u in opened if u["rank"] >= 0} == {recording.faulty}, shown
+    assert {u["rank"] for u in opened if u["rank"] >= 0} == {faulty} - {-1}, shown
 
 
 def test_the_recordings_are_there() -> None:

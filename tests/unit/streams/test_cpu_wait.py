@@ -1,0 +1,100 @@
+"""Run-queue wait (``cpu_wait_ns``): the windower gives each iteration the wait its producer published for
+the step, and ``job_regression`` is judged on the iteration time less it, so a job slowed by other
+processes taking the CPU is no regression while one whose own work grew still is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fleetscope.producers import SimulatorConfig, simulate
+from fleetscope.producers.cpu_wait import CpuWaitClock
+from fleetscope.schemas import CPU_WAIT, EventBatch, EventKind
+from fleetscope.streams.analysis.differential import JobDifferential, _own_time
+from fleetscope.streams.analysis.windowing import RankWindower
+
+
+def _wait_batch(like: EventBatch, spans: list[tuple[int, int]]) -> EventBatch:
+    cols = {"start_ns": np.array([s for s, _ in spans]), "dur_ns": np.array([w for _, w in spans]),
+            "name_id": np.zeros(len(spans), dtype=np.int32), "depth": np.zeros(len(spans), dtype=np.int32)}  # fmt: skip
+    return EventBatch(kind=EventKind.PYTHON, header=like.header, names=[CPU_WAIT], columns=cols)
+
+
+def _closed(batches: list[EventBatch]) -> list[Any]:
+    w = RankWindower()
+    out = [c for b in batches for c in w.add(b, 0)]
+    return out + w.flush()
+
+
+def test_each_iteration_gets_the_wait_published_at_its_start_and_the_span_is_no_host_function() -> None:
+    batches = [b for b in simulate(SimulatorConfig(ranks=2, iterations=8)) if b.header.rank == 0]
+    plain = {c.step: c for c in _closed(batches)}
+    assert all(c.iteration["cpu_wait_ns"] == -1 == c.patterns["cpu_wait_ns"] for c in plain.values())
+    starts = {step: c.iteration["start_ns"] for step, c in plain.items()}
+    first = next(b for b in batches if b.kind is EventKind.PYTHON)
+    waits = [(starts[step], 1_000 * (step + 1)) for step in sorted(starts) if step != 3]
+    closed = {c.step: c for c in _closed([_wait_batch(first, waits), *batches])}
+    assert {s: c.iteration["cpu_wait_ns"] for s, c in closed.items()} == {
+        s: -1 if s == 3 else 1_000 * (s + 1) for s in starts
+    }
+    assert all(c.patterns["cpu_wait_ns"] == c.iteration["cpu_wait_ns"] for c in closed.values())
+    assert all(CPU_WAIT not in c.patterns["function"] for c in closed.values())
+    assert [c.patterns["function"] for c in closed.values()] == [c.patterns["function"] for c in plain.values()]
+
+
+def _record(rank: int, it: int, wall_ms: float, wait_ms: float) -> dict[str, Any]:
+    """One rank's patterns of a 4-rank CPU job: its step time, its run-queue wait, one host function."""
+    return {
+        "job": "j", "rank": rank, "host": "h", "world_size": 4, "tp_rank": -1, "pp_rank": -1, "dp_rank": -1,
+        "iteration": it, "iteration_start_ns": it * 100_000_000, "iteration_ns": int(wall_ms * 1e6),
+        "function": ["optimizer.step"], "kind": [3], "calls": [1], "total_ns": [300_000],
+        "self_ns": [300_000], "mean_ns": [3e5], "p50_ns": [3e5], "p99_ns": [3e5], "max_ns": [300_000],
+        "cv": [0.0], "share": [0.003], "nbytes": [0], "algbw_gbps": [0.0], "busbw_gbps": [0.0],
+        "nvlink_mean_bps": [np.nan], "nvlink_cv": [np.nan], "nvlink_peak_bps": [np.nan],
+        "pcie_mean_bps": [np.nan], "pcie_cv": [np.nan], "pcie_peak_bps": [np.nan], "profiled": False,
+        "cpu_wait_ns": int(wait_ms * 1e6) if wait_ms >= 0 else -1,
+    }  # fmt: skip
+
+
+def _job(extra_ms: float, extra_is_wait: bool, seed: int, wait_known: bool = True) -> list[dict[str, Any]]:
+    """Finding records of a job whose steps (80 ms, 25 of them run-queue wait) take ``extra_ms`` more from
+    iteration 20 to 45: as run-queue wait (other processes took the CPU) or as the job's own work."""
+    rng = np.random.default_rng(seed)
+    diff = JobDifferential("j")
+    out: list[dict[str, Any]] = []
+    for it in range(60):
+        extra = extra_ms if 20 <= it < 45 else 0.0
+        for rank in range(4):
+            wait = 25.0 + rng.normal(0.0, 2.0) + (extra if extra_is_wait else 0.0)
+            wall = 80.0 + rng.normal(0.0, 2.0) + extra
+            out += diff.add(_record(rank, it, wall, wait if wait_known else -1.0))
+    return out + diff.flush()
+
+
+def test_a_job_slowed_by_waiting_for_the_cpu_is_no_regression_one_whose_own_work_grew_is() -> None:
+    for seed in range(3):
+        assert _job(40.0, extra_is_wait=True, seed=seed) == [], seed
+        for own in (_job(40.0, extra_is_wait=False, seed=seed), _job(40.0, True, seed, wait_known=False)):
+            opened = [f for f in own if f["status"] == "open"]
+            assert [(f["category"], f["rank"]) for f in opened] == [("job_regression", -1)], own
+            assert 20 <= opened[0]["iteration_last"] <= 25, opened
+
+
+def test_own_time_is_the_median_ranks_time_less_its_wait_and_unknown_where_a_rank_did_not_measure() -> None:
+    records = [_record(r, 0, wall, wait) for r, (wall, wait) in enumerate([(80, 20), (90, 40), (100, 10), (85, 5)])]
+    assert _own_time(records) == (70e6, 15e6)
+    records[2]["cpu_wait_ns"] = -1
+    assert _own_time(records) == (87.5e6, -1.0)
+
+
+def test_the_clock_reads_this_threads_growing_wait_or_none_where_the_kernel_does_not_say(tmp_path: Any) -> None:
+    clock = CpuWaitClock()
+    first = clock.read()
+    assert first is not None and first >= 0  # Linux with schedstat, as on every CI machine
+    sum(range(200_000))
+    second = clock.read()
+    assert second is not None and second >= first
+    clock.close()
+    absent = CpuWaitClock(str(tmp_path / "none"))
+    assert absent.read() is None and absent.read() is None
