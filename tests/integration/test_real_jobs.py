@@ -272,7 +272,8 @@ def launch_healthy(live: Live) -> Job:
 
 def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding_and_loses_no_step(live: Live) -> None:
     """Automatic profiling is on (the default) and a manual window opens past step 120: the steps it covers
-    are marked on every rank, none is lost, and the job gets no finding update of any status."""
+    are marked on every rank, none is lost, each has its run-queue wait, and the job gets no finding update
+    of any status."""
     assert live.config.streams.profiling.auto
     steps = HEALTHY_STEPS
     job = launch_healthy(live)
@@ -292,6 +293,13 @@ def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding_and
     assert set(profiled) == set(range(WORLD)), profiled
     assert all(len([i for i in its if i >= WINDOW_AFTER_STEP]) >= 2 for its in profiled.values()), profiled
     assert all(len(set(profiled[0]) ^ set(its)) <= 4 for its in profiled.values()), profiled
+    # every step's run-queue wait is stored (the hook reads it at each boundary), and is part of the step
+    sql = (
+        "SELECT count(), countIf(cpu_wait_ns >= 0 AND cpu_wait_ns <= duration_ns), countIf(cpu_wait_ns > 0) "
+        "FROM {db}.iterations WHERE job = {{job:String}}"
+    )
+    [(rows, within, positive)] = live.query(sql, job.name)
+    assert rows >= WORLD * (steps - 2) and within == rows and positive > rows // 2, (rows, within, positive)
     found = live.wait_for(job.name, bool, timeout_s=SETTLE_S)
     assert found == [], _show(found)
 
