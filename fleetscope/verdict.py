@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetscope.schemas import units
+from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT
 
 
 def headline(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
@@ -38,7 +39,8 @@ def _what(f: Mapping[str, Any]) -> str:
     if category == "stage_imbalance":
         return f"computes longer than the other pipeline stages ({gap}, {numbers})"
     if category == "job_regression":
-        return f"runs slower than its own best iterations ({gap}, {numbers})"
+        waits = ", its CPU wait left out" if metric == ITERATION_LESS_CPU_WAIT else ""
+        return f"runs slower than its own best iterations{waits} ({gap}, {numbers})"
     if category == "hang":
         return f"stopped making progress (silent for {units.metric_value(metric, value)})"
     return f"differs from its peers in {function} ({gap})"

@@ -127,6 +127,10 @@ def is_cpu_wait(name: str) -> bool:
     return name == CPU_WAIT
 
 
+ITERATION_LESS_CPU_WAIT = "iteration_less_cpu_wait_ns"
+"""``job_regression``'s metric where every rank measured its run-queue wait: the steps' time less it."""
+
+
 _SYNC_RE = re.compile(
     r"^(cuda(Stream|Device|Event|Ctx)Synchronize|cudaStreamWaitEvent|cuStreamSynchronize|cuCtxSynchronize"
     r"|cuEventSynchronize|cudaStreamQuery|aten::item|aten::_local_scalar_dense|c10d::wait|ProcessGroupNCCL::wait"

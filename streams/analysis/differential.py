@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import Category
+from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
@@ -308,8 +309,8 @@ class JobDifferential:
         own_ns, cpu_wait_ns = _own_time(records)
         regression = self._regression.observe(own_ns, it, disturbed=disturbed)
         if regression is not None and cpu_wait_ns >= 0:
-            regression = replace(regression, evidence={**regression.evidence, "iteration_ns": iteration_ns,
-                                                       "cpu_wait_ns": cpu_wait_ns, "less_cpu_wait": True})  # fmt: skip
+            regression = replace(regression, metric=ITERATION_LESS_CPU_WAIT, evidence={
+                **regression.evidence, "iteration_ns": iteration_ns, "cpu_wait_ns": cpu_wait_ns})  # fmt: skip
         late_open: list[RankSignal] = []
         if regression is not None and (self._explained(regression) or self._noise.late_explains(regression.loss_ns)):
             regression = None  # a peer explains the job's slowdown (its finding, or it arrives that late)

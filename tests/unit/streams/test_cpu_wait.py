@@ -4,6 +4,7 @@ processes taking the CPU is no regression while one whose own work grew still is
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -11,8 +12,10 @@ import numpy as np
 from fleetscope.producers import SimulatorConfig, simulate
 from fleetscope.producers.cpu_wait import CpuWaitClock
 from fleetscope.schemas import CPU_WAIT, EventBatch, EventKind
+from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT
 from fleetscope.streams.analysis.differential import JobDifferential, _own_time
 from fleetscope.streams.analysis.windowing import RankWindower
+from fleetscope.verdict import sentence
 
 
 def _wait_batch(like: EventBatch, spans: list[tuple[int, int]]) -> EventBatch:
@@ -73,12 +76,19 @@ def _job(extra_ms: float, extra_is_wait: bool, seed: int, wait_known: bool = Tru
 
 
 def test_a_job_slowed_by_waiting_for_the_cpu_is_no_regression_one_whose_own_work_grew_is() -> None:
+    """Its finding says so: the metric is the steps' time less their wait, the evidence has both, and the
+    sentence a user reads says the wait was left out."""
     for seed in range(3):
         assert _job(40.0, extra_is_wait=True, seed=seed) == [], seed
-        for own in (_job(40.0, extra_is_wait=False, seed=seed), _job(40.0, True, seed, wait_known=False)):
-            opened = [f for f in own if f["status"] == "open"]
-            assert [(f["category"], f["rank"]) for f in opened] == [("job_regression", -1)], own
+        own, unmeasured = _job(40.0, extra_is_wait=False, seed=seed), _job(40.0, True, seed, wait_known=False)
+        for found, metric in ((own, ITERATION_LESS_CPU_WAIT), (unmeasured, "iteration_ns")):
+            opened = [f for f in found if f["status"] == "open"]
+            assert [(f["category"], f["rank"], f["metric"]) for f in opened] == [("job_regression", -1, metric)]
             assert 20 <= opened[0]["iteration_last"] <= 25, opened
+        evidence = json.loads(next(f for f in own if f["status"] == "open")["evidence"])
+        assert evidence["iteration_ns"] > 110e6 and 20e6 < evidence["cpu_wait_ns"] < 30e6, evidence
+        assert "CPU wait left out" in sentence(own, 100e6), sentence(own, 100e6)
+        assert "CPU wait" not in sentence(unmeasured, 100e6)
 
 
 def test_own_time_is_the_median_ranks_time_less_its_wait_and_unknown_where_a_rank_did_not_measure() -> None:
