@@ -32,6 +32,17 @@ from tests.integration.worker_runs import (
 pytestmark = pytest.mark.integration
 
 
+HANDOVER_TIMING = {**QUICK_HANDOVER, "streams.job_idle_ms": 9000}
+"""A differential cannot see another worker's windower partitions move: while a dead or stalled windower's
+partitions wait out its session timeout, their ranks' pattern records stop, and a job idle flush before they
+resume scores the job's last iterations without them. So ``job_idle_ms`` must be well above the session
+timeout (three times, here; the session timeout is short to keep the tests short), in a split deployment
+and with both stages in each worker alike (docs/scaling.md). Twice was not enough on a loaded 2-core machine
+(a killed windower's partitions resumed after the flush once, and the finding had one update fewer than one
+worker's); with both stages, the defaults (6 s session timeout, 2 s idle) once gave a stalled worker's
+rank its job's last iteration too late (the finding's last update at iteration 28, not 29)."""
+
+
 def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
     print(f"\nphases (s): {moved.phases}; reference {one_worker_run.phases}")
     assert moved.acted_before_end and moved.acted_at_rows < MOVING_JOB.expected_rows, "partitions must move mid-run"
@@ -48,25 +59,16 @@ def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
 def test_partitions_moving_between_workers_store_what_one_worker_stores(
     tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome, two_at_start: bool, action: Action
 ) -> None:
-    config = run_config(tmp_path, broker, f"chdb://{chdb_path}")
+    config = run_config(tmp_path, broker, f"chdb://{chdb_path}", **HANDOVER_TIMING)
     first, second = (StreamWorkerProcess(config, name=f"worker-{i}") for i in (1, 2))
     workers = [first, second] if two_at_start else [first]
     moved = run_pipeline(config, MOVING_JOB, workers, [Step(action, [second])])
     _assert_as_one_worker(moved, one_worker_run)
 
 
-SPLIT_TIMING = {**QUICK_HANDOVER, "streams.job_idle_ms": 9000}
-"""A differential app cannot see the windower app's rebalance: while a dead or stalled windower's partitions
-wait out its session timeout, their ranks' pattern records stop, and a job idle flush before they resume
-scores the job's last iterations without them. So a split deployment needs ``job_idle_ms`` well above the
-windower group's session timeout (three times, here; the session timeout is short to keep the test short).
-Twice was not enough on a loaded 2-core machine: a killed windower's partitions resumed after the flush
-once, and the finding had one update fewer than one worker's."""
-
-
 def _split(config_dir: Path, broker: str, chdb_path: Path) -> tuple[list[StreamWorkerProcess], ...]:
     """Three windower workers and two differential workers of the split deployment, none started."""
-    config = run_config(config_dir, broker, f"chdb://{chdb_path}", **SPLIT_TIMING)
+    config = run_config(config_dir, broker, f"chdb://{chdb_path}", **HANDOVER_TIMING)
     windowers, differentials = stage_config(config, "windower"), stage_config(config, "differential")
     return (
         [StreamWorkerProcess(windowers, name=f"windower-{i}") for i in (1, 2, 3)],

@@ -55,9 +55,10 @@ for partitions to move while it runs, and a slow GPU the findings must name with
 
 QUICK_HANDOVER: dict[str, object] = {"kafka.session_timeout_ms": 3000}
 """A dead or stalled worker's partitions move after 3 s instead of 6: shorter runs (the one-worker reference
-keeps the default; nothing it stores depends on the session timeout). The both-stages multi-worker runs keep
-the default too: with 3 s, a stalled worker's job was flushed twice in one run of two (one finding update
-more than one worker's), a handover race of the app that the default's longer stall has not shown."""
+keeps the default; nothing it stores depends on the session timeout). Runs whose partitions move while a job
+runs add a job idle time three times as long (test_multi_worker.HANDOVER_TIMING): with 3 s and the default
+2 s idle, a stalled worker's job was flushed twice in one run of two (one finding update more than one
+worker's)."""
 
 UPDATES_SQL = "SELECT finding_id, version, status, category, rank FROM {db}finding_updates ORDER BY finding_id, version"
 FINDINGS_SQL = (

@@ -1,4 +1,4 @@
--- One row per (job, rank, iteration): every field of the IterationRecord (iterations.v1.avsc).
+-- One row per (job, rank, iteration): every field of the IterationRecord (iterations.v1.avsc; later versions' fields: 04_added_columns.sql).
 -- ReplacingMergeTree on the natural key: a replay after a crash adds no row once parts merge
 -- (query with FINAL, or argMax, when an exact count matters before that).
 CREATE TABLE IF NOT EXISTS {database}.iterations
