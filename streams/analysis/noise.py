@@ -312,7 +312,7 @@ class JobNoise:
 
 def _leads(lead: F64, noise: float, cfg: NoiseConfig) -> bool:
     """Whether a rank's lead over its latest peer (``lead``, per iteration; negative where a peer was later)
-    adds up to a sequential alarm (``lead_allowance``, ``lead_cap``, ``lead_alarm``): a page-style CUSUM.
+    adds up to a sequential alarm (``lead_allowance``, ``lead_cap``, ``lead_alarm``): Page's CUSUM.
 
     Why beside the count by the margin: 4 ranks on 2 cores take turns on the CPU, and the peers' jitter
     that the margin is measured in grows with it, so a slow rank late behind every peer in each iteration,
