@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetscope.schemas import units
-from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, ITERATION_LESS_CPU_WAIT
 
 
 def headline(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
@@ -30,6 +30,8 @@ def _what(f: Mapping[str, Any]) -> str:
     category = f.get("category")
     if category == "gpu_slow":
         return f"runs its GPU kernels slower than its peers ({function} {gap}, {numbers})"
+    if category == "host_slow" and function == CPU_WAIT_FUNCTION:
+        return f"waits longer than its peers for a CPU: other processes take its host's cores ({gap}, {numbers})"
     if category == "host_slow":
         return f"spends longer than its peers in the host function {function} ({gap}, {numbers})"
     if category == "link_slow":

@@ -52,11 +52,11 @@ except ImportError as _exc:  # torch is an optional extra
 
 from fleetscope.producers import torch_layout, torch_patches
 from fleetscope.producers.control import ControlListener, ControlListenerConfig, ControlRequest
-from fleetscope.producers.cpu_wait import CpuWaitClock
+from fleetscope.producers.cpu_wait import CpuWaitClock, SpanMark, SpanWaits
 from fleetscope.producers.publisher import Publisher, PublisherConfig
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig, RecorderStats
 from fleetscope.producers.torch_profiling import ProfilingWindow, WindowConfig, window_batches
-from fleetscope.schemas import CPU_WAIT, PROFILING_WINDOW, EventKind, step_marker_name
+from fleetscope.schemas import CPU_WAIT, PROFILING_WINDOW, SPAN_CPU_WAIT_DEPTH, EventKind, step_marker_name
 
 __all__ = ["Monitor", "monitor", "profile", "span", "start", "stats", "step", "stop"]
 
@@ -96,6 +96,7 @@ class Monitor:
         self._cpu_wait = CpuWaitClock()
         """Read at the start and at each boundary, so in the training thread (the file stays bound to it)."""
         self._wait_start: int | None = None
+        self._span_waits: SpanWaits | None = None
 
     def start(self) -> None:
         self.recorder.start()
@@ -107,6 +108,7 @@ class Monitor:
         self._layout = self.recorder.guard("layout_start", torch_layout.track, self.recorder)
         self._step_start_ns = time.time_ns()
         self._wait_start = self._cpu_wait.read()
+        self._span_waits = SpanWaits(self._cpu_wait)
 
     def stop(self) -> None:
         if self._window is not None:
@@ -139,9 +141,31 @@ class Monitor:
         self._wait_start = wait
         self._window_tick(now)
 
-    def on_optimizer_step(self, start_ns: int, end_ns: int) -> None:
-        self.recorder.python_span("optimizer.step", start_ns, end_ns - start_ns, 0)
+    def on_optimizer_step(self, start_ns: int, end_ns: int, mark: SpanMark | None = None) -> None:
+        self.host_span("optimizer.step", start_ns, end_ns, mark)
         self.boundary(explicit=False, now_ns=end_ns)
+
+    # -- host spans (training thread) ----------------------------------------------------------------
+    def wait_mark(self) -> SpanMark | None:
+        """At a host span's start: where its run-queue wait is counted from (None off the training thread)."""
+        waits = self._span_waits
+        return waits.mark() if waits is not None else None
+
+    def host_span(self, name: str, start_ns: int, end_ns: int, mark: SpanMark | None) -> None:
+        """A host span, and the time its thread waited for a CPU in it (``SPAN_CPU_WAIT_DEPTH``), if any."""
+        self.recorder.python_span(name, start_ns, end_ns - start_ns, 0)
+        if mark is not None and self._span_waits is not None:
+            wait = min(self._span_waits.own(mark), end_ns - start_ns)
+            if wait > 0:
+                self.recorder.python_span(name, start_ns, wait, SPAN_CPU_WAIT_DEPTH)
+
+    def span_wait(self, name: str, start_ns: int, wait_ns: int) -> None:
+        """The wait of a host span measured otherwise (a collection's wall time less its CPU time): on the
+        training thread it is no longer the enclosing span's own."""
+        if wait_ns > 0:
+            self.recorder.python_span(name, start_ns, wait_ns, SPAN_CPU_WAIT_DEPTH)
+            if self._span_waits is not None:
+                self._span_waits.give(wait_ns)
 
     # -- profiling windows ---------------------------------------------------------------------------
     def request_window(self, request: ControlRequest) -> None:
@@ -342,12 +366,13 @@ def monitor(*, job: str | None = None, config: Any = None) -> Iterator[Monitor |
 def span(name: str) -> Iterator[None]:
     """Time a host-side region of the step (``with fs.span("dataloader.next"): batch = next(it)``)."""
     mon = _monitor
+    mark = mon.recorder.guard("span", mon.wait_mark) if mon is not None else None
     begin = time.time_ns()
     try:
         yield
     finally:
         if mon is not None:
-            mon.recorder.guard("span", mon.recorder.python_span, name, begin, time.time_ns() - begin)
+            mon.recorder.guard("span", mon.host_span, name, begin, time.time_ns(), mark)
 
 
 def profile(seconds: float, *, start_at_ns: int | None = None, reason: str = "local") -> None:

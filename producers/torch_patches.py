@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from fleetscope.producers.cpu_wait import SpanMark
 from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.rank_recorder import Recorder
 from fleetscope.schemas import GC_PAUSE, EventKind
@@ -71,14 +72,20 @@ class Instrumented(Protocol):
 
     recorder: Recorder
 
-    def on_optimizer_step(self, start_ns: int, end_ns: int) -> None: ...
+    def on_optimizer_step(self, start_ns: int, end_ns: int, mark: SpanMark | None = None) -> None: ...
+
+    def wait_mark(self) -> SpanMark | None: ...
+
+    def host_span(self, name: str, start_ns: int, end_ns: int, mark: SpanMark | None) -> None: ...
+
+    def span_wait(self, name: str, start_ns: int, wait_ns: int) -> None: ...
 
 
 _installed = False
 _current: Callable[[], Instrumented | None] = lambda: None  # noqa: E731
 _group_info: dict[int, tuple[str, int, str, tuple[int, ...]]] = {}
 _group_seq: dict[str, itertools.count[int]] = {}
-_opt_start: dict[int, int] = {}
+_opt_start: dict[int, tuple[int, SpanMark | None]] = {}
 _gc_start_ns = 0
 _gc_start_cpu_ns = 0
 _ALL_REDUCE: Callable[..., Any] = dist.all_reduce
@@ -356,16 +363,18 @@ def _patch_optimizer() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     def pre(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if _current() is not None:
-            _opt_start[id(optimizer)] = time.time_ns()
+        mon = _current()
+        if mon is not None:
+            mark = mon.recorder.guard("optimizer", mon.wait_mark)
+            _opt_start[id(optimizer)] = (time.time_ns(), mark)
 
     def post(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         mon = _current()
         if mon is None:
             return
         end = time.time_ns()
-        start = _opt_start.pop(id(optimizer), end)
-        mon.recorder.guard("optimizer", mon.on_optimizer_step, start, end)
+        start, mark = _opt_start.pop(id(optimizer), (end, None))
+        mon.recorder.guard("optimizer", mon.on_optimizer_step, start, end, mark)
 
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
@@ -383,10 +392,11 @@ def _patch_dataloader() -> None:
         mon = _current()
         if mon is None:
             return orig(self)
+        mark = mon.recorder.guard("dataloader", mon.wait_mark)
         start = time.time_ns()
         item = orig(self)
         end = time.time_ns()
-        mon.recorder.guard("dataloader", mon.recorder.python_span, "dataloader.next", start, end - start)
+        mon.recorder.guard("dataloader", mon.host_span, "dataloader.next", start, end, mark)
         return item
 
     __next__.__fleetscope_original__ = orig  # type: ignore[attr-defined]
@@ -405,7 +415,11 @@ def _on_gc(phase: str, _info: dict[str, int]) -> None:
         _gc_start_ns, _gc_start_cpu_ns = time.time_ns(), time.thread_time_ns()
         return
     mon = _current()
-    if mon is None or not _gc_start_ns or time.thread_time_ns() - _gc_start_cpu_ns < GC_MIN_PAUSE_NS:
+    cpu = time.thread_time_ns() - _gc_start_cpu_ns
+    if mon is None or not _gc_start_ns or cpu < GC_MIN_PAUSE_NS:
         return
     if not mon.recorder.on_own_thread():  # our own thread's allocations are no pause of the training's
-        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, time.time_ns() - _gc_start_ns, 0)
+        wall = time.time_ns() - _gc_start_ns
+        mon.recorder.guard("gc", mon.recorder.python_span, GC_PAUSE, _gc_start_ns, wall, 0)
+        # a collection holds the GIL and never sleeps: what its wall time has beyond its CPU time it waited
+        mon.recorder.guard("gc", mon.span_wait, GC_PAUSE, _gc_start_ns, wall - cpu)

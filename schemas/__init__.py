@@ -17,6 +17,7 @@ from fleetscope.schemas.codec import (
 from fleetscope.schemas.limits import CLOCKS, IntakeLimits
 from fleetscope.schemas.records import (
     COLUMNS,
+    SPAN_CPU_WAIT_DEPTH,
     THREAD_BUSY_DEPTH,
     BatchHeader,
     EventBatch,
@@ -44,6 +45,7 @@ __all__ = [
     "CLOCKS",
     "COLUMNS",
     "CPU_WAIT",
+    "SPAN_CPU_WAIT_DEPTH",
     "THREAD_BUSY_DEPTH",
     "Category",
     "BatchHeader",

@@ -69,6 +69,11 @@ THREAD_BUSY_DEPTH = -1
 of its own (a trace parser sends the outermost CPU ops it drops, e.g. the autograd engine's thread), so
 that an annotation of another thread that waits meanwhile (``## backward ##``) shows no self time."""
 
+SPAN_CPU_WAIT_DEPTH = -2
+"""A host row with this depth is no function: the run-queue wait (time its thread was ready to run while no
+CPU ran it) inside the host span of the same name and start, less that of the spans nested in it. A span's
+self time leaves it out: a rank descheduled by other processes on a shared host did no more work."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchHeader:

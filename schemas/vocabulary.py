@@ -127,6 +127,10 @@ def is_cpu_wait(name: str) -> bool:
     return name == CPU_WAIT
 
 
+CPU_WAIT_FUNCTION = "cpu_wait"
+"""The ``function`` of a ``host_slow`` finding on a rank that waits longer than every peer for a CPU in each
+step (its run-queue wait): its host's cores are taken by others. Its metric is ``cpu_wait_ns``."""
+
 ITERATION_LESS_CPU_WAIT = "iteration_less_cpu_wait_ns"
 """``job_regression``'s metric where every rank measured its run-queue wait: the steps' time less it."""
 

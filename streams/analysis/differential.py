@@ -293,7 +293,11 @@ class JobDifferential:
         iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
         budget = self.config.scoring.min_loss_fraction * iteration_ns
         signals = self._noise.keep(signals, budget)
+        hosts = {int(r["rank"]): r["host"] for r in records}
         persistent: list[RankSignal] = []
+        if not disturbed:  # a rank whose host's cores others take: its median wait over 8 iterations
+            persistent = self._noise.contended(budget, hosts, {s.rank for s in signals if s.category != "straggler"})
+            signals = _late_for_a_cause(signals, persistent) + persistent
         if (
             not disturbed
             and not signals
@@ -302,7 +306,6 @@ class JobDifferential:
         ):
             # every rank does the same work, and no other rank's finding explains a late one (its victims);
             # a straggler found so before is judged again, so that it stays open while it still holds
-            hosts = {int(r["rank"]): r["host"] for r in records}
             persistent = self._noise.stragglers(signals, budget, hosts, set())
             signals += persistent
         self._iteration_ns.append(iteration_ns)
@@ -321,7 +324,7 @@ class JobDifferential:
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
         out = self.tracker.observe(it, signals, blind)
-        for sig in persistent:  # mostly last over 8 iterations is its own persistence: open now
+        for sig in persistent:  # over 8 iterations (mostly last, or waiting for a CPU) is its own persistence
             if not self.tracker.is_open(sig.key()):
                 out += self.tracker.emit_now(sig, it)
         if not self.tracker.peers_explain(it):  # a culprit still about to open explains it too
@@ -345,6 +348,20 @@ class JobDifferential:
                 )  # fmt: skip
                 out += self.tracker.emit_now(sig, it)
         return out
+
+
+def _late_for_a_cause(signals: list[RankSignal], causes: list[RankSignal]) -> list[RankSignal]:
+    """The signals less the straggler ones of the ranks ``causes`` name: a late arrival with a cause
+    corroborates it (its lateness joins the cause's evidence), as in ``outliers``."""
+    named = {s.rank: s for s in causes}
+    out = []
+    for sig in signals:
+        cause = named.get(sig.rank) if sig.category == "straggler" else None
+        if cause is None:
+            out.append(sig)
+        else:
+            cause.evidence["arrival_lateness_ns"] = sig.loss_ns
+    return out
 
 
 def _own_time(records: Sequence[dict[str, Any]]) -> tuple[float, float]:

@@ -26,6 +26,13 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   rank is a straggler even where no single iteration's peer comparison flagged it (``stragglers``). Never on
   fewer than 4 ranks.
 
+A rank whose run-queue wait (``cpu_wait_ns``: each step's time ready to run with no CPU to run on) is
+above every peer's by ``level_z`` times their jitter, and by the step's budget, in the median of its last
+``level_iterations + 1`` iterations, is ``host_slow`` on ``CPU_WAIT_FUNCTION`` (``contended``): its host's
+cores are taken by others. Host self times leave that wait out where the producer measured it (one
+descheduling inside a short span is no slow host), so this is where sustained contention is named; a pair
+of ranks starved together on one core is named by neither rule (each one's core mate waits as long).
+
 Only jobs of up to ``max_ranks`` ranks are judged so: with more, the peers' spread in one iteration is
 itself a reliable yardstick. The job's first ``warmup_iterations`` raise no such signal (ranks start apart);
 until a function has ``min_history`` iterations its noise is unknown: signals are kept as the peers judged
@@ -42,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import FunctionKind
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
 
@@ -109,6 +117,8 @@ class JobNoise:
         self._recorded = 0
         self._held: list[RankSignal] = []
         self._latest: deque[float] = deque(maxlen=self.config.min_history)
+        self._waits: deque[dict[int, float]] = deque(maxlen=self.config.history_iterations)
+        """Per recent iteration, each rank's run-queue wait; only iterations where every rank measured it."""
         """The largest arrival lateness of any rank, per recent iteration."""
         """Host signals that stood out but did not cost their step: judged again on the next one."""
         """Host functions seen so far: zero on every rank in iterations where none ran them."""
@@ -117,6 +127,7 @@ class JobNoise:
         """A job's noise saved before warm-up was counted restores as past it (the job was running)."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_recorded", 1 << 30)
+        self.__dict__.setdefault("_waits", deque(maxlen=self.config.history_iterations))
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
@@ -139,6 +150,11 @@ class JobNoise:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
+        waits = {rank: float(r.get("cpu_wait_ns", -1)) for rank, r in zip(ranks, records, strict=True)}
+        if min(waits.values(), default=-1.0) < 0:
+            self._waits.clear()  # a rank that does not measure it: no run of complete iterations
+        else:
+            self._waits.append(waits)
         self._recorded += 1
         for function, values in seen.items():
             if function not in self._series:
@@ -251,6 +267,41 @@ class JobNoise:
                                   "median_lateness_ns": lateness, "noise_ns": noise},
                     )
                 )  # fmt: skip
+        return out
+
+    def contended(self, budget_ns: float, hosts: dict[int, str], named: set[int]) -> list[RankSignal]:
+        """``host_slow`` signals (``CPU_WAIT_FUNCTION``) for the ranks whose run-queue wait stands above every
+        peer's (see the module's docstring; above the peers' median by ``level_z`` times the MAD of their
+        levels as well on more than ``max_ranks`` ranks) in the median of their last ``level_iterations + 1``
+        iterations, by at least ``budget_ns``, that ``named`` does not name."""
+        cfg = self.config
+        if len(self._waits) <= cfg.level_iterations or not self._past_warmup():
+            return []
+        x, ranks = _as_matrix(self._waits)
+        if len(ranks) < 2 or np.isnan(x).any():
+            return []
+        level = np.median(x[-cfg.level_iterations - 1 :], axis=0)
+        out: list[RankSignal] = []
+        for col, rank in enumerate(ranks):
+            peers = np.delete(level, col)
+            median = float(np.median(peers))
+            noise = _noise(x, col)
+            if len(ranks) > cfg.max_ranks:
+                noise = max(_noise(x, col, among=np.nanmedian), 1.4826 * float(np.median(np.abs(peers - median))))
+                above = float(level[col]) - median
+            else:
+                above = float(level[col] - peers.max())
+            if rank in named or above < max(cfg.level_z * noise, budget_ns):
+                continue
+            out.append(
+                RankSignal(
+                    rank=rank, host=hosts.get(rank, ""), category="host_slow", function=CPU_WAIT_FUNCTION,
+                    metric="cpu_wait_ns", value=float(level[col]), peer_median=median,
+                    score=above / max(noise, 1.0), loss_ns=float(level[col]) - median,
+                    evidence={"iterations": cfg.level_iterations + 1, "above_every_peer_ns": above,
+                              "noise_ns": noise},
+                )
+            )  # fmt: skip
         return out
 
     def _past_warmup(self) -> bool:

@@ -258,7 +258,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     c = _Batch([ev.collectives for ev in evs], _COLLECTIVES)
     p_parts = [with_depth(ev.python) for ev in evs]
     p_all = _Batch(p_parts, _HOST_SPANS)
-    p_fns = p_all["depth"] >= 0  # a thread's busy stretches (THREAD_BUSY_DEPTH) count in self time only
+    p_fns = p_all["depth"] >= 0  # busy stretches and waits (THREAD_BUSY_DEPTH, SPAN_CPU_WAIT_DEPTH): self time only
     if p_fns.all():
         p = p_all
     else:
@@ -332,8 +332,9 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
 
     # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
     st = group_duration_stats(group, dur, n)
-    p_sync = sync_of[p_all["name_id"] + name_base[p_all.it]]
-    p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync)[p_fns]
+    p_name = p_all["name_id"] + name_base[p_all.it]
+    p_sync = sync_of[p_name]
+    p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync, p_name)[p_fns]
     self_total = np.bincount(group, weights=np.concatenate([k["dur_ns"], c["dur_ns"], p_self]), minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).

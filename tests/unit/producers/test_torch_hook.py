@@ -18,6 +18,7 @@ from fleetscope.producers.rank_recorder import HOLD_GRACE_NS, RankIdentity, Reco
 from fleetscope.schemas import (
     CPU_WAIT,
     GC_PAUSE,
+    SPAN_CPU_WAIT_DEPTH,
     BatchHeader,
     EventBatch,
     EventKind,
@@ -358,15 +359,58 @@ def test_garbage_collections_are_host_spans(hooked) -> None:
         fs.step()
     del garbage
     recorder._flush()
-    pauses = [
-        (int(start), int(dur))
+    rows = [
+        (int(start), int(dur), int(depth))
         for b in publisher.batches
         if b.kind is EventKind.PYTHON
-        for i, start, dur in zip(b["name_id"], b["start_ns"], b["dur_ns"], strict=True)
+        for i, start, dur, depth in zip(b["name_id"], b["start_ns"], b["dur_ns"], b["depth"], strict=True)
         if b.names[i] == GC_PAUSE
     ]
+    pauses = [(start, dur) for start, dur, depth in rows if depth == 0]
     assert len(pauses) >= 3 and all(dur >= 100_000 for _, dur in pauses)
     assert began <= pauses[-1][0] and pauses[-1][0] + pauses[-1][1] <= ended
+    # a collection's wait (its wall time less its CPU time), where it had any, starts with it and is shorter
+    lengths = dict(pauses)
+    assert all(0 < dur < lengths[start] for start, dur, depth in rows if depth == SPAN_CPU_WAIT_DEPTH)
+
+
+def _busy(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_host_span_carries_the_run_queue_wait_its_thread_had_in_it_and_a_nested_span_its_own(hooked) -> None:
+    """The training thread and a CPU hog share one CPU: each span's wait row (same name and start) holds the
+    time it waited for that CPU, the nested span's not counted again in the outer one's."""
+    fs, recorder, publisher = hooked
+    cpu = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})  # this thread: the training thread
+        with fs.span("outer"):
+            _busy(0.05)
+            with fs.span("inner"):
+                _busy(0.05)
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+    recorder._flush()
+    rows = {
+        (b.names[i], int(depth)): (int(start), int(dur))
+        for b in publisher.batches
+        if b.kind is EventKind.PYTHON
+        for i, start, dur, depth in zip(b["name_id"], b["start_ns"], b["dur_ns"], b["depth"], strict=True)
+    }
+    outer, inner = rows[("outer", 0)], rows[("inner", 0)]
+    outer_wait, inner_wait = rows[("outer", SPAN_CPU_WAIT_DEPTH)], rows[("inner", SPAN_CPU_WAIT_DEPTH)]
+    assert outer_wait[0] == outer[0] and inner_wait[0] == inner[0]
+    # ~half of each span's time is the hog's; 50 ms of CPU each
+    assert 10_000_000 < inner_wait[1] < inner[1] - 40_000_000, (inner, inner_wait)
+    assert 10_000_000 < outer_wait[1] < outer[1] - inner[1] - 40_000_000, (outer, outer_wait, inner)
 
 
 def test_the_bootstrap_loads_the_hook_only_when_the_process_imports_torch(tmp_path: Path) -> None:

@@ -5,15 +5,17 @@ processes taking the CPU is no regression while one whose own work grew still is
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
-from fleetscope.producers.cpu_wait import CpuWaitClock
-from fleetscope.schemas import CPU_WAIT, EventBatch, EventKind
-from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT
+from fleetscope.producers.cpu_wait import CpuWaitClock, SpanWaits
+from fleetscope.schemas import CPU_WAIT, SPAN_CPU_WAIT_DEPTH, THREAD_BUSY_DEPTH, EventBatch, EventKind
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, ITERATION_LESS_CPU_WAIT
 from fleetscope.streams.analysis.differential import JobDifferential, _own_time
+from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.windowing import RankWindower
 from fleetscope.verdict import sentence
 
@@ -108,3 +110,84 @@ def test_the_clock_reads_this_threads_growing_wait_or_none_where_the_kernel_does
     clock.close()
     absent = CpuWaitClock(str(tmp_path / "none"))
     assert absent.read() is None and absent.read() is None
+
+
+class _Clock(CpuWaitClock):
+    def __init__(self, readings: list[int]) -> None:
+        super().__init__()
+        self.readings = readings
+
+    def read(self) -> int | None:
+        return self.readings.pop(0)
+
+
+def test_a_spans_own_wait_leaves_out_the_wait_of_the_spans_that_ended_inside_it() -> None:
+    """outer marks at 100, inner at 110 and ends at 125 (15 of its own), a collection inside outer gave 5
+    more; outer ends at 160: 60 waited in all, 40 of them its own. Off the thread that made it: no mark."""
+    waits = SpanWaits(_Clock([100, 110, 125, 160]))
+    outer = waits.mark()
+    inner = waits.mark()
+    assert outer is not None and inner is not None
+    assert waits.own(inner) == 15
+    waits.give(5)
+    assert waits.own(outer) == 60 - 15 - 5
+    marks: list[object] = []
+    thread = threading.Thread(target=lambda: marks.append(waits.mark()))
+    thread.start()
+    thread.join()
+    assert marks == [None]
+
+
+def test_self_time_leaves_out_each_spans_own_wait_row_and_a_wait_row_is_no_span() -> None:
+    """``optimizer.step`` [0, 100) (name 0) with a nested ``dataloader.next`` [10, 40) (name 1), both depth 0
+    as the torch hook sends them; waits: 15 in the step's own time, 5 in the loader's; a row with no span of
+    its name and start, and the next iteration's span of the same name and start, get nothing."""
+    it = np.array([0, 0, 0, 0, 0, 1, 0], dtype=np.int64)
+    start = np.array([0, 10, 0, 10, 50, 0, 60], dtype=np.int64)
+    dur = np.array([100, 30, 15, 5, 9, 100, 20], dtype=np.int64)
+    depth = np.array([0, 0, -2, -2, -2, 0, THREAD_BUSY_DEPTH], dtype=np.int32)
+    assert SPAN_CPU_WAIT_DEPTH == -2
+    name = np.array([0, 1, 0, 1, 0, 0, 2])
+    sync = np.zeros(it.size, dtype=bool)
+    assert host_self_ns(it, start, dur, depth, sync, name).tolist() == [100 - 30 - 20 - 15, 25, 0, 0, 0, 100, 0]
+    # without names (a producer that measures no waits) the rows are unmatched, and still no span
+    assert host_self_ns(it, start, dur, depth, sync).tolist() == [100 - 30 - 20, 30, 0, 0, 0, 100, 0]
+
+
+def _synchronous_job(extra_ms: dict[int, float], at: range, seed: int) -> list[dict[str, Any]]:
+    """Finding records of a synchronous 4-rank CPU job (steps 80 ms, 25 of them run-queue wait, one
+    all-reduce): in the iterations ``at``, rank r waits ``extra_ms[r]`` more for a CPU, and every rank's step
+    takes the largest of those longer (the others wait for it in the all-reduce: blocked, no CPU wait)."""
+    rng = np.random.default_rng(seed)
+    diff = JobDifferential("j")
+    out: list[dict[str, Any]] = []
+    for it in range(70):
+        extra = {r: extra_ms.get(r, 0.0) if it in at else 0.0 for r in range(4)}
+        slowest = max(extra.values())
+        for rank in range(4):
+            rec = _record(rank, it, 80.0 + slowest + rng.normal(0.0, 2.0), 25.0 + extra[rank] + rng.normal(0.0, 2.0))
+            allreduce = (10.0 + slowest - extra[rank] + rng.normal(0.0, 0.5)) * 1e6
+            rec |= {key: [*rec[key], value] for key, value in (
+                ("function", "allreduce|pg0|2^20"), ("kind", 2), ("calls", 1), ("total_ns", int(allreduce)),
+                ("self_ns", int(allreduce)), ("mean_ns", allreduce), ("p50_ns", allreduce),
+                ("p99_ns", allreduce), ("max_ns", int(allreduce)), ("cv", 0.0), ("share", 0.1),
+                ("nbytes", 1 << 20), ("algbw_gbps", 1.0), ("busbw_gbps", 1.5), ("nvlink_mean_bps", np.nan),
+                ("nvlink_cv", np.nan), ("nvlink_peak_bps", np.nan), ("pcie_mean_bps", np.nan),
+                ("pcie_cv", np.nan), ("pcie_peak_bps", np.nan))}  # fmt: skip
+            out += diff.add(rec)
+    return out + diff.flush()
+
+
+def test_a_rank_that_waits_for_a_cpu_longer_than_every_peer_is_host_slow_a_starved_pair_or_a_burst_is_not() -> None:
+    """From iteration 30 rank 2 waits 30 ms more in each step (its host's cores taken by others): host_slow on
+    ``cpu_wait``, named within 5 iterations (the median of 8), the job's slowdown explained by it. Healthy
+    alike: ranks 0 and 1 starved together on one core for 20 iterations (each waits as long as its mate), or
+    rank 3 for 3 iterations."""
+    for seed in range(5):
+        found = _synchronous_job({2: 30.0}, range(30, 70), seed)
+        opened = [f for f in found if f["status"] == "open"]
+        assert [(f["category"], f["rank"], f["function"]) for f in opened] == [("host_slow", 2, CPU_WAIT_FUNCTION)]
+        assert 30 <= opened[0]["iteration_last"] <= 35, opened
+        assert "waits longer than its peers for a CPU" in sentence(found, 110e6)
+        assert _synchronous_job({0: 30.0, 1: 30.0}, range(30, 50), seed) == [], seed
+        assert _synchronous_job({3: 60.0}, range(30, 33), seed) == [], seed
