@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest -q -n auto tests/unit
-	$(BIN)/python -m pytest -q tests/integration
+	$(BIN)/python -m pytest -q --durations=25 tests/integration
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
