@@ -124,13 +124,9 @@ def record(folder: Path, jobs: list[str], load: str) -> None:
 def verdict(fault: str, updates: list[dict[str, Any]]) -> str:
     """Opened findings as category:rank@iteration, then OK or BAD by the real-job test's bar."""
     opened = [u for u in updates if u["status"] == "open"]
-    faulty, category, _ = real.FAULTS.get(fault, (-1, None, None))
-    named = [u for u in opened if u["rank"] == faulty and category in (None, u["category"])]
-    culprits = {int(u["rank"]) for u in opened if int(u["rank"]) >= 0}
-    on_time = bool(named) and real.FAULT_AT <= named[0]["iteration_last"] <= real.FAULT_AT + 10
-    ok = not opened if fault not in real.FAULTS else on_time and culprits == {faulty} - {-1}
+    missed = recorded_jobs.missed_bar(fault, opened)
     text = " ".join(f"{u['category']}:{u['rank']}@{u['iteration_last']}" for u in opened) or "nothing"
-    return f"{'OK ' if ok else 'BAD'} {text}"
+    return f"OK  {text}" if missed is None else f"BAD {text} ({missed})"
 
 
 def replay(folder: Path) -> int:

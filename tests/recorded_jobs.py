@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import gzip
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RECORDED = Path(__file__).resolve().parent / "data" / "real_jobs"
 FAULT_AT = 30
@@ -23,8 +25,36 @@ FAULTS: dict[str, tuple[int, str | None, str | None]] = {
 }
 """Each fault of the real-job test's job: its rank (-1: every rank, the job) and the finding that must name it
 (category and function; None: any), within 10 iterations of ``FAULT_AT``, and no other rank. The live test,
-the bench and the recordings' test share it."""
+the bench and the recordings' test hold a job to it with ``missed_bar``."""
 _LENGTH = struct.Struct(">I")
+
+
+def naming_the_fault(fault: str, updates: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The opened findings that name the fault's rank (the job: -1) by its category and function."""
+    faulty, category, function = FAULTS[fault]
+    return [
+        u
+        for u in updates
+        if u["status"] == "open" and u["rank"] == faulty and category in (None, u["category"])
+        and function in (None, u["function"])
+    ]  # fmt: skip
+
+
+def missed_bar(fault: str, updates: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why a job's finding updates miss the real-job bar, None where they meet it: a healthy job (``none``)
+    opens nothing; a faulty one is named by its finding (``FAULTS``) within 10 iterations of ``FAULT_AT``,
+    and no finding names another rank (a job-wide one, rank -1, names none)."""
+    opened = [u for u in updates if u["status"] == "open"]
+    if fault not in FAULTS:
+        return f"{len(opened)} finding(s) on a healthy job" if opened else None
+    named = naming_the_fault(fault, opened)
+    if not named:
+        return f"no finding names rank {FAULTS[fault][0]} as {FAULTS[fault][1] or 'any'}"
+    if not FAULT_AT <= named[0]["iteration_last"] <= FAULT_AT + 10:
+        return f"named at iteration {named[0]['iteration_last']}, the fault began at {FAULT_AT}"
+    others = {int(r) for u in opened if u["rank"] >= 0 for r in list(u.get("ranks") or []) or [u["rank"]]}
+    others -= {FAULTS[fault][0]}
+    return f"other ranks named: {sorted(others)}" if others else None
 
 
 @dataclass(frozen=True)

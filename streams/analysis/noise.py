@@ -119,6 +119,8 @@ class JobNoise:
         self._latest: deque[float] = deque(maxlen=self.config.min_history)
         self._waits: deque[dict[int, float]] = deque(maxlen=self.config.history_iterations)
         """Per recent iteration, each rank's run-queue wait; only iterations where every rank measured it."""
+        self._roles: dict[int, tuple[int, int]] = {}
+        """Each rank's role (pipeline stage, tensor slot): a rank with more host work waits longer for a CPU."""
         """The largest arrival lateness of any rank, per recent iteration."""
         """Host signals that stood out but did not cost their step: judged again on the next one."""
         """Host functions seen so far: zero on every rank in iterations where none ran them."""
@@ -128,6 +130,7 @@ class JobNoise:
         self.__dict__.update(state)
         self.__dict__.setdefault("_recorded", 1 << 30)
         self.__dict__.setdefault("_waits", deque(maxlen=self.config.history_iterations))
+        self.__dict__.setdefault("_roles", {})
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
@@ -150,7 +153,10 @@ class JobNoise:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
-        waits = {rank: float(r.get("cpu_wait_ns", -1)) for rank, r in zip(ranks, records, strict=True)}
+        waits: dict[int, float] = {}
+        for rank, r in zip(ranks, records, strict=True):
+            waits[rank] = float(r.get("cpu_wait_ns", -1))
+            self._roles[rank] = (int(r.get("pp_rank", -1)), int(r.get("tp_rank", -1)))
         if min(waits.values(), default=-1.0) < 0:
             self._waits.clear()  # a rank that does not measure it: no run of complete iterations
         else:
@@ -273,13 +279,26 @@ class JobNoise:
         """``host_slow`` signals (``CPU_WAIT_FUNCTION``) for the ranks whose run-queue wait stands above every
         peer's (see the module's docstring; above the peers' median by ``level_z`` times the MAD of their
         levels as well on more than ``max_ranks`` ranks) in the median of their last ``level_iterations + 1``
-        iterations, by at least ``budget_ns``, that ``named`` does not name."""
+        iterations, by at least ``budget_ns``, that ``named`` does not name. Peers are the ranks of the same
+        role, at least 2 of them."""
         cfg = self.config
         if len(self._waits) <= cfg.level_iterations or not self._past_warmup():
             return []
-        x, ranks = _as_matrix(self._waits)
-        if len(ranks) < 2 or np.isnan(x).any():
+        x_all, ranks_all = _as_matrix(self._waits)
+        if np.isnan(x_all).any():
             return []
+        out: list[RankSignal] = []
+        for role in set(self._roles.values()):
+            cols = [c for c, r in enumerate(ranks_all) if self._roles.get(r) == role]
+            if len(cols) >= 3:
+                x, ranks = x_all[:, cols], [ranks_all[c] for c in cols]
+                out += self._contended(x, ranks, budget_ns, hosts, named)
+        return out
+
+    def _contended(
+        self, x: F64, ranks: list[int], budget_ns: float, hosts: dict[int, str], named: set[int]
+    ) -> list[RankSignal]:
+        cfg = self.config
         level = np.median(x[-cfg.level_iterations - 1 :], axis=0)
         out: list[RankSignal] = []
         for col, rank in enumerate(ranks):

@@ -47,6 +47,12 @@ _MAX_STEP = 2**62
 """Step markers beyond this are ignored: their number would not fit the records' Avro long."""
 _MAX_WINDOWS = 16
 """Profiler windows a rank remembers (the latest): enough to mark the steps still open and judge stalls."""
+_WINDOW, _WAIT = 1, 2
+"""Kinds of a producer's own host spans, no host functions: a profiler window, a step's run-queue wait."""
+
+
+def _own_span_kind(name: str) -> int:
+    return _WINDOW if is_profiling_window(name) else _WAIT if is_cpu_wait(name) else 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,13 +152,11 @@ class RankWindower:
     _marker_steps: list[int | None] = field(default_factory=list)
     """Step number of each name of ``_names`` that is a step marker."""
     _is_marker: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    _is_window: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    """Per name of ``_names``, whether it is a profiler window's span."""
+    _own_span: npt.NDArray[np.int8] = field(default_factory=lambda: np.zeros(0, dtype=np.int8))
+    """Per name of ``_names``, which of the producer's own spans it is (``_WINDOW``, ``_WAIT``; 0: none)."""
     _windows: list[tuple[int, int]] = field(default_factory=list)
     """The rank's latest profiler windows (start, end): the steps they overlap are ``profiled``, and the
     events a window holds back make no stall."""
-    _is_wait: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    """Per name of ``_names``, whether it is a step's run-queue wait span (``CPU_WAIT``)."""
     _waits: dict[int, int] = field(default_factory=dict)
     """Run-queue wait spans not yet attributed to a closed step: start -> wait (ns)."""
     _mean_ns: float = 0.0
@@ -289,25 +293,19 @@ class RankWindower:
         return kept_columns(batch, lut, size)
 
     def _take_step_markers(self, cols: Cols) -> Cols:
-        """Take step markers and profiler windows out of a host batch (they are no host functions)."""
+        """Take step markers and the producer's own spans out of a host batch (they are no host functions)."""
         ids = cols["name_id"]
         steps = self._marker_steps
         if len(steps) < len(self._names):
-            names = self._names[len(steps) :]
-            new = [parse_step_marker(n) for n in names]
+            new = [parse_step_marker(n) for n in self._names[len(steps) :]]
             steps += new
             self._is_marker = np.concatenate((self._is_marker, np.array([s is not None for s in new], dtype=bool)))
-            windows = np.array([is_profiling_window(n) for n in names], dtype=bool)
-            self._is_window = np.concatenate((self._is_window, windows))
-            waits = np.array([is_cpu_wait(n) for n in names], dtype=bool)
-            self._is_wait = np.concatenate((self._is_wait, waits))
-        is_window = self._is_window[ids]
-        if is_window.any():
-            cols = self._take_windows(cols, is_window)
-            ids = cols["name_id"]
-        is_wait = self._is_wait[ids]
-        if is_wait.any():
-            cols = self._take_waits(cols, is_wait)
+        if self._own_span.size < len(self._names):
+            kinds = [_own_span_kind(n) for n in self._names[self._own_span.size :]]
+            self._own_span = np.concatenate((self._own_span, np.array(kinds, dtype=np.int8)))
+        own = self._own_span[ids]
+        if own.any():
+            cols = self._take_own_spans(cols, own)
             ids = cols["name_id"]
         is_marker = self._is_marker[ids]
         if not is_marker.any():
@@ -322,19 +320,18 @@ class RankWindower:
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
         return {k: v[~is_marker] for k, v in cols.items()}
 
-    def _take_windows(self, cols: Cols, is_window: npt.NDArray[np.bool_]) -> Cols:
-        for i in np.flatnonzero(is_window).tolist():
-            start = int(cols["start_ns"][i])
-            self._windows.append((start, start + max(int(cols["dur_ns"][i]), 0)))
+    def _take_own_spans(self, cols: Cols, own: npt.NDArray[np.int8]) -> Cols:
+        """Take the producer's own spans (``own``: each row's ``_own_span`` kind) out of a host batch: a
+        profiler window's marks the steps it overlaps, a step's run-queue wait goes to the step it starts."""
+        for i in np.flatnonzero(own).tolist():
+            start, length = int(cols["start_ns"][i]), max(int(cols["dur_ns"][i]), 0)
+            if own[i] == _WINDOW:
+                self._windows.append((start, start + length))
+            elif start >= self._closed_end_ns and len(self._waits) < 16 * self.config.max_open_steps:
+                self._waits[start] = self._waits.get(start, 0) + length
         self._windows = sorted(set(self._windows))[-_MAX_WINDOWS:]
-        return {k: v[~is_window] for k, v in cols.items()}
-
-    def _take_waits(self, cols: Cols, is_wait: npt.NDArray[np.bool_]) -> Cols:
-        for i in np.flatnonzero(is_wait).tolist():
-            start = int(cols["start_ns"][i])
-            if start >= self._closed_end_ns and len(self._waits) < 16 * self.config.max_open_steps:
-                self._waits[start] = self._waits.get(start, 0) + max(int(cols["dur_ns"][i]), 0)
-        return {k: v[~is_wait] for k, v in cols.items()}
+        kept = own == 0
+        return {k: v[kept] for k, v in cols.items()}
 
     def _cpu_wait(self, start: int, end: int) -> int:
         """The run-queue wait of the step [start, end) (the wait spans starting in it; -1: none measured),

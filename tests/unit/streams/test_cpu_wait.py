@@ -154,18 +154,24 @@ def test_self_time_leaves_out_each_spans_own_wait_row_and_a_wait_row_is_no_span(
     assert host_self_ns(it, start, dur, depth, sync).tolist() == [100 - 30 - 20, 30, 0, 0, 0, 100, 0]
 
 
-def _synchronous_job(extra_ms: dict[int, float], at: range, seed: int) -> list[dict[str, Any]]:
-    """Finding records of a synchronous 4-rank CPU job (steps 80 ms, 25 of them run-queue wait, one
-    all-reduce): in the iterations ``at``, rank r waits ``extra_ms[r]`` more for a CPU, and every rank's step
-    takes the largest of those longer (the others wait for it in the all-reduce: blocked, no CPU wait)."""
+def _synchronous_job(
+    extra_ms: dict[int, float], at: range, seed: int, stages: int = 1, world: int = 4
+) -> list[dict[str, Any]]:
+    """Finding records of a synchronous CPU job (steps 80 ms, 25 of them run-queue wait, one all-reduce;
+    ``stages`` pipeline stages, the first one's ranks waiting 30 ms more: their host work is larger): in the
+    iterations ``at``, rank r waits ``extra_ms[r]`` more for a CPU, and every rank's step takes the largest
+    of those longer (the others wait for it in the all-reduce: blocked, no CPU wait)."""
     rng = np.random.default_rng(seed)
     diff = JobDifferential("j")
     out: list[dict[str, Any]] = []
     for it in range(70):
-        extra = {r: extra_ms.get(r, 0.0) if it in at else 0.0 for r in range(4)}
+        extra = {r: extra_ms.get(r, 0.0) if it in at else 0.0 for r in range(world)}
         slowest = max(extra.values())
-        for rank in range(4):
-            rec = _record(rank, it, 80.0 + slowest + rng.normal(0.0, 2.0), 25.0 + extra[rank] + rng.normal(0.0, 2.0))
+        for rank in range(world):
+            stage = rank * stages // world
+            wait = 25.0 + (30.0 if stages > 1 and stage == 0 else 0.0) + extra[rank] + rng.normal(0.0, 2.0)
+            rec = _record(rank, it, 80.0 + slowest + rng.normal(0.0, 2.0), wait)
+            rec |= {"world_size": world, "pp_rank": stage if stages > 1 else -1}
             allreduce = (10.0 + slowest - extra[rank] + rng.normal(0.0, 0.5)) * 1e6
             rec |= {key: [*rec[key], value] for key, value in (
                 ("function", "allreduce|pg0|2^20"), ("kind", 2), ("calls", 1), ("total_ns", int(allreduce)),
@@ -191,3 +197,13 @@ def test_a_rank_that_waits_for_a_cpu_longer_than_every_peer_is_host_slow_a_starv
         assert "waits longer than its peers for a CPU" in sentence(found, 110e6)
         assert _synchronous_job({0: 30.0, 1: 30.0}, range(30, 50), seed) == [], seed
         assert _synchronous_job({3: 60.0}, range(30, 33), seed) == [], seed
+
+
+def test_ranks_wait_for_a_cpu_compared_within_their_pipeline_stage() -> None:
+    """Two stages of 4 ranks, the first one's waiting 30 ms more in every step (more host work): nothing;
+    a rank of the second stage waiting 30 ms more than its stage's peers from iteration 30: named."""
+    for seed in range(3):
+        assert _synchronous_job({}, range(0), seed, stages=2, world=8) == [], seed
+        found = _synchronous_job({6: 30.0}, range(30, 70), seed, stages=2, world=8)
+        opened = [(f["category"], f["rank"], f["function"]) for f in found if f["status"] == "open"]
+        assert opened == [("host_slow", 6, CPU_WAIT_FUNCTION)], (seed, opened)
