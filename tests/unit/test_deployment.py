@@ -121,6 +121,8 @@ def test_every_fleetscope_variable_is_a_real_config_key() -> None:
         assert config.kafka.registry_url == "http://schema-registry:8081"
         assert config.store.url == "http://clickhouse:8123" and config.store.password
         assert config.metrics_port == 9100
+        # several workers in one group (the worker's replicas): docs/scaling.md's first rule
+        assert config.streams.job_idle_ms >= 3 * config.kafka.session_timeout_ms
     for service in SERVICES.values():
         stray = [k for k in (service.get("environment") or {}) if k.startswith("FLEETSCOPE_")]
         assert set(stray) <= seen
