@@ -111,19 +111,19 @@ class JobNoise:
         self.config = config or NoiseConfig()
         self._series: dict[str, deque[dict[int, float]]] = {}
         self._host: set[str] = set()
+        """Host functions seen so far: zero on every rank in iterations where none ran them."""
         self._lateness: dict[int, float] = {}
         """Per rank, its arrival lateness in the latest recorded iteration (the largest over its collectives)."""
         self._ranks = 0
         self._recorded = 0
         self._held: list[RankSignal] = []
+        """Host signals that stood out but did not cost their step: judged again on the next one."""
         self._latest: deque[float] = deque(maxlen=self.config.min_history)
+        """The largest arrival lateness of any rank, per recent iteration."""
         self._waits: deque[dict[int, float]] = deque(maxlen=self.config.history_iterations)
         """Per recent iteration, each rank's run-queue wait; only iterations where every rank measured it."""
         self._roles: dict[int, tuple[int, int]] = {}
         """Each rank's role (pipeline stage, tensor slot): a rank with more host work waits longer for a CPU."""
-        """The largest arrival lateness of any rank, per recent iteration."""
-        """Host signals that stood out but did not cost their step: judged again on the next one."""
-        """Host functions seen so far: zero on every rank in iterations where none ran them."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A job's noise saved before warm-up was counted restores as past it (the job was running)."""
