@@ -47,9 +47,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
+from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
 
@@ -120,17 +122,20 @@ class JobNoise:
         """Host signals that stood out but did not cost their step: judged again on the next one."""
         self._latest: deque[float] = deque(maxlen=self.config.min_history)
         """The largest arrival lateness of any rank, per recent iteration."""
-        self._waits: deque[dict[int, float]] = deque(maxlen=self.config.history_iterations)
-        """Per recent iteration, each rank's run-queue wait; only iterations where every rank measured it."""
-        self._roles: dict[int, tuple[int, int]] = {}
-        """Each rank's role (pipeline stage, tensor slot): a rank with more host work waits longer for a CPU."""
+        self._waits: deque[F64] = deque(maxlen=self.config.history_iterations)
+        """Per recent iteration, each rank's run-queue wait (ranks in ``_wait_ranks`` order); only a run of
+        iterations where every rank of the same set measured it."""
+        self._wait_ranks: tuple[int, ...] = ()
+        self._wait_roles: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        """Each rank's role code (``roles.role_codes``): a rank with more host work waits longer for a CPU."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A job's noise saved before warm-up was counted restores as past it (the job was running)."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_recorded", 1 << 30)
         self.__dict__.setdefault("_waits", deque(maxlen=self.config.history_iterations))
-        self.__dict__.setdefault("_roles", {})
+        self.__dict__.setdefault("_wait_ranks", ())
+        self.__dict__.setdefault("_wait_roles", np.zeros(0, dtype=np.int64))
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
@@ -153,14 +158,7 @@ class JobNoise:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
-        waits: dict[int, float] = {}
-        for rank, r in zip(ranks, records, strict=True):
-            waits[rank] = float(r.get("cpu_wait_ns", -1))
-            self._roles[rank] = (int(r.get("pp_rank", -1)), int(r.get("tp_rank", -1)))
-        if min(waits.values(), default=-1.0) < 0:
-            self._waits.clear()  # a rank that does not measure it: no run of complete iterations
-        else:
-            self._waits.append(waits)
+        self._record_waits(records, ranks)
         self._recorded += 1
         for function, values in seen.items():
             if function not in self._series:
@@ -275,52 +273,58 @@ class JobNoise:
                 )  # fmt: skip
         return out
 
+    def _record_waits(self, records: Sequence[dict[str, Any]], ranks: list[int]) -> None:
+        """The iteration's run-queue waits, one array in rank order (no per-rank objects: a job may have
+        thousands of ranks); a rank that does not measure it, or another set of ranks, restarts the run."""
+        order = np.argsort(ranks, kind="stable")
+        waits = np.array([r.get("cpu_wait_ns", -1) for r in records], dtype=np.float64)[order]
+        key = tuple(ranks[i] for i in order)
+        if key != self._wait_ranks or not waits.size or waits.min() < 0:
+            self._waits.clear()
+            self._wait_ranks = key
+            self._wait_roles = role_codes(records)[order]  # a rank's role stays while its job runs
+        if waits.size and waits.min() >= 0:
+            self._waits.append(waits)
+
     def contended(self, budget_ns: float, hosts: dict[int, str], named: set[int]) -> list[RankSignal]:
         """``host_slow`` signals (``CPU_WAIT_FUNCTION``) for the ranks whose run-queue wait stands above every
-        peer's (see the module's docstring; above the peers' median by ``level_z`` times the MAD of their
-        levels as well on more than ``max_ranks`` ranks) in the median of their last ``level_iterations + 1``
-        iterations, by at least ``budget_ns``, that ``named`` does not name. Peers are the ranks of the same
-        role, at least 2 of them."""
+        peer's (see the module's docstring; on more than ``max_ranks`` ranks, above their median by
+        ``level_z`` times the larger of their median jitter and the MAD of their levels) in the median of
+        their last ``level_iterations + 1`` iterations, by at least ``budget_ns``, that ``named`` does not
+        name. Peers are the ranks of the same role, at least 2 of them. One numpy pass per role."""
         cfg = self.config
         if len(self._waits) <= cfg.level_iterations or not self._past_warmup():
             return []
-        x_all, ranks_all = _as_matrix(self._waits)
-        if np.isnan(x_all).any():
-            return []
-        out: list[RankSignal] = []
-        for role in set(self._roles.values()):
-            cols = [c for c, r in enumerate(ranks_all) if self._roles.get(r) == role]
-            if len(cols) >= 3:
-                x, ranks = x_all[:, cols], [ranks_all[c] for c in cols]
-                out += self._contended(x, ranks, budget_ns, hosts, named)
-        return out
-
-    def _contended(
-        self, x: F64, ranks: list[int], budget_ns: float, hosts: dict[int, str], named: set[int]
-    ) -> list[RankSignal]:
-        cfg = self.config
+        x = np.stack(self._waits)
         level = np.median(x[-cfg.level_iterations - 1 :], axis=0)
+        jitter = np.median(np.abs(np.diff(x, axis=0)), axis=0) * _JITTER_PER_MEDIAN_STEP
         out: list[RankSignal] = []
-        for col, rank in enumerate(ranks):
-            peers = np.delete(level, col)
-            median = float(np.median(peers))
-            noise = _noise(x, col)
-            if len(ranks) > cfg.max_ranks:
-                noise = max(_noise(x, col, among=np.nanmedian), 1.4826 * float(np.median(np.abs(peers - median))))
-                above = float(level[col]) - median
-            else:
-                above = float(level[col] - peers.max())
-            if rank in named or above < max(cfg.level_z * noise, budget_ns):
+        for role in np.unique(self._wait_roles):
+            cols = np.flatnonzero(self._wait_roles == role)
+            if cols.size < 3:
                 continue
-            out.append(
-                RankSignal(
-                    rank=rank, host=hosts.get(rank, ""), category="host_slow", function=CPU_WAIT_FUNCTION,
-                    metric="cpu_wait_ns", value=float(level[col]), peer_median=median,
-                    score=above / max(noise, 1.0), loss_ns=float(level[col]) - median,
-                    evidence={"iterations": cfg.level_iterations + 1, "above_every_peer_ns": above,
-                              "noise_ns": noise},
-                )
-            )  # fmt: skip
+            if cols.size > cfg.max_ranks:
+                median = np.full(cols.size, np.median(level[cols]))
+                mad = 1.4826 * float(np.median(np.abs(level[cols] - median[0])))
+                noise = np.full(cols.size, max(float(np.median(jitter[cols])), mad))
+                above = level[cols] - median
+            else:
+                median = np.array([np.median(np.delete(level[cols], i)) for i in range(cols.size)])
+                noise, above = _largest_of_others(jitter[cols]), level[cols] - _largest_of_others(level[cols])
+            for i in np.flatnonzero(above >= np.maximum(cfg.level_z * noise, budget_ns)).tolist():
+                rank = self._wait_ranks[int(cols[i])]
+                if rank in named:
+                    continue
+                out.append(
+                    RankSignal(
+                        rank=rank, host=hosts.get(rank, ""), category="host_slow", function=CPU_WAIT_FUNCTION,
+                        metric="cpu_wait_ns", value=float(level[cols[i]]), peer_median=float(median[i]),
+                        score=float(above[i]) / max(float(noise[i]), 1.0),
+                        loss_ns=float(level[cols[i]] - median[i]),
+                        evidence={"iterations": cfg.level_iterations + 1, "above_peers_ns": float(above[i]),
+                                  "noise_ns": float(noise[i])},
+                    )
+                )  # fmt: skip
         return out
 
     def _past_warmup(self) -> bool:
@@ -399,6 +403,14 @@ def _leads(lead: F64, noise: float, cfg: NoiseConfig) -> bool:
         if total >= cfg.lead_alarm:
             return True
     return False
+
+
+def _largest_of_others(values: F64) -> F64:
+    """Per element, the largest of the other elements (at least 2)."""
+    order = np.argsort(values)
+    out = np.full(values.size, values[order[-1]])
+    out[order[-1]] = values[order[-2]]
+    return out
 
 
 def _as_matrix(series: Iterable[dict[int, float]]) -> tuple[F64, list[int]]:
