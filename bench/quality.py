@@ -82,7 +82,7 @@ class Expected:
     onset: int
 
 
-TRACE_MAGNITUDES = {"slow_stage": 1.25, "slow_worker": 2.35, "a2a_imbalance": 2.0}
+TRACE_MAGNITUDES = {"slow_stage": 1.25, "slow_worker": 2.35, "a2a_imbalance": 2.0, "host_bound": 1.6, "slow_link": 3.0}
 TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
     {"dp": 4, "pp": 4},
     {"dp": 4, "pp": 4, "names": "mesh"},
@@ -100,8 +100,9 @@ TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
 
 
 def trace_suite(quick: bool = False) -> list[TraceScenario]:
-    """Generated traces: every layout healthy and with one slow worker (a rank in the middle of it), the
-    pipelined ones with a slow last stage, the expert one with an imbalanced all-to-all."""
+    """Generated traces: every layout healthy and with one slow worker (a rank in the middle of it), one
+    launch-bound rank and one slow link, the pipelined ones with a slow last stage, the expert one with an
+    imbalanced all-to-all. Launch-bound and slow-link jobs draw seeds of their own (the others keep theirs)."""
     out: list[TraceScenario] = []
     seed = 100
     for i, layout in enumerate(TRACE_LAYOUTS if not quick else TRACE_LAYOUTS[::2]):
@@ -111,9 +112,11 @@ def trace_suite(quick: bool = False) -> list[TraceScenario]:
             faults.append(("slow_stage", 0))
         if layout.get("ep", 1) > 1:
             faults.append(("a2a_imbalance", (3 * i + 2) % world))
+        own_seeds = {"host_bound": 300 + i, "slow_link": 400 + i}
+        faults += [("host_bound", (7 * i + 1) % world), ("slow_link", (3 * i + 1) % world)]
         for fault, rank in faults:
-            seed += 1
-            job = TraceJob(**layout, fault=fault, fault_rank=rank, seed=seed)
+            seed += fault not in own_seeds
+            job = TraceJob(**layout, fault=fault, fault_rank=rank, seed=own_seeds.get(fault, seed))
             shape = "x".join(f"{d}{layout.get(d, 1)}" for d in ("dp", "tp", "pp", "ep")) + ("-zero" if job.zero else "")
             shape += "" if job.order == ("tp", "dp", "pp") else "-" + "".join(job.order)
             name = f"tg-{fault}-{shape}-{job.names}" + (f"-r{rank}" if rank else "")

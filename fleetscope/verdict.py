@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetscope.schemas import units
-from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, ITERATION_LESS_CPU_WAIT
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 
 
 def headline(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
@@ -32,6 +32,8 @@ def _what(f: Mapping[str, Any]) -> str:
         return f"runs its GPU kernels slower than its peers ({function} {gap}, {numbers})"
     if category == "host_slow" and function == CPU_WAIT_FUNCTION:
         return f"waits longer than its peers for a CPU: other processes take its host's cores ({gap}, {numbers})"
+    if category == "host_slow" and function == LAUNCH_WAIT_FUNCTION:
+        return f"leaves its GPU idle waiting for its host to launch kernels: launch-bound ({gap}, {numbers})"
     if category == "host_slow":
         return f"spends longer than its peers in the host function {function} ({gap}, {numbers})"
     if category == "link_slow":

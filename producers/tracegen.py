@@ -7,8 +7,10 @@ mixture-of-experts layer), and this module writes one JSON file per rank as PyTo
 ``record_param_comms`` copies onto kernels (``Process Group Ranks``, ``Src Rank``/``Dst Rank``...),
 ``cudaLaunchKernel`` correlations, ``ProfilerStep#N`` spans and host clock skew of several ms per host.
 Faults: ``slow_stage`` (the last stage's compute x1.25), ``slow_worker`` (one rank's compute x2.35),
-``a2a_imbalance`` (one expert rank gets 2x the tokens). ``python -m fleetscope.producers.tracegen DIR``
-writes a job.
+``a2a_imbalance`` (one expert rank gets 2x the tokens), ``host_bound`` (one rank's GPU waits for each
+launch: kernels are launched just before they start, so its gaps are its host's), ``slow_link`` (every ring
+collective one rank is in transfers 3x slower).
+``python -m fleetscope.producers.tracegen DIR`` writes a job.
 """
 
 from __future__ import annotations

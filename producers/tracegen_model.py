@@ -37,7 +37,15 @@ DESCS = {
     "mesh": {"tp": "mesh_tp", "dp": "mesh_dp", "pp": "mesh_pp", "ep": "mesh_ep"},
     "none": dict.fromkeys(("tp", "dp", "pp", "ep"), "undefined"),
 }
-FAULTS = ("healthy", "slow_stage", "slow_worker", "a2a_imbalance")
+FAULTS = ("healthy", "slow_stage", "slow_worker", "a2a_imbalance", "host_bound", "slow_link")
+HOST_BOUND_GAP = 0.6
+"""``host_bound``: before each of its compute kernels the culprit's GPU waits this share of the kernel's time
+for the launch (its CPU needs 1.6x the GPU's time per kernel: Python overhead, a slow or busy host)."""
+SLOW_LINK_FACTOR = 3.0
+"""``slow_link``: every ring collective the culprit is a member of (tensor- and data-parallel) transfers this
+many times slower: its link paces each ring it is in, so every member's kernel grows alike."""
+_RINGS = ("allreduce", "allgather", "reduce_scatter")
+_EXPECTED = {"healthy": "", "slow_stage": "stage_imbalance", "host_bound": "host_slow", "slow_link": "link_slow"}
 BASE_NS = 1_761_955_200_000_000_000  # a quarter boundary, as Kineto floors baseTimeNanoseconds
 COMPUTE_STREAM, P2P_STREAM = 7, 21
 
@@ -110,8 +118,9 @@ class TraceJob:
 
     @property
     def expected_category(self) -> str:
-        """The finding the fault should give: a whole slow stage, else one rank's slow GPU work."""
-        return {"healthy": "", "slow_stage": "stage_imbalance"}.get(self.fault, "gpu_slow")
+        """The finding the fault should give: a whole slow stage, a launch-bound rank's host, a rank's slow
+        link, else one rank's slow GPU work."""
+        return _EXPECTED.get(self.fault, "gpu_slow")
 
     def culprits(self) -> tuple[int, ...]:
         """The ranks the fault acts on."""
@@ -147,6 +156,9 @@ class _Model:
             if job.fault == "slow_stage" and job.coordinates(r)["pp"] == job.pp - 1:
                 self.speed[r] = 1.25
         self.lps = job.layers // job.pp
+        self.launch_gap = np.zeros(job.world_size)
+        if job.fault == "host_bound":
+            self.launch_gap[job.fault_rank] = HOST_BOUND_GAP
 
     def cell(self, pp: int, dp: int) -> list[int]:
         return [self.job.rank_of(t, pp, dp) for t in range(self.job.tp)]
@@ -161,7 +173,10 @@ class _Model:
         nelems: int,
         peer: int | None = None,
     ) -> float:
-        """Every member's kernel runs from its own arrival to the last arrival plus the transfer."""
+        """Every member's kernel runs from its own arrival to the last arrival plus the transfer (at the pace
+        of the ring's slowest link)."""
+        if self.job.fault == "slow_link" and self.job.fault_rank in ranks and op in _RINGS:
+            xfer_us *= SLOW_LINK_FACTOR
         end = max(ready[r] for r in ranks) + xfer_us
         for r in ranks:
             self._nccl(r, op, role, ready[r], end - ready[r], nelems, peer)
@@ -195,6 +210,7 @@ class _Model:
         """A layer's kernels on one rank, each with its own noise; returns its end."""
         for name, share in table:
             d = total_us * share * self.speed[r] * float(self.rng.lognormal(0.0, self.job.noise))
+            t += d * self.launch_gap[r]  # a launch-bound rank's GPU idles until its host launches the kernel
             self.ranks[r].kernels.append((t, d, name, COMPUTE_STREAM, {}))
             t += d
         return t

@@ -131,6 +131,13 @@ CPU_WAIT_FUNCTION = "cpu_wait"
 """The ``function`` of a ``host_slow`` finding on a rank that waits longer than every peer for a CPU in each
 step (its run-queue wait): its host's cores are taken by others. Its metric is ``cpu_wait_ns``."""
 
+LAUNCH_WAIT_FUNCTION = "gpu_launch_wait"
+"""A host function the windower adds to a rank's iteration where its kernels carry launch times: the time
+its GPU sat idle, after the step's first kernel, until a kernel its host had not launched yet (launched
+after the GPU went idle). A launch-bound rank (its CPU slower than its GPU: Python, CPU contention) starves
+its GPU this way; a rank whose GPU is slow never does (its host runs ahead), and waiting ranks wait inside
+their collectives' kernels, not in gaps. Compared like any host function, so it is ``host_slow``."""
+
 ITERATION_LESS_CPU_WAIT = "iteration_less_cpu_wait_ns"
 """``job_regression``'s metric where every rank measured its run-queue wait: the steps' time less it."""
 

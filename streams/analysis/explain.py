@@ -6,8 +6,9 @@ collective (it waits least: its collective is the shortest) and which rank compu
 per-iteration signals still show who stands out; ``JobTally`` keeps that (compact, capped) per job and
 ``JobTally.reasons`` says, one line each, why no finding could open and what to collect instead.
 ``JobTally.limits`` says what the input cannot show at any length: without link throughput samples a slow
-link has no rank to name, since a collective runs at its slowest link's pace on every member (all members'
-kernels lengthen alike), and a member's longer kernel reads as a longer wait for the last arrival.
+link shows only against equivalent groups (``links.score_transfers``): within its own ring it has no rank to
+name, since a collective runs at its slowest link's pace on every member (all members' kernels lengthen
+alike), and a member's longer kernel reads as a longer wait for the last arrival.
 """
 
 from __future__ import annotations
@@ -177,11 +178,13 @@ class JobTally:
         if self.link_samples or share is None:
             return []
         return [
-            "no link throughput samples (NVLink/PCIe): link_slow cannot be judged. A collective runs at its "
-            "slowest link's pace on every member, so a slow link lengthens all members' NCCL kernels alike "
-            f"and names no rank; here the transfer (each collective's shortest kernel) is {100 * share:.0f}% of "
-            "the NCCL kernel time and the rest is waiting for the last rank, so a longer kernel on one rank "
-            "reads as a longer wait. Run the job with the fleetscope hook (NVML link samples) to judge links"
+            "no link throughput samples (NVLink/PCIe): link_slow cannot be judged within a group, only by a "
+            "group's transfer against at least 3 other groups doing the same collective (one per replica). A "
+            "collective runs at its slowest link's pace on every member, so a slow link lengthens all members' "
+            f"NCCL kernels alike and names no rank; here the transfer (each collective's shortest kernel) is "
+            f"{100 * share:.0f}% of the NCCL kernel time and the rest is waiting for the last rank, so a longer "
+            "kernel on one rank reads as a longer wait. Run the job with the fleetscope hook (NVML link "
+            "samples) to judge each rank's links"
         ]
 
 

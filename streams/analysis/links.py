@@ -1,9 +1,16 @@
 """Links compared with their peers: a degraded link per rank (low, steady peak throughput during
-collectives), congestion per host (on/off fluctuation shared by a host's ranks)."""
+collectives), congestion per host (on/off fluctuation shared by a host's ranks), and, from kernel times
+alone, a collective group whose transfer is slower than equivalent groups' (``score_transfers``)."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.signals import (
@@ -138,3 +145,106 @@ def score_hosts(
             )
         )  # fmt: skip
     return out
+
+
+RING_COLLECTIVES = ("allreduce", "allgather", "reduce_scatter")
+"""Collectives whose every member moves its share at the pace of the ring's slowest link, so the same call
+on equivalent groups moves the same bytes in the same time. Not all-to-all (its traffic follows the
+routing: an expert's extra tokens are its own work), not p2p (one direction, one pair)."""
+_RING_OP = re.compile(r"^nccl:(" + "|".join(RING_COLLECTIVES) + r")\[pg=[^,\]]*,(.*)$")
+
+
+def score_transfers(
+    pm: PeerMatrix, records: Sequence[dict[str, Any]], cfg: ScoringConfig, scorer: OutlierScorer
+) -> list[RankSignal]:
+    """Collective groups whose transfer is slower than the same collective's on equivalent groups.
+
+    A collective ends on every member at the latest arrival plus the transfer, so the member that waited
+    least (its shortest mean kernel) shows the transfer itself. One slow link paces its whole ring: every
+    member's kernel grows alike and no rank stands out among its own group, but the group stands out among
+    the groups doing the same work (one per data-parallel replica for tensor-parallel groups): the same
+    operation and size class, the same layout dimension varying among the members, as many members on as
+    many hosts. Time per byte is compared (sizes differ within a size class). Readable from traces alone
+    (no link samples needed); the group's ranks are its subject (the slow link is one of theirs)."""
+    if not pm.functions:
+        return []
+    mean_ns, calls, nbytes = pm.features["mean_ns"], pm.features["calls"], pm.features["nbytes"]
+    coords = np.array([[int(r.get(c, -1)) for c in ("tp_rank", "pp_rank", "dp_rank")] for r in records], dtype=np.int64)
+    if (coords < 0).any():
+        return []  # no layout: which groups do the same work is unknown
+    rows_of = {int(r["rank"]): i for i, r in enumerate(records)}
+    at = np.fromiter((rows_of.get(int(r), -1) for r in pm.ranks), np.int64, len(pm.ranks))
+    if (at < 0).any():
+        return []
+    ring = [j for j, name in enumerate(pm.functions) if _RING_OP.match(name)]
+    if not ring:
+        return []
+    # every member (row, column) of every ring collective at once: members, hosts and varying coordinates
+    row, col = np.nonzero(~np.isnan(mean_ns[:, ring]))
+    n = len(ring)
+    count = np.bincount(col, minlength=n)
+    keys: list[npt.NDArray[Any]] = [count]
+    for c in coords[at].T:
+        low, high = np.full(n, np.iinfo(np.int64).max), np.full(n, -1)
+        np.minimum.at(low, col, c[row])
+        np.maximum.at(high, col, c[row])
+        keys.append(high > low)
+    _, host = np.unique(np.asarray(pm.hosts), return_inverse=True)
+    pairs = np.unique(col * (int(host.max()) + 1) + host[row])
+    keys.append(np.bincount(pairs // (int(host.max()) + 1), minlength=n))
+    members = np.split(row[np.argsort(col, kind="stable")], np.cumsum(count)[:-1])
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    for g, j in enumerate(ring):
+        if count[g] >= 2:
+            kind = _RING_OP.sub(r"\1 \2", pm.functions[j])
+            classes.setdefault((kind, *(int(k[g]) for k in keys)), []).append(g)
+    budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
+    out: list[RankSignal] = []
+    for groups in classes.values():
+        if len(groups) < cfg.min_peers:
+            continue
+        cols = [ring[g] for g in groups]
+        with quiet_nan_warnings():
+            transfer = np.nanmin(mean_ns[:, cols], axis=0)
+            size = np.nanmedian(nbytes[:, cols], axis=0)
+            per_byte = transfer / np.where(size > 0, size, np.nan)
+        if np.isnan(per_byte).any():
+            continue
+        sc = scorer(per_byte[:, None])
+        flag = flagged(sc, cfg, min_gap=cfg.host_min_relative_gap)[:, 0]
+        typical = float(sc.median[0]) * size
+        for g in np.flatnonzero(flag).tolist():
+            j, rows = cols[g], members[groups[g]]
+            n_calls = float(nan_median(calls[rows, j]))
+            loss = (transfer[g] - typical[g]) * n_calls
+            if loss < budget:
+                continue
+            pg = pm.functions[j].split("[pg=", 1)[1].split(",", 1)[0]
+            out.append(
+                RankSignal(
+                    rank=-1, host="", category="link_slow", function=pm.functions[j], metric="transfer_ns",
+                    value=float(transfer[g]), peer_median=float(typical[g]), score=float(sc.z[g, 0]),
+                    loss_ns=float(loss), ranks=tuple(sorted(int(pm.ranks[r]) for r in rows)), subject=f"group:{pg}",
+                    evidence={"scope": "group", "pattern": "slow transfer", "groups_compared": len(cols),
+                              "process_group": pg},
+                )
+            )  # fmt: skip
+    return _one_rank(out, pm)
+
+
+def _one_rank(groups: list[RankSignal], pm: PeerMatrix) -> list[RankSignal]:
+    """Slow groups that all share one rank are that rank's link: it slows every ring it is in (its
+    tensor-parallel and its data-parallel group), which no link of another member explains."""
+    if len(groups) < 2:
+        return groups
+    common = set.intersection(*(set(g.ranks) for g in groups))
+    if len(common) != 1:
+        return groups
+    rank = common.pop()
+    row = int(np.flatnonzero(pm.ranks == rank)[0])
+    top = max(groups, key=lambda g: g.loss_ns)
+    evidence = {
+        **top.evidence, "scope": "rank", "process_groups": [g.evidence["process_group"] for g in groups],
+        "group_ranks": sorted({r for g in groups for r in g.ranks}),
+    }  # fmt: skip
+    return [replace(top, rank=rank, host=pm.hosts[row], ranks=(rank,), subject="", evidence=evidence)]

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts
+from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts, score_transfers
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
 from fleetscope.streams.analysis.shards import Columns, ShardColumns, assemble, first_keys, split_records
@@ -48,6 +48,7 @@ READS: dict[int, tuple[str, ...]] = {
     _COLLECTIVE: (
         "mean_ns",
         "calls",
+        "nbytes",
         "pcie_mean_bps",
         *(f"{f}_{x}" for f in LINK_FAMILIES for x in ("peak_bps", "cv")),
     ),
@@ -455,7 +456,8 @@ def merge_columns(
     stages = score_stages(records, cfg, compute)
     signals += [s for s in stages if s.rank >= 0]  # slow members of a stage too small to compare inside
     stages = [s for s in stages if s.rank < 0]
-    signals = explain_victims(signals, records, stages)
+    transfers = score_transfers(pms.of_kind(_COLLECTIVE), records, cfg, scorer)
+    signals = explain_victims(signals, records, stages, transfers)
     signals = group_by_host(signals, records, cfg.host_group_min_share)
-    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, scorer) + stages
+    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, scorer) + stages + transfers
     return split_shares(signals, records)

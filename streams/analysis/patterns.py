@@ -11,9 +11,10 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
-from fleetscope.schemas.vocabulary import is_sync_call
+from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, is_sync_call
 from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
+    GroupStats,
     clip,
     covered_ns,
     group_duration_stats,
@@ -145,6 +146,48 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
     return np.column_stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap))
+
+
+_REL_BITS = 41
+"""A launch wait's times are relative to its iteration's start, below 2**41 ns (36 min), so one int64 key
+(iteration, time) orders and prefix-maxes every iteration of a batch at once."""
+
+
+def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, npt.NDArray[np.bool_]]:
+    """Per iteration: the statistics of the gaps in which the GPU waited for its host to launch
+    (``LAUNCH_WAIT_FUNCTION``), and whether the iteration's kernels carry launch times at all.
+
+    A gap between the end of all GPU work so far (every stream, collectives included) and the next
+    kernel's start is the host's when that kernel was launched after the gap began: the GPU had nothing
+    queued. A kernel launched earlier waited for a dependency (an event, another stream), not the host.
+    Gaps before the step's first kernel are left out (a late start is a late arrival, not launch-bound
+    work). Without launch times (``assign_ns`` is the start itself) nothing is known."""
+    m = len(evs)
+    parts = [
+        (cols["start_ns"], cols["dur_ns"], cols["assign_ns"], i)
+        for i, ev in enumerate(evs)
+        for cols in (ev.kernels, ev.collectives)
+        if cols and "assign_ns" in cols and cols["start_ns"].size
+    ]
+    if not parts:
+        return group_duration_stats(_empty(), _empty(), m), np.zeros(m, bool)
+    start = np.concatenate([p[0] for p in parts]).astype(np.int64)
+    end = start + np.concatenate([p[1] for p in parts]).astype(np.int64)
+    launch = np.concatenate([p[2] for p in parts]).astype(np.int64)
+    it = np.repeat(np.array([p[3] for p in parts], dtype=np.int64), [p[0].size for p in parts])
+    known = np.bincount(it, weights=launch < start, minlength=m) > 0
+    order = np.lexsort((start, it))
+    start, end, launch, it = start[order], end[order], launch[order], it[order]
+    base = lo[it]
+    top = (1 << _REL_BITS) - 1
+    key = (it << _REL_BITS) + np.clip(end - base, 0, top)
+    prev_end = np.empty_like(start)
+    prev_end[0] = start[0]
+    prev_end[1:] = (np.maximum.accumulate(key)[:-1] - (it[1:] << _REL_BITS)) + base[1:]
+    first = np.ones(start.size, dtype=bool)
+    first[1:] = it[1:] != it[:-1]
+    starved = ~first & (start > prev_end) & (launch > prev_end) & known[it]
+    return group_duration_stats(it[starved], (start - prev_end)[starved], m), known
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +341,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     else:
         gpu = _gpu_times(comp, comm, lo, width)
     kernels = (k.counts + c.counts).tolist()
+    launch_waits, launch_known = _launch_waits(evs, lo)
 
     # 2. Functions, numbered iteration by iteration: its kernels, collectives, then host functions.
     k_uniq, k_inv = _distinct(k.it * n_names + k["name_id"], m * n_names)
@@ -396,6 +440,12 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         columns[f"{name}_cv"] = ls.cv[f]
         columns[f"{name}_peak_bps"] = ls.peak[f]
 
+    if launch_known.any():  # one more host function closes each such iteration's block
+        columns = _with_launch_waits(columns, launch_waits, launch_known, first_fn + n_fn, duration)
+        n_fn = n_fn + launch_known
+        first_fn = np.cumsum(n_fn) - n_fn
+    known_l = launch_known.tolist()
+
     k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
     k_at, c_at, p_at = ([0, *np.cumsum(x).tolist()] for x in (nk, nc, npy))
     gpu_l, first_l, n_l = gpu.tolist(), first_fn.tolist(), n_fn.tolist()
@@ -408,6 +458,8 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
             for _it, op, pg, e in c_list[c_at[i] : c_at[i + 1]]
         ]
         fn_names += [names[j] for j in p_ids[p_at[i] : p_at[i + 1]]]
+        if known_l[i]:
+            fn_names.append(LAUNCH_WAIT_FUNCTION)
         busy, compute, comm_ns, max_gap = gpu_l[i]
         figures = {
             "iteration": ev.step,
@@ -431,6 +483,32 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         }
         out.append((figures, patterns))
     return out
+
+
+def _with_launch_waits(
+    columns: dict[str, npt.NDArray[Any]], gaps: GroupStats, known: npt.NDArray[np.bool_], ends: I64, duration: list[int]
+) -> dict[str, npt.NDArray[Any]]:
+    """The batch's function columns with each known iteration's launch wait (``_launch_waits``) inserted at
+    the end of its block (``ends``) as one more host function: every rank whose kernels carry launch times
+    has it (zero where its GPU never waited), so its peers compare it. Like any host function it moves no
+    bytes and has no link statistics."""
+    some = gaps.calls > 0
+    values = {
+        "kind": np.full(known.size, int(FunctionKind.PYTHON)), "calls": gaps.calls, "total_ns": gaps.total,
+        "self_ns": gaps.total, "mean_ns": np.where(some, gaps.mean, 0.0), "p50_ns": np.where(some, gaps.p50, 0.0),
+        "p99_ns": np.where(some, gaps.p99, 0.0), "max_ns": gaps.max, "cv": gaps.cv,
+        "share": gaps.total / np.asarray(duration, dtype=np.float64), "nbytes": np.zeros(known.size, np.int64),
+        "algbw_gbps": np.zeros(known.size), "busbw_gbps": np.zeros(known.size),
+    }  # fmt: skip
+    at = ends[known]
+    return {
+        key: np.insert(col, at, values[key][known] if key in values else _NO_VALUE.get(col.dtype.kind, 0))
+        for key, col in columns.items()
+    }
+
+
+_NO_VALUE = {"f": np.nan}
+"""A launch wait's value in the columns it has none of: NaN where a float says "no samples" (links), else 0."""
 
 
 def _collective_keys(

@@ -20,10 +20,14 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import FunctionKind
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import I64
 
 CAUSE_CATEGORIES = ("gpu_slow", "host_slow", "link_slow")
+MEASURED_WAITS = (CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION)
+"""Host functions that measure a wait of the host itself (for a CPU; the GPU's for a launch), not an
+annotation's length: no slow collective lengthens them."""
 """Rank findings with evidence on the rank itself; a straggler has none (it only arrives late)."""
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
 VICTIM_WAIT_SHARE = 0.5
@@ -63,7 +67,10 @@ def absent_as_zero(total: np.ndarray, role: I64) -> np.ndarray:
 
 
 def explain_victims(
-    signals: list[RankSignal], records: Sequence[dict[str, Any]], stages: Sequence[RankSignal] = ()
+    signals: list[RankSignal],
+    records: Sequence[dict[str, Any]],
+    stages: Sequence[RankSignal] = (),
+    links: Sequence[RankSignal] = (),
 ) -> list[RankSignal]:
     """Drop the signals of ranks that only wait on a cause; the cause's evidence lists them (``delays_ranks``).
 
@@ -78,7 +85,13 @@ def explain_victims(
        collective group with it (the same process-group instance), else of the job's largest root
        cause (it waits on the cause through a chain of groups: expert all-to-all, then pipeline),
        else of a slow stage;
-    3. among stragglers of one replica that all waited and no root, the one that waited least is kept.
+    3. without a root cause, a collective group with a slow transfer (``links``: ``score_transfers``)
+       holds up the stragglers and waiting ranks of its members' replicas: the group's slower
+       collectives make the whole replica late at its data-parallel collectives. Its members' host
+       annotations that grew by no more than the link costs are the link too (a host thread throttled
+       by a full launch queue lasts as long as its GPU's work, collectives included); the measured
+       waits (``MEASURED_WAITS``) are not;
+    4. among stragglers of one replica that all waited and no root, the one that waited least is kept.
     Without a layout (``dp_rank`` -1) only a slow stage explains anything: who waits on whom is unknown.
     """
     replica = {int(r["rank"]): _coordinate(r, "dp_rank") for r in records}
@@ -86,10 +99,6 @@ def explain_victims(
     def rep(s: RankSignal) -> int:
         return replica.get(s.rank, -1) if s.rank >= 0 else -1
 
-    roots: dict[int, RankSignal] = {}
-    for s in sorted(signals, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
-        if s.rank >= 0 and not _waited(s) and rep(s) >= 0:
-            roots.setdefault(rep(s), s)  # a cause first, then the larger loss
     stage = stages[0] if stages else None
     dropped: set[int] = set()
 
@@ -98,13 +107,38 @@ def explain_victims(
             cause.evidence.setdefault("delays_ranks", []).append(victim.rank)
             dropped.add(id(victim))
 
+    link_of: dict[int, RankSignal] = {}
+    for link in sorted(links, key=lambda s: -s.loss_ns):
+        for member in link.evidence.get("group_ranks", link.ranks):  # a rank's link: every ring it slows
+            link_of.setdefault(member, link)
+    for s in signals:  # a host annotation that lasts as long as its rank's slower collectives is the link
+        slow = link_of.get(s.rank)
+        if slow is not None and s.category == "host_slow" and s.function not in MEASURED_WAITS:
+            if s.loss_ns <= slow.loss_ns:
+                blame(s, slow)
+    roots: dict[int, RankSignal] = {}
+    for s in sorted(signals, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
+        if s.rank >= 0 and not _waited(s) and rep(s) >= 0 and id(s) not in dropped:
+            roots.setdefault(rep(s), s)  # a cause first, then the larger loss
+
     by_replica: dict[int, list[RankSignal]] = {}
     for s in signals:
         if s.rank >= 0:
             by_replica.setdefault(rep(s), []).append(s)
+    slow_groups: dict[int, RankSignal] = {}
+    for member, slow in link_of.items():
+        slow_groups.setdefault(replica.get(member, -1), slow)
     for r, members in by_replica.items():
         root = roots.get(r) if r >= 0 else None
+        caused = root is not None and root.category in CAUSE_CATEGORIES
+        if not caused and r >= 0 and (paced := slow_groups.get(r)) is not None:
+            for s in members:
+                if id(s) not in dropped and (s.category == "straggler" or _waited(s)):
+                    blame(s, paced)
+            root = None if root is not None and id(root) in dropped else root
         for s in members:
+            if id(s) in dropped:
+                continue
             if s is root:
                 continue
             if root is not None and (_waited(s) or (s.category == "straggler" and root.category in CAUSE_CATEGORIES)):

@@ -46,7 +46,7 @@ rank its job's last iteration too late (the finding's last update at iteration 2
 def _assert_as_one_worker(moved: Outcome, one_worker_run: Outcome) -> None:
     print(f"\nphases (s): {moved.phases}; reference {one_worker_run.phases}")
     assert moved.acted_before_end and moved.acted_at_rows < MOVING_JOB.expected_rows, "partitions must move mid-run"
-    assert moved.counts == one_worker_run.counts, (moved.findings, one_worker_run.findings)
+    assert moved.counts == one_worker_run.counts, (moved.updates, one_worker_run.updates, moved.findings)
     assert moved.findings == one_worker_run.findings, "a rebalance is no fault: same findings, same first iteration"
     assert moved.updates == one_worker_run.updates
 

@@ -14,8 +14,10 @@ from fleetscope.producers.trace_layout import GroupNotes, job_layouts, with_layo
 from fleetscope.producers.tracegen import EXPERT_GEMM, TraceJob, documents, main, write_traces
 from fleetscope.schemas import EventKind
 from fleetscope.schemas.layout import ProcessGroup
+from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.offline import OfflinePipeline
 from fleetscope.traces_cli import analyze_traces
+from fleetscope.verdict import sentence
 
 JOBS = {
     "pp4_dp4": TraceJob(dp=4, pp=4, steps=3),
@@ -188,13 +190,36 @@ def test_expected_categories() -> None:
         TraceJob(dp=4, pp=4, steps=6, seed=103, fault="slow_stage", names="none", skew_ms=9.0),
         TraceJob(dp=2, tp=2, pp=4, steps=8, seed=211, fault="slow_worker", fault_rank=11, names="mesh"),
         TraceJob(dp=4, tp=2, pp=2, steps=8, seed=313, noise=0.04),
+        TraceJob(dp=2, tp=2, pp=2, steps=8, seed=417, fault="host_bound", fault_rank=6),
+        TraceJob(dp=8, steps=8, seed=419, fault="host_bound", fault_rank=3, names="none"),
+        TraceJob(dp=4, tp=2, pp=2, steps=8, seed=421, fault="slow_link", fault_rank=13),
+        TraceJob(dp=2, tp=2, pp=2, steps=8, seed=423, fault="slow_link", fault_rank=6, names="none", skew_ms=9.0),
     ],
-    ids=["pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy"],
-)
+    ids=[
+        "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
+        "dp8_host_bound", "dp4xtp2xpp2_slow_link", "dp2xtp2xpp2_slow_link",
+    ],
+)  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
     """A slow last stage is one stage_imbalance on its ranks (the first stage's data loader never
-    flagged); one slow worker is gpu_slow on it alone; a healthy job has nothing."""
+    flagged); one slow worker is gpu_slow on it alone; a launch-bound rank is host_slow on it alone (its
+    GPU waits for its host; the ranks that wait for it in collectives are no culprits); a rank whose link
+    slows its tensor- and data-parallel rings is link_slow on it alone, from kernel times (no link samples),
+    and no rank of its late replica is a straggler; a healthy job has nothing."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]
     assert got == ([(job.expected_category, sorted(job.culprits()))] if job.expected_category else [])
+    if job.fault == "host_bound":  # named on the GPU's wait for its host, not on any function the host ran
+        assert findings[0]["function"] == LAUNCH_WAIT_FUNCTION
+        assert "waiting for its host to launch kernels" in sentence(findings, None)
+
+
+def test_a_slow_link_only_one_group_shows_is_named_on_that_group_and_nowhere_else(tmp_path: Path) -> None:
+    """dp 4 x tp 2: rank 5's link slows its tensor-parallel pair's all-reduces (its data-parallel ring has no
+    equivalent to compare with): the pair is the subject; no straggler, no host annotation of theirs."""
+    job = TraceJob(dp=4, tp=2, steps=8, seed=431, fault="slow_link", fault_rank=5)
+    write_traces(job, tmp_path / "job")
+    findings = analyze_traces([tmp_path / "job"]).findings
+    assert [(f["category"], f["rank"], sorted(f["ranks"])) for f in findings] == [("link_slow", -1, [4, 5])]
+    assert findings[0]["metric"] == "transfer_ns" and findings[0]["value"] > 2 * findings[0]["peer_median"]

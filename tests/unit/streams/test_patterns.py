@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind, classify_kernel
+from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis import closed as closed_module
 from fleetscope.streams.analysis.patterns import (
     ACTIVE_SHARE,
@@ -84,16 +85,22 @@ def reference(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, Any]]:
         spans = zip(p["start_ns"], p["dur_ns"], p["name_id"], strict=True)
         calls = [(int(s), int(s + d)) for s, d, j in spans if j == i]
         functions.append((names[i], int(FunctionKind.PYTHON), calls, []))
+    waits = launch_waits(ev)
+    if waits is not None:
+        functions.append((LAUNCH_WAIT_FUNCTION, int(FunctionKind.PYTHON), waits, []))
     samples = list(zip(smp["t_ns"].tolist(), smp["metric_id"].tolist(), smp["value"].tolist(), strict=True))
     rows: dict[str, list[Any]] = {}
     for name, kind, calls, _sizes in functions:
-        d = np.array([e - s for s, e in calls], dtype=np.float64)
+        d = np.array([e - s for s, e in calls] or [0], dtype=np.float64)  # a launch wait may have no gap
         row: dict[str, Any] = {
             "function": name, "kind": kind, "calls": len(calls), "total_ns": int(d.sum()), "mean_ns": d.mean(),
             "p50_ns": np.percentile(d, 50), "p99_ns": np.percentile(d, 99), "max_ns": int(d.max()),
             "cv": d.std() / d.mean() if d.mean() > 0 else 0.0, "share": d.sum() / duration,
         }  # fmt: skip
         for family in LINK_FAMILIES:
+            if name == LAUNCH_WAIT_FUNCTION:  # an idle GPU's link: no statistics
+                row |= {f"{family}_{stat}": math.nan for stat in ("peak_bps", "cv", "mean_bps")}
+                continue
             fam = [
                 (t, v) for t, m, v in samples if names[m].startswith(family) and names[m].endswith(THROUGHPUT_SUFFIX)
             ]
@@ -107,6 +114,26 @@ def reference(ev: IterationEvents) -> tuple[dict[str, Any], dict[str, Any]]:
         for key, value in row.items():
             rows.setdefault(key, []).append(value)
     return figures, rows
+
+
+def launch_waits(ev: IterationEvents) -> list[tuple[int, int]] | None:
+    """The gaps in which the GPU waited for its host, as (start, end) calls: after the step's first kernel, each
+    stretch with no GPU work (any stream) that ends at a kernel launched after the stretch began. None when no
+    kernel's launch time precedes its start (no launch times known)."""
+    spans = [
+        (int(s), int(s + d), int(a))
+        for cols in (ev.kernels, ev.collectives)
+        if cols and "assign_ns" in cols
+        for s, d, a in zip(cols["start_ns"], cols["dur_ns"], cols["assign_ns"], strict=True)
+    ]
+    if not any(a < s for s, _, a in spans):
+        return None
+    gaps, reach = [], None
+    for s, e, a in sorted(spans, key=lambda x: x[0]):
+        if reach is not None and s > reach and a > reach:
+            gaps.append((reach, s))
+        reach = e if reach is None else max(reach, e)
+    return gaps
 
 
 def assert_close(got: Any, want: Any, key: str) -> None:
@@ -335,3 +362,33 @@ def test_an_iteration_whose_summary_fails_costs_itself_not_the_batch() -> None:
         _ = bad.patterns
     good = [c for c in closed if c is not bad]
     assert len(good) == 7 and all(c.error is None and c.iteration["iteration"] == c.step for c in good)
+
+
+def test_the_launch_wait_counts_only_the_gaps_the_host_left() -> None:
+    """The GPU's idle stretches after the step's first kernel that end at a kernel launched after they began:
+    a dependency wait (a kernel queued long before) and overlap on another stream are no launch wait."""
+    a = np.array
+    kernels = {  # gemm on stream 1; flash_fwd on another stream overlapping the collective
+        "start_ns": a([100, 250, 400, 550, 900]), "dur_ns": a([100, 50, 100, 300, 50]),
+        "name_id": a([0, 0, 0, 3, 0]), "assign_ns": a([10, 240, 50, 520, 870]),
+    }  # fmt: skip
+    collectives = {
+        "start_ns": a([500]), "dur_ns": a([200]), "op_id": a([6]), "pg_id": a([7]), "nbytes": a([1024]),
+        "group_size": a([4]), "assign_ns": a([450]),
+    }  # fmt: skip
+    none = a([], np.int64)
+    python = {"start_ns": none, "dur_ns": none, "name_id": none, "depth": none}
+    samples = {"t_ns": none, "metric_id": none, "value": a([], np.float64)}
+    ev = IterationEvents(step=1, start_ns=0, end_ns=1000, names=NAMES, kernels=kernels, collectives=collectives,
+                         python=python, samples=samples)  # fmt: skip
+    _, patterns = summarize_iteration(ev)
+    at = patterns["function"].index(LAUNCH_WAIT_FUNCTION)
+    # 200..250 (launched at 240) and 850..900 (launched at 870); 0..100 is before the first kernel, 300..400
+    # waited for a kernel queued at 50
+    assert (patterns["calls"][at], patterns["total_ns"][at], patterns["self_ns"][at]) == (2, 100, 100)
+    assert (patterns["max_ns"][at], patterns["kind"][at], patterns["share"][at]) == (50, FunctionKind.PYTHON, 0.1)
+    check(ev)
+    unknown = {**kernels, "assign_ns": kernels["start_ns"]}  # no launch times: nothing known, no function
+    _, plain = summarize_iteration(dataclasses.replace(ev, kernels=unknown, collectives={**collectives,
+                                                       "assign_ns": collectives["start_ns"]}))  # fmt: skip
+    assert LAUNCH_WAIT_FUNCTION not in plain["function"]
