@@ -96,6 +96,7 @@ def make_records(
     act = peak * 0.8
     cv = np.where(coll, 0.3, np.nan) * rng.lognormal(0.0, 0.05, (ranks, f))
     pcie_peak = np.where(coll, 20e9, np.nan) * rng.lognormal(0.0, 0.01, (ranks, f))
+    nbytes = np.where(coll, rng.integers(1, 64, f) << 20, 0)  # a collective's message size
     records = []
     blocks = [np.flatnonzero(kinds == k) for k in (FunctionKind.COMPUTE, FunctionKind.COLLECTIVE, FunctionKind.PYTHON)]
     for r in range(ranks):
@@ -117,6 +118,7 @@ def make_records(
                 "total_ns": (m * calls[order]).astype(np.int64).tolist(),
                 "self_ns": (m * calls[order]).astype(np.int64).tolist(),  # no nesting: self time is all of it
                 "mean_ns": m.tolist(),
+                "nbytes": nbytes[order].tolist(),
                 "nvlink_peak_bps": peak[r, order].tolist(),
                 "nvlink_mean_bps": act[r, order].tolist(),
                 "nvlink_cv": cv[r, order].tolist(),

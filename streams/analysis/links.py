@@ -164,8 +164,9 @@ def score_transfers(
     member's kernel grows alike and no rank stands out among its own group, but the group stands out among
     the groups doing the same work (one per data-parallel replica for tensor-parallel groups): the same
     operation and size class, the same layout dimension varying among the members, as many members on as
-    many hosts. Time per byte is compared (sizes differ within a size class). Readable from traces alone
-    (no link samples needed); the group's ranks are its subject (the slow link is one of theirs)."""
+    many hosts. Time per byte is compared (sizes differ within a size class), and the group must take longer
+    outright too (a smaller message is latency-bound: more time per byte, not more time). Readable from
+    traces alone (no link samples needed); the group's ranks are its subject (the slow link is one of theirs)."""
     if not pm.functions:
         return []
     mean_ns, calls, nbytes = pm.features["mean_ns"], pm.features["calls"], pm.features["nbytes"]
@@ -211,8 +212,11 @@ def score_transfers(
         if np.isnan(per_byte).any():
             continue
         sc = scorer(per_byte[:, None])
-        flag = flagged(sc, cfg, min_gap=cfg.host_min_relative_gap)[:, 0]
-        typical = float(sc.median[0]) * size
+        # slower per byte, and slower outright: a group with smaller messages pays the fixed latency on fewer
+        # bytes (more per byte, not more time), one with larger ones takes longer at the same rate
+        longest = float(np.median(transfer)) * (1 + cfg.transfer_min_relative_gap)
+        flag = flagged(sc, cfg, min_gap=cfg.transfer_min_relative_gap)[:, 0] & (transfer >= longest)
+        typical = np.maximum(float(sc.median[0]) * size, float(np.median(transfer)))
         for g in np.flatnonzero(flag).tolist():
             j, rows = cols[g], members[groups[g]]
             n_calls = float(nan_median(calls[rows, j]))

@@ -37,6 +37,10 @@ class ScoringConfig:
     """Scale floor for host functions compared as a share of the iteration (0.2 %)."""
     host_min_relative_gap: float = 0.2
     """Hosts' link fluctuation must differ this much: hosts are few and their traffic mixes."""
+    transfer_min_relative_gap: float = 0.5
+    """A collective group's transfer must exceed equivalent groups' by this much, per byte and outright
+    (``links.score_transfers``): the shortest member's mean kernel still holds the waits that arrival jitter
+    leaves in it (a ring paced by a degraded link takes 2-3 times as long)."""
     host_group_min_share: float = 0.75
     """Ranks of one host flagged together become a host finding when they are this share of it."""
     shards: int = 1
@@ -55,6 +59,8 @@ class ScoringConfig:
             errors.append("min_peers must be >= 3 (a median of fewer is no peer group)")
         if self.shards < 1:
             errors.append("shards must be >= 1")
+        if self.transfer_min_relative_gap <= 0:
+            errors.append("transfer_min_relative_gap must be > 0")
         if not 0 < self.host_group_min_share <= 1:
             errors.append("host_group_min_share must be in (0, 1]")
         if errors:

@@ -1,0 +1,67 @@
+"""A collective group whose transfer is slower than equivalent groups' is link_slow, from kernel times alone
+(``links.score_transfers``): per byte and outright, named on the rank every slow group shares."""
+
+from __future__ import annotations
+
+from math import nan
+from typing import Any
+
+import pytest
+
+from fleetscope.schemas import FunctionKind
+from fleetscope.streams.analysis.outliers import score_iteration
+from fleetscope.streams.analysis.signals import ScoringConfig
+
+C, K = int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
+LINKS = {f"{link}_{x}": nan for link in ("nvlink", "pcie") for x in ("mean_bps", "peak_bps", "cv")}
+
+
+def records(
+    tp_ns: dict[int, float], tp_bytes: dict[int, int] | None = None, dp_ns: dict[int, float] | None = None, tp: int = 2
+) -> list[dict[str, Any]]:
+    """dp 4 x ``tp``: the tensor-parallel group of replica g all-reduces in ``tp_ns[g]`` (its transfer: the
+    members arrive together) 8 times; the data-parallel ring of tensor slot s once, in ``dp_ns[s]``."""
+    out = []
+    for rank in range(tp * 4):
+        g, slot = rank // tp, rank % tp
+        functions = {
+            "gemm": (K, 12e6, 1, 0),
+            f"nccl:allreduce[pg={1 + g},<=64MiB]": (C, tp_ns.get(g, 1e6), 8, (tp_bytes or {}).get(g, 48 << 20)),
+            f"nccl:allreduce[pg={5 + slot},<=32MiB]": (C, (dp_ns or {}).get(slot, 2e6), 1, 24 << 20),
+        }
+        out.append({
+            "job": "j", "rank": rank, "host": "node0", "iteration": 0, "iteration_ns": 25_000_000,
+            "tp_rank": slot, "pp_rank": 0, "dp_rank": g, "function": list(functions),
+            "kind": [v[0] for v in functions.values()], "calls": [v[2] for v in functions.values()],
+            "mean_ns": [v[1] for v in functions.values()], "total_ns": [v[1] * v[2] for v in functions.values()],
+            "self_ns": [v[1] * v[2] for v in functions.values()], "nbytes": [v[3] for v in functions.values()],
+            **{name: [value] * 3 for name, value in LINKS.items()},
+        })  # fmt: skip
+    return out
+
+
+def links(recs: list[dict[str, Any]]) -> list[tuple[int, tuple[int, ...]]]:
+    return [(s.rank, s.member_ranks()) for s in score_iteration(recs, ScoringConfig()) if s.category == "link_slow"]
+
+
+def test_equivalent_groups_that_transfer_alike_give_nothing() -> None:
+    assert links(records({0: 1.02e6, 1: 0.98e6, 2: 1.01e6})) == []
+
+
+def test_a_tensor_parallel_ring_three_times_slower_is_its_group() -> None:
+    found = score_iteration(records({2: 3e6}), ScoringConfig())
+    assert [(s.category, s.rank, s.member_ranks(), s.subject) for s in found] == [
+        ("link_slow", -1, (4, 5), "group:3")
+    ]  # and its replica's ranks, late at their data-parallel rings, are no stragglers
+
+
+@pytest.mark.parametrize("smaller", [0.3, 0.5])
+def test_a_group_with_smaller_messages_pays_more_per_byte_but_no_more_time(smaller: float) -> None:
+    """Latency-bound: a third or half the bytes in 80 % of the time is more time per byte, no slow link."""
+    assert links(records({1: 0.8e6}, {1: int(smaller * (48 << 20))})) == []
+
+
+def test_every_slow_ring_sharing_one_rank_is_that_ranks_link() -> None:
+    """dp 4 x tp 4: rank 9's link slows its tensor-parallel group (replica 2) and its data-parallel ring
+    (slot 1); no other rank is in both."""
+    assert links(records({2: 3e6}, dp_ns={1: 6e6}, tp=4)) == [(9, (9,))]
