@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from fleetscope.schemas.vocabulary import RING_COLLECTIVES
+
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
 EXPERT_GEMM = "cutlass_grouped_gemm_bf16_moe_kernel"
 KERNELS_FWD = (("flash_fwd_kernel", 0.30), (GEMM, 0.45), ("vectorized_elementwise_kernel", 0.05), (GEMM, 0.20))
@@ -44,7 +46,6 @@ for the launch (its CPU needs 1.6x the GPU's time per kernel: Python overhead, a
 SLOW_LINK_FACTOR = 3.0
 """``slow_link``: every ring collective the culprit is a member of (tensor- and data-parallel) transfers this
 many times slower: its link paces each ring it is in, so every member's kernel grows alike."""
-_RINGS = ("allreduce", "allgather", "reduce_scatter")
 _EXPECTED = {"healthy": "", "slow_stage": "stage_imbalance", "host_bound": "host_slow", "slow_link": "link_slow"}
 BASE_NS = 1_761_955_200_000_000_000  # a quarter boundary, as Kineto floors baseTimeNanoseconds
 COMPUTE_STREAM, P2P_STREAM = 7, 21
@@ -175,7 +176,7 @@ class _Model:
     ) -> float:
         """Every member's kernel runs from its own arrival to the last arrival plus the transfer (at the pace
         of the ring's slowest link)."""
-        if self.job.fault == "slow_link" and self.job.fault_rank in ranks and op in _RINGS:
+        if self.job.fault == "slow_link" and self.job.fault_rank in ranks and op in RING_COLLECTIVES:
             xfer_us *= SLOW_LINK_FACTOR
         end = max(ready[r] for r in ranks) + xfer_us
         for r in ranks:

@@ -127,6 +127,11 @@ def is_cpu_wait(name: str) -> bool:
     return name == CPU_WAIT
 
 
+RING_COLLECTIVES = ("allreduce", "allgather", "reduce_scatter")
+"""Collectives whose every member moves its share at the pace of the ring's slowest link, so the same call on
+equivalent groups moves the same bytes in the same time. Not all-to-all (its traffic follows the routing: an
+expert's extra tokens are its own work), not p2p (one direction, one pair)."""
+
 CPU_WAIT_FUNCTION = "cpu_wait"
 """The ``function`` of a ``host_slow`` finding on a rank that waits longer than every peer for a CPU in each
 step (its run-queue wait): its host's cores are taken by others. Its metric is ``cpu_wait_ns``."""

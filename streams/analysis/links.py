@@ -4,7 +4,6 @@ alone, a collective group whose transfer is slower than equivalent groups' (``sc
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -12,6 +11,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.schemas.vocabulary import RING_COLLECTIVES
+from fleetscope.streams.analysis.patterns import collective_class, process_group_of
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.signals import (
     OutlierScorer,
@@ -147,11 +148,7 @@ def score_hosts(
     return out
 
 
-RING_COLLECTIVES = ("allreduce", "allgather", "reduce_scatter")
-"""Collectives whose every member moves its share at the pace of the ring's slowest link, so the same call
-on equivalent groups moves the same bytes in the same time. Not all-to-all (its traffic follows the
-routing: an expert's extra tokens are its own work), not p2p (one direction, one pair)."""
-_RING_OP = re.compile(r"^nccl:(" + "|".join(RING_COLLECTIVES) + r")\[pg=[^,\]]*,(.*)$")
+_RINGS = tuple(f"nccl:{op}[" for op in RING_COLLECTIVES)
 
 
 def score_transfers(
@@ -177,7 +174,7 @@ def score_transfers(
     at = np.fromiter((rows_of.get(int(r), -1) for r in pm.ranks), np.int64, len(pm.ranks))
     if (at < 0).any():
         return []
-    ring = [j for j, name in enumerate(pm.functions) if _RING_OP.match(name)]
+    ring = [j for j, name in enumerate(pm.functions) if name.startswith(_RINGS)]
     if not ring:
         return []
     # every member (row, column) of every ring collective at once: members, hosts and varying coordinates
@@ -197,8 +194,7 @@ def score_transfers(
     classes: dict[tuple[Any, ...], list[int]] = {}
     for g, j in enumerate(ring):
         if count[g] >= 2:
-            kind = _RING_OP.sub(r"\1 \2", pm.functions[j])
-            classes.setdefault((kind, *(int(k[g]) for k in keys)), []).append(g)
+            classes.setdefault((collective_class(pm.functions[j]), *(int(k[g]) for k in keys)), []).append(g)
     budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
     out: list[RankSignal] = []
     for groups in classes.values():
@@ -223,7 +219,7 @@ def score_transfers(
             loss = (transfer[g] - typical[g]) * n_calls
             if loss < budget:
                 continue
-            pg = pm.functions[j].split("[pg=", 1)[1].split(",", 1)[0]
+            pg = process_group_of(pm.functions[j])
             out.append(
                 RankSignal(
                     rank=-1, host="", category="link_slow", function=pm.functions[j], metric="transfer_ns",

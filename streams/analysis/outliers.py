@@ -11,8 +11,6 @@ a whole pipeline stage that computes longer than the other stages is a stage fin
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +19,7 @@ import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts, score_transfers
+from fleetscope.streams.analysis.patterns import collective_class
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
 from fleetscope.streams.analysis.shards import Columns, ShardColumns, assemble, first_keys, split_records
@@ -230,17 +229,6 @@ def _late_arrivals(
             },
         )  # fmt: skip
     return out, arrival, waited
-
-
-@functools.lru_cache(maxsize=65536)
-def collective_class(function: str) -> str:
-    """A collective function without its process-group instance (``nccl:recv[pg=pp3,<=8MiB]`` ->
-    ``nccl:recv[<=8MiB]``): the same role's groups of different replicas (each rank's own tensor or
-    pipeline group) compare as one."""
-    return _PG_RE.sub("[", function)
-
-
-_PG_RE = re.compile(r"\[pg=[^,\]]*,?")
 
 
 def _waited_ns(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer) -> F64:

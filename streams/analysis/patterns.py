@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,23 @@ def collective_function_name(op: str, pg: str, nbytes: int) -> str:
     """One function per process-group instance: only members of one group finish a collective together,
     so only they can be compared for arrival lateness."""
     return f"nccl:{op}[pg={pg},<={size_bucket_label(nbytes)}]"
+
+
+@functools.lru_cache(maxsize=65536)
+def collective_class(function: str) -> str:
+    """A collective function without its process-group instance (``nccl:recv[pg=pp3,<=8MiB]`` ->
+    ``nccl:recv[<=8MiB]``): the same role's groups of different replicas (each rank's own tensor or
+    pipeline group) compare as one."""
+    return _PG_RE.sub("[", function)
+
+
+def process_group_of(function: str) -> str:
+    """The process-group instance of a collective function (``nccl:recv[pg=pp3,<=8MiB]`` -> ``pp3``)."""
+    m = _PG_RE.search(function)
+    return m.group(1) if m else ""
+
+
+_PG_RE = re.compile(r"\[pg=([^,\]]*),?")
 
 
 def _empty(n: int = 0) -> npt.NDArray[np.int64]:

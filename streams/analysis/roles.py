@@ -25,10 +25,10 @@ from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import I64
 
 CAUSE_CATEGORIES = ("gpu_slow", "host_slow", "link_slow")
-MEASURED_WAITS = (CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION)
-"""Host functions that measure a wait of the host itself (for a CPU; the GPU's for a launch), not an
-annotation's length: no slow collective lengthens them."""
 """Rank findings with evidence on the rank itself; a straggler has none (it only arrives late)."""
+MEASURED_WAITS = (CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION)
+"""Host functions that measure a wait (the thread's for a CPU, the GPU's for a launch), not an annotation's
+length: no slow collective lengthens them."""
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
 VICTIM_WAIT_SHARE = 0.5
 """A straggler that waited in other collectives for at least this share of its lateness was held up."""
