@@ -190,7 +190,16 @@ def score_transfers(
     _, host = np.unique(np.asarray(pm.hosts), return_inverse=True)
     pairs = np.unique(col * (int(host.max()) + 1) + host[row])
     keys.append(np.bincount(pairs // (int(host.max()) + 1), minlength=n))
-    members = np.split(row[np.argsort(col, kind="stable")], np.cumsum(count)[:-1])
+    order = np.argsort(col, kind="stable")
+    row, col = row[order], col[order]
+    members = np.split(row, np.cumsum(count)[:-1])
+    # per group, from its members only: the transfer (shortest mean kernel) and the message size (one call's)
+    starts = np.cumsum(count) - count
+    cell = np.asarray(ring)[col]
+    some = count > 0
+    transfer_of, size_of = np.full(n, np.nan), np.full(n, np.nan)
+    transfer_of[some] = np.minimum.reduceat(mean_ns[row, cell], starts[some])
+    size_of[some] = np.add.reduceat(np.nan_to_num(nbytes[row, cell]), starts[some]) / count[some]
     classes: dict[tuple[Any, ...], list[int]] = {}
     for g, j in enumerate(ring):
         if count[g] >= 2:
@@ -201,9 +210,8 @@ def score_transfers(
         if len(groups) < cfg.min_peers:
             continue
         cols = [ring[g] for g in groups]
+        transfer, size = transfer_of[groups], size_of[groups]
         with quiet_nan_warnings():
-            transfer = np.nanmin(mean_ns[:, cols], axis=0)
-            size = np.nanmedian(nbytes[:, cols], axis=0)
             per_byte = transfer / np.where(size > 0, size, np.nan)
         if np.isnan(per_byte).any():
             continue
