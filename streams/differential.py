@@ -277,6 +277,10 @@ class DifferentialAgent:
         """Send finding records and wait for their delivery (a job's state record must not overtake them)."""
         sent: list[Awaitable[Any]] = []
         for rec in records:
+            log.info(
+                "finding %s %s v%d, iterations %d-%d",
+                rec["finding_id"], rec["status"], rec["version"], rec["iteration_first"], rec["iteration_last"],
+            )  # fmt: skip
             sent.append(await self.findings.send(key=job_key(rec["job"]), value=encode("findings", rec)))
             self.counters.findings += 1
             request = self.profiles.request(rec, time.monotonic_ns())

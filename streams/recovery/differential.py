@@ -125,6 +125,13 @@ class DifferentialRecovery:
                 self._flushed[job] = state.flushed
                 self._written[job] = self._mark(job)
                 self.restored += 1
+                log.info(
+                    "restored job %r from its state record: scored up to iteration %d, %d open findings%s",
+                    job,
+                    state.job.scored_upto,
+                    state.job.open_findings(),
+                    "" if state.flushed else ", not flushed",
+                )
                 if not state.flushed:
                     unflushed.append(job)
         self._loaded |= missing

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from harness import isolated_config
 
 from fleetscope.broker import ensure_topics
@@ -249,6 +250,35 @@ def third_published(publishing: Publishing, _rows: int) -> bool:
     return publishing.past(1 / 3)
 
 
+class GroupOffsets:
+    """The offsets the stream workers' consumer groups committed, summed: a stage that takes records moves it
+    (the differential commits a job's pattern records once their iteration is scored). Part of a run's
+    progress: after a rebalance a differential can score a job's last iteration long after the store last
+    changed, and the job's idle flush (its findings' last update) is due ``job_idle_ms`` after that."""
+
+    def __init__(self, config: Config, workers: Workers) -> None:
+        k = config.kafka
+        topics = Topics(prefix=k.topic_prefix)
+        derived = (topics.patterns, topics.stalls, topics.heartbeats)
+        self.partitions = [TopicPartition(t, p) for t in topics.raw_all for p in range(k.raw_partitions)]
+        self.partitions += [TopicPartition(t, p) for t in derived for p in range(k.derived_partitions)]
+        self.probes = [
+            Consumer({**k.admin_settings(), "group.id": group, "enable.auto.commit": False})
+            for group in sorted({w.config.streams.app_id for w in workers})
+        ]  # never subscribed: they only read what the groups committed, and join no group
+
+    def total(self) -> int:
+        """Sum of the committed offsets (-1 when a probe cannot tell now)."""
+        try:
+            return sum(max(tp.offset, 0) for probe in self.probes for tp in probe.committed(self.partitions, 5))
+        except KafkaException:
+            return -1
+
+    def close(self) -> None:
+        for probe in self.probes:
+            probe.close()
+
+
 def run_pipeline(
     config: Config,
     job: Job,
@@ -298,12 +328,18 @@ def run_pipeline(
 
         def stored() -> int:
             stats = sink.stats
-            return stats["iterations"] + stats["function_patterns"] + stats["finding_updates"]
+            committed = offsets.total()
+            rows = stats["iterations"] + stats["function_patterns"] + stats["finding_updates"]
+            return -1 if committed < 0 else rows + committed
 
         def ready() -> bool:
             return publishing.finished() and sink.stats["iterations"] >= job.expected_rows
 
-        wait_settled(stored, ready, quiet_s(config), timeout_s, on_poll=act)
+        offsets = GroupOffsets(config, everyone)
+        try:
+            wait_settled(stored, ready, quiet_s(config), timeout_s, on_poll=act)
+        finally:
+            offsets.close()
         lap("run")
         db = f"{config.store.database}."
         outcome.counts = table_counts(client, config.store.database)
