@@ -71,6 +71,9 @@ class TraceJob:
     first_step: int = 10
     layer_ms: float = 1.2
     gpus_per_host: int = 8
+    inter_host_factor: float = 1.0
+    """A ring whose members are on more than one host transfers this many times slower (the links between
+    hosts are slower than NVLink within one); 1: as fast."""
     skew_ms: float = 6.0
     noise: float = 0.02
     fault: str = "healthy"
@@ -178,6 +181,8 @@ class _Model:
         of the ring's slowest link)."""
         if self.job.fault == "slow_link" and self.job.fault_rank in ranks and op in RING_COLLECTIVES:
             xfer_us *= SLOW_LINK_FACTOR
+        if len({r // self.job.gpus_per_host for r in ranks}) > 1:
+            xfer_us *= self.job.inter_host_factor
         end = max(ready[r] for r in ranks) + xfer_us
         for r in ranks:
             self._nccl(r, op, role, ready[r], end - ready[r], nelems, peer)

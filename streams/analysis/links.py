@@ -5,7 +5,7 @@ alone, a collective group whose transfer is slower than equivalent groups' (``sc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -151,8 +151,86 @@ def score_hosts(
 _RINGS = tuple(f"nccl:{op}[" for op in RING_COLLECTIVES)
 
 
+@dataclass(frozen=True)
+class RingGroups:
+    """The groups of one iteration's ring collectives (one per collective column), read from their members
+    only: who they are, the transfer (the shortest member's mean kernel: a ring ends on every member at the
+    last arrival plus the transfer), one call's message size, the calls, and what makes groups equivalent."""
+
+    columns: list[int]
+    """The collective's column in the peer matrix, per group."""
+    members: list[I64]
+    """The peer matrix rows of each group's members."""
+    transfer: F64
+    size: F64
+    calls: F64
+    shape: list[tuple[Any, ...]]
+    """Groups that do the same work share a shape: the operation and size class, the member count, and
+    which layout dimensions vary among the members (tensor-parallel, pipeline, data-parallel)."""
+    hosts: I64
+    """How many hosts each group's members are on."""
+
+
+def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups | None:
+    """Every member of every ring collective at once (no Python loop per group); None without a layout
+    (which groups do the same work is then unknown) or without ring collectives."""
+    if not pm.functions:
+        return None
+    mean_ns, calls, nbytes = pm.features["mean_ns"], pm.features["calls"], pm.features["nbytes"]
+    coords = np.array([[int(r.get(c, -1)) for c in ("tp_rank", "pp_rank", "dp_rank")] for r in records], dtype=np.int64)
+    if (coords < 0).any():
+        return None
+    rows_of = {int(r["rank"]): i for i, r in enumerate(records)}
+    at = np.fromiter((rows_of.get(int(r), -1) for r in pm.ranks), np.int64, len(pm.ranks))
+    if (at < 0).any():
+        return None
+    ring = [j for j, name in enumerate(pm.functions) if name.startswith(_RINGS)]
+    if not ring:
+        return None
+    row, col = np.nonzero(~np.isnan(mean_ns[:, ring]))
+    n = len(ring)
+    count = np.bincount(col, minlength=n)
+    varying: list[npt.NDArray[Any]] = []
+    for c in coords[at].T:
+        low, high = np.full(n, np.iinfo(np.int64).max), np.full(n, -1)
+        np.minimum.at(low, col, c[row])
+        np.maximum.at(high, col, c[row])
+        varying.append(high > low)
+    _, host = np.unique(np.asarray(pm.hosts), return_inverse=True)
+    pairs = np.unique(col * (int(host.max()) + 1) + host[row])
+    hosts = np.bincount(pairs // (int(host.max()) + 1), minlength=n)
+    order = np.argsort(col, kind="stable")
+    row, col = row[order], col[order]
+    members = np.split(row, np.cumsum(count)[:-1])
+    starts = np.cumsum(count) - count
+    cell = np.asarray(ring)[col]
+    some = count > 0
+    transfer, size, per_call = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    transfer[some] = np.minimum.reduceat(mean_ns[row, cell], starts[some])
+    size[some] = np.add.reduceat(np.nan_to_num(nbytes[row, cell]), starts[some]) / count[some]
+    for g in np.flatnonzero(some).tolist():
+        per_call[g] = nan_median(calls[members[g], ring[g]])
+    shape = [
+        (collective_class(pm.functions[j]), int(count[g]), *(bool(v[g]) for v in varying)) for g, j in enumerate(ring)
+    ]
+    return RingGroups(ring, members, transfer, size, per_call, shape, hosts)
+
+
+def _per_byte(transfer: F64, size: F64) -> F64 | None:
+    """Time per byte of each group; None where a message size is unknown."""
+    with quiet_nan_warnings():
+        per_byte = transfer / np.where(size > 0, size, np.nan)
+    return None if np.isnan(per_byte).any() else per_byte
+
+
+def _typical(size: F64, rate: float, peers: F64) -> F64:
+    """The transfer the peers' typical rate (time per byte) and latency give each group: the larger of the
+    rate times its size and the peers' median transfer."""
+    return np.maximum(rate * size, float(np.median(peers)))
+
+
 def score_transfers(
-    pm: PeerMatrix, records: Sequence[dict[str, Any]], cfg: ScoringConfig, scorer: OutlierScorer
+    pm: PeerMatrix, groups: RingGroups | None, cfg: ScoringConfig, scorer: OutlierScorer
 ) -> list[RankSignal]:
     """Collective groups whose transfer is slower than the same collective's on equivalent groups.
 
@@ -160,84 +238,79 @@ def score_transfers(
     least (its shortest mean kernel) shows the transfer itself. One slow link paces its whole ring: every
     member's kernel grows alike and no rank stands out among its own group, but the group stands out among
     the groups doing the same work (one per data-parallel replica for tensor-parallel groups): the same
-    operation and size class, the same layout dimension varying among the members, as many members on as
-    many hosts. Time per byte is compared (sizes differ within a size class), and the group must take longer
-    outright too (a smaller message is latency-bound: more time per byte, not more time). Readable from
-    traces alone (no link samples needed); the group's ranks are its subject (the slow link is one of theirs)."""
-    if not pm.functions:
+    shape (``RingGroups.shape``) on as many hosts. Time per byte is compared (sizes differ within a size
+    class), and the group must take longer outright too (a smaller message is latency-bound: more time per
+    byte, not more time). Readable from traces alone (no link samples needed); the group's ranks are its
+    subject (the slow link is one of theirs)."""
+    if groups is None:
         return []
-    mean_ns, calls, nbytes = pm.features["mean_ns"], pm.features["calls"], pm.features["nbytes"]
-    coords = np.array([[int(r.get(c, -1)) for c in ("tp_rank", "pp_rank", "dp_rank")] for r in records], dtype=np.int64)
-    if (coords < 0).any():
-        return []  # no layout: which groups do the same work is unknown
-    rows_of = {int(r["rank"]): i for i, r in enumerate(records)}
-    at = np.fromiter((rows_of.get(int(r), -1) for r in pm.ranks), np.int64, len(pm.ranks))
-    if (at < 0).any():
-        return []
-    ring = [j for j, name in enumerate(pm.functions) if name.startswith(_RINGS)]
-    if not ring:
-        return []
-    # every member (row, column) of every ring collective at once: members, hosts and varying coordinates
-    row, col = np.nonzero(~np.isnan(mean_ns[:, ring]))
-    n = len(ring)
-    count = np.bincount(col, minlength=n)
-    keys: list[npt.NDArray[Any]] = [count]
-    for c in coords[at].T:
-        low, high = np.full(n, np.iinfo(np.int64).max), np.full(n, -1)
-        np.minimum.at(low, col, c[row])
-        np.maximum.at(high, col, c[row])
-        keys.append(high > low)
-    _, host = np.unique(np.asarray(pm.hosts), return_inverse=True)
-    pairs = np.unique(col * (int(host.max()) + 1) + host[row])
-    keys.append(np.bincount(pairs // (int(host.max()) + 1), minlength=n))
-    order = np.argsort(col, kind="stable")
-    row, col = row[order], col[order]
-    members = np.split(row, np.cumsum(count)[:-1])
-    # per group, from its members only: the transfer (shortest mean kernel) and the message size (one call's)
-    starts = np.cumsum(count) - count
-    cell = np.asarray(ring)[col]
-    some = count > 0
-    transfer_of, size_of = np.full(n, np.nan), np.full(n, np.nan)
-    transfer_of[some] = np.minimum.reduceat(mean_ns[row, cell], starts[some])
-    size_of[some] = np.add.reduceat(np.nan_to_num(nbytes[row, cell]), starts[some]) / count[some]
     classes: dict[tuple[Any, ...], list[int]] = {}
-    for g, j in enumerate(ring):
-        if count[g] >= 2:
-            classes.setdefault((collective_class(pm.functions[j]), *(int(k[g]) for k in keys)), []).append(g)
+    for g, shape in enumerate(groups.shape):
+        if shape[1] >= 2:
+            classes.setdefault((*shape, int(groups.hosts[g])), []).append(g)
     budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
     out: list[RankSignal] = []
-    for groups in classes.values():
-        if len(groups) < cfg.min_peers:
+    for members in classes.values():
+        if len(members) < cfg.min_peers:
             continue
-        cols = [ring[g] for g in groups]
-        transfer, size = transfer_of[groups], size_of[groups]
-        with quiet_nan_warnings():
-            per_byte = transfer / np.where(size > 0, size, np.nan)
-        if np.isnan(per_byte).any():
+        transfer, size = groups.transfer[members], groups.size[members]
+        per_byte = _per_byte(transfer, size)
+        if per_byte is None:
             continue
         sc = scorer(per_byte[:, None])
         # slower per byte, and slower outright: a group with smaller messages pays the fixed latency on fewer
         # bytes (more per byte, not more time), one with larger ones takes longer at the same rate
         longest = float(np.median(transfer)) * (1 + cfg.transfer_min_relative_gap)
         flag = flagged(sc, cfg, min_gap=cfg.transfer_min_relative_gap)[:, 0] & (transfer >= longest)
-        typical = np.maximum(float(sc.median[0]) * size, float(np.median(transfer)))
-        for g in np.flatnonzero(flag).tolist():
-            j, rows = cols[g], members[groups[g]]
-            n_calls = float(nan_median(calls[rows, j]))
-            loss = (transfer[g] - typical[g]) * n_calls
+        typical = _typical(size, float(sc.median[0]), transfer)
+        for i in np.flatnonzero(flag).tolist():
+            g = members[i]
+            j, rows = groups.columns[g], groups.members[g]
+            loss = (transfer[i] - typical[i]) * groups.calls[g]
             if loss < budget:
                 continue
             pg = process_group_of(pm.functions[j])
             out.append(
                 RankSignal(
                     rank=-1, host="", category="link_slow", function=pm.functions[j], metric="transfer_ns",
-                    value=float(transfer[g]), peer_median=float(typical[g]), score=float(sc.z[g, 0]),
+                    value=float(transfer[i]), peer_median=float(typical[i]), score=float(sc.z[i, 0]),
                     loss_ns=float(loss), ranks=tuple(sorted(int(pm.ranks[r]) for r in rows)), subject=f"group:{pg}",
-                    evidence={"scope": "group", "pattern": "slow transfer", "groups_compared": len(cols),
+                    evidence={"scope": "group", "pattern": "slow transfer", "groups_compared": len(members),
                               "process_group": pg},
                 )
             )  # fmt: skip
     return _one_rank(out, pm)
+
+
+def placement_costs(pm: PeerMatrix, groups: RingGroups | None) -> dict[int, float]:
+    """Per rank, the time per iteration its rings lose by their placement: a group on more hosts than the
+    fewest its equivalent groups are on crosses the slower links between hosts (a tensor-parallel group
+    split over two hosts), so its transfer takes longer than theirs every step, by the layout and not by a
+    fault. Its excess over their typical transfer, times its calls, summed over the rank's groups; none
+    without at least two equivalent groups on the fewest hosts to compare with."""
+    if groups is None:
+        return {}
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    for g, shape in enumerate(groups.shape):
+        if shape[1] >= 2:
+            classes.setdefault(shape, []).append(g)
+    out: dict[int, float] = {}
+    for members in classes.values():
+        hosts = groups.hosts[members]
+        fewest = [g for g, h in zip(members, hosts.tolist(), strict=True) if h == int(hosts.min())]
+        spread = [g for g in members if g not in fewest]
+        if not spread or len(fewest) < 2:
+            continue
+        peers = groups.transfer[fewest]
+        rate = _per_byte(peers, groups.size[fewest])
+        if rate is None:
+            continue
+        typical = _typical(groups.size[spread], float(np.median(rate)), peers)
+        excess = np.maximum(groups.transfer[spread] - typical, 0.0) * groups.calls[spread]
+        for g, extra in zip(spread, excess.tolist(), strict=True):
+            for r in groups.members[g].tolist():
+                out[int(pm.ranks[r])] = out.get(int(pm.ranks[r]), 0.0) + extra
+    return out
 
 
 def _one_rank(groups: list[RankSignal], pm: PeerMatrix) -> list[RankSignal]:

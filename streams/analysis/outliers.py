@@ -18,7 +18,14 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.links import LINK_FAMILIES, _slow_links, score_hosts, score_transfers
+from fleetscope.streams.analysis.links import (
+    LINK_FAMILIES,
+    _slow_links,
+    placement_costs,
+    ring_groups,
+    score_hosts,
+    score_transfers,
+)
 from fleetscope.streams.analysis.patterns import collective_class
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
@@ -444,8 +451,10 @@ def merge_columns(
     stages = score_stages(records, cfg, compute)
     signals += [s for s in stages if s.rank >= 0]  # slow members of a stage too small to compare inside
     stages = [s for s in stages if s.rank < 0]
-    transfers = score_transfers(pms.of_kind(_COLLECTIVE), records, cfg, scorer)
-    signals = explain_victims(signals, records, stages, transfers)
+    collectives = pms.of_kind(_COLLECTIVE)
+    rings = ring_groups(collectives, records)
+    transfers = score_transfers(collectives, rings, cfg, scorer)
+    signals = explain_victims(signals, records, stages, transfers, placement_costs(collectives, rings))
     signals = group_by_host(signals, records, cfg.host_group_min_share)
-    signals += score_hosts(pms.of_kind(_COLLECTIVE), cfg, scorer) + stages + transfers
+    signals += score_hosts(collectives, cfg, scorer) + stages + transfers
     return split_shares(signals, records)

@@ -14,7 +14,7 @@ whom; where it is unknown (-1), every rank is one peer group and nothing is expl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,9 @@ MEASURED_WAITS = (CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION)
 """Host functions that measure a wait (the thread's for a CPU, the GPU's for a launch), not an annotation's
 length: no slow collective lengthens them."""
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
+PLACEMENT_SLACK = 1.5
+"""A replica is late at its data-parallel collectives by about the extra transfer time of its rings that cross
+hosts, plus the arrival jitter that time adds: up to this multiple of it is its placement."""
 VICTIM_WAIT_SHARE = 0.5
 """A straggler that waited in other collectives for at least this share of its lateness was held up."""
 
@@ -71,6 +74,7 @@ def explain_victims(
     records: Sequence[dict[str, Any]],
     stages: Sequence[RankSignal] = (),
     links: Sequence[RankSignal] = (),
+    placement: Mapping[int, float] | None = None,
 ) -> list[RankSignal]:
     """Drop the signals of ranks that only wait on a cause; the cause's evidence lists them (``delays_ranks``).
 
@@ -91,7 +95,11 @@ def explain_victims(
        annotations that grew by no more than the link costs are the link too (a host thread throttled
        by a full launch queue lasts as long as its GPU's work, collectives included); the measured
        waits (``MEASURED_WAITS``) are not;
-    4. among stragglers of one replica that all waited and no root, the one that waited least is kept.
+    4. without a root cause, a replica whose rings cross more hosts than their equivalents' (``placement``:
+       ``links.placement_costs``, per rank the time its rings lose by it) is late by its layout, not by a
+       fault: its stragglers and waiting ranks that lost no more than ``PLACEMENT_SLACK`` times that, and
+       its members' host annotations that lost no more than it, are dropped, with no finding to carry them;
+    5. among stragglers of one replica that all waited and no root, the one that waited least is kept.
     Without a layout (``dp_rank`` -1) only a slow stage explains anything: who waits on whom is unknown.
     """
     replica = {int(r["rank"]): _coordinate(r, "dp_rank") for r in records}
@@ -111,11 +119,15 @@ def explain_victims(
     for link in sorted(links, key=lambda s: -s.loss_ns):
         for member in link.evidence.get("group_ranks", link.ranks):  # a rank's link: every ring it slows
             link_of.setdefault(member, link)
-    for s in signals:  # a host annotation that lasts as long as its rank's slower collectives is the link
+    placement = placement or {}
+    for s in signals:  # a host annotation that lasts as long as its rank's slower collectives: link or layout
+        if s.category != "host_slow" or s.function in MEASURED_WAITS:
+            continue
         slow = link_of.get(s.rank)
-        if slow is not None and s.category == "host_slow" and s.function not in MEASURED_WAITS:
-            if s.loss_ns <= slow.loss_ns:
-                blame(s, slow)
+        if slow is not None and s.loss_ns <= slow.loss_ns:
+            blame(s, slow)
+        elif (cost := placement.get(s.rank, 0.0)) > 0 and s.loss_ns <= cost:
+            dropped.add(id(s))
     roots: dict[int, RankSignal] = {}
     for s in sorted(signals, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
         if s.rank >= 0 and not _waited(s) and rep(s) >= 0 and id(s) not in dropped:
@@ -128,6 +140,9 @@ def explain_victims(
     slow_groups: dict[int, RankSignal] = {}
     for member, slow in link_of.items():
         slow_groups.setdefault(replica.get(member, -1), slow)
+    placed: dict[int, float] = {}
+    for member, cost in placement.items():
+        placed[replica.get(member, -1)] = max(placed.get(replica.get(member, -1), 0.0), cost)
     for r, members in by_replica.items():
         root = roots.get(r) if r >= 0 else None
         caused = root is not None and root.category in CAUSE_CATEGORIES
@@ -135,6 +150,11 @@ def explain_victims(
             for s in members:
                 if id(s) not in dropped and (s.category == "straggler" or _waited(s)):
                     blame(s, paced)
+            root = None if root is not None and id(root) in dropped else root
+        if not caused and r >= 0 and (cost := placed.get(r, 0.0)) > 0:
+            for s in members:
+                if (s.category == "straggler" or _waited(s)) and s.loss_ns <= PLACEMENT_SLACK * cost:
+                    dropped.add(id(s))
             root = None if root is not None and id(root) in dropped else root
         for s in members:
             if id(s) in dropped:

@@ -194,10 +194,14 @@ def test_expected_categories() -> None:
         TraceJob(dp=8, steps=8, seed=419, fault="host_bound", fault_rank=3, names="none"),
         TraceJob(dp=4, tp=2, pp=2, steps=8, seed=421, fault="slow_link", fault_rank=13),
         TraceJob(dp=2, tp=2, pp=2, steps=8, seed=423, fault="slow_link", fault_rank=6, names="none", skew_ms=9.0),
+        TraceJob(dp=4, tp=4, steps=8, seed=433, gpus_per_host=6, inter_host_factor=2.5),
+        TraceJob(dp=4, tp=4, steps=8, seed=437, gpus_per_host=6, inter_host_factor=2.5, fault="slow_worker",
+                 fault_rank=5),
     ],
     ids=[
         "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
-        "dp8_host_bound", "dp4xtp2xpp2_slow_link", "dp2xtp2xpp2_slow_link",
+        "dp8_host_bound", "dp4xtp2xpp2_slow_link", "dp2xtp2xpp2_slow_link", "dp4xtp4_a_tp_group_across_hosts",
+        "dp4xtp4_slow_worker_in_the_replica_across_hosts",
     ],
 )  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
@@ -205,7 +209,10 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     flagged); one slow worker is gpu_slow on it alone; a launch-bound rank is host_slow on it alone (its
     GPU waits for its host; the ranks that wait for it in collectives are no culprits); a rank whose link
     slows its tensor- and data-parallel rings is link_slow on it alone, from kernel times (no link samples),
-    and no rank of its late replica is a straggler; a healthy job has nothing."""
+    and no rank of its late replica is a straggler; a healthy job has nothing, also where one replica's
+    tensor-parallel group is split over two hosts (6 GPUs per host: its slower transfer makes the replica
+    late at every data-parallel all-reduce, by its placement and no fault), and a slow GPU in that replica is
+    still named."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]

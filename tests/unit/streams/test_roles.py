@@ -87,6 +87,18 @@ def test_stragglers_of_one_replica_that_waited_for_a_partner_are_its_victims():
     assert sorted(cause.evidence["delays_ranks"]) == [1, 3, 7]
 
 
+def test_a_replica_late_by_its_rings_across_hosts_is_no_finding_but_a_later_rank_in_it_still_is():
+    """``placement``: replica 1's ranks (1, 3, 5, 7) lose 2 ms a step by a ring across hosts. Its stragglers
+    late by that much are its layout; one late by far more (4x) is still named, and replica 0's too."""
+    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0} for r in range(8)]
+    placement = dict.fromkeys((1, 3, 5, 7), 2e6)
+    by_layout = [_late(1, 2.2e6, 0.0), _late(3, 2.5e6, 0.0)]
+    assert explain_victims(by_layout, records, placement=placement) == []
+    later, elsewhere = _late(5, 8e6, 0.0), _late(2, 2.2e6, 0.0)
+    assert explain_victims([*by_layout, later, elsewhere], records, placement=placement) == [later, elsewhere]
+    assert explain_victims(by_layout, records) == by_layout  # without it: stragglers
+
+
 def test_without_a_layout_no_straggler_is_explained_away():
     records = [{"rank": r} for r in range(8)]
     signals = [_late(1, 4e6, 4e6), _late(5, 4e6, 0.0)]

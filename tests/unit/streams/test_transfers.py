@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.outliers import score_iteration
+from fleetscope.streams.analysis.links import placement_costs, ring_groups
+from fleetscope.streams.analysis.outliers import build_matrices, score_iteration
 from fleetscope.streams.analysis.signals import ScoringConfig
 
 C, K = int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
@@ -17,10 +18,15 @@ LINKS = {f"{link}_{x}": nan for link in ("nvlink", "pcie") for x in ("mean_bps",
 
 
 def records(
-    tp_ns: dict[int, float], tp_bytes: dict[int, int] | None = None, dp_ns: dict[int, float] | None = None, tp: int = 2
+    tp_ns: dict[int, float],
+    tp_bytes: dict[int, int] | None = None,
+    dp_ns: dict[int, float] | None = None,
+    tp: int = 2,
+    hosts: dict[int, str] | None = None,
 ) -> list[dict[str, Any]]:
     """dp 4 x ``tp``: the tensor-parallel group of replica g all-reduces in ``tp_ns[g]`` (its transfer: the
-    members arrive together) 8 times; the data-parallel ring of tensor slot s once, in ``dp_ns[s]``."""
+    members arrive together) 8 times; the data-parallel ring of tensor slot s once, in ``dp_ns[s]``; every
+    rank on node0 but those ``hosts`` moves."""
     out = []
     for rank in range(tp * 4):
         g, slot = rank // tp, rank % tp
@@ -30,7 +36,8 @@ def records(
             f"nccl:allreduce[pg={5 + slot},<=32MiB]": (C, (dp_ns or {}).get(slot, 2e6), 1, 24 << 20),
         }
         out.append({
-            "job": "j", "rank": rank, "host": "node0", "iteration": 0, "iteration_ns": 25_000_000,
+            "job": "j", "rank": rank, "host": (hosts or {}).get(rank, "node0"), "iteration": 0,
+            "iteration_ns": 25_000_000,
             "tp_rank": slot, "pp_rank": 0, "dp_rank": g, "function": list(functions),
             "kind": [v[0] for v in functions.values()], "calls": [v[2] for v in functions.values()],
             "mean_ns": [v[1] for v in functions.values()], "total_ns": [v[1] * v[2] for v in functions.values()],
@@ -65,3 +72,18 @@ def test_every_slow_ring_sharing_one_rank_is_that_ranks_link() -> None:
     """dp 4 x tp 4: rank 9's link slows its tensor-parallel group (replica 2) and its data-parallel ring
     (slot 1); no other rank is in both."""
     assert links(records({2: 3e6}, dp_ns={1: 6e6}, tp=4)) == [(9, (9,))]
+
+
+def placement(recs: list[dict[str, Any]]) -> dict[int, float]:
+    pm = build_matrices(recs).of_kind(C)
+    return placement_costs(pm, ring_groups(pm, recs))
+
+
+def test_a_group_across_hosts_costs_its_ranks_its_transfer_over_its_equivalents_and_is_no_slow_link() -> None:
+    """Replica 2's tensor-parallel pair is split over two hosts and all-reduces in 2.5 ms, not 1 ms: 1.5 ms
+    more, 8 times a step, is its placement. It has no equivalent on two hosts: no link_slow."""
+    recs = records({2: 2.5e6}, hosts={5: "node1"})
+    assert placement(recs) == {4: 12e6, 5: 12e6}
+    assert links(recs) == []
+    assert placement(records({2: 2.5e6})) == {}  # on one host like the others: no placement to speak of
+    assert placement(records({}, hosts={5: "node1"})) == {4: 0.0, 5: 0.0}  # across hosts, as fast: no cost
