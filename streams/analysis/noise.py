@@ -26,6 +26,11 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   rank is a straggler even where no single iteration's peer comparison flagged it (``stragglers``). Never on
   fewer than 4 ranks.
 
+A gpu_slow signal is judged likewise on its rank's compute kernel time against its pipeline stage's ranks
+(``gpu_stands_out``): kept where its excess in this iteration is ``z`` times the largest jitter among them or
+its recent median is ``level_z`` times above theirs. Work that varies from step to step (sequences of
+varying length) makes a different rank of the stage the slowest each time; a slow GPU is slow every time.
+
 A rank whose run-queue wait (``cpu_wait_ns``: each step's time ready to run with no CPU to run on) is
 above every peer's by ``level_z`` times their jitter, and by the step's budget, in the median of its last
 ``level_iterations + 1`` iterations, is ``host_slow`` on ``CPU_WAIT_FUNCTION`` (``contended``): its host's
@@ -55,9 +60,14 @@ from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
 
-_PYTHON, _COLLECTIVE = int(FunctionKind.PYTHON), int(FunctionKind.COLLECTIVE)
+_PYTHON, _COLLECTIVE, _COMPUTE = int(FunctionKind.PYTHON), int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
 JUDGED = ("host_slow", "straggler")
 """Categories judged against the job's noise: the host's own work and the arrival it delays."""
+GPU_JUDGED = "gpu_slow"
+"""Judged against its stage's compute noise once known (``gpu_stands_out``), also in the job's warm-up (a GPU
+slow from the start is slow in it): work that varies from step to step (sequences of varying length, a
+different rank's batch the longest each time) makes a different rank slowest each time, a slow GPU the
+same one."""
 _JITTER_PER_MEDIAN_STEP = 1.4826 / np.sqrt(2.0)
 """A Gaussian series' standard deviation per median absolute successive difference."""
 
@@ -128,6 +138,9 @@ class JobNoise:
         self._wait_ranks: tuple[int, ...] = ()
         self._wait_roles: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         """Each rank's role code (``roles.role_codes``): a rank with more host work waits longer for a CPU."""
+        self._compute: dict[int, deque[dict[int, float]]] = {}
+        """Per pipeline stage (-1: no layout), each rank's compute kernel time per recent iteration: the
+        ranks of one stage do the same work, those of different stages do not."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A job's noise saved before warm-up was counted restores as past it (the job was running)."""
@@ -136,13 +149,18 @@ class JobNoise:
         self.__dict__.setdefault("_waits", deque(maxlen=self.config.history_iterations))
         self.__dict__.setdefault("_wait_ranks", ())
         self.__dict__.setdefault("_wait_roles", np.zeros(0, dtype=np.int64))
+        self.__dict__.setdefault("_compute", {})
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
         there (a GC pause only the culprit has); collectives absent are unknown."""
         seen: dict[str, dict[int, float]] = {name: {} for name in self._host}
+        compute: dict[int, dict[int, float]] = {}
         for rec in records:
             kinds = np.asarray(rec["kind"])
+            if len(records) <= self.config.max_ranks:  # only those jobs are judged against their noise
+                totals = compute.setdefault(int(rec.get("pp_rank", -1)), {})
+                totals[int(rec["rank"])] = float(np.sum(np.asarray(rec["total_ns"])[kinds == _COMPUTE]))
             wanted = np.flatnonzero((kinds == _PYTHON) | (kinds == _COLLECTIVE))
             if not wanted.size:
                 continue
@@ -160,6 +178,8 @@ class JobNoise:
         self._ranks = max(self._ranks, len(ranks))
         self._record_waits(records, ranks)
         self._recorded += 1
+        for stage, totals in compute.items():
+            self._compute.setdefault(stage, deque(maxlen=self.config.history_iterations)).append(totals)
         for function, values in seen.items():
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
@@ -198,6 +218,7 @@ class JobNoise:
         out: list[RankSignal] = []
         if self._ranks > self.config.max_ranks:
             return list(signals)
+        signals = [sig for sig in signals if sig.category != GPU_JUDGED or self._gpu_kept(sig)]
         if self._recorded <= self.config.warmup_iterations:
             return [sig for sig in signals if sig.category not in JUDGED or sig.rank < 0]
         for sig in signals:
@@ -235,6 +256,34 @@ class JobNoise:
             if level[col] - np.nanmedian(np.delete(level, col)) >= cfg.level_z * noise:
                 return True
         return sig.category == "straggler" and self._clearly_late(x, col)
+
+    def _gpu_kept(self, sig: RankSignal) -> bool:
+        """A gpu_slow signal stays unless its rank (a host's: every one of its ranks) is known not to stand out."""
+        return any(self.gpu_stands_out(rank) is not False for rank in sig.member_ranks())
+
+    def gpu_stands_out(self, rank: int) -> bool | None:
+        """Whether the rank's compute time stands out from its stage's noise: its latest excess over its
+        stage peers' median is ``z`` times the largest jitter among them, or its median over its last
+        ``level_iterations`` iterations exceeds theirs by ``level_z`` times it. None while the noise is
+        unknown (fewer than ``min_history`` iterations, or no stage peer)."""
+        cfg = self.config
+        for series in self._compute.values():
+            if rank in series[-1]:
+                break
+        else:
+            return None
+        if len(series) < cfg.min_history:
+            return None
+        x, ranks = _as_matrix(series)
+        if len(ranks) < 2 or rank not in ranks:
+            return None
+        col = ranks.index(rank)
+        noise = _noise(x, col)
+        with quiet_nan_warnings():
+            latest = x[-1, col] - np.nanmedian(np.delete(x[-1], col))
+            level = np.nanmedian(x[-cfg.level_iterations :], axis=0)
+            above = level[col] - np.nanmedian(np.delete(level, col))
+        return bool(latest >= cfg.z * noise or above >= cfg.level_z * noise)
 
     def stragglers(
         self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str], named: set[int]
