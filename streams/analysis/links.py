@@ -205,11 +205,10 @@ def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups
     starts = np.cumsum(count) - count
     cell = np.asarray(ring)[col]
     some = count > 0
-    transfer, size, per_call = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    transfer, size = np.full(n, np.nan), np.full(n, np.nan)
     transfer[some] = np.minimum.reduceat(mean_ns[row, cell], starts[some])
     size[some] = np.add.reduceat(np.nan_to_num(nbytes[row, cell]), starts[some]) / count[some]
-    for g in np.flatnonzero(some).tolist():
-        per_call[g] = nan_median(calls[members[g], ring[g]])
+    per_call = _median_by_group(calls[row, cell][:, None], col, n)[:, 0]
     shape = [
         (collective_class(pm.functions[j]), int(count[g]), *(bool(v[g]) for v in varying)) for g, j in enumerate(ring)
     ]
