@@ -295,9 +295,9 @@ def placement_costs(pm: PeerMatrix, groups: RingGroups | None) -> dict[int, floa
             classes.setdefault(shape, []).append(g)
     out: dict[int, float] = {}
     for members in classes.values():
-        hosts = groups.hosts[members]
-        fewest = [g for g, h in zip(members, hosts.tolist(), strict=True) if h == int(hosts.min())]
-        spread = [g for g in members if g not in fewest]
+        on_fewest = groups.hosts[members] == groups.hosts[members].min()
+        fewest = [g for g, low in zip(members, on_fewest.tolist(), strict=True) if low]
+        spread = [g for g, low in zip(members, on_fewest.tolist(), strict=True) if not low]
         if not spread or len(fewest) < 2:
             continue
         peers = groups.transfer[fewest]
