@@ -302,11 +302,12 @@ class JobDifferential:
             not disturbed
             and not signals
             and self.tracker.open_findings() == self.tracker.open_findings(Category.STRAGGLER.value)
-            and np.unique(role_codes(records)).size == 1
         ):
-            # every rank does the same work, and no other rank's finding explains a late one (its victims);
-            # a straggler found so before is judged again, so that it stays open while it still holds
-            persistent = self._noise.stragglers(signals, budget, hosts, set())
+            # no other rank's finding explains a late one (its victims); a straggler found so before is judged
+            # again, so that it stays open while it still holds. Ranks compare by function where every rank
+            # does the same work, and in their collective pairs in any layout.
+            same_work = np.unique(role_codes(records)).size == 1
+            persistent = self._noise.stragglers(signals, budget, hosts, set(), same_work=same_work)
             signals += persistent
         self._iteration_ns.append(iteration_ns)
         own_ns, cpu_wait_ns = _own_time(records)

@@ -58,6 +58,7 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
+from fleetscope.streams.analysis.stages import P2P_PREFIXES
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
 
 _PYTHON, _COLLECTIVE, _COMPUTE = int(FunctionKind.PYTHON), int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
@@ -141,6 +142,9 @@ class JobNoise:
         self._compute: dict[int, deque[dict[int, float]]] = {}
         """Per pipeline stage (-1: no layout), each rank's compute kernel time per recent iteration: the
         ranks of one stage do the same work, those of different stages do not."""
+        self._pairs: dict[str, deque[dict[int, float]]] = {}
+        """Per collective of two members (pipeline send/recv aside), each one's time in it per recent iteration
+        (every call: a partner waits at each one): ``_pair_stragglers``."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A job's noise saved before warm-up was counted restores as past it (the job was running)."""
@@ -150,11 +154,13 @@ class JobNoise:
         self.__dict__.setdefault("_wait_ranks", ())
         self.__dict__.setdefault("_wait_roles", np.zeros(0, dtype=np.int64))
         self.__dict__.setdefault("_compute", {})
+        self.__dict__.setdefault("_pairs", {})
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
         there (a GC pause only the culprit has); collectives absent are unknown."""
         seen: dict[str, dict[int, float]] = {name: {} for name in self._host}
+        paired: dict[str, dict[int, float]] = {}
         compute: dict[int, dict[int, float]] = {}
         for rec in records:
             kinds = np.asarray(rec["kind"])
@@ -174,6 +180,7 @@ class JobNoise:
                     seen.setdefault(functions[j], {})[rank] = float(own[j])
                 else:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
+                    paired.setdefault(functions[j], {})[rank] = float(rec["total_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
         self._record_waits(records, ranks)
@@ -184,6 +191,9 @@ class JobNoise:
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
+        for function, values in paired.items():  # jobs of up to max_ranks, as ``compute``
+            if len(values) == 2 and len(records) <= self.config.max_ranks and not function.startswith(P2P_PREFIXES):
+                self._pairs.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
         self._lateness = {}
         for function, values in seen.items():
             if function in self._host or len(values) < 2:
@@ -205,6 +215,7 @@ class JobNoise:
         export afterwards slow the ranks unevenly, so arrivals before and after it do not form one run."""
         for function in [f for f in self._series if f not in self._host]:
             del self._series[function]
+        self._pairs.clear()
 
     def keep(self, signals: Iterable[RankSignal], budget_ns: float) -> list[RankSignal]:
         """The signals, less host_slow and straggler ones whose excess does not stand out from the noise.
@@ -286,15 +297,24 @@ class JobNoise:
         return bool(latest >= cfg.z * noise or above >= cfg.level_z * noise)
 
     def stragglers(
-        self, signals: Sequence[RankSignal], budget_ns: float, hosts: dict[int, str], named: set[int]
+        self,
+        signals: Sequence[RankSignal],
+        budget_ns: float,
+        hosts: dict[int, str],
+        named: set[int],
+        same_work: bool = True,
     ) -> list[RankSignal]:
         """Straggler signals the single iteration missed: ranks clearly late at a collective (``_clearly_late``)
-        and late by ``budget_ns`` (median) over their last ``level_iterations + 1`` iterations, that no signal
-        of this iteration names (a cause, or the straggler itself) nor ``named`` (a cause found before)."""
+        and late by ``budget_ns`` (median) over their last ``level_iterations + 1`` iterations, where every
+        rank does the same work (``same_work``: no layout roles), and ranks late in every one of their
+        collective pairs (``_pair_stragglers``, any layout); none that a signal of this iteration names (a
+        cause, or the straggler itself) nor ``named`` (a cause found before)."""
         named = named | {s.rank for s in signals}
         out: list[RankSignal] = []
+        if not self._past_warmup():
+            return out
         for function, series in self._series.items():
-            if function in self._host or len(series) < self.config.min_history or not self._past_warmup():
+            if not same_work or function in self._host or len(series) < self.config.min_history:
                 continue
             x, ranks = _as_matrix(series)
             with quiet_nan_warnings():
@@ -320,6 +340,62 @@ class JobNoise:
                                   "median_lateness_ns": lateness, "noise_ns": noise},
                     )
                 )  # fmt: skip
+        return out + self._pair_stragglers(budget_ns, hosts, named)
+
+    def _pair_stragglers(self, budget_ns: float, hosts: dict[int, str], named: set[int]) -> list[RankSignal]:
+        """Stragglers of layouts whose collective groups are pairs (dp2 x tp2 x pp2), which no comparison
+        within one group can name: of two members, one's lateness is the other's wait.
+
+        Across groups it can: the rank that holds the others up arrives last in every one of its pairs,
+        while each partner waits in the pair it shares with it (and is late only where it carries that wait
+        on: a tensor-parallel partner held up arrives late at its data-parallel all-reduce, and waited at
+        the tensor-parallel one; a next stage held up in its recv is late at its data-parallel all-reduce,
+        and level with its tensor partner, held up alike). So a rank's pair lateness, per iteration, is the
+        least, over its symmetric pairs (pipeline send/recv left out: the stages' schedules differ), of its
+        partner's time in the collective less its own, over all its calls of the iteration: the time the
+        partner waited for it (not all of it lost where the calls overlap compute, as data-parallel buckets
+        do; the cost below is read on it all the same). A rank with pairs of at least two partners is a
+        straggler when that lateness is ``last_z`` times the pairs' noise in all but ``last_misses`` of its
+        last ``level_iterations + 1`` iterations, and ``level_z`` times it and ``budget_ns`` in their median.
+        The noise is the median jitter of the pairs' lateness series: a pair's members take turns at random;
+        the ranks that wait on a straggler mirror its lateness, so their own series are no yardstick. Jobs of
+        up to ``max_ranks`` ranks (``record`` keeps no pairs for more)."""
+        cfg = self.config
+        window = cfg.level_iterations + 1
+        pairs: dict[int, list[tuple[int, str, F64]]] = {}  # rank: (partner, function, lateness per iteration)
+        lags: list[F64] = []
+        for function, series in self._pairs.items():
+            x, ranks = _as_matrix(series)
+            if len(series) < window or len(ranks) != 2 or np.isnan(x).any():
+                continue
+            a, b = ranks
+            lags.append(x[:, 1] - x[:, 0])
+            pairs.setdefault(a, []).append((b, function, lags[-1]))
+            pairs.setdefault(b, []).append((a, function, -lags[-1]))
+        ranks = [r for r, ps in sorted(pairs.items()) if len({partner for partner, _, _ in ps}) >= 2]
+        if len(ranks) < 4:
+            return []
+        noise = float(np.median(_jitter(np.column_stack(lags))))
+        out: list[RankSignal] = []
+        for rank in ranks:
+            late = np.min([lag for _, _, lag in pairs[rank]], axis=0)
+            lateness = float(np.median(late))
+            if (
+                rank in named
+                or np.count_nonzero(late >= cfg.last_z * noise) < window - cfg.last_misses
+                or lateness < max(cfg.level_z * noise, budget_ns)
+            ):
+                continue
+            _, function, _ = max(pairs[rank], key=lambda p: float(np.median(p[2])))
+            out.append(
+                RankSignal(
+                    rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
+                    metric="arrival_lateness_ns", value=float(late[-1]), peer_median=0.0,
+                    score=lateness / max(noise, 1.0), loss_ns=lateness,
+                    evidence={"partners": sorted({p for p, _, _ in pairs[rank]}), "iterations": window,
+                              "median_lateness_ns": lateness, "noise_ns": noise},
+                )
+            )  # fmt: skip
         return out
 
     def _record_waits(self, records: Sequence[dict[str, Any]], ranks: list[int]) -> None:
@@ -491,7 +567,13 @@ def _noise(x: F64, col: int, among: Callable[[F64], Any] = np.nanmax) -> float:
     """The largest (or, with ``among``, another statistic of the) robust jitter among the other columns
     (ranks) of ``x`` (iterations x ranks)."""
     with quiet_nan_warnings():
-        jitter = np.nanmedian(np.abs(np.diff(x, axis=0)), axis=0) * _JITTER_PER_MEDIAN_STEP
-        peers = np.delete(jitter, col)
+        peers = np.delete(_jitter(x), col)
         top = float(among(peers)) if peers.size else np.nan
     return top if np.isfinite(top) else float("inf")
+
+
+def _jitter(x: F64) -> F64:
+    """Each column's robust iteration-to-iteration jitter (x: iterations x series), as a standard deviation."""
+    with quiet_nan_warnings():
+        jitter: F64 = np.nanmedian(np.abs(np.diff(x, axis=0)), axis=0) * _JITTER_PER_MEDIAN_STEP
+    return jitter

@@ -226,7 +226,7 @@ def test_two_ranks_starved_together_are_no_straggler_even_when_one_is_a_hair_lat
     assert noise._clearly_late(slow, 1) and not noise._clearly_late(slow, 3)
 
 
-_COMPUTE = int(FunctionKind.COMPUTE)
+_COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
 
 
 def _compute_job(jitter: float, slow: float, seed: int, iterations: int = 40) -> list[dict[str, Any]]:
@@ -281,3 +281,77 @@ def test_compute_that_varies_on_every_rank_of_a_stage_is_no_slow_gpu_one_slow_ev
         ]
         noisy = [f for f in _compute_job(jitter=0.15, slow=1.5, seed=seed) if f["status"] == "open"]
         assert [(f["category"], f["rank"]) for f in noisy] == [("gpu_slow", 6)] and noisy[0]["iteration_first"] <= 32
+
+
+def _pair_job(late_ms: float, seed: int, iterations: int = 60, fault_at: int = 30) -> list[dict[str, Any]]:
+    """Finding records of a dp2 x tp2 x pp2 job (the blind probe's layout: stage = rank // 4, tensor pairs
+    {0, 1}, {2, 3}, data-parallel pairs {0, 2}, {1, 3}, the same one stage later) where every collective
+    group is a pair. From ``fault_at``, rank 2 arrives ``late_ms`` late at each step's collectives: its
+    tensor partner 3 waits for it in their 16 all-reduces, then both reach the data-parallel all-reduce
+    late, where 0 and 1 wait; stage 1 waits in its recv. Every arrival jitters by 1 ms (a shared host)."""
+    rng = np.random.default_rng(seed)
+    diff = JobDifferential("j")
+    out: list[dict[str, Any]] = []
+    for it in range(iterations):
+        ready = np.zeros(8)  # when each rank can start its step's tensor-parallel all-reduces (ms)
+        for stage in (0, 1):
+            ranks = np.arange(4) + 4 * stage
+            arrive = ready[ranks] + rng.normal(0.0, 1.0, size=4)
+            if stage == 0 and it >= fault_at:
+                arrive[2] += late_ms
+            tp_done = np.repeat(arrive.reshape(2, 2).max(axis=1), 2)
+            tp_wait = tp_done - arrive
+            dp_arrive = tp_done + rng.normal(0.0, 1.0, size=4)
+            dp_done = dp_arrive.reshape(2, 2).max(axis=0)[[0, 1, 0, 1]]
+            dp_wait = dp_done - dp_arrive
+            if stage == 0:
+                ready[4:] = tp_done  # activations go on after the tensor-parallel work
+            for k, rank in enumerate(ranks.tolist()):
+                dp, tp = (k // 2, k % 2)
+                functions = [
+                    (f"nccl:allreduce[pg=tp{stage}{dp},<=2MiB]", _COLLECTIVE, 16, 16 * 0.2 + tp_wait[k]),
+                    (f"nccl:allreduce[pg=dp{stage}{tp},<=64MiB]", _COLLECTIVE, 1, 5.0 + dp_wait[k]),
+                    ("gemm", _COMPUTE, 32, 60.0 + rng.normal(0.0, 0.3)),
+                ]
+                if stage == 0:
+                    functions.append((f"nccl:send[pg=pp{dp}{tp},<=16MiB]", _COLLECTIVE, 4, 2.0))
+                    functions.append(("dataloader.next", _PYTHON, 1, 3.0 + rng.normal(0.0, 0.2)))
+                else:
+                    functions.append((f"nccl:recv[pg=pp{dp}{tp},<=16MiB]", _COLLECTIVE, 1, 2.0 + ready[rank]))
+                record = _record_of(rank, it, functions, iteration_ms=100.0 + max(late_ms, 0.0) * (it >= fault_at))
+                record.update(world_size=8, pp_rank=stage, dp_rank=dp, tp_rank=tp, host=f"h{stage}")
+                out += diff.add(record)
+    return out + diff.flush()
+
+
+def _record_of(rank: int, it: int, functions: list[tuple[str, int, int, float]], iteration_ms: float) -> dict[str, Any]:
+    """One rank's patterns for one iteration: (function, kind, calls, total ms) each."""
+    iteration_ns = int(iteration_ms * 1e6)
+    total = [max(ms, 0.0) * 1e6 for _, _, _, ms in functions]
+    calls = [c for _, _, c, _ in functions]
+    mean = [t / c for t, c in zip(total, calls, strict=True)]
+    nan = [float("nan")] * len(functions)
+    return {
+        "job": "j", "rank": rank, "host": "h", "world_size": 8, "tp_rank": -1, "pp_rank": -1, "dp_rank": -1,
+        "iteration": it, "iteration_start_ns": it * iteration_ns, "iteration_ns": iteration_ns,
+        "function": [f for f, _, _, _ in functions], "kind": [k for _, k, _, _ in functions], "calls": calls,
+        "total_ns": [int(t) for t in total], "self_ns": [int(t) for t in total], "mean_ns": mean, "p50_ns": mean,
+        "p99_ns": mean, "max_ns": [int(m) for m in mean], "cv": [0.0] * len(functions),
+        "share": [t / iteration_ns for t in total],
+        "nbytes": [1 << 20 if k == _COLLECTIVE else 0 for _, k, _, _ in functions],
+        "algbw_gbps": [0.0] * len(functions), "busbw_gbps": [0.0] * len(functions), "nvlink_mean_bps": nan,
+        "nvlink_cv": nan, "nvlink_peak_bps": nan, "pcie_mean_bps": nan, "pcie_cv": nan, "pcie_peak_bps": nan,
+        "profiled": False,
+    }  # fmt: skip
+
+
+def test_a_rank_late_in_every_one_of_its_collective_pairs_is_the_straggler_its_partners_are_not() -> None:
+    """Where every group is a pair, one member's lateness is the other's wait, so no group alone says who
+    is late; across groups it shows: rank 2 is last in its tensor pair and in its data-parallel pair, while
+    each partner waits in the pair it shares with it. Named within 10 iterations of its fault, alone; a
+    healthy job of the same layout has no finding in 300 iterations."""
+    for seed in range(3):
+        assert _pair_job(late_ms=0.0, seed=seed, iterations=300) == []
+        opened = [f for f in _pair_job(late_ms=12.0, seed=seed) if f["status"] == "open"]
+        assert [(f["category"], f["rank"]) for f in opened] == [("straggler", 2)], opened
+        assert 30 <= opened[0]["iteration_first"] <= 40
