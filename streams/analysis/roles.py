@@ -15,6 +15,7 @@ whom; where it is unknown (-1), every rank is one peer group and nothing is expl
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -115,19 +116,19 @@ def explain_victims(
             cause.evidence.setdefault("delays_ranks", []).append(victim.rank)
             dropped.add(id(victim))
 
-    link_of: dict[int, RankSignal] = {}
-    for link in sorted(links, key=lambda s: -s.loss_ns):
-        for member in link.evidence.get("group_ranks", link.ranks):  # a rank's link: every ring it slows
-            link_of.setdefault(member, link)
-    placement = placement or {}
+    def explained(victim: RankSignal, pacer: _Pacer) -> None:
+        if pacer.cause is not None:
+            blame(victim, pacer.cause)
+        else:
+            dropped.add(id(victim))
+
+    by_rank, by_replica_pacers = _pacers(links, placement or {}, replica)
     for s in signals:  # a host annotation that lasts as long as its rank's slower collectives: link or layout
         if s.category != "host_slow" or s.function in MEASURED_WAITS:
             continue
-        slow = link_of.get(s.rank)
-        if slow is not None and s.loss_ns <= slow.loss_ns:
-            blame(s, slow)
-        elif (cost := placement.get(s.rank, 0.0)) > 0 and s.loss_ns <= cost:
-            dropped.add(id(s))
+        pacer = next((p for p in by_rank.get(s.rank, ()) if s.loss_ns <= p.cost_ns), None)
+        if pacer is not None:
+            explained(s, pacer)
     roots: dict[int, RankSignal] = {}
     for s in sorted(signals, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
         if s.rank >= 0 and not _waited(s) and rep(s) >= 0 and id(s) not in dropped:
@@ -137,24 +138,14 @@ def explain_victims(
     for s in signals:
         if s.rank >= 0:
             by_replica.setdefault(rep(s), []).append(s)
-    slow_groups: dict[int, RankSignal] = {}
-    for member, slow in link_of.items():
-        slow_groups.setdefault(replica.get(member, -1), slow)
-    placed: dict[int, float] = {}
-    for member, cost in placement.items():
-        placed[replica.get(member, -1)] = max(placed.get(replica.get(member, -1), 0.0), cost)
     for r, members in by_replica.items():
         root = roots.get(r) if r >= 0 else None
         caused = root is not None and root.category in CAUSE_CATEGORIES
-        if not caused and r >= 0 and (paced := slow_groups.get(r)) is not None:
+        for pacer in by_replica_pacers.get(r, ()) if not caused and r >= 0 else ():
             for s in members:
-                if id(s) not in dropped and (s.category == "straggler" or _waited(s)):
-                    blame(s, paced)
-            root = None if root is not None and id(root) in dropped else root
-        if not caused and r >= 0 and (cost := placed.get(r, 0.0)) > 0:
-            for s in members:
-                if (s.category == "straggler" or _waited(s)) and s.loss_ns <= PLACEMENT_SLACK * cost:
-                    dropped.add(id(s))
+                late = s.category == "straggler" or _waited(s)
+                if id(s) not in dropped and late and s.loss_ns <= pacer.late_ns:
+                    explained(s, pacer)
             root = None if root is not None and id(root) in dropped else root
         for s in members:
             if id(s) in dropped:
@@ -174,6 +165,39 @@ def explain_victims(
                 for s in late:
                     blame(s, keep)
     return [s for s in signals if id(s) not in dropped]
+
+
+@dataclass(frozen=True)
+class _Pacer:
+    """What makes ranks late with no fault of theirs: a slow link of their rings (``cause``: the finding that
+    lists its victims) or their rings' placement (no cause: no finding carries them). ``cost_ns`` is what it
+    costs each of its ranks per step; their replica is late by it by up to ``late_ns``."""
+
+    cause: RankSignal | None
+    cost_ns: float
+    late_ns: float
+
+
+def _pacers(
+    links: Sequence[RankSignal], placement: Mapping[int, float], replica: Mapping[int, int]
+) -> tuple[dict[int, list[_Pacer]], dict[int, list[_Pacer]]]:
+    """Per rank and per replica, their pacers: the slow link of their rings first (the largest, which holds
+    up every rank of a replica it slows, whatever their loss), then their placement (``PLACEMENT_SLACK``)."""
+    by_rank: dict[int, list[_Pacer]] = {}
+    by_replica: dict[int, list[_Pacer]] = {}
+    for link in sorted(links, key=lambda s: -s.loss_ns):
+        pacer = _Pacer(link, link.loss_ns, late_ns=float("inf"))
+        for member in link.evidence.get("group_ranks", link.ranks):  # a rank's link: every ring it slows
+            by_rank.setdefault(member, [pacer])
+            by_replica.setdefault(replica.get(member, -1), [pacer])
+    placed: dict[int, float] = {}
+    for member, cost in placement.items():
+        if cost > 0:
+            by_rank.setdefault(member, []).append(_Pacer(None, cost, late_ns=PLACEMENT_SLACK * cost))
+            placed[replica.get(member, -1)] = max(placed.get(replica.get(member, -1), 0.0), cost)
+    for r, cost in placed.items():
+        by_replica.setdefault(r, []).append(_Pacer(None, cost, late_ns=PLACEMENT_SLACK * cost))
+    return by_rank, by_replica
 
 
 def _group_root(
