@@ -162,9 +162,10 @@ class JobNoise:
         seen: dict[str, dict[int, float]] = {name: {} for name in self._host}
         paired: dict[str, dict[int, float]] = {}
         compute: dict[int, dict[int, float]] = {}
+        small = len(records) <= self.config.max_ranks  # only those jobs are judged against their noise
         for rec in records:
             kinds = np.asarray(rec["kind"])
-            if len(records) <= self.config.max_ranks:  # only those jobs are judged against their noise
+            if small:
                 totals = compute.setdefault(int(rec.get("pp_rank", -1)), {})
                 totals[int(rec["rank"])] = float(np.sum(np.asarray(rec["total_ns"])[kinds == _COMPUTE]))
             wanted = np.flatnonzero((kinds == _PYTHON) | (kinds == _COLLECTIVE))
@@ -180,7 +181,8 @@ class JobNoise:
                     seen.setdefault(functions[j], {})[rank] = float(own[j])
                 else:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
-                    paired.setdefault(functions[j], {})[rank] = float(rec["total_ns"][j])
+                    if small:
+                        paired.setdefault(functions[j], {})[rank] = float(rec["total_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
         self._record_waits(records, ranks)
@@ -191,8 +193,8 @@ class JobNoise:
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
-        for function, values in paired.items():  # jobs of up to max_ranks, as ``compute``
-            if len(values) == 2 and len(records) <= self.config.max_ranks and not function.startswith(P2P_PREFIXES):
+        for function, values in paired.items():
+            if len(values) == 2 and not function.startswith(P2P_PREFIXES):
                 self._pairs.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
         self._lateness = {}
         for function, values in seen.items():
