@@ -143,8 +143,8 @@ def explain_victims(
         caused = root is not None and root.category in CAUSE_CATEGORIES
         for pacer in by_replica_pacers.get(r, ()) if not caused and r >= 0 else ():
             for s in members:
-                late = s.category == "straggler" or _waited(s)
-                if id(s) not in dropped and late and s.loss_ns <= pacer.late_ns:
+                delayed = s.category == "straggler" or _waited(s)
+                if id(s) not in dropped and delayed and s.loss_ns <= pacer.late_ns:
                     explained(s, pacer)
             root = None if root is not None and id(root) in dropped else root
         for s in members:
