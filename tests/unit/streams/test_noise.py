@@ -11,6 +11,8 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.noise import JobNoise, _noise
 
+_COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
+
 
 def test_chance_alone_makes_no_rank_clearly_late_a_slow_rank_overtaken_twice_is() -> None:
     """Random arrival order on 4 or 8 ranks (Gaussian waits) never gives a rank clearly late over the last 8
@@ -65,16 +67,32 @@ def test_a_rank_behind_every_peer_each_iteration_is_named_by_its_summed_lead_a_b
 def _record(rank: int, it: int, wait_ms: float, loader_ms: float) -> dict[str, Any]:
     """One rank's patterns for one iteration of a 4-rank DDP job on CPU: its all-reduce time (how long it
     waited for the last rank, plus the transfer) and its data loader's time."""
-    values = [wait_ms * 1e6, loader_ms * 1e6, 0.3e6]
-    nan = [float("nan")] * 3
+    functions = [
+        ("nccl:allreduce[pg=0,<=2MiB]", _COLLECTIVE, 1, wait_ms),
+        ("dataloader.next", _PYTHON, 1, loader_ms),
+        ("optimizer.step", _PYTHON, 1, 0.3),
+    ]
+    record = _record_of(rank, it, functions, iteration_ms=80.0)
+    record.update(world_size=4, algbw_gbps=[0.3, 0.0, 0.0], busbw_gbps=[0.4, 0.0, 0.0])
+    return record
+
+
+def _record_of(rank: int, it: int, functions: list[tuple[str, int, int, float]], iteration_ms: float) -> dict[str, Any]:
+    """One rank's patterns for one iteration: (function, kind, calls, total ms) each."""
+    iteration_ns = int(iteration_ms * 1e6)
+    total = [max(ms, 0.0) * 1e6 for _, _, _, ms in functions]
+    calls = [c for _, _, c, _ in functions]
+    mean = [t / c for t, c in zip(total, calls, strict=True)]
+    nan = [float("nan")] * len(functions)
     return {
-        "job": "j", "rank": rank, "host": "h", "world_size": 4, "tp_rank": -1, "pp_rank": -1, "dp_rank": -1,
-        "iteration": it, "iteration_start_ns": it * 80_000_000, "iteration_ns": 80_000_000,
-        "function": ["nccl:allreduce[pg=0,<=2MiB]", "dataloader.next", "optimizer.step"], "kind": [2, 3, 3],
-        "calls": [1, 1, 1], "total_ns": [int(v) for v in values], "self_ns": [int(v) for v in values],
-        "mean_ns": values, "p50_ns": values, "p99_ns": values, "max_ns": [int(v) for v in values],
-        "cv": [0.0] * 3, "share": [v / 80e6 for v in values], "nbytes": [1 << 20, 0, 0],
-        "algbw_gbps": [0.3, 0.0, 0.0], "busbw_gbps": [0.4, 0.0, 0.0], "nvlink_mean_bps": nan,
+        "job": "j", "rank": rank, "host": "h", "world_size": 8, "tp_rank": -1, "pp_rank": -1, "dp_rank": -1,
+        "iteration": it, "iteration_start_ns": it * iteration_ns, "iteration_ns": iteration_ns,
+        "function": [f for f, _, _, _ in functions], "kind": [k for _, k, _, _ in functions], "calls": calls,
+        "total_ns": [int(t) for t in total], "self_ns": [int(t) for t in total], "mean_ns": mean, "p50_ns": mean,
+        "p99_ns": mean, "max_ns": [int(m) for m in mean], "cv": [0.0] * len(functions),
+        "share": [t / iteration_ns for t in total],
+        "nbytes": [1 << 20 if k == _COLLECTIVE else 0 for _, k, _, _ in functions],
+        "algbw_gbps": [0.0] * len(functions), "busbw_gbps": [0.0] * len(functions), "nvlink_mean_bps": nan,
         "nvlink_cv": nan, "nvlink_peak_bps": nan, "pcie_mean_bps": nan, "pcie_cv": nan, "pcie_peak_bps": nan,
         "profiled": False,
     }  # fmt: skip
@@ -226,9 +244,6 @@ def test_two_ranks_starved_together_are_no_straggler_even_when_one_is_a_hair_lat
     assert noise._clearly_late(slow, 1) and not noise._clearly_late(slow, 3)
 
 
-_COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
-
-
 def _compute_job(jitter: float, slow: float, seed: int, iterations: int = 40) -> list[dict[str, Any]]:
     """Finding records of a 16-rank job of 4 pipeline stages (4 ranks each, one host each): stage 1's
     compute varies by +-``jitter`` per rank and step at random (sequences of varying length: a different
@@ -244,26 +259,16 @@ def _compute_job(jitter: float, slow: float, seed: int, iterations: int = 40) ->
         compute = 40.0 * factor
         last = compute.reshape(4, 4).max(axis=1)
         for rank in range(16):
-            stage, ns = rank // 4, compute[rank] * 1e6
-            record = _record(rank, it, 0.3 + last[stage] - compute[rank], 1.0 + rng.normal(0.0, 0.05))
+            stage = rank // 4
+            functions = [
+                (f"nccl:allreduce[pg={stage + 1},<=2MiB]", _COLLECTIVE, 1, 0.3 + last[stage] - compute[rank]),
+                ("dataloader.next", _PYTHON, 1, 1.0 + rng.normal(0.0, 0.05)),
+                ("optimizer.step", _PYTHON, 1, 0.3),
+                ("gemm", _COMPUTE, 8, compute[rank]),
+            ]
+            record = _record_of(rank, it, functions, iteration_ms=80.0)
             record.update(world_size=16, pp_rank=stage, dp_rank=rank % 4, tp_rank=0, host=f"h{rank}")
-            record["function"] = [f"nccl:allreduce[pg={stage + 1},<=2MiB]", *record["function"][1:], "gemm"]
-            record["kind"] = [*record["kind"], _COMPUTE]
             record["iteration_ns"] = int((last.max() + 2.0) * 1e6)
-            gemm = {"calls": 8, "total_ns": int(ns), "self_ns": int(ns), "max_ns": int(ns / 8), "mean_ns": ns / 8,
-                    "p50_ns": ns / 8, "p99_ns": ns / 8, "cv": 0.0, "share": ns / record["iteration_ns"], "nbytes": 0,
-                    "algbw_gbps": 0.0, "busbw_gbps": 0.0}  # fmt: skip
-            for name in (
-                "nvlink_mean_bps",
-                "nvlink_cv",
-                "nvlink_peak_bps",
-                "pcie_mean_bps",
-                "pcie_cv",
-                "pcie_peak_bps",
-            ):
-                gemm[name] = float("nan")
-            for name, value in gemm.items():
-                record[name] = [*record[name], value]
             out += diff.add(record)
     return out + diff.flush()
 
@@ -322,27 +327,6 @@ def _pair_job(late_ms: float, seed: int, iterations: int = 60, fault_at: int = 3
                 record.update(world_size=8, pp_rank=stage, dp_rank=dp, tp_rank=tp, host=f"h{stage}")
                 out += diff.add(record)
     return out + diff.flush()
-
-
-def _record_of(rank: int, it: int, functions: list[tuple[str, int, int, float]], iteration_ms: float) -> dict[str, Any]:
-    """One rank's patterns for one iteration: (function, kind, calls, total ms) each."""
-    iteration_ns = int(iteration_ms * 1e6)
-    total = [max(ms, 0.0) * 1e6 for _, _, _, ms in functions]
-    calls = [c for _, _, c, _ in functions]
-    mean = [t / c for t, c in zip(total, calls, strict=True)]
-    nan = [float("nan")] * len(functions)
-    return {
-        "job": "j", "rank": rank, "host": "h", "world_size": 8, "tp_rank": -1, "pp_rank": -1, "dp_rank": -1,
-        "iteration": it, "iteration_start_ns": it * iteration_ns, "iteration_ns": iteration_ns,
-        "function": [f for f, _, _, _ in functions], "kind": [k for _, k, _, _ in functions], "calls": calls,
-        "total_ns": [int(t) for t in total], "self_ns": [int(t) for t in total], "mean_ns": mean, "p50_ns": mean,
-        "p99_ns": mean, "max_ns": [int(m) for m in mean], "cv": [0.0] * len(functions),
-        "share": [t / iteration_ns for t in total],
-        "nbytes": [1 << 20 if k == _COLLECTIVE else 0 for _, k, _, _ in functions],
-        "algbw_gbps": [0.0] * len(functions), "busbw_gbps": [0.0] * len(functions), "nvlink_mean_bps": nan,
-        "nvlink_cv": nan, "nvlink_peak_bps": nan, "pcie_mean_bps": nan, "pcie_cv": nan, "pcie_peak_bps": nan,
-        "profiled": False,
-    }  # fmt: skip
 
 
 def test_a_rank_late_in_every_one_of_its_collective_pairs_is_the_straggler_its_partners_are_not() -> None:
