@@ -22,14 +22,16 @@ demo: $(STAMP)
 	$(BIN)/fleetscope demo $(DEMO_ARGS)
 
 # Lint, format and types first (seconds), then the tests: the unit tests (CPU-bound, no shared service) one
-# process per core, then the integration tests one at a time (their real jobs and workers share the cores,
-# and several judge timing).
+# process per core; then the integration tests that mostly wait (on brokers, workers, session timeouts: a
+# third of a core each, measured) three at a time; then those marked `alone` (real torch jobs, runs that
+# load both cores) one at a time, so that no other test shares the cores with them.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest -q -n auto tests/unit
-	$(BIN)/python -m pytest -q --durations=25 tests/integration
+	$(BIN)/python -m pytest -q -n 3 -m "not alone" --durations=15 tests/integration
+	$(BIN)/python -m pytest -q -m alone --durations=10 tests/integration
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -31,7 +31,7 @@ from fleetscope.schemas import Topics
 from fleetscope.stack import StreamWorkerProcess
 from tests.integration.worker_runs import FINDINGS_SQL, UPDATES_SQL, Job, Publishing, run_config, wait_settled
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 JOB = Job(SimulatorConfig(job="chaos-job", ranks=16, iterations=60, faults=(parse_fault("slow_gpu:5:1.5"),)))
 """Published as fast as it goes: the kills land while the worker works off a backlog."""

@@ -15,7 +15,7 @@ from fleetscope.producers import SimulatorConfig, parse_fault
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 
 def test_twenty_jobs_a_512_rank_job_and_a_faulty_one_at_once_find_only_the_faulty_jobs_finding(

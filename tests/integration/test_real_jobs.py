@@ -31,7 +31,7 @@ from fleetscope.producers.control import request_profile
 from fleetscope.schemas import Topics, decode
 from fleetscope.stack import EmbeddedStack
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 WORLD = 4
 

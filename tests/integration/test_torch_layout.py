@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 SCRIPT = r"""
 import json, os, sys

@@ -20,7 +20,7 @@ from fleetscope.broker import free_port
 from fleetscope.config import load_config
 from fleetscope.stack import EmbeddedStack
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 STEPS = 32
 
