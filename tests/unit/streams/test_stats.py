@@ -79,8 +79,11 @@ def test_samples_within_pools_samples_per_group():
 
 
 @settings(max_examples=50)
-@given(st.integers(5, 64), st.floats(1.2, 3.0), st.integers(0, 2**31))
+@given(st.integers(8, 64), st.floats(1.2, 3.0), st.integers(0, 2**31))
 def test_robust_z_flags_one_planted_outlier_and_only_it(n, factor, seed):
+    """From 7 peers on: the MAD of 4 is itself noisy (two pairs 3 sigma apart give a scale of 4.6 sigma, and a
+    planted x1.22 scores 4.6: seed 262144, found by this test once), which is why small jobs are also judged
+    against their own history (``noise``)."""
     rng = np.random.default_rng(seed)
     x = rng.normal(100.0, 1.0, size=(n, 3))
     x[n // 2, 1] *= factor
