@@ -82,7 +82,14 @@ class Expected:
     onset: int
 
 
-TRACE_MAGNITUDES = {"slow_stage": 1.25, "slow_worker": 2.35, "a2a_imbalance": 2.0, "host_bound": 1.6, "slow_link": 3.0}
+TRACE_MAGNITUDES = {
+    "slow_stage": 1.25,
+    "slow_worker": 2.35,
+    "a2a_imbalance": 2.0,
+    "host_bound": 1.6,
+    "slow_link": 3.0,
+    "late_start": 1.15,
+}
 TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
     {"dp": 4, "pp": 4},
     {"dp": 4, "pp": 4, "names": "mesh"},
@@ -102,7 +109,8 @@ TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
 def trace_suite(quick: bool = False) -> list[TraceScenario]:
     """Generated traces: every layout healthy and with one slow worker (a rank in the middle of it), one
     launch-bound rank and one slow link, the pipelined ones with a slow last stage, the expert one with an
-    imbalanced all-to-all. Launch-bound and slow-link jobs draw seeds of their own (the others keep theirs)."""
+    imbalanced all-to-all, and (where a stage has more than one rank) a first-stage rank that starts every
+    step late. Launch-bound, slow-link and late-start jobs draw seeds of their own (the others keep theirs)."""
     out: list[TraceScenario] = []
     seed = 100
     for i, layout in enumerate(TRACE_LAYOUTS if not quick else TRACE_LAYOUTS[::2]):
@@ -112,8 +120,12 @@ def trace_suite(quick: bool = False) -> list[TraceScenario]:
             faults.append(("slow_stage", 0))
         if layout.get("ep", 1) > 1:
             faults.append(("a2a_imbalance", (3 * i + 2) % world))
-        own_seeds = {"host_bound": 300 + i, "slow_link": 400 + i}
+        own_seeds = {"host_bound": 300 + i, "slow_link": 400 + i, "late_start": 500 + i}
         faults += [("host_bound", (7 * i + 1) % world), ("slow_link", (3 * i + 1) % world)]
+        if layout["dp"] * layout.get("tp", 1) > 1:  # a first-stage rank with peers (a later stage's hides in bubbles)
+            faults.append(
+                ("late_start", TraceJob(**layout).rank_of(i % layout.get("tp", 1), 0, (i + 1) % layout["dp"]))
+            )
         for fault, rank in faults:
             seed += fault not in own_seeds
             job = TraceJob(**layout, fault=fault, fault_rank=rank, seed=own_seeds.get(fault, seed))
@@ -232,7 +244,7 @@ def _run_traces(scenario: TraceScenario) -> Outcome:
         category = job.expected_category  # an expert rank with twice the tokens computes longer: gpu_slow
         if job.world_size == job.pp:  # a rank alone in its stage is its stage: nothing tells the two apart
             category = "stage_imbalance"
-        expected.append(Expected(category, job.culprits(), job.first_step))
+        expected.append(Expected(category, job.culprits(), job.fault_step))
     return Outcome(scenario, findings, expected, sum(r.iterations for r in result.ranks), 0.0)
 
 

@@ -118,6 +118,7 @@ def make_records(
                 "total_ns": (m * calls[order]).astype(np.int64).tolist(),
                 "self_ns": (m * calls[order]).astype(np.int64).tolist(),  # no nesting: self time is all of it
                 "mean_ns": m.tolist(),
+                "max_ns": m.astype(np.int64).tolist(),  # every call alike: the longest is the mean
                 "nbytes": nbytes[order].tolist(),
                 "nvlink_peak_bps": peak[r, order].tolist(),
                 "nvlink_mean_bps": act[r, order].tolist(),

@@ -39,14 +39,24 @@ DESCS = {
     "mesh": {"tp": "mesh_tp", "dp": "mesh_dp", "pp": "mesh_pp", "ep": "mesh_ep"},
     "none": dict.fromkeys(("tp", "dp", "pp", "ep"), "undefined"),
 }
-FAULTS = ("healthy", "slow_stage", "slow_worker", "a2a_imbalance", "host_bound", "slow_link")
+FAULTS = ("healthy", "slow_stage", "slow_worker", "a2a_imbalance", "host_bound", "slow_link", "late_start")
 HOST_BOUND_GAP = 0.6
 """``host_bound``: before each of its compute kernels the culprit's GPU waits this share of the kernel's time
 for the launch (its CPU needs 1.6x the GPU's time per kernel: Python overhead, a slow or busy host)."""
 SLOW_LINK_FACTOR = 3.0
 """``slow_link``: every ring collective the culprit is a member of (tensor- and data-parallel) transfers this
 many times slower: its link paces each ring it is in, so every member's kernel grows alike."""
-_EXPECTED = {"healthy": "", "slow_stage": "stage_imbalance", "host_bound": "host_slow", "slow_link": "link_slow"}
+LATE_START_SHARE = 0.15
+"""``late_start``: from its second step on, the culprit starts each step this share of its last step late, in
+host work that no annotation covers (a blocking call before the data loader): its GPU work is as fast as its
+peers', and they wait for it at the step's first collective only, then run in step with it."""
+_EXPECTED = {
+    "healthy": "",
+    "slow_stage": "stage_imbalance",
+    "host_bound": "host_slow",
+    "slow_link": "link_slow",
+    "late_start": "straggler",
+}
 BASE_NS = 1_761_955_200_000_000_000  # a quarter boundary, as Kineto floors baseTimeNanoseconds
 COMPUTE_STREAM, P2P_STREAM = 7, 21
 
@@ -125,6 +135,11 @@ class TraceJob:
         """The finding the fault should give: a whole slow stage, a launch-bound rank's host, a rank's slow
         link, else one rank's slow GPU work."""
         return _EXPECTED.get(self.fault, "gpu_slow")
+
+    @property
+    def fault_step(self) -> int:
+        """The first step the fault acts on (a late start needs a step before it to be late by)."""
+        return self.first_step + (self.fault == "late_start")
 
     def culprits(self) -> tuple[int, ...]:
         """The ranks the fault acts on."""
@@ -319,10 +334,13 @@ def simulate(job: TraceJob) -> tuple[list[RankActivity], list[list[tuple[float, 
     model = _Model(job)
     t = {r: float(model.rng.uniform(0.0, 50.0)) for r in range(job.world_size)}
     steps: list[list[tuple[float, float]]] = [[] for _ in range(job.world_size)]
-    for _ in range(job.steps):
-        start = dict(t)
+    for step in range(job.steps):
+        start = dict(t)  # the step begins here; a late-starting rank's first work begins later, inside it
+        if job.fault == "late_start" and step:
+            r = job.fault_rank
+            start[r] += LATE_START_SHARE * (steps[r][-1][1] - steps[r][-1][0])
         end = model.iteration(start)
         for r in range(job.world_size):
-            steps[r].append((start[r], end[r]))
+            steps[r].append((t[r], end[r]))
             t[r] = end[r] + 30.0
     return model.ranks, steps

@@ -28,7 +28,13 @@ from fleetscope.streams.analysis.links import (
 )
 from fleetscope.streams.analysis.patterns import collective_class
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
-from fleetscope.streams.analysis.roles import absent_as_zero, explain_victims, peer_group_rows, role_codes
+from fleetscope.streams.analysis.roles import (
+    LATE_IN_ONE_CALL,
+    absent_as_zero,
+    explain_victims,
+    peer_group_rows,
+    role_codes,
+)
 from fleetscope.streams.analysis.shards import Columns, ShardColumns, assemble, first_keys, split_records
 from fleetscope.streams.analysis.signals import (
     OutlierScorer,
@@ -39,7 +45,7 @@ from fleetscope.streams.analysis.signals import (
     top_functions,
 )
 from fleetscope.streams.analysis.stages import score_stages, staged
-from fleetscope.streams.analysis.stats import F64, I64, quiet_nan_warnings
+from fleetscope.streams.analysis.stats import F64, I64, nan_median, quiet_nan_warnings
 from fleetscope.streams.analysis.timelost import bound_by_lateness, split_shares
 
 __all__ = [  # names other modules import from here
@@ -61,9 +67,13 @@ READS: dict[int, tuple[str, ...]] = {
     _PYTHON: ("self_ns",),
 }
 """What the tests below read, by kind of function; gather converts no more. Stages add compute totals."""
+GATHERED_SHARE = 0.5
+"""A late rank's lateness gathers in one call when its peers' longest call outlasts its own by this share of
+its lateness over all its calls (``_step_lateness``)."""
 _STAGE_READS = {**READS, _COMPUTE: (*READS[_COMPUTE], "total_ns")}
-_ON_DEMAND = {_COMPUTE: ("calls",)}
-"""Converted for flagged ranks only: calls weigh a kernel's excess time, nothing else reads them."""
+_ON_DEMAND = {_COMPUTE: ("calls",), _COLLECTIVE: ("max_ns",)}
+"""Converted when some rank is flagged only: calls weigh a kernel's excess time, a collective's longest call
+gives a late rank's lateness in one step (``_step_lateness``); nothing else reads them."""
 _EVERY_READ = {k: (*names, *_ON_DEMAND.get(k, ())) for k, names in _STAGE_READS.items()}
 
 
@@ -216,11 +226,13 @@ def _late_arrivals(
     mean = pm.features["mean_ns"]
     sc = pm.scored("mean_ns", scorer)
     flag = flagged(sc, cfg, low=True)
+    per_call = sc.median - mean
     # A late rank delays the job by its lateness once, however many collectives it is late for.
-    lateness = np.where(flag, sc.median - mean, 0.0)
+    step, in_one_call = _step_lateness(pm, per_call) if flag.any() else (per_call, np.zeros(per_call.shape, bool))
+    lateness = np.where(flag, step, 0.0)
     loss = np.nanmax(np.nan_to_num(lateness), axis=1)
     with quiet_nan_warnings():
-        arrival = np.nanmax(np.where(np.isnan(sc.z), np.nan, sc.median - mean), axis=1)
+        arrival = np.nanmax(np.where(np.isnan(sc.z), np.nan, per_call), axis=1)
     waited = _waited_ns(pm, cfg, scorer)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget).tolist():
@@ -233,9 +245,26 @@ def _late_arrivals(
                 "functions": top_functions(pm.functions, lateness[i], mean[i], sc.median, sc.z[i]),
                 "flagged_collectives": int(flag[i].sum()),
                 "waited_ns": float(waited[i]),
+                LATE_IN_ONE_CALL: bool(in_one_call[i, j]),
             },
         )  # fmt: skip
     return out, arrival, waited
+
+
+def _step_lateness(pm: PeerMatrix, per_call: F64) -> tuple[F64, npt.NDArray[np.bool_]]:
+    """How long a rank late at a collective keeps its peers waiting in one step. Its lateness per call,
+    except where that lateness gathers in one call: a rank that starts its step late holds its peers at
+    the step's first call, then runs in step with them, and the mean over the step's calls thins that wait
+    out. There the peers' longest call is longer than its own by at least half its lateness over all its
+    calls, and that difference, bounded by the whole, is the step's wait. A rank behind by about the same
+    at every call (overlapped data-parallel buckets) keeps its lateness per call: the step loses that once.
+    Also returns where the lateness gathered in one call."""
+    every = np.arange(pm.ranks.size)
+    longest = pm.feature_rows("max_ns", every)
+    whole = per_call * np.nan_to_num(pm.feature_rows("calls", every))
+    in_one_call = nan_median(longest, axis=0) - longest
+    gathered = in_one_call >= GATHERED_SHARE * whole  # NaN (a column without its longest call): not gathered
+    return np.where(gathered, np.fmax(per_call, np.minimum(in_one_call, whole)), per_call), gathered
 
 
 def _waited_ns(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer) -> F64:

@@ -36,6 +36,8 @@ PLACEMENT_SLACK = 1.5
 hosts, plus the arrival jitter that time adds: up to this multiple of it is its placement."""
 VICTIM_WAIT_SHARE = 0.5
 """A straggler that waited in other collectives for at least this share of its lateness was held up."""
+LATE_IN_ONE_CALL = "late_in_one_call"
+"""A straggler's evidence: its lateness gathered in one call of the step (``outliers._step_lateness``)."""
 
 
 def _coordinate(rec: dict[str, Any], name: str) -> int:
@@ -86,10 +88,15 @@ def explain_victims(
     1. every straggler of a model replica (``dp_rank``) with a root cause (slow GPU, host, link) is
        held up by it: through the tensor-parallel collectives and the pipeline, every rank of the
        replica waits for it, then arrives late at its own data-parallel collective;
-    2. a signal that waited is a victim: of its replica's root, else of the root cause that shares a
-       collective group with it (the same process-group instance), else of the job's largest root
-       cause (it waits on the cause through a chain of groups: expert all-to-all, then pipeline),
-       else of a slow stage;
+    2. a signal that waited is a victim: of its replica's root, else of the root that shares a
+       collective group with it (the same process-group instance; a cause before a straggler), else of
+       the job's largest root cause (it waits on the cause through a chain of groups: expert all-to-all,
+       then pipeline), else of a slow stage; a host annotation that waited and that nothing explains is
+       dropped all the same: it lasted as long as its waits for a partner, which is no work of its rank's
+       (the partner, too few to score against its peers, is found against its own history instead);
+    2b. a straggler late in one call only (``LATE_IN_ONE_CALL``) is a victim of a root cause that shares
+       a collective group with it and lost at least as much: that group ended last, for the cause, and
+       the straggler left it late, which no wait per class of collective shows;
     3. without a root cause, a collective group with a slow transfer (``links``: ``score_transfers``)
        holds up the stragglers and waiting ranks of its members' replicas: the group's slower
        collectives make the whole replica late at its data-parallel collectives. Its members' host
@@ -130,9 +137,13 @@ def explain_victims(
         if pacer is not None:
             explained(s, pacer)
     roots: dict[int, RankSignal] = {}
-    for s in sorted(signals, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
-        if s.rank >= 0 and not _waited(s) and rep(s) >= 0 and id(s) not in dropped:
+    candidates = [s for s in signals if s.rank >= 0 and not _waited(s) and rep(s) >= 0 and id(s) not in dropped]
+    for s in sorted(candidates, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
+        if not _late_after_a_cause(s):
             roots.setdefault(rep(s), s)  # a cause first, then the larger loss
+    for s in sorted(candidates, key=lambda s: -s.loss_ns):
+        if _late_after_a_cause(s) and _group_root(s, roots.values(), records, shared_cause=True) is None:
+            roots.setdefault(rep(s), s)
 
     by_replica: dict[int, list[RankSignal]] = {}
     for s in signals:
@@ -156,8 +167,12 @@ def explain_victims(
                 blame(s, root)
             elif _waited(s) and (cause := _group_root(s, roots.values(), records)) is not None:
                 blame(s, cause)
+            elif _late_after_a_cause(s) and (cause := _group_root(s, roots.values(), records, shared_cause=True)):
+                blame(s, cause)
             elif _waited(s) and stage is not None and s.rank not in stage.member_ranks():
                 blame(s, stage)
+            elif _waited(s) and s.category == "host_slow" and s.function not in MEASURED_WAITS:
+                dropped.add(id(s))  # an annotation as long as its waits for a partner that nothing names
         if root is None and r >= 0:
             late = [s for s in members if s.category == "straggler" and id(s) not in dropped]
             if len(late) > 1:
@@ -201,18 +216,23 @@ def _pacers(
 
 
 def _group_root(
-    victim: RankSignal, roots: Iterable[RankSignal], records: Sequence[dict[str, Any]]
+    victim: RankSignal, roots: Iterable[RankSignal], records: Sequence[dict[str, Any]], shared_cause: bool = False
 ) -> RankSignal | None:
-    """The root cause that is a member of one of the victim's collective groups (expert all-to-all,
-    tensor-parallel, data-parallel: the same pattern names, process-group instance included), else
-    the largest root cause; None without any."""
-    causes = [r for r in roots if r.category in CAUSE_CATEGORIES and r.rank != victim.rank]
-    if not causes:
+    """The root that is a member of one of the victim's collective groups (expert all-to-all,
+    tensor-parallel, data-parallel: the same pattern names, process-group instance included), a cause
+    before a straggler, else the largest root cause; None without any. ``shared_cause``: a cause that
+    shares a group with the victim and lost at least as much as it, or None."""
+    others = [r for r in roots if r.rank != victim.rank]
+    if shared_cause:
+        others = [r for r in others if r.category in CAUSE_CATEGORIES and r.loss_ns >= victim.loss_ns]
+    if not others:
         return None
-    groups = _collective_names(records, {victim.rank, *(c.rank for c in causes)})
+    groups = _collective_names(records, {victim.rank, *(c.rank for c in others)})
     mine = groups.get(victim.rank, set())
-    shared = [c for c in causes if mine & groups.get(c.rank, set())]
-    return max(shared or causes, key=lambda c: c.loss_ns)
+    shared = [c for c in others if mine & groups.get(c.rank, set())]
+    fallback = [] if shared_cause else [c for c in others if c.category in CAUSE_CATEGORIES]
+    picked = shared or fallback
+    return max(picked, key=lambda c: (c.category in CAUSE_CATEGORIES, c.loss_ns)) if picked else None
 
 
 def _collective_names(records: Sequence[dict[str, Any]], ranks: set[int]) -> dict[int, set[str]]:
@@ -222,6 +242,12 @@ def _collective_names(records: Sequence[dict[str, Any]], ranks: set[int]) -> dic
         if rank in ranks:
             out[rank] = {f for f, k in zip(rec["function"], rec["kind"], strict=True) if k == _COLLECTIVE}
     return out
+
+
+def _late_after_a_cause(sig: RankSignal) -> bool:
+    """A straggler late in one call only: it may have left the collective before it later than its partners
+    (a group it shares with a slow rank ends last), which the waits per class of collective cannot show."""
+    return sig.category == "straggler" and bool(sig.evidence.get(LATE_IN_ONE_CALL, False))
 
 
 def _waited(sig: RankSignal) -> bool:

@@ -197,11 +197,16 @@ def test_expected_categories() -> None:
         TraceJob(dp=4, tp=4, steps=8, seed=433, gpus_per_host=6, inter_host_factor=2.5),
         TraceJob(dp=4, tp=4, steps=8, seed=437, gpus_per_host=6, inter_host_factor=2.5, fault="slow_worker",
                  fault_rank=5),
+        TraceJob(dp=1, tp=4, pp=2, steps=8, seed=613, fault="late_start", fault_rank=2),
+        TraceJob(dp=2, tp=2, pp=2, steps=8, seed=611, fault="late_start", fault_rank=0),
+        TraceJob(dp=8, ep=4, steps=8, seed=617, fault="late_start", fault_rank=4),
+        TraceJob(dp=4, tp=2, pp=2, steps=8, seed=619, fault="late_start", fault_rank=3, names="none", skew_ms=9.0),
     ],
     ids=[
         "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
         "dp8_host_bound", "dp4xtp2xpp2_slow_link", "dp2xtp2xpp2_slow_link", "dp4xtp4_a_tp_group_across_hosts",
-        "dp4xtp4_slow_worker_in_the_replica_across_hosts",
+        "dp4xtp4_slow_worker_in_the_replica_across_hosts", "tp4xpp2_late_start", "dp2xtp2xpp2_late_start",
+        "dp8xep4_late_start", "dp4xtp2xpp2_late_start",
     ],
 )  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
@@ -212,7 +217,10 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     and no rank of its late replica is a straggler; a healthy job has nothing, also where one replica's
     tensor-parallel group is split over two hosts (6 GPUs per host: its slower transfer makes the replica
     late at every data-parallel all-reduce, by its placement and no fault), and a slow GPU in that replica is
-    still named."""
+    still named. A first-stage rank that starts every step late is a straggler, and no rank that waits for it is
+    named: its tensor-parallel partners wait at the step's first call only (tp4 x pp2: its lateness gathers in
+    one call), the annotation of a partner that waited is no host fault of its own (dp2 x tp2 x pp2, where 4 peers
+    per stage cannot score it and its own history names it), nor are its expert partners' (dp8 x ep4)."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]

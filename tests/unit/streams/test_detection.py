@@ -8,7 +8,7 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.outliers import score_peer_group
+from fleetscope.streams.analysis.outliers import ScoringConfig, score_peer_group
 from fleetscope.streams.offline import OfflinePipeline
 
 
@@ -102,6 +102,35 @@ def test_a_late_rank_without_a_visible_cause_is_a_straggler():
     signals = score_peer_group(hidden)
     assert [(s.rank, s.category) for s in signals] == [(6, "straggler")]
     assert signals[0].value > 0
+
+
+def _late_by(lateness_ns: float, calls_late: str) -> dict[int, float]:
+    """One simulated iteration of 8 ranks whose peers wait longer for rank 3 at the data-parallel all-reduce
+    of 5 calls, by the same mean per call either way: ``lateness_ns`` in one call (their longest call that
+    much longer) or a fifth of it at every call (each call that much longer). The straggler signals' losses
+    (a budget of 0.1 % of the iteration, below both)."""
+    _, patterns, _ = analyse(SimulatorConfig(ranks=8, iterations=2))
+    records = [p for p in patterns if p["iteration"] == 1]
+    kinds, calls = records[0]["kind"], records[0]["calls"]
+    j = next(i for i, (k, n) in enumerate(zip(kinds, calls, strict=True)) if k == FunctionKind.COLLECTIVE and n == 5)
+    for p in records:
+        if p["rank"] != 3:
+            p["mean_ns"][j] += lateness_ns / 5
+            p["total_ns"][j] += lateness_ns
+            p["max_ns"][j] += lateness_ns if calls_late == "one" else lateness_ns / 5
+    signals = score_peer_group(records, ScoringConfig(min_loss_fraction=0.001))
+    return {s.rank: s.loss_ns for s in signals if s.category == "straggler"}
+
+
+def test_a_rank_that_holds_its_peers_in_one_call_of_a_step_costs_that_wait_one_behind_at_every_call_once():
+    """A rank that starts its step late keeps its peers waiting at the step's first call only (the mean over
+    the step's calls thins that out); one behind by the same at every overlapped bucket costs the step its
+    lateness per call once, not once per call (DESIGN: a late rank delays the step by its lateness once)."""
+    in_one = _late_by(5e6, calls_late="one")
+    at_every = _late_by(5e6, calls_late="every")
+    assert set(in_one) == set(at_every) == {3}
+    assert 0.9 * 5e6 <= in_one[3] <= 1.1 * 5e6
+    assert 0.9 * 5e6 / 5 <= at_every[3] <= 1.1 * 5e6 / 5
 
 
 def test_findings_need_persistence_within_a_window_and_close_after_recovery():

@@ -24,7 +24,7 @@ def record(rank: int, it: int, compute_ns: float, allreduce_ns: float, stage: in
     return {"job": "j", "rank": rank, "host": f"h{rank}", "iteration": it, "iteration_ns": 10_000_000,
             "pp_rank": stage, "function": ["gemm", "nccl:allreduce[pg=0,<=1MiB]"], "kind": [K, C],
             "calls": [1, 1], "total_ns": [compute_ns, allreduce_ns], "self_ns": [compute_ns, allreduce_ns],
-            "mean_ns": [compute_ns, allreduce_ns], "nbytes": [0, 1 << 20],
+            "mean_ns": [compute_ns, allreduce_ns], "max_ns": [compute_ns, allreduce_ns], "nbytes": [0, 1 << 20],
             **{f"{link}_{x}": [nan, nan] for link in LINKS for x in ("mean_bps", "peak_bps", "cv")}}  # fmt: skip
 
 

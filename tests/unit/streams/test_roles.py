@@ -7,9 +7,10 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
 from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.outliers import score_iteration
-from fleetscope.streams.analysis.roles import explain_victims
+from fleetscope.streams.analysis.roles import LATE_IN_ONE_CALL, explain_victims
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.offline import OfflinePipeline
 
@@ -220,3 +221,57 @@ def test_a_signal_that_waited_on_a_slow_stage_is_the_stage():
     victim = _cause(0, "host_slow", 2e6, 2e6)
     assert explain_victims([victim], records, [stage]) == []
     assert stage.evidence["delays_ranks"] == [0]
+
+
+def test_a_host_annotation_that_waited_for_a_partner_nothing_names_is_no_finding():
+    """A partner that starts its steps late and is too few to score (4 peers a stage) leaves no root: the
+    forward annotation of the rank that waited for it in their tensor-parallel call is no host fault of its
+    own, so no finding; a measured wait (for a CPU) that long still is, and a root cause still takes it."""
+    records = [{"rank": r, "dp_rank": r // 2, "pp_rank": 0, "tp_rank": r % 2, "function": [], "kind": []}
+               for r in range(6)]  # fmt: skip
+    waited = _cause(1, "host_slow", 7e6, 7e6)
+    measured = RankSignal(rank=5, host="h", category="host_slow", function=CPU_WAIT_FUNCTION, metric="m",
+                          value=1.0, peer_median=0.0, score=9.0, loss_ns=3e6, evidence={"waited_ns": 3e6})  # fmt: skip
+    assert explain_victims([waited, measured], records) == [measured]
+    own = _cause(2, "host_slow", 4e6, 0.0)
+    assert explain_victims([waited, own], records) == [own] and own.evidence["delays_ranks"] == [1]
+
+
+def test_a_waiting_rank_is_blamed_on_a_straggler_it_shares_a_collective_group_with():
+    names = {r: ["nccl:all_to_all[pg=9,<=1MiB]"] for r in range(4)}
+    records = [{"rank": r, "dp_rank": r, "function": names[r], "kind": [2]} for r in range(4)]
+    late = _late(1, 6e6, 0.0)
+    victims = [_cause(0, "host_slow", 6e6, 6e6), _cause(2, "host_slow", 5e6, 6e6)]  # waited in the all-to-all
+    assert explain_victims([*victims, late], records) == [late]
+    assert late.evidence["delays_ranks"] == [0, 2]
+
+
+def test_a_rank_late_in_one_call_after_a_group_it_shares_with_a_slow_gpu_is_its_victim():
+    """tp2 x dp2: rank 3's slow GPU makes its data-parallel group (1, 3) end last, so rank 1 starts the next
+    step late at its first tensor-parallel call, waiting no longer than its peers in any class of collective.
+    Late in one call, sharing a group with the cause, and by no more than it: a victim. Late at every call,
+    late by more than the cause, or sharing no group with it: a straggler still."""
+    names = {0: ["tp0", "dp0"], 1: ["tp0", "dp1"], 2: ["tp1", "dp0"], 3: ["tp1", "dp1"]}
+    records = [{"rank": r, "dp_rank": r // 2, "tp_rank": r % 2, "kind": [2, 2],
+                "function": [f"nccl:allreduce[pg={n}]" for n in names[r]]} for r in range(4)]  # fmt: skip
+
+    def late(rank: int, loss: float, in_one_call: bool) -> RankSignal:
+        sig = _late(rank, loss, 0.0)
+        sig.evidence[LATE_IN_ONE_CALL] = in_one_call
+        return sig
+
+    cause = _cause(3, "gpu_slow", 5e6, 0.0)
+    victim = late(1, 4e6, True)
+    assert explain_victims([cause, victim], records) == [cause] and cause.evidence["delays_ranks"] == [1]
+    for straggler in (late(1, 4e6, False), late(1, 6e6, True), late(0, 4e6, True)):
+        cause = _cause(3, "gpu_slow", 5e6, 0.0)
+        assert explain_victims([cause, straggler], records) == [cause, straggler]
+
+
+def test_a_slow_gpu_of_a_tensor_parallel_group_names_no_rank_that_shares_its_data_parallel_group():
+    """16 ranks, tp4: rank 8 computes twice as slowly. Its data-parallel group (ranks of its tensor slot) ends
+    last, so those ranks of the other replicas reach their next tensor-parallel call late once a step: its
+    victims, not stragglers."""
+    cfg = SimulatorConfig(ranks=16, tp=4, iterations=20, seed=0, faults=(parse_fault("slow_gpu:8:2.0@6"),))
+    _, findings = analyse(cfg)
+    assert [(f["category"], f["ranks"]) for f in findings] == [("gpu_slow", [8])]

@@ -40,7 +40,8 @@ def records(
             "iteration_ns": 25_000_000,
             "tp_rank": slot, "pp_rank": 0, "dp_rank": g, "function": list(functions),
             "kind": [v[0] for v in functions.values()], "calls": [v[2] for v in functions.values()],
-            "mean_ns": [v[1] for v in functions.values()], "total_ns": [v[1] * v[2] for v in functions.values()],
+            "mean_ns": [v[1] for v in functions.values()], "max_ns": [v[1] for v in functions.values()],
+            "total_ns": [v[1] * v[2] for v in functions.values()],
             "self_ns": [v[1] * v[2] for v in functions.values()], "nbytes": [v[3] for v in functions.values()],
             **{name: [value] * 3 for name, value in LINKS.items()},
         })  # fmt: skip
