@@ -56,7 +56,7 @@ import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
-from fleetscope.streams.analysis.roles import role_codes
+from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE, role_codes
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stages import P2P_PREFIXES
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
@@ -145,6 +145,9 @@ class JobNoise:
         self._pairs: dict[str, deque[dict[int, float]]] = {}
         """Per collective of two members (pipeline send/recv aside), each one's time in it per recent iteration
         (every call: a partner waits at each one): ``_pair_stragglers``."""
+        self._p2p: deque[dict[int, float]] = deque(maxlen=self.config.level_iterations + 1)
+        """Each rank's time in pipeline send/recv per recent iteration: a rank held up by the stage before it
+        waits there (``_pair_stragglers``)."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A job's noise saved before warm-up was counted restores as past it (the job was running)."""
@@ -155,12 +158,14 @@ class JobNoise:
         self.__dict__.setdefault("_wait_roles", np.zeros(0, dtype=np.int64))
         self.__dict__.setdefault("_compute", {})
         self.__dict__.setdefault("_pairs", {})
+        self.__dict__.setdefault("_p2p", deque(maxlen=self.config.level_iterations + 1))
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
         there (a GC pause only the culprit has); collectives absent are unknown."""
         seen: dict[str, dict[int, float]] = {name: {} for name in self._host}
         paired: dict[str, dict[int, float]] = {}
+        p2p: dict[int, float] = {}
         compute: dict[int, dict[int, float]] = {}
         small = len(records) <= self.config.max_ranks  # only those jobs are judged against their noise
         for rec in records:
@@ -181,7 +186,9 @@ class JobNoise:
                     seen.setdefault(functions[j], {})[rank] = float(own[j])
                 else:
                     seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
-                    if small:
+                    if small and functions[j].startswith(P2P_PREFIXES):
+                        p2p[rank] = p2p.get(rank, 0.0) + float(rec["total_ns"][j])
+                    elif small:
                         paired.setdefault(functions[j], {})[rank] = float(rec["total_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
@@ -194,8 +201,10 @@ class JobNoise:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
         for function, values in paired.items():
-            if len(values) == 2 and not function.startswith(P2P_PREFIXES):
+            if len(values) == 2:
                 self._pairs.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
+        if small:
+            self._p2p.append(p2p)
         self._lateness = {}
         for function, values in seen.items():
             if function in self._host or len(values) < 2:
@@ -218,6 +227,7 @@ class JobNoise:
         for function in [f for f in self._series if f not in self._host]:
             del self._series[function]
         self._pairs.clear()
+        self._p2p.clear()
 
     def keep(self, signals: Iterable[RankSignal], budget_ns: float) -> list[RankSignal]:
         """The signals, less host_slow and straggler ones whose excess does not stand out from the noise.
@@ -356,9 +366,12 @@ class JobNoise:
         least, over its symmetric pairs (pipeline send/recv left out: the stages' schedules differ), of its
         partner's time in the collective less its own, over all its calls of the iteration: the time the
         partner waited for it (not all of it lost where the calls overlap compute, as data-parallel buckets
-        do; the cost below is read on it all the same). A rank with pairs of at least two partners is a
-        straggler when that lateness is ``last_z`` times the pairs' noise in all but ``last_misses`` of its
-        last ``level_iterations + 1`` iterations, and ``level_z`` times it and ``budget_ns`` in their median.
+        do; the cost below is read on it all the same). A rank with pairs of at least two partners, or with
+        one in a pipeline (dp2 x pp: a late stage holds up the stages after it, in their recv, and each of
+        them is late in its one pair too) where it did not wait in its send/recv (``_pipeline_wait``; of
+        several, the one that waited least), is a straggler when that lateness is ``last_z`` times the pairs'
+        noise in all but ``last_misses`` of its last ``level_iterations + 1`` iterations, and ``level_z``
+        times it and ``budget_ns`` in their median.
         The noise is the median jitter of the pairs' lateness series: a pair's members take turns at random;
         the ranks that wait on a straggler mirror its lateness, so their own series are no yardstick. Jobs of
         up to ``max_ranks`` ranks (``record`` keeps no pairs for more)."""
@@ -374,11 +387,14 @@ class JobNoise:
             lags.append(x[:, 1] - x[:, 0])
             pairs.setdefault(a, []).append((b, function, lags[-1]))
             pairs.setdefault(b, []).append((a, function, -lags[-1]))
-        ranks = [r for r, ps in sorted(pairs.items()) if len({partner for partner, _, _ in ps}) >= 2]
+        piped = len(self._p2p) == window and any(self._p2p[-1].values())
+        partners = {r: {p for p, _, _ in ps} for r, ps in pairs.items()}
+        ranks = [r for r in sorted(pairs) if len(partners[r]) >= 2 or piped]
         if len(ranks) < 4:
             return []
         noise = float(np.median(_jitter(np.column_stack(lags))))
         out: list[RankSignal] = []
+        piped_waits: dict[int, float] = {}  # one-partner stragglers: their wait in the pipeline
         for rank in ranks:
             late = np.min([lag for _, _, lag in pairs[rank]], axis=0)
             lateness = float(np.median(late))
@@ -388,6 +404,11 @@ class JobNoise:
                 or lateness < max(cfg.level_z * noise, budget_ns)
             ):
                 continue
+            if len(partners[rank]) == 1:
+                wait = self._pipeline_wait(rank, *partners[rank])
+                if not wait < VICTIM_WAIT_SHARE * lateness:  # NaN: it has no send/recv to tell
+                    continue
+                piped_waits[rank] = wait
             _, function, _ = max(pairs[rank], key=lambda p: float(np.median(p[2])))
             out.append(
                 RankSignal(
@@ -398,7 +419,17 @@ class JobNoise:
                               "median_lateness_ns": lateness, "noise_ns": noise},
                 )
             )  # fmt: skip
+        if len(piped_waits) > 1:  # one late stage holds up the others a little too: the one that waited least
+            least = min(piped_waits, key=piped_waits.__getitem__)
+            out = [s for s in out if s.rank not in piped_waits or s.rank == least]
         return out
+
+    def _pipeline_wait(self, rank: int, partner: int) -> float:
+        """How much longer a rank with one pair partner (dp2 x pp) spent in its pipeline send/recv than that
+        partner (median of the window; NaN where either has none). A rank held up by the stage before it
+        waits there for as long as it is late in its pair: only one that did not can be the straggler."""
+        waited = [it.get(rank, np.nan) - it.get(partner, np.nan) for it in self._p2p]
+        return float("nan") if np.isnan(waited).any() else float(np.median(waited))
 
     def _record_waits(self, records: Sequence[dict[str, Any]], ranks: list[int]) -> None:
         """The iteration's run-queue waits, one array in rank order (no per-rank objects: a job may have

@@ -201,12 +201,14 @@ def test_expected_categories() -> None:
         TraceJob(dp=2, tp=2, pp=2, steps=8, seed=611, fault="late_start", fault_rank=0),
         TraceJob(dp=8, ep=4, steps=8, seed=617, fault="late_start", fault_rank=4),
         TraceJob(dp=4, tp=2, pp=2, steps=8, seed=619, fault="late_start", fault_rank=3, names="none", skew_ms=9.0),
+        TraceJob(dp=2, pp=4, steps=12, seed=623, fault="late_start", fault_rank=1, skew_ms=9.0),
+        TraceJob(dp=2, pp=4, steps=12, seed=629, noise=0.06),
     ],
     ids=[
         "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
         "dp8_host_bound", "dp4xtp2xpp2_slow_link", "dp2xtp2xpp2_slow_link", "dp4xtp4_a_tp_group_across_hosts",
         "dp4xtp4_slow_worker_in_the_replica_across_hosts", "tp4xpp2_late_start", "dp2xtp2xpp2_late_start",
-        "dp8xep4_late_start", "dp4xtp2xpp2_late_start",
+        "dp8xep4_late_start", "dp4xtp2xpp2_late_start", "dp2xpp4_late_start", "dp2xpp4_healthy_noisy",
     ],
 )  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
@@ -220,7 +222,10 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     still named. A first-stage rank that starts every step late is a straggler, and no rank that waits for it is
     named: its tensor-parallel partners wait at the step's first call only (tp4 x pp2: its lateness gathers in
     one call), the annotation of a partner that waited is no host fault of its own (dp2 x tp2 x pp2, where 4 peers
-    per stage cannot score it and its own history names it), nor are its expert partners' (dp8 x ep4)."""
+    per stage cannot score it and its own history names it), nor are its expert partners' (dp8 x ep4). In
+    dp2 x pp4 every rank has one data-parallel partner and the whole late replica is late in its pairs: the
+    straggler is the one of them that did not wait in its pipeline recv; a noisy healthy dp2 x pp4 job has
+    nothing."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]
