@@ -111,6 +111,7 @@ def explain_victims(
     Without a layout (``dp_rank`` -1) only a slow stage explains anything: who waits on whom is unknown.
     """
     replica = {int(r["rank"]): _coordinate(r, "dp_rank") for r in records}
+    groups = _CollectiveNames(records)
 
     def rep(s: RankSignal) -> int:
         return replica.get(s.rank, -1) if s.rank >= 0 else -1
@@ -142,7 +143,7 @@ def explain_victims(
         if not _late_after_a_cause(s):
             roots.setdefault(rep(s), s)  # a cause first, then the larger loss
     for s in sorted(candidates, key=lambda s: -s.loss_ns):
-        if _late_after_a_cause(s) and _group_root(s, roots.values(), records, shared_cause=True) is None:
+        if _late_after_a_cause(s) and _group_root(s, roots.values(), groups, shared_cause=True) is None:
             roots.setdefault(rep(s), s)
 
     by_replica: dict[int, list[RankSignal]] = {}
@@ -165,9 +166,9 @@ def explain_victims(
                 continue
             if root is not None and (_waited(s) or (s.category == "straggler" and root.category in CAUSE_CATEGORIES)):
                 blame(s, root)
-            elif _waited(s) and (cause := _group_root(s, roots.values(), records)) is not None:
+            elif _waited(s) and (cause := _group_root(s, roots.values(), groups)) is not None:
                 blame(s, cause)
-            elif _late_after_a_cause(s) and (cause := _group_root(s, roots.values(), records, shared_cause=True)):
+            elif _late_after_a_cause(s) and (cause := _group_root(s, roots.values(), groups, shared_cause=True)):
                 blame(s, cause)
             elif _waited(s) and stage is not None and s.rank not in stage.member_ranks():
                 blame(s, stage)
@@ -216,7 +217,7 @@ def _pacers(
 
 
 def _group_root(
-    victim: RankSignal, roots: Iterable[RankSignal], records: Sequence[dict[str, Any]], shared_cause: bool = False
+    victim: RankSignal, roots: Iterable[RankSignal], groups: _CollectiveNames, shared_cause: bool = False
 ) -> RankSignal | None:
     """The root that is a member of one of the victim's collective groups (expert all-to-all,
     tensor-parallel, data-parallel: the same pattern names, process-group instance included), a cause
@@ -227,21 +228,31 @@ def _group_root(
         others = [r for r in others if r.category in CAUSE_CATEGORIES and r.loss_ns >= victim.loss_ns]
     if not others:
         return None
-    groups = _collective_names(records, {victim.rank, *(c.rank for c in others)})
-    mine = groups.get(victim.rank, set())
-    shared = [c for c in others if mine & groups.get(c.rank, set())]
+    mine = groups.of(victim.rank)
+    shared = [c for c in others if mine & groups.of(c.rank)]
     fallback = [] if shared_cause else [c for c in others if c.category in CAUSE_CATEGORIES]
     picked = shared or fallback
     return max(picked, key=lambda c: (c.category in CAUSE_CATEGORIES, c.loss_ns)) if picked else None
 
 
-def _collective_names(records: Sequence[dict[str, Any]], ranks: set[int]) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for rec in records:
-        rank = int(rec["rank"])
-        if rank in ranks:
-            out[rank] = {f for f, k in zip(rec["function"], rec["kind"], strict=True) if k == _COLLECTIVE}
-    return out
+class _CollectiveNames:
+    """Each rank's collective pattern names (its process-group instances), read from its record once, when
+    first asked: a slow rank can have thousands of victims to place, each asking about a few ranks."""
+
+    def __init__(self, records: Sequence[dict[str, Any]]) -> None:
+        self._records = {int(rec["rank"]): rec for rec in records}
+        self._names: dict[int, set[str]] = {}
+
+    def of(self, rank: int) -> set[str]:
+        names = self._names.get(rank)
+        if names is None:
+            rec = self._records.get(rank)
+            names = self._names[rank] = (
+                set()
+                if rec is None
+                else {f for f, k in zip(rec["function"], rec["kind"], strict=True) if k == _COLLECTIVE}
+            )
+        return names
 
 
 def _late_after_a_cause(sig: RankSignal) -> bool:
