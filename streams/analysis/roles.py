@@ -142,9 +142,14 @@ def explain_victims(
     for s in sorted(candidates, key=lambda s: (s.category not in CAUSE_CATEGORIES, -s.loss_ns)):
         if not _late_after_a_cause(s):
             roots.setdefault(rep(s), s)  # a cause first, then the larger loss
+    left_late: dict[int, RankSignal] = {}  # rule 2b: a straggler late in one call, by id: its cause
     for s in sorted(candidates, key=lambda s: -s.loss_ns):
-        if _late_after_a_cause(s) and _group_root(s, roots.values(), groups, shared_cause=True) is None:
-            roots.setdefault(rep(s), s)
+        if _late_after_a_cause(s):
+            cause = _group_root(s, roots.values(), groups, shared_cause=True)
+            if cause is None:
+                roots.setdefault(rep(s), s)
+            else:
+                left_late[id(s)] = cause
 
     by_replica: dict[int, list[RankSignal]] = {}
     for s in signals:
@@ -168,8 +173,8 @@ def explain_victims(
                 blame(s, root)
             elif _waited(s) and (cause := _group_root(s, roots.values(), groups)) is not None:
                 blame(s, cause)
-            elif _late_after_a_cause(s) and (cause := _group_root(s, roots.values(), groups, shared_cause=True)):
-                blame(s, cause)
+            elif id(s) in left_late:
+                blame(s, left_late[id(s)])
             elif _waited(s) and stage is not None and s.rank not in stage.member_ranks():
                 blame(s, stage)
             elif _waited(s) and s.category == "host_slow" and s.function not in MEASURED_WAITS:
