@@ -339,3 +339,25 @@ def test_a_rank_late_in_every_one_of_its_collective_pairs_is_the_straggler_its_p
         opened = [f for f in _pair_job(late_ms=12.0, seed=seed) if f["status"] == "open"]
         assert [(f["category"], f["rank"]) for f in opened] == [("straggler", 2)], opened
         assert 30 <= opened[0]["iteration_first"] <= 40
+
+
+def test_a_slowdown_is_a_late_ranks_only_where_the_same_rank_is_late_again_and_again() -> None:
+    """``late_explains``: a job slowed by 40 ms whose ranks are descheduled 25-35 ms in turn, a different one
+    each iteration (a real job sharing its cores), has no late rank to blame: its slowdown is its own. One
+    rank late by 25 ms in 3 of the latest 4 iterations explains it, and so does a rank late in a pair,
+    where the median of both would halve its lateness."""
+
+    def noise_of(late: list[dict[int, float]], pair: bool = False) -> JobNoise:
+        noise = JobNoise()
+        for it, lateness in enumerate(late):
+            ranks = (0, 1) if pair else (0, 1, 2, 3)
+            wait = {r: 30.0 - lateness.get(r, 0.0) for r in ranks}  # a late rank waits less in the all-reduce
+            noise.record([_record_of(r, it, [("nccl:allreduce", _COLLECTIVE, 1, wait[r])], 100.0) for r in ranks])
+        return noise
+
+    in_turn = [{0: 30.0}, {1: 25.0}, {2: 35.0}, {3: 28.0}]
+    assert not noise_of(in_turn).late_explains(40e6)
+    assert noise_of([{1: 25.0}, {1: 26.0}, {2: 35.0}, {1: 27.0}]).late_explains(40e6)
+    assert not noise_of([{1: 25.0}, {0: 30.0}, {2: 35.0}, {1: 27.0}]).late_explains(40e6)
+    assert noise_of([{1: 25.0}] * 4, pair=True).late_explains(40e6)
+    assert not noise_of([{1: 15.0}] * 4, pair=True).late_explains(40e6)
