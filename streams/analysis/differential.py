@@ -14,6 +14,7 @@ from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
+from fleetscope.streams.analysis.links import SteadyTransfers
 from fleetscope.streams.analysis.noise import JUDGED, JobNoise, NoiseConfig
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
@@ -63,6 +64,7 @@ class JobDifferential:
         self._scored_upto = -(2**62)
         self._regression = RegressionCheck(self.config.job_level)
         self._aftermath = ProfilerAftermath()
+        self._transfers = SteadyTransfers()
         self._hang = HangCheck()
         self._hosts: dict[int, str] = {}
         self._missing_run: dict[int, int] = {}
@@ -124,6 +126,7 @@ class JobDifferential:
         self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
         self.__dict__.setdefault("_noise", JobNoise(self.config.noise))
         self.__dict__.setdefault("_aftermath", ProfilerAftermath())
+        self.__dict__.setdefault("_transfers", SteadyTransfers())
 
     def add(self, record: dict[str, Any], now_ns: int | None = None) -> list[dict[str, Any]]:
         """Take one rank's pattern record; return finding records ready to emit.
@@ -283,7 +286,7 @@ class JobDifferential:
             self.skipped_profiled += 1
             return self._missing_ranks(it, records)
         scorer = self.scorer or scorer_named(self.config.scorer, self.config.scoring)
-        signals = score_iteration(records, self.config.scoring, scorer, self._functions)
+        signals = self._transfers.keep(score_iteration(records, self.config.scoring, scorer, self._functions), it)
         blind: tuple[str, ...] = ()
         if disturbed:  # by a window on every rank, or after one: kernels compare, host times and arrivals not
             blind = PROFILER_BLIND

@@ -4,8 +4,9 @@ alone, a collective group whose transfer is slower than equivalent groups' (``sc
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -240,7 +241,8 @@ def score_transfers(
     shape (``RingGroups.shape``) on as many hosts. Time per byte is compared (sizes differ within a size
     class), and the group must take longer outright too (a smaller message is latency-bound: more time per
     byte, not more time). Readable from traces alone (no link samples needed); the group's ranks are its
-    subject (the slow link is one of theirs)."""
+    subject (the slow link is one of theirs). Two or three equivalent groups are held to the fastest of the
+    others (``_slower_than_the_fastest``); a group with none, a job's one ring, cannot be judged so."""
     if groups is None:
         return []
     classes: dict[tuple[Any, ...], list[int]] = {}
@@ -250,18 +252,22 @@ def score_transfers(
     budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
     out: list[RankSignal] = []
     for members in classes.values():
-        if len(members) < cfg.min_peers:
+        if len(members) < 2:
             continue
         transfer, size = groups.transfer[members], groups.size[members]
         per_byte = _per_byte(transfer, size)
         if per_byte is None:
             continue
-        sc = scorer(per_byte[:, None])
-        # slower per byte, and slower outright: a group with smaller messages pays the fixed latency on fewer
-        # bytes (more per byte, not more time), one with larger ones takes longer at the same rate
-        longest = float(np.median(transfer)) * (1 + cfg.transfer_min_relative_gap)
-        flag = flagged(sc, cfg, min_gap=cfg.transfer_min_relative_gap)[:, 0] & (transfer >= longest)
-        typical = _typical(size, float(sc.median[0]), transfer)
+        if len(members) >= cfg.min_peers:
+            sc = scorer(per_byte[:, None])
+            # slower per byte, and slower outright: a group with smaller messages pays the fixed latency on fewer
+            # bytes (more per byte, not more time), one with larger ones takes longer at the same rate
+            longest = float(np.median(transfer)) * (1 + cfg.transfer_min_relative_gap)
+            flag = flagged(sc, cfg, min_gap=cfg.transfer_min_relative_gap)[:, 0] & (transfer >= longest)
+            typical, z = _typical(size, float(sc.median[0]), transfer), sc.z[:, 0]
+        else:
+            flag, typical, z = _slower_than_the_fastest(transfer, per_byte, size, cfg)
+        few = len(members) < cfg.min_peers
         for i in np.flatnonzero(flag).tolist():
             g = members[i]
             j, rows = groups.columns[g], groups.members[g]
@@ -272,13 +278,62 @@ def score_transfers(
             out.append(
                 RankSignal(
                     rank=-1, host="", category="link_slow", function=pm.functions[j], metric="transfer_ns",
-                    value=float(transfer[i]), peer_median=float(typical[i]), score=float(sc.z[i, 0]),
+                    value=float(transfer[i]), peer_median=float(typical[i]), score=float(z[i]),
                     loss_ns=float(loss), ranks=tuple(sorted(int(pm.ranks[r]) for r in rows)), subject=f"group:{pg}",
                     evidence={"scope": "group", "pattern": "slow transfer", "groups_compared": len(members),
-                              "process_group": pg},
+                              "process_group": pg, FEW_GROUPS: few},
                 )
             )  # fmt: skip
     return _one_rank(out, pm)
+
+
+FEW_GROUPS = "few_groups"
+"""A transfer signal's evidence: judged among two or three equivalent groups (``_slower_than_the_fastest``),
+which ``SteadyTransfers`` holds to its history."""
+
+
+@dataclass
+class SteadyTransfers:
+    """A job's transfers judged among few groups, kept only where the same subject was slower in all but one
+    of its latest ``iterations``. A degraded link slows its ring at every step; contention slows one group now
+    and another next (a real 4-rank gloo job sharing 2 cores: each of its four pairs slower than its
+    equivalent by half, in turn, 3 iterations at a time), which two or three groups cannot tell from a link
+    without that history. Signals judged among more groups pass: their peers' spread is the yardstick."""
+
+    iterations: int = 5
+    _flagged: dict[tuple[str, str], deque[int]] = field(default_factory=dict)
+
+    def keep(self, signals: list[RankSignal], iteration: int) -> list[RankSignal]:
+        out = []
+        for sig in signals:
+            if sig.category != "link_slow" or not sig.evidence.get(FEW_GROUPS, False):
+                out.append(sig)
+                continue
+            flagged_at = self._flagged.setdefault(sig.key(), deque(maxlen=self.iterations))
+            flagged_at.append(iteration)
+            if sum(1 for i in flagged_at if i > iteration - self.iterations) >= self.iterations - 1:
+                out.append(sig)
+        return out
+
+
+def _slower_than_the_fastest(
+    transfer: F64, per_byte: F64, size: F64, cfg: ScoringConfig
+) -> tuple[npt.NDArray[np.bool_], F64, F64]:
+    """Two or three equivalent groups (fewer than ``min_peers``: no median and spread to judge by): a group
+    slower than the fastest of the others by ``transfer_min_relative_gap``, per byte and outright. A link
+    cannot be faster than healthy, so the fastest group is the yardstick; a degraded one halves its rate or
+    worse (lanes down, a PCIe downgrade), far beyond what arrival jitter leaves in the shortest member's
+    kernel. Each group's flag, typical transfer (``_typical`` at the fastest other's rate) and its gap in
+    units of the relative scale floor (the robust z whose spread is at its floor)."""
+    n = transfer.size
+    others = ~np.eye(n, dtype=bool)
+    rate = np.array([per_byte[others[i]].min() for i in range(n)])
+    fastest = np.array([transfer[others[i]].min() for i in range(n)])
+    gap = 1 + cfg.transfer_min_relative_gap
+    flag = (per_byte >= gap * rate) & (transfer >= gap * fastest)
+    typical = np.maximum(rate * size, fastest)
+    z = (per_byte - rate) / (cfg.rel_scale_floor * rate)
+    return flag, typical, z
 
 
 def placement_costs(pm: PeerMatrix, groups: RingGroups | None) -> dict[int, float]:
@@ -326,5 +381,6 @@ def _one_rank(groups: list[RankSignal], pm: PeerMatrix) -> list[RankSignal]:
     evidence = {
         **top.evidence, "scope": "rank", "process_groups": [g.evidence["process_group"] for g in groups],
         "group_ranks": sorted({r for g in groups for r in g.ranks}),
+        FEW_GROUPS: all(g.evidence[FEW_GROUPS] for g in groups),
     }  # fmt: skip
     return [replace(top, rank=rank, host=pm.hosts[row], ranks=(rank,), subject="", evidence=evidence)]

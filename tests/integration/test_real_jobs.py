@@ -1,11 +1,11 @@
 """Real 4-rank PyTorch jobs (gloo on CPU, DDP, a map-style DataLoader) through the live loop — torch hook, real
 Tansu broker, real Faust worker, real chDB — held to the issue's strict acceptance: a healthy 300-step job
 with automatic profiling on and a manual profiling window in the middle gets no finding update at all and
-loses no step; a slow data loader, a GC-bound rank or a rank computing its forward 3 times over, from step
-30, is named within 10 iterations and no other rank is named by any finding of its job (every rank computing
-its forward 4 times over: a ``job_regression``, and no rank named); a rank blocked
-forever is named, from heartbeats alone, as the one that never entered the collective, with its group and
-sequence number.
+loses no step, and so does the same job laid out as Megatron's tp2 x dp2; a slow data loader, a GC-bound
+rank or a rank computing its forward 3 times over, from step 30, is named within 10 iterations and no other
+rank is named by any finding of its job (every rank computing its forward 4 times over: a
+``job_regression``, and no rank named); a rank blocked forever is named, from heartbeats alone, as the one
+that never entered the collective, with its group and sequence number.
 """
 
 from __future__ import annotations
@@ -68,10 +68,20 @@ class Net(torch.nn.Module):
             reps = 3 if fault == "compute" and mine and step >= at else 1
             for _ in range(4 if fault == "slowdown" and step >= at else reps):
                 features = torch.tanh(x @ self.projection)
+            if layout:  # the tensor-parallel pair sums its halves, twice a forward (1 MiB each)
+                for _ in range(2):
+                    dist.all_reduce(features, group=tp_group)
         return self.mlp(features)
 
 
-model = DDP(Net())
+layout = os.environ.get("TOY_LAYOUT") == "tp2dp2"
+if layout:  # Megatron's groups, made once the hook watches new_group: tensor pairs {0, 1}, {2, 3}, data {0, 2}, {1, 3}
+    fs.start()
+    tp_group = [dist.new_group(g, group_desc="TENSOR_MODEL_PARALLEL_GROUP") for g in ([0, 1], [2, 3])][rank // 2]
+    dp_group = [dist.new_group(g, group_desc="DATA_PARALLEL_GROUP") for g in ([0, 2], [1, 3])][rank % 2]
+    for r in range(4):
+        dist.new_group([r], group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
+model = DDP(Net(), process_group=dp_group if layout else None)
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
 
@@ -90,7 +100,8 @@ class Samples(torch.utils.data.Dataset):
 
 garbage = [[i] for i in range(150_000)] if fault == "gc" and mine else []
 step = 0
-fs.start()
+if not layout:
+    fs.start()
 for step, (x, y) in enumerate(torch.utils.data.DataLoader(Samples(), batch_size=BATCH)):
     if fault == "block" and mine and step == at:
         print("BLOCKED", time.time_ns(), flush=True)
@@ -136,7 +147,10 @@ class Live:
     script: Path
     env: dict[str, str]
 
-    def launch(self, fault: str = "none", faulty: int = -1, steps: int = 80, at: int = FAULT_AT) -> Job:
+    def launch(
+        self, fault: str = "none", faulty: int = -1, steps: int = 80, at: int = FAULT_AT, layout: str = ""
+    ) -> Job:
+        """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs (the job's text)."""
         name = f"{fault}-{uuid.uuid4().hex[:6]}"
         port = str(free_port())
         ranks = [
@@ -149,6 +163,7 @@ class Live:
                     "LOCAL_RANK": str(r),
                     "WORLD_SIZE": str(WORLD),
                     "MASTER_PORT": port,
+                    "TOY_LAYOUT": layout,
                 },
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -301,7 +316,28 @@ def test_a_healthy_job_with_a_profiling_window_in_the_middle_gets_no_finding_and
     [(rows, within, positive)] = live.query(sql, job.name)
     assert rows >= WORLD * (steps - 2) and within == rows and positive > rows // 2, (rows, within, positive)
     found = live.wait_for(job.name, bool, timeout_s=SETTLE_S)
-    assert found == [], _show(found)
+    assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
+
+
+def test_a_healthy_tp2_dp2_job_gets_its_layout_and_no_finding(live: Live) -> None:
+    """The same job as Megatron lays out 4 ranks: tensor pairs that all-reduce activations twice a forward,
+    data-parallel pairs that all-reduce gradients. Each rank's coordinates reach the store, and two groups of
+    each kind, which the differential compares with each other (``links.score_transfers``), slow and jitter
+    alike on the 2 shared cores: no finding."""
+    steps = 120
+    job = live.launch(steps=steps, layout="tp2dp2")
+    try:
+        job.wait(timeout_s=150)
+        _wait_for_steps(live, job.name, steps - 2, timeout_s=40)
+        found = live.wait_for(job.name, bool, timeout_s=SETTLE_S)
+    finally:
+        job.kill()
+    sql = (
+        "SELECT rank, any(tp_rank), any(dp_rank), any(pp_rank) FROM {db}.iterations WHERE job = {{job:String}} "
+        "AND iteration > 5 GROUP BY rank ORDER BY rank"
+    )
+    assert live.query(sql, job.name) == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 0), (3, 1, 1, 0)]
+    assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
 
 
 FAULT_STEPS = 56

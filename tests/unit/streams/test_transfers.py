@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.links import placement_costs, ring_groups
+from fleetscope.streams.analysis.links import FEW_GROUPS, SteadyTransfers, placement_costs, ring_groups
 from fleetscope.streams.analysis.outliers import build_matrices, score_iteration
 from fleetscope.streams.analysis.signals import ScoringConfig
 
@@ -88,3 +88,28 @@ def test_a_group_across_hosts_costs_its_ranks_its_transfer_over_its_equivalents_
     assert links(recs) == []
     assert placement(records({2: 2.5e6})) == {}  # on one host like the others: no placement to speak of
     assert placement(records({}, hosts={5: "node1"})) == {4: 0.0, 5: 0.0}  # across hosts, as fast: no cost
+
+
+def test_two_equivalent_rings_the_slower_by_half_per_byte_and_outright_is_its_group() -> None:
+    """dp 4 x tp 2: two data-parallel rings (one per tensor slot), too few for a median and spread. A link
+    cannot be faster than healthy, so the faster ring is the yardstick: 3x slower is slot 1's ring; 1.3x
+    slower is within what arrival jitter leaves in a transfer; 3x the bytes in 3x the time is no slower."""
+    found = [s for s in score_iteration(records({}, dp_ns={1: 6e6}), ScoringConfig()) if s.category == "link_slow"]
+    assert [(s.rank, s.member_ranks(), s.subject, s.evidence[FEW_GROUPS]) for s in found] == [
+        (-1, (1, 3, 5, 7), "group:6", True)
+    ]
+    assert links(records({}, dp_ns={1: 2.6e6})) == []
+    assert links(records({}, dp_ns={0: 1.9e6, 1: 2.1e6})) == []
+
+
+def test_a_ring_slower_than_its_few_equivalents_is_kept_only_while_it_stays_slower() -> None:
+    """``SteadyTransfers``: the same ring slower in 4 of the latest 5 iterations is kept; the two rings
+    slower in turn (contention moving between them) never are; a judgement among many groups passes."""
+    slow_one = score_iteration(records({}, dp_ns={1: 6e6}), ScoringConfig())
+    slow_other = score_iteration(records({}, dp_ns={0: 6e6}), ScoringConfig())
+    steady, in_turn = SteadyTransfers(), SteadyTransfers()
+    kept = [steady.keep(slow_one if it != 2 else [], it) for it in range(6)]
+    assert [bool(k) for k in kept] == [False, False, False, False, True, True]
+    assert not any(in_turn.keep(slow_one if it % 2 else slow_other, it) for it in range(12))
+    many = score_iteration(records({2: 3e6}), ScoringConfig())  # four tensor-parallel groups
+    assert SteadyTransfers().keep(many, 0) == many != []
