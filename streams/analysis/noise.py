@@ -590,7 +590,8 @@ def _median_of_others(values: F64) -> F64:
     at = np.arange(n)  # each element's place in ``ordered``; without it, the k-th of the rest is:
 
     def kth(k: int) -> F64:
-        return np.where(k < at, ordered[k], ordered[min(k + 1, n - 1)])
+        out: F64 = np.where(k < at, ordered[k], ordered[min(k + 1, n - 1)])
+        return out
 
     rest = n - 1
     median = kth(rest // 2) if rest % 2 else (kth(rest // 2 - 1) + kth(rest // 2)) / 2.0
