@@ -590,8 +590,8 @@ def _median_of_others(values: F64) -> F64:
     at = np.arange(n)  # each element's place in ``ordered``; without it, the k-th of the rest is:
 
     def kth(k: int) -> F64:
-        out: F64 = np.where(k < at, ordered[k], ordered[min(k + 1, n - 1)])
-        return out
+        kth_of_rest: F64 = np.where(k < at, ordered[k], ordered[min(k + 1, n - 1)])
+        return kth_of_rest
 
     rest = n - 1
     median = kth(rest // 2) if rest % 2 else (kth(rest // 2 - 1) + kth(rest // 2)) / 2.0
