@@ -145,6 +145,9 @@ class JobNoise:
         self._pairs: dict[str, deque[dict[int, float]]] = {}
         """Per collective of two members (pipeline send/recv aside), each one's time in it per recent iteration
         (every call: a partner waits at each one): ``_pair_stragglers``."""
+        self._groups: dict[str, deque[dict[int, float]]] = {}
+        """The same for collectives of more members (or one: nothing to compare), which say whether a rank late
+        in its pair held up its larger groups too (``_held_up_groups``)."""
         self._p2p: deque[dict[int, float]] = deque(maxlen=self.config.level_iterations + 1)
         """Each rank's time in pipeline send/recv per recent iteration: a rank held up by the stage before it
         waits there (``_pair_stragglers``)."""
@@ -159,6 +162,7 @@ class JobNoise:
         self.__dict__.setdefault("_compute", {})
         self.__dict__.setdefault("_pairs", {})
         self.__dict__.setdefault("_p2p", deque(maxlen=self.config.level_iterations + 1))
+        self.__dict__.setdefault("_groups", {})
         if any(not isinstance(lateness, dict) for lateness in self._latest):  # saved as each iteration's largest
             self._latest = deque(maxlen=self.config.min_history)
 
@@ -203,8 +207,8 @@ class JobNoise:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
         for function, values in paired.items():
-            if len(values) == 2:
-                self._pairs.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
+            kept = self._pairs if len(values) == 2 else self._groups
+            kept.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
         if small:
             self._p2p.append(p2p)
         self._lateness = {}
@@ -237,6 +241,7 @@ class JobNoise:
         for function in [f for f in self._series if f not in self._host]:
             del self._series[function]
         self._pairs.clear()
+        self._groups.clear()
         self._p2p.clear()
 
     def keep(self, signals: Iterable[RankSignal], budget_ns: float) -> list[RankSignal]:
@@ -379,7 +384,8 @@ class JobNoise:
         do; the cost below is read on it all the same). A rank with pairs of at least two partners, or with
         one in a pipeline (dp2 x pp: a late stage holds up the stages after it, in their recv, and each of
         them is late in its one pair too) where it did not wait in its send/recv (``_pipeline_wait``; of
-        several, the one that waited least), is a straggler when that lateness is ``last_z`` times the pairs'
+        several, the one that waited least), or with one and a larger group (dp3 x tp2), where that group
+        waited for it (``_held_up_groups``), is a straggler when that lateness is ``last_z`` times the pairs'
         noise in all but ``last_misses`` of its last ``level_iterations + 1`` iterations, and ``level_z``
         times it and ``budget_ns`` in their median.
         The noise is the median jitter of the pairs' lateness series: a pair's members take turns at random;
@@ -399,7 +405,8 @@ class JobNoise:
             pairs.setdefault(b, []).append((a, function, -lags[-1]))
         piped = len(self._p2p) == window and any(self._p2p[-1].values())
         partners = {r: {p for p, _, _ in ps} for r, ps in pairs.items()}
-        ranks = [r for r in sorted(pairs) if len(partners[r]) >= 2 or piped]
+        grouped = {r for series in self._groups.values() if len(series[-1]) >= 3 for r in series[-1]}
+        ranks = [r for r in sorted(pairs) if len(partners[r]) >= 2 or piped or r in grouped]
         if len(ranks) < 4:
             return []
         noise = float(np.median(_jitter(np.column_stack(lags))))
@@ -415,10 +422,13 @@ class JobNoise:
             ):
                 continue
             if len(partners[rank]) == 1:
-                wait = self._pipeline_wait(rank, *partners[rank])
+                wait = self._pipeline_wait(rank, *partners[rank]) if piped else 0.0
                 if not wait < VICTIM_WAIT_SHARE * lateness:  # NaN: it has no send/recv to tell
                     continue
-                piped_waits[rank] = wait
+                if self._held_up_groups(rank) < VICTIM_WAIT_SHARE * lateness:
+                    continue  # its larger groups (tp3) were late with it: they waited, or their ring was slow
+                if piped:
+                    piped_waits[rank] = wait
             _, function, _ = max(pairs[rank], key=lambda p: float(np.median(p[2])))
             out.append(
                 RankSignal(
@@ -433,6 +443,23 @@ class JobNoise:
             least = min(piped_waits, key=piped_waits.__getitem__)
             out = [s for s in out if s.rank not in piped_waits or s.rank == least]
         return out
+
+    def _held_up_groups(self, rank: int) -> float:
+        """How long a rank's collective groups of three or more members waited for it (median of the window):
+        the least, over those groups, of the others' median time in the collective less its own (inf where it
+        has none, as in dp2 x pp). A rank late in its one pair because it started late held up its tensor
+        partners first; one late with its whole group (which waited for another member, or whose ring crosses
+        a slower link between hosts) held up no one there."""
+        held = np.inf
+        for series in self._groups.values():
+            waited = []
+            for times in series:
+                if rank in times and len(times) >= 3:
+                    others = [t for r, t in times.items() if r != rank]
+                    waited.append(float(np.median(others)) - times[rank])
+            if waited:
+                held = min(held, float(np.median(waited)))
+        return held
 
     def _pipeline_wait(self, rank: int, partner: int) -> float:
         """How much longer a rank with one pair partner (dp2 x pp) spent in its pipeline send/recv than that
