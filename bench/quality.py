@@ -103,6 +103,9 @@ TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
     {"dp": 8, "tp": 2, "pp": 2},
     {"dp": 8, "ep": 2, "names": "mesh"},
     {"dp": 4, "tp": 2, "pp": 2, "ep": 2},
+    {"dp": 4, "pp": 2},  # each stage's data-parallel ring has one equivalent
+    {"dp": 3, "tp": 2},  # a tensor pair and a ring of 3 per rank
+    {"dp": 2, "tp": 3, "pp": 2, "layers": 8},  # a data-parallel pair and a tensor group of 3 per rank
 )
 
 
