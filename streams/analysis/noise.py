@@ -218,7 +218,7 @@ class JobNoise:
             arrivals = np.fromiter(values.values(), dtype=np.float64, count=len(values))
             for rank, late in zip(values, (_median_of_others(arrivals) - arrivals).tolist(), strict=True):
                 self._lateness[rank] = max(self._lateness.get(rank, -np.inf), late)
-        self._latest.append(self._lateness)
+        self._latest.append(self._lateness if small else {})  # only small jobs are judged by it
 
     def late_explains(self, slowdown_ns: float) -> bool:
         """Whether one rank arrived late at its collectives by half the job's slowdown or more in all but one
