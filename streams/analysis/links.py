@@ -325,10 +325,9 @@ def _slower_than_the_fastest(
     worse (lanes down, a PCIe downgrade), far beyond what arrival jitter leaves in the shortest member's
     kernel. Each group's flag, typical transfer (``_typical`` at the fastest other's rate) and its gap in
     units of the relative scale floor (the robust z whose spread is at its floor)."""
-    n = transfer.size
-    others = ~np.eye(n, dtype=bool)
-    rate = np.array([per_byte[others[i]].min() for i in range(n)])
-    fastest = np.array([transfer[others[i]].min() for i in range(n)])
+    itself = np.eye(transfer.size, dtype=bool)
+    rate = np.where(itself, np.inf, per_byte).min(axis=1)
+    fastest = np.where(itself, np.inf, transfer).min(axis=1)
     gap = 1 + cfg.transfer_min_relative_gap
     flag = (per_byte >= gap * rate) & (transfer >= gap * fastest)
     typical = np.maximum(rate * size, fastest)

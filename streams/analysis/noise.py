@@ -146,8 +146,8 @@ class JobNoise:
         """Per collective of two members (pipeline send/recv aside), each one's time in it per recent iteration
         (every call: a partner waits at each one): ``_pair_stragglers``."""
         self._groups: dict[str, deque[dict[int, float]]] = {}
-        """The same for collectives of more members (or one: nothing to compare), which say whether a rank late
-        in its pair held up its larger groups too (``_held_up_groups``)."""
+        """The same for collectives of three or more members, which say whether a rank late in its pair held up
+        its larger groups too (``_held_up_groups``)."""
         self._p2p: deque[dict[int, float]] = deque(maxlen=self.config.level_iterations + 1)
         """Each rank's time in pipeline send/recv per recent iteration: a rank held up by the stage before it
         waits there (``_pair_stragglers``)."""
@@ -207,18 +207,19 @@ class JobNoise:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
         for function, values in paired.items():
-            kept = self._pairs if len(values) == 2 else self._groups
-            kept.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
+            if len(values) >= 2:
+                kept = self._pairs if len(values) == 2 else self._groups
+                kept.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
         if small:
             self._p2p.append(p2p)
         self._lateness = {}
-        for function, values in seen.items():
+        for function, values in seen.items() if small else ():  # only small jobs are judged by it
             if function in self._host or len(values) < 2:
                 continue
             arrivals = np.fromiter(values.values(), dtype=np.float64, count=len(values))
             for rank, late in zip(values, (_median_of_others(arrivals) - arrivals).tolist(), strict=True):
                 self._lateness[rank] = max(self._lateness.get(rank, -np.inf), late)
-        self._latest.append(self._lateness if small else {})  # only small jobs are judged by it
+        self._latest.append(self._lateness)
 
     def late_explains(self, slowdown_ns: float) -> bool:
         """Whether one rank arrived late at its collectives by half the job's slowdown or more in all but one
@@ -405,7 +406,7 @@ class JobNoise:
             pairs.setdefault(b, []).append((a, function, -lags[-1]))
         piped = len(self._p2p) == window and any(self._p2p[-1].values())
         partners = {r: {p for p, _, _ in ps} for r, ps in pairs.items()}
-        grouped = {r for series in self._groups.values() if len(series[-1]) >= 3 for r in series[-1]}
+        grouped = {r for series in self._groups.values() for r in series[-1]}
         ranks = [r for r in sorted(pairs) if len(partners[r]) >= 2 or piped or r in grouped]
         if len(ranks) < 4:
             return []
@@ -454,9 +455,9 @@ class JobNoise:
         for series in self._groups.values():
             waited = []
             for times in series:
-                if rank in times and len(times) >= 3:
-                    others = [t for r, t in times.items() if r != rank]
-                    waited.append(float(np.median(others)) - times[rank])
+                if rank in times:
+                    arrivals = np.fromiter(times.values(), dtype=np.float64, count=len(times))
+                    waited.append(float((_median_of_others(arrivals) - arrivals)[list(times).index(rank)]))
             if waited:
                 held = min(held, float(np.median(waited)))
         return held
@@ -610,21 +611,12 @@ def _largest_of_others(values: F64) -> F64:
 
 def _median_of_others(values: F64) -> F64:
     """Per element, the median of the other elements (at least 2): what the others waited for it, also in a
-    pair, where the median of both would halve it."""
+    pair, where the median of both would halve it. A small job's ranks: n x (n - 1) values, sorted."""
     n = values.size
-    order = np.argsort(values)
-    ordered = values[order]
-    at = np.arange(n)  # each element's place in ``ordered``; without it, the k-th of the rest is:
-
-    def kth(k: int) -> F64:
-        kth_of_rest: F64 = np.where(k < at, ordered[k], ordered[min(k + 1, n - 1)])
-        return kth_of_rest
-
-    rest = n - 1
-    median = kth(rest // 2) if rest % 2 else (kth(rest // 2 - 1) + kth(rest // 2)) / 2.0
-    out = np.empty(n)
-    out[order] = median
-    return out
+    rest = np.sort(np.broadcast_to(values, (n, n))[~np.eye(n, dtype=bool)].reshape(n, n - 1), axis=1)
+    middle = (n - 1) // 2
+    median: F64 = rest[:, middle] if n % 2 == 0 else (rest[:, middle - 1] + rest[:, middle]) / 2.0
+    return median
 
 
 def _as_matrix(series: Iterable[dict[int, float]]) -> tuple[F64, list[int]]:
