@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import Category
-from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT
+from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
@@ -301,14 +301,11 @@ class JobDifferential:
         if not disturbed:  # a rank whose host's cores others take: its median wait over 8 iterations
             persistent = self._noise.contended(budget, hosts, {s.rank for s in signals if s.category != "straggler"})
             signals = _late_for_a_cause(signals, persistent) + persistent
-        if (
-            not disturbed
-            and not signals
-            and self.tracker.open_findings() == self.tracker.open_findings(Category.STRAGGLER.value)
-        ):
-            # no other rank's finding explains a late one (its victims); a straggler found so before is judged
-            # again, so that it stays open while it still holds. Ranks compare by function where every rank
-            # does the same work, and in their collective pairs in any layout.
+        if not disturbed and not signals and self.tracker.open_findings() == self._judged_late_open():
+            # no other rank's finding explains a late one (its victims); a straggler found so before (or a
+            # launch-bound rank, JobNoise._launch_bound) is judged again, so that it stays open while it holds.
+            # Ranks compare by function where every rank does the same work, and in their collective pairs in
+            # any layout.
             same_work = np.unique(role_codes(records)).size == 1
             persistent = self._noise.stragglers(signals, budget, hosts, set(), same_work=same_work)
             signals += persistent
@@ -335,6 +332,12 @@ class JobDifferential:
             for sig in late_open:
                 out += self.tracker.emit_now(sig, it)
         return out + self._missing_ranks(it, records)
+
+    def _judged_late_open(self) -> int:
+        """Open findings that ``JobNoise.stragglers`` keeps open: stragglers, and launch-bound ranks found late."""
+        return self.tracker.open_findings(Category.STRAGGLER.value) + self.tracker.open_findings(
+            Category.HOST_SLOW.value, LAUNCH_WAIT_FUNCTION
+        )
 
     def _missing_ranks(self, it: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A rank absent from several scored iterations in a row stopped reporting: a hang of its own."""

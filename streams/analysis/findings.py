@@ -153,9 +153,15 @@ class FindingTracker:
         """Ranks an open finding names."""
         return {r for tr in self._tracks.values() if tr.finding_id and tr.best for r in tr.best.member_ranks()}
 
-    def open_findings(self, category: str | None = None) -> int:
-        """How many findings are open (of ``category``, when given)."""
-        return sum(1 for (_, cat), tr in self._tracks.items() if tr.finding_id and category in (None, cat))
+    def open_findings(self, category: str | None = None, function: str | None = None) -> int:
+        """How many findings are open (of ``category``, and on ``function``, when given)."""
+        return sum(
+            1
+            for (_, cat), tr in self._tracks.items()
+            if tr.finding_id
+            and category in (None, cat)
+            and (function is None or (tr.best is not None and tr.best.function == function))
+        )
 
     @staticmethod
     def _accumulate(tr: _Track, sig: RankSignal, iteration: int) -> None:

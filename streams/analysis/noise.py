@@ -48,14 +48,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE, role_codes
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stages import P2P_PREFIXES
@@ -360,13 +360,13 @@ class JobNoise:
                 noise = max(_noise(late, col), 1.0)
                 last = int(np.count_nonzero(np.argmax(np.nan_to_num(recent, nan=-np.inf), axis=1) == col))
                 out.append(
-                    RankSignal(
+                    self._launch_bound(RankSignal(
                         rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
                         metric="arrival_lateness_ns", value=float(late[-1, col]), peer_median=0.0,
                         score=lateness / noise, loss_ns=lateness,
                         evidence={"last_arrivals": last, "iterations": int(recent.shape[0]),
                                   "median_lateness_ns": lateness, "noise_ns": noise},
-                    )
+                    ), [r for r in ranks if r != rank])
                 )  # fmt: skip
         return out + self._pair_stragglers(budget_ns, hosts, named)
 
@@ -432,18 +432,37 @@ class JobNoise:
                     piped_waits[rank] = wait
             _, function, _ = max(pairs[rank], key=lambda p: float(np.median(p[2])))
             out.append(
-                RankSignal(
+                self._launch_bound(RankSignal(
                     rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
                     metric="arrival_lateness_ns", value=float(late[-1]), peer_median=0.0,
                     score=lateness / max(noise, 1.0), loss_ns=lateness,
-                    evidence={"partners": sorted({p for p, _, _ in pairs[rank]}), "iterations": window,
+                    evidence={"partners": sorted(partners[rank]), "iterations": window,
                               "median_lateness_ns": lateness, "noise_ns": noise},
-                )
+                ), sorted(partners[rank]))
             )  # fmt: skip
         if len(piped_waits) > 1:  # one late stage holds up the others a little too: the one that waited least
             least = min(piped_waits, key=piped_waits.__getitem__)
             out = [s for s in out if s.rank not in piped_waits or s.rank == least]
         return out
+
+    def _launch_bound(self, straggler: RankSignal, others: Sequence[int]) -> RankSignal:
+        """The straggler, or ``host_slow`` on ``LAUNCH_WAIT_FUNCTION`` where its GPU waited for its host to
+        launch kernels longer than ``others`` did by at least half its lateness (medians of the window): a
+        launch-bound rank is late because its host cannot keep its GPU busy, a cause of its own, as the peer
+        comparison names it where a stage has peers enough (dp2 x pp4 has 2). A late starter's GPU work is as
+        dense as its peers', and waits for no launch."""
+        series = self._series.get(LAUNCH_WAIT_FUNCTION)
+        window = list(series or ())[-self.config.level_iterations - 1 :]
+        if not window or not others:
+            return straggler
+        own = float(np.median([it.get(straggler.rank, 0.0) for it in window]))
+        peers = float(np.median([np.median([it.get(r, 0.0) for r in others]) for it in window]))
+        if own - peers < VICTIM_WAIT_SHARE * straggler.loss_ns:
+            return straggler
+        return replace(
+            straggler, category="host_slow", function=LAUNCH_WAIT_FUNCTION, metric="self_ns", value=own,
+            peer_median=peers, evidence={**straggler.evidence, "launch_wait_above_peers_ns": own - peers},
+        )  # fmt: skip
 
     def _held_up_groups(self, rank: int) -> float:
         """How long a rank's collective groups of three or more members waited for it (median of the window):

@@ -30,6 +30,8 @@ from fleetscope.streams.analysis.patterns import collective_class
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.roles import (
     LATE_IN_ONE_CALL,
+    MEASURED_WAITS,
+    VICTIM_WAIT_SHARE,
     absent_as_zero,
     explain_victims,
     peer_group_rows,
@@ -294,7 +296,7 @@ def score_peer_group(
         return []
     records = with_self_time(records)
     pms = gather_matrices(records) or build_matrices(records)
-    return _score_group(pms, cfg, scorer or cfg.scorer(), role_codes(records))
+    return _score_group(pms, cfg, scorer or cfg.scorer(), role_codes(records), _one_stage(records))
 
 
 def with_self_time(records: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
@@ -305,21 +307,36 @@ def with_self_time(records: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]
     return [r if len(r.get("self_ns", ())) == len(r["function"]) else {**r, "self_ns": r["total_ns"]} for r in records]
 
 
+def _one_stage(records: Sequence[dict[str, Any]]) -> bool:
+    """Whether the records are of one known pipeline stage (a peer group of ranks doing the same work)."""
+    stages = {int(r.get("pp_rank", -1)) for r in records}
+    return len(stages) == 1 and -1 not in stages
+
+
 def _score_group(
-    pms: PeerMatrices, cfg: ScoringConfig, score: OutlierScorer, role: I64 | None = None
+    pms: PeerMatrices,
+    cfg: ScoringConfig,
+    score: OutlierScorer,
+    role: I64 | None = None,
+    one_stage: bool = False,
 ) -> list[RankSignal]:
     """1. A rank's excess time must cost at least ``min_loss_fraction`` of the median iteration to
     matter; 2. gpu_slow from compute kernels, host_slow from host functions' self time, link_slow
     from link throughput during collectives; 3. a late arrival with none of these causes is a
     straggler; with a cause, it corroborates the cause; 4. a cause's loss is the time saved if it
-    were fixed (``timelost``). ``role``: each row's role code (``roles.role_codes``).
+    were fixed (``timelost``). ``role``: each row's role code (``roles.role_codes``). ``one_stage``: the
+    ranks are of one known stage, so a host annotation that lasted as long as its rank's waits for its
+    partners is no work (``_without_partner_waits``).
     """
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
     late, arrival, waited = _late_arrivals(collectives, cfg, score, budget)
     gpu = bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival)
     host = bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival)
-    causes = [gpu, _without_gpu_echo(host, gpu), _slow_links(collectives, cfg, score, budget)]
+    host = _without_gpu_echo(host, gpu)
+    if one_stage:
+        host = _without_partner_waits(host, collectives, cfg)
+    causes = [gpu, host, _slow_links(collectives, cfg, score, budget)]
     signals: list[RankSignal] = []
     for found in causes:
         for i, sig in found.items():
@@ -348,6 +365,44 @@ def _without_gpu_echo(host: dict[int, RankSignal], gpu: dict[int, RankSignal]) -
             cause.evidence["host_wait_ns"] = host_excess
             continue
         out[i] = sig
+    return out
+
+
+def _without_partner_waits(host: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, RankSignal]:
+    """Host signals less those of annotations that grew by no more than twice (``VICTIM_WAIT_SHARE``) their
+    rank's waits for its partners (``partner_waits``): an annotation that encloses a collective on a GPU stream
+    (``## forward ##`` around a tensor-parallel all-reduce) lasts until the collective ends, so a rank that
+    waited there for a late partner has a longer annotation and did no more work. Such a wait need not stand
+    out from the peers' spread per class of collective (4 peers, one of them the late partner: dp2 x tp2 x pp4),
+    which is what ``roles.explain_victims`` reads. A rank whose own host work is slow arrives last and waits
+    least; measured waits (``MEASURED_WAITS``) are no annotations."""
+    rows = [i for i, sig in host.items() if sig.function not in MEASURED_WAITS]
+    waits = partner_waits(pm, np.array(rows, dtype=np.int64), cfg.host_min_relative_gap)
+    echoes = {
+        i
+        for i, wait in zip(rows, waits.tolist(), strict=True)
+        if wait >= VICTIM_WAIT_SHARE * float(host[i].evidence.get("excess_ns", host[i].loss_ns))
+    }
+    return {i: sig for i, sig in host.items() if i not in echoes}
+
+
+def partner_waits(pm: PeerMatrix, rows: I64, min_gap: float) -> F64:
+    """Per row, the time it spent in collectives beyond the other members of the same process-group instance
+    (their median; in a pair, the partner's), over the instances where that is ``min_gap`` of their time or
+    more: a collective ends on every member together, so a member's longer time is its wait for the others.
+    One column's members are of one group instance (the pattern name carries it), so this needs no spread
+    between instances to stand out from. Medians of the rows' columns only (a large job has thousands)."""
+    if not rows.size or not pm.functions:
+        return np.zeros(rows.size)
+    time = pm.features["mean_ns"] * pm.features["calls"]
+    cols = np.flatnonzero(~np.isnan(time[rows]).all(axis=0))
+    t = time[:, cols]
+    members = np.sum(~np.isnan(t), axis=0)
+    with quiet_nan_warnings():
+        others = np.where(members == 2, np.nansum(t, axis=0) - t[rows], nan_median(t)[None, :])
+    excess = t[rows] - others
+    long = (members >= 2) & (excess >= min_gap * others)
+    out: F64 = np.where(long, excess, 0.0).sum(axis=1)
     return out
 
 
@@ -474,7 +529,7 @@ def merge_columns(
             continue
         whole = all(b is p.whole for b, p in zip(blocks, parts, strict=True))
         group = pms if whole else assemble([b for b in blocks if b is not None])
-        signals += _score_group(group, cfg, scorer, roles[rows])
+        signals += _score_group(group, cfg, scorer, roles[rows], _one_stage([records[i] for i in rows.tolist()]))
     gathered = all(p.whole.pms.row_ids is not None for p in parts)
     compute = pms.of_kind(_COMPUTE) if gathered and staged(int(r.get("pp_rank", -1)) for r in records) else None
     stages = score_stages(records, cfg, compute)

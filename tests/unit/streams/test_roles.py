@@ -141,6 +141,34 @@ def test_an_annotation_that_only_waits_never_makes_a_rank_host_slow(pipeline_job
     assert [(s.rank, s.category, s.function) for s in score_iteration(records)] == [(5, "host_slow", "backward")]
 
 
+def test_an_annotation_as_long_as_its_wait_for_a_partner_is_no_host_work(pipeline_job):
+    """An annotation around a collective on a GPU stream lasts until the collective ends. In 40 ms steps,
+    rank 4 arrives late at its stage's first data-parallel all-reduce by 1 ms, and rank 5 waits there 1 ms
+    longer than the others, then arrives late at the next by as much: with rank 4's shorter time among the 4,
+    that wait does not stand out per class of collective, but it does against the ring's other members (0.8 ms
+    above their median). Rank 5's ``backward`` grown by 1.5 ms: no more than twice that wait, no host_slow;
+    grown by 3 ms: its own work."""
+    records = _iteration(pipeline_job, 2)
+    for r in records:
+        r["self_ns"] = np.asarray(r["self_ns"], dtype=np.float64).copy()
+        r["mean_ns"] = np.asarray(r["mean_ns"], dtype=np.float64).copy()
+        r["iteration_ns"] = 40_000_000
+    ring, then = [f for f in records[5]["function"] if f.startswith("nccl:allreduce")][:2]
+    assert all(ring in list(records[r]["function"]) for r in (4, 5, 6, 7))
+    wait = 1e6
+    for rank, function, change in ((4, ring, -wait), (5, ring, wait), (5, then, -wait)):
+        j = list(records[rank]["function"]).index(function)
+        records[rank]["mean_ns"][j] += change / float(records[rank]["calls"][j])
+    bwd = list(records[5]["function"]).index("backward")
+    base = records[5]["self_ns"][bwd]
+    records[5]["self_ns"][bwd] = base + 1.5 * wait
+    assert [s for s in score_iteration(records) if s.rank == 5] == []
+    records[5]["self_ns"][bwd] = base + 3 * wait
+    assert [(s.rank, s.category, s.function) for s in score_iteration(records) if s.rank == 5] == [
+        (5, "host_slow", "backward")
+    ]
+
+
 def test_self_time_reaches_the_pattern_records(pipeline_job):
     rec = pipeline_job[0]
     kinds = np.asarray(rec["kind"])
