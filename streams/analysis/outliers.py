@@ -326,7 +326,7 @@ def _score_group(
     straggler; with a cause, it corroborates the cause; 4. a cause's loss is the time saved if it
     were fixed (``timelost``). ``role``: each row's role code (``roles.role_codes``). ``one_stage``: the
     ranks are of one known stage, so a host annotation that lasted as long as its rank's waits for its
-    partners is no work (``_without_partner_waits``).
+    partners waited (``_annotation_echoes``).
     """
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
@@ -334,15 +334,14 @@ def _score_group(
     gpu = bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival)
     host = bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival)
     host = _without_gpu_echo(host, gpu)
-    if one_stage:
-        host = _without_partner_waits(host, collectives, cfg)
+    echoes = _annotation_echoes(host, collectives, cfg) if one_stage else {}
     causes = [gpu, host, _slow_links(collectives, cfg, score, budget)]
     signals: list[RankSignal] = []
     for found in causes:
         for i, sig in found.items():
             if i in late:
                 sig.evidence["arrival_lateness_ns"] = late[i].loss_ns
-            sig.evidence["waited_ns"] = float(waited[i])
+            sig.evidence["waited_ns"] = max(float(waited[i]), echoes.get(i, 0.0) if found is host else 0.0)
             signals.append(sig)
     explained = {i for found in causes for i in found}
     signals += [sig for i, sig in late.items() if i not in explained]
@@ -368,22 +367,21 @@ def _without_gpu_echo(host: dict[int, RankSignal], gpu: dict[int, RankSignal]) -
     return out
 
 
-def _without_partner_waits(host: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, RankSignal]:
-    """Host signals less those of annotations that grew by no more than twice (``VICTIM_WAIT_SHARE``) their
-    rank's waits for its partners (``partner_waits``): an annotation that encloses a collective on a GPU stream
+def _annotation_echoes(host: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, float]:
+    """Per row, the wait for its partners (``partner_waits``) of the host signals whose annotations grew by no
+    more than twice (``VICTIM_WAIT_SHARE``) that wait: an annotation that encloses a collective on a GPU stream
     (``## forward ##`` around a tensor-parallel all-reduce) lasts until the collective ends, so a rank that
-    waited there for a late partner has a longer annotation and did no more work. Such a wait need not stand
-    out from the peers' spread per class of collective (4 peers, one of them the late partner: dp2 x tp2 x pp4),
-    which is what ``roles.explain_victims`` reads. A rank whose own host work is slow arrives last and waits
-    least; measured waits (``MEASURED_WAITS``) are no annotations."""
+    waited there for a late partner has a longer annotation and did no more work (``roles.explain_victims``:
+    a signal that waited). Such a wait need not stand out from the peers' spread per class of collective (4
+    peers, one of them the late partner: dp2 x tp2 x pp4). A rank whose own host work is slow arrives last and
+    waits least; measured waits (``MEASURED_WAITS``) are no annotations."""
     rows = [i for i, sig in host.items() if sig.function not in MEASURED_WAITS]
     waits = partner_waits(pm, np.array(rows, dtype=np.int64), cfg.host_min_relative_gap)
-    echoes = {
-        i
+    return {
+        i: wait
         for i, wait in zip(rows, waits.tolist(), strict=True)
         if wait >= VICTIM_WAIT_SHARE * float(host[i].evidence.get("excess_ns", host[i].loss_ns))
     }
-    return {i: sig for i, sig in host.items() if i not in echoes}
 
 
 def partner_waits(pm: PeerMatrix, rows: I64, min_gap: float) -> F64:
