@@ -86,6 +86,13 @@ class TraceJob:
     hosts are slower than NVLink within one); 1: as fast."""
     skew_ms: float = 6.0
     noise: float = 0.02
+    rank_spread: float = 0.0
+    """Each rank's own speed, lognormal with this sigma and steady all run: healthy GPUs of one model differ
+    by a percent or two (silicon, clocks, cooling); 0: all alike."""
+    stall_rate: float = 0.0
+    """The chance that a rank starts a step late by up to ``stall_ms`` (uniform) in unannotated host work: an
+    OS hiccup, a page fault, a descheduled thread, a different rank each time; 0: never."""
+    stall_ms: float = 5.0
     fault: str = "healthy"
     fault_rank: int = 0
     seed: int = 0
@@ -95,6 +102,8 @@ class TraceJob:
             raise ValueError(f"bad tracegen job: order {self.order}, names {self.names}, fault {self.fault}")
         if min(self.dp, self.tp, self.pp, self.ep) < 1 or self.dp % self.ep or self.layers % self.pp:
             raise ValueError("need dp % ep == 0 and layers % pp == 0, sizes >= 1")
+        if self.rank_spread < 0 or not 0 <= self.stall_rate <= 1 or self.stall_ms < 0:
+            raise ValueError("need rank_spread >= 0, stall_rate in [0, 1] and stall_ms >= 0")
 
     @property
     def world_size(self) -> int:
@@ -169,11 +178,13 @@ class _Model:
             for r in members:
                 self.pg[(role, r)] = (name, members)
         self.speed = np.ones(job.world_size)
+        if job.rank_spread > 0:  # drawn only when asked, so that jobs without it keep their random sequence
+            self.speed = self.rng.lognormal(0.0, job.rank_spread, job.world_size)
         for r in range(job.world_size):
             if job.fault == "slow_worker" and r == job.fault_rank:
-                self.speed[r] = 2.35
+                self.speed[r] *= 2.35
             if job.fault == "slow_stage" and job.coordinates(r)["pp"] == job.pp - 1:
-                self.speed[r] = 1.25
+                self.speed[r] *= 1.25
         self.lps = job.layers // job.pp
         self.launch_gap = np.zeros(job.world_size)
         if job.fault == "host_bound":
@@ -339,6 +350,10 @@ def simulate(job: TraceJob) -> tuple[list[RankActivity], list[list[tuple[float, 
         if job.fault == "late_start" and step:
             r = job.fault_rank
             start[r] += LATE_START_SHARE * (steps[r][-1][1] - steps[r][-1][0])
+        if job.stall_rate > 0:
+            stalled = model.rng.random(job.world_size) < job.stall_rate
+            for r in np.flatnonzero(stalled).tolist():
+                start[r] += float(model.rng.uniform(0.0, job.stall_ms * 1000.0))
         end = model.iteration(start)
         for r in range(job.world_size):
             steps[r].append((t[r], end[r]))

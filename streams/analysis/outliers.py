@@ -368,7 +368,7 @@ def _without_gpu_echo(host: dict[int, RankSignal], gpu: dict[int, RankSignal]) -
 
 
 def _annotation_echoes(host: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, float]:
-    """Per row, the wait for its partners (``partner_waits``) of the host signals whose annotations grew by no
+    """Per row, the wait for its partners (``_partner_waits``) of the host signals whose annotations grew by no
     more than twice (``VICTIM_WAIT_SHARE``) that wait: an annotation that encloses a collective on a GPU stream
     (``## forward ##`` around a tensor-parallel all-reduce) lasts until the collective ends, so a rank that
     waited there for a late partner has a longer annotation and did no more work (``roles.explain_victims``:
@@ -376,7 +376,7 @@ def _annotation_echoes(host: dict[int, RankSignal], pm: PeerMatrix, cfg: Scoring
     peers, one of them the late partner: dp2 x tp2 x pp4). A rank whose own host work is slow arrives last and
     waits least; measured waits (``MEASURED_WAITS``) are no annotations."""
     rows = [i for i, sig in host.items() if sig.function not in MEASURED_WAITS]
-    waits = partner_waits(pm, np.array(rows, dtype=np.int64), cfg.host_min_relative_gap)
+    waits = _partner_waits(pm, np.array(rows, dtype=np.int64), cfg.host_min_relative_gap)
     return {
         i: wait
         for i, wait in zip(rows, waits.tolist(), strict=True)
@@ -384,12 +384,13 @@ def _annotation_echoes(host: dict[int, RankSignal], pm: PeerMatrix, cfg: Scoring
     }
 
 
-def partner_waits(pm: PeerMatrix, rows: I64, min_gap: float) -> F64:
-    """Per row, the time it spent in collectives beyond the other members of the same process-group instance
-    (their median; in a pair, the partner's), over the instances where that is ``min_gap`` of their time or
-    more: a collective ends on every member together, so a member's longer time is its wait for the others.
-    One column's members are of one group instance (the pattern name carries it), so this needs no spread
-    between instances to stand out from. Medians of the rows' columns only (a large job has thousands)."""
+def _partner_waits(pm: PeerMatrix, rows: I64, min_gap: float) -> F64:
+    """Per row, the time it spent in collectives beyond the members of the same process-group instance (their
+    median, its own time among them; in a pair, its partner's), over the instances where that is ``min_gap``
+    of the median or more: a collective ends on every member together, so a member's longer time is its wait
+    for the others. One column's members are of one group instance (the pattern name carries it), so this
+    needs no spread between instances to stand out from. Medians of the rows' columns only (a large job has
+    thousands)."""
     if not rows.size or not pm.functions:
         return np.zeros(rows.size)
     time = pm.features["mean_ns"] * pm.features["calls"]
