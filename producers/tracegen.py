@@ -9,7 +9,8 @@ mixture-of-experts layer), and this module writes one JSON file per rank as PyTo
 Faults: ``slow_stage`` (the last stage's compute x1.25), ``slow_worker`` (one rank's compute x2.35),
 ``a2a_imbalance`` (one expert rank gets 2x the tokens), ``host_bound`` (one rank's GPU waits for each
 launch: kernels are launched just before they start, so its gaps are its host's), ``slow_link`` (every ring
-collective one rank is in transfers 3x slower).
+collective one rank is in transfers 3x slower), ``late_start`` (one rank starts every step late in host
+work), ``regression`` (every rank's compute x1.12 from the middle step on).
 ``python -m fleetscope.producers.tracegen DIR`` writes a job.
 """
 

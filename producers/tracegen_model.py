@@ -39,7 +39,9 @@ DESCS = {
     "mesh": {"tp": "mesh_tp", "dp": "mesh_dp", "pp": "mesh_pp", "ep": "mesh_ep"},
     "none": dict.fromkeys(("tp", "dp", "pp", "ep"), "undefined"),
 }
-FAULTS = ("healthy", "slow_stage", "slow_worker", "a2a_imbalance", "host_bound", "slow_link", "late_start")
+FAULTS = (
+    "healthy", "slow_stage", "slow_worker", "a2a_imbalance", "host_bound", "slow_link", "late_start", "regression",
+)  # fmt: skip
 HOST_BOUND_GAP = 0.6
 """``host_bound``: before each of its compute kernels the culprit's GPU waits this share of the kernel's time
 for the launch (its CPU needs 1.6x the GPU's time per kernel: Python overhead, a slow or busy host)."""
@@ -50,12 +52,16 @@ LATE_START_SHARE = 0.15
 """``late_start``: from its second step on, the culprit starts each step this share of its last step late, in
 host work that no annotation covers (a blocking call before the data loader): its GPU work is as fast as its
 peers', and they wait for it at the step's first collective only, then run in step with it."""
+REGRESSION_FACTOR = 1.12
+"""``regression``: from the middle step of the run on, every rank's compute takes this many times as long (a
+new code path, a changed configuration): the whole job slows alike, no rank stands out among its peers."""
 _EXPECTED = {
     "healthy": "",
     "slow_stage": "stage_imbalance",
     "host_bound": "host_slow",
     "slow_link": "link_slow",
     "late_start": "straggler",
+    "regression": "job_regression",
 }
 BASE_NS = 1_761_955_200_000_000_000  # a quarter boundary, as Kineto floors baseTimeNanoseconds
 COMPUTE_STREAM, P2P_STREAM = 7, 21
@@ -147,13 +153,18 @@ class TraceJob:
 
     @property
     def fault_step(self) -> int:
-        """The first step the fault acts on (a late start needs a step before it to be late by)."""
+        """The first step the fault acts on (a late start needs a step before it to be late by; a regression
+        needs a baseline before it: the middle step)."""
+        if self.fault == "regression":
+            return self.first_step + self.steps // 2
         return self.first_step + (self.fault == "late_start")
 
     def culprits(self) -> tuple[int, ...]:
         """The ranks the fault acts on."""
         if self.fault == "slow_stage":
             return tuple(r for r in range(self.world_size) if self.coordinates(r)["pp"] == self.pp - 1)
+        if self.fault == "regression":
+            return tuple(range(self.world_size))
         return () if self.fault == "healthy" else (self.fault_rank,)
 
 
@@ -350,6 +361,8 @@ def simulate(job: TraceJob) -> tuple[list[RankActivity], list[list[tuple[float, 
         if job.fault == "late_start" and step:
             r = job.fault_rank
             start[r] += LATE_START_SHARE * (steps[r][-1][1] - steps[r][-1][0])
+        if job.fault == "regression" and step == job.steps // 2:
+            model.speed *= REGRESSION_FACTOR
         if job.stall_rate > 0:
             stalled = model.rng.random(job.world_size) < job.stall_rate
             for r in np.flatnonzero(stalled).tolist():

@@ -302,12 +302,13 @@ class JobDifferential:
             persistent = self._noise.contended(budget, hosts, {s.rank for s in signals if s.category != "straggler"})
             signals = _late_for_a_cause(signals, persistent) + persistent
         if not disturbed and not signals and self.tracker.open_findings() == self._judged_late_open():
-            # no other rank's finding explains a late one (its victims); a straggler found so before (or a
-            # launch-bound rank, JobNoise._launch_bound) is judged again, so that it stays open while it holds.
-            # Ranks compare by function where every rank does the same work, and in their collective pairs in
-            # any layout.
+            # no other rank's finding explains a late one (its victims); a straggler found so before (or a rank
+            # late by its launch waits or compute, JobNoise._own_cause) is judged again, so that it stays open
+            # while it holds. Ranks compare by function where every rank does the same work, and in their
+            # collective pairs in any layout.
             same_work = np.unique(role_codes(records)).size == 1
-            persistent = self._noise.stragglers(signals, budget, hosts, set(), same_work=same_work)
+            gap = self.config.scoring.min_relative_gap
+            persistent = self._noise.stragglers(signals, budget, hosts, set(), gap, same_work=same_work)
             signals += persistent
         self._iteration_ns.append(iteration_ns)
         own_ns, cpu_wait_ns = _own_time(records)
@@ -334,9 +335,12 @@ class JobDifferential:
         return out + self._missing_ranks(it, records)
 
     def _judged_late_open(self) -> int:
-        """Open findings that ``JobNoise.stragglers`` keeps open: stragglers, and launch-bound ranks found late."""
-        return self.tracker.open_findings(Category.STRAGGLER.value) + self.tracker.open_findings(
-            Category.HOST_SLOW.value, LAUNCH_WAIT_FUNCTION
+        """Open findings that ``JobNoise.stragglers`` keeps open: stragglers, and the ranks it found late by their
+        own launch waits or compute (``JobNoise._own_cause``)."""
+        return (
+            self.tracker.open_findings(Category.STRAGGLER.value)
+            + self.tracker.open_findings(Category.HOST_SLOW.value, LAUNCH_WAIT_FUNCTION)
+            + self.tracker.open_findings(Category.GPU_SLOW.value, "compute")
         )
 
     def _missing_ranks(self, it: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:

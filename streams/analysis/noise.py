@@ -54,9 +54,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import FunctionKind
+from fleetscope.schemas import Category, FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION
-from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE, role_codes
+from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE, late_by_compute, role_codes
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stages import P2P_PREFIXES
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
@@ -214,8 +214,8 @@ class JobNoise:
             self._p2p.append(p2p)
         self._lateness = {}
         for function, values in seen.items() if small else ():  # only small jobs are judged by it
-            if function in self._host or len(values) < 2:
-                continue
+            if function in self._host or len(values) < 2 or function.startswith(P2P_PREFIXES):
+                continue  # a pipeline group's stages send and receive by their own schedules, not as peers
             arrivals = np.fromiter(values.values(), dtype=np.float64, count=len(values))
             for rank, late in zip(values, (_median_of_others(arrivals) - arrivals).tolist(), strict=True):
                 self._lateness[rank] = max(self._lateness.get(rank, -np.inf), late)
@@ -330,13 +330,15 @@ class JobNoise:
         budget_ns: float,
         hosts: dict[int, str],
         named: set[int],
+        min_gap: float,
         same_work: bool = True,
     ) -> list[RankSignal]:
         """Straggler signals the single iteration missed: ranks clearly late at a collective (``_clearly_late``)
         and late by ``budget_ns`` (median) over their last ``level_iterations + 1`` iterations, where every
         rank does the same work (``same_work``: no layout roles), and ranks late in every one of their
         collective pairs (``_pair_stragglers``, any layout); none that a signal of this iteration names (a
-        cause, or the straggler itself) nor ``named`` (a cause found before)."""
+        cause, or the straggler itself) nor ``named`` (a cause found before); each one as ``_own_cause`` says
+        (``min_gap``: ``ScoringConfig.min_relative_gap``)."""
         named = named | {s.rank for s in signals}
         out: list[RankSignal] = []
         if not self._past_warmup():
@@ -359,18 +361,19 @@ class JobNoise:
                 named.add(rank)
                 noise = max(_noise(late, col), 1.0)
                 last = int(np.count_nonzero(np.argmax(np.nan_to_num(recent, nan=-np.inf), axis=1) == col))
-                out.append(
-                    self._launch_bound(RankSignal(
-                        rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
-                        metric="arrival_lateness_ns", value=float(late[-1, col]), peer_median=0.0,
-                        score=lateness / noise, loss_ns=lateness,
-                        evidence={"last_arrivals": last, "iterations": int(recent.shape[0]),
-                                  "median_lateness_ns": lateness, "noise_ns": noise},
-                    ), [r for r in ranks if r != rank])
-                )  # fmt: skip
-        return out + self._pair_stragglers(budget_ns, hosts, named)
+                found = self._own_cause(RankSignal(
+                    rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
+                    metric="arrival_lateness_ns", value=float(late[-1, col]), peer_median=0.0,
+                    score=lateness / noise, loss_ns=lateness,
+                    evidence={"last_arrivals": last, "iterations": int(recent.shape[0]),
+                              "median_lateness_ns": lateness, "noise_ns": noise},
+                ), [r for r in ranks if r != rank], min_gap)  # fmt: skip
+                out += [found] if found is not None else []
+        return out + self._pair_stragglers(budget_ns, hosts, named, min_gap)
 
-    def _pair_stragglers(self, budget_ns: float, hosts: dict[int, str], named: set[int]) -> list[RankSignal]:
+    def _pair_stragglers(
+        self, budget_ns: float, hosts: dict[int, str], named: set[int], min_gap: float
+    ) -> list[RankSignal]:
         """Stragglers of layouts whose collective groups are pairs (dp2 x tp2 x pp2), which no comparison
         within one group can name: of two members, one's lateness is the other's wait.
 
@@ -431,37 +434,47 @@ class JobNoise:
                 if piped:
                     piped_waits[rank] = wait
             _, function, _ = max(pairs[rank], key=lambda p: float(np.median(p[2])))
-            out.append(
-                self._launch_bound(RankSignal(
-                    rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
-                    metric="arrival_lateness_ns", value=float(late[-1]), peer_median=0.0,
-                    score=lateness / max(noise, 1.0), loss_ns=lateness,
-                    evidence={"partners": sorted(partners[rank]), "iterations": window,
-                              "median_lateness_ns": lateness, "noise_ns": noise},
-                ), sorted(partners[rank]))
-            )  # fmt: skip
+            found = self._own_cause(RankSignal(
+                rank=rank, host=hosts.get(rank, ""), category="straggler", function=function,
+                metric="arrival_lateness_ns", value=float(late[-1]), peer_median=0.0,
+                score=lateness / max(noise, 1.0), loss_ns=lateness,
+                evidence={"partners": sorted(partners[rank]), "iterations": window,
+                          "median_lateness_ns": lateness, "noise_ns": noise},
+            ), sorted(partners[rank]), min_gap)  # fmt: skip
+            out += [found] if found is not None else []
         if len(piped_waits) > 1:  # one late stage holds up the others a little too: the one that waited least
             least = min(piped_waits, key=piped_waits.__getitem__)
             out = [s for s in out if s.rank not in piped_waits or s.rank == least]
         return out
 
-    def _launch_bound(self, straggler: RankSignal, others: Sequence[int]) -> RankSignal:
-        """The straggler, or ``host_slow`` on ``LAUNCH_WAIT_FUNCTION`` where its GPU waited for its host to
-        launch kernels longer than ``others`` did by at least half its lateness (medians of the window): a
-        launch-bound rank is late because its host cannot keep its GPU busy, a cause of its own, as the peer
-        comparison names it where a stage has peers enough (dp2 x pp4 has 2). A late starter's GPU work is as
-        dense as its peers', and waits for no launch."""
-        series = self._series.get(LAUNCH_WAIT_FUNCTION)
-        window = list(series or ())[-self.config.level_iterations - 1 :]
-        if not window or not others:
+    def _own_cause(self, straggler: RankSignal, others: Sequence[int], min_gap: float) -> RankSignal | None:
+        """The straggler, or what it is late by where its own records say (medians of the window, against
+        ``others``, its partners or peers): ``host_slow`` on ``LAUNCH_WAIT_FUNCTION`` where its GPU waited for
+        its host to launch kernels longer by at least half its lateness (a launch-bound rank, as the peer
+        comparison names it where a stage has peers enough; dp2 x pp4 has 2); where its compute took longer
+        by that much (``roles.late_by_compute``), ``gpu_slow`` on its compute, or None where that is less than
+        ``min_gap`` of its stage's (the slowest healthy GPU). A late starter's GPU work is as dense and as
+        fast as its peers'."""
+        window = self.config.level_iterations + 1
+        launch = _excess(self._series.get(LAUNCH_WAIT_FUNCTION, ()), straggler.rank, others, window)
+        if launch is not None and launch[0] >= VICTIM_WAIT_SHARE * straggler.loss_ns:
+            return replace(
+                straggler, category=Category.HOST_SLOW.value, function=LAUNCH_WAIT_FUNCTION, metric="self_ns",
+                value=launch[1] + launch[0], peer_median=launch[1],
+                evidence={**straggler.evidence, "launch_wait_above_peers_ns": launch[0]},
+            )  # fmt: skip
+        stage = next((s for s in self._compute.values() if straggler.rank in s[-1]), ())
+        compute = _excess(stage, straggler.rank, [r for r in others if r in stage[-1]] if stage else [], window)
+        if compute is None:
             return straggler
-        own = float(np.median([it.get(straggler.rank, 0.0) for it in window]))
-        peers = float(np.median([np.median([it.get(r, 0.0) for r in others]) for it in window]))
-        if own - peers < VICTIM_WAIT_SHARE * straggler.loss_ns:
+        cause = late_by_compute(straggler.loss_ns, compute[0], compute[1], min_gap)
+        if cause is None:
             return straggler
+        if not cause:
+            return None
         return replace(
-            straggler, category="host_slow", function=LAUNCH_WAIT_FUNCTION, metric="self_ns", value=own,
-            peer_median=peers, evidence={**straggler.evidence, "launch_wait_above_peers_ns": own - peers},
+            straggler, category=cause, function="compute", metric="compute_ns", value=compute[1] + compute[0],
+            peer_median=compute[1], evidence={**straggler.evidence, "compute_above_peers_ns": compute[0]},
         )  # fmt: skip
 
     def _held_up_groups(self, rank: int) -> float:
@@ -618,6 +631,20 @@ def _leads(lead: F64, noise: float, cfg: NoiseConfig) -> bool:
         if total >= cfg.lead_alarm:
             return True
     return False
+
+
+def _excess(
+    series: Iterable[dict[int, float]], rank: int, others: Sequence[int], window: int
+) -> tuple[float, float] | None:
+    """A rank's value above ``others``' median, and that median, each the median over the latest ``window``
+    iterations of ``series`` (per iteration, each rank's value; one absent counts as zero); None without
+    either."""
+    latest = list(series)[-window:]
+    if not latest or not others:
+        return None
+    own = float(np.median([it.get(rank, 0.0) for it in latest]))
+    peers = float(np.median([np.median([it.get(r, 0.0) for r in others]) for it in latest]))
+    return own - peers, peers
 
 
 def _largest_of_others(values: F64) -> F64:

@@ -34,6 +34,7 @@ from fleetscope.streams.analysis.roles import (
     VICTIM_WAIT_SHARE,
     absent_as_zero,
     explain_victims,
+    late_by_compute,
     peer_group_rows,
     role_codes,
 )
@@ -325,12 +326,14 @@ def _score_group(
     from link throughput during collectives; 3. a late arrival with none of these causes is a
     straggler; with a cause, it corroborates the cause; 4. a cause's loss is the time saved if it
     were fixed (``timelost``). ``role``: each row's role code (``roles.role_codes``). ``one_stage``: the
-    ranks are of one known stage, so a host annotation that lasted as long as its rank's waits for its
-    partners waited (``_annotation_echoes``).
+    ranks are of one known stage, so their compute compares (``_without_healthy_spread``) and a host annotation
+    that lasted as long as its rank's waits for its partners waited (``_annotation_echoes``).
     """
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
     late, arrival, waited = _late_arrivals(collectives, cfg, score, budget)
+    if one_stage:
+        late = _without_healthy_spread(late, pms.of_kind(_COMPUTE), cfg)
     gpu = bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival)
     host = bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival)
     host = _without_gpu_echo(host, gpu)
@@ -365,6 +368,23 @@ def _without_gpu_echo(host: dict[int, RankSignal], gpu: dict[int, RankSignal]) -
             continue
         out[i] = sig
     return out
+
+
+def _without_healthy_spread(late: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, RankSignal]:
+    """Stragglers less those late by a GPU that computes less than ``min_relative_gap`` longer than its peers
+    (``roles.late_by_compute``): the slowest healthy GPU of a stage."""
+    if not late or not pm.functions:
+        return late
+    total = pm.features.get("total_ns")
+    if total is None:  # gathered without compute totals: calls are converted on demand
+        total = pm.features["mean_ns"] * pm.feature_rows("calls", np.arange(pm.ranks.size))
+    compute = np.nansum(total, axis=1)
+    median = float(np.median(compute))
+    return {
+        i: sig
+        for i, sig in late.items()
+        if late_by_compute(sig.loss_ns, float(compute[i]) - median, median, cfg.min_relative_gap) != ""
+    }
 
 
 def _annotation_echoes(host: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, float]:

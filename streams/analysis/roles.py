@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetscope.schemas import FunctionKind
+from fleetscope.schemas import Category, FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import I64
@@ -36,6 +36,20 @@ PLACEMENT_SLACK = 1.5
 hosts, plus the arrival jitter that time adds: up to this multiple of it is its placement."""
 VICTIM_WAIT_SHARE = 0.5
 """A straggler that waited in other collectives for at least this share of its lateness was held up."""
+
+
+def late_by_compute(lateness_ns: float, excess_ns: float, compute_ns: float, min_gap: float) -> str | None:
+    """What a late rank's own compute time, ``excess_ns`` above its peers' median ``compute_ns``, says of its
+    lateness: None where it accounts for less than half of it (``VICTIM_WAIT_SHARE``: its host, a late start,
+    a wait); "gpu_slow" where it does and the excess is ``min_gap`` of the median or more (the gap a kernel
+    needs to be gpu_slow); "" where it does by less: GPUs of one model differ by a few percent (silicon,
+    clocks, cooling), and the slowest of a healthy job arrives last at every collective, by a steady percent
+    or two of the step. That is a healthy part, not a finding."""
+    if not excess_ns >= VICTIM_WAIT_SHARE * lateness_ns:
+        return None
+    return Category.GPU_SLOW.value if excess_ns >= min_gap * compute_ns else ""
+
+
 LATE_IN_ONE_CALL = "late_in_one_call"
 """A straggler's evidence: its lateness gathered in one call of the step (``outliers._step_lateness``)."""
 

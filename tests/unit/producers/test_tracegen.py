@@ -11,7 +11,7 @@ import pytest
 
 from fleetscope.producers.kineto import parse_trace
 from fleetscope.producers.trace_layout import GroupNotes, job_layouts, with_layout
-from fleetscope.producers.tracegen import EXPERT_GEMM, TraceJob, documents, main, write_traces
+from fleetscope.producers.tracegen import EXPERT_GEMM, TraceJob, documents, main, simulate, write_traces
 from fleetscope.schemas import EventKind
 from fleetscope.schemas.layout import ProcessGroup
 from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION
@@ -178,6 +178,19 @@ def test_p2p_peers_are_mapped_from_group_local_to_global_ranks() -> None:
     assert notes.p2p(groups) == (((2, 6), (6, 10), (6, 9)), "recv")
 
 
+def test_knobs_left_at_zero_draw_nothing() -> None:
+    """rank_spread, stall_rate and the regression are drawn only when asked: jobs without them (the bench's,
+    the seeds above) keep their random sequence."""
+    base = TraceJob(dp=4, pp=2, steps=3, seed=5)
+    assert simulate(base)[1] == simulate(dataclasses.replace(base, stall_ms=9.0))[1]
+    spread = simulate(dataclasses.replace(base, rank_spread=0.02))[1]
+    assert spread != simulate(base)[1]
+    assert TraceJob(fault="regression").expected_category == "job_regression"
+    assert TraceJob(dp=2, fault="regression").culprits() == (0, 1)
+    with pytest.raises(ValueError, match="stall_rate"):
+        TraceJob(stall_rate=1.5)
+
+
 def test_expected_categories() -> None:
     assert TraceJob(pp=2, fault="slow_stage").expected_category == "stage_imbalance"
     assert TraceJob(fault="slow_worker").expected_category == "gpu_slow"
@@ -208,6 +221,10 @@ def test_expected_categories() -> None:
         TraceJob(dp=2, tp=3, pp=2, layers=8, steps=8, seed=643, gpus_per_host=4, inter_host_factor=3.0),
         TraceJob(dp=4, pp=2, steps=8, seed=647, fault="slow_link", fault_rank=6, names="none"),
         TraceJob(dp=2, pp=4, steps=10, seed=653, fault="host_bound", fault_rank=5),
+        TraceJob(dp=16, steps=16, seed=709, rank_spread=0.015, noise=0.04),
+        TraceJob(dp=16, steps=16, seed=719, rank_spread=0.015, noise=0.04),
+        TraceJob(dp=2, pp=4, steps=24, seed=733, fault="regression"),
+        TraceJob(dp=4, tp=2, pp=2, steps=24, seed=743, fault="regression", noise=0.05, stall_rate=0.05),
     ],
     ids=[
         "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
@@ -215,7 +232,8 @@ def test_expected_categories() -> None:
         "dp4xtp4_slow_worker_in_the_replica_across_hosts", "tp4xpp2_late_start", "dp2xtp2xpp2_late_start",
         "dp8xep4_late_start", "dp4xtp2xpp2_late_start", "dp2xpp4_late_start", "dp2xpp4_healthy_noisy",
         "dp3xtp2_late_start", "dp2xtp3xpp2_late_start", "dp2xtp3xpp2_a_tp_group_across_hosts", "dp4xpp2_slow_link",
-        "dp2xpp4_host_bound",
+        "dp2xpp4_host_bound", "dp16_healthy_gpus_1.5pct_apart", "dp16_healthy_gpus_1.5pct_apart_2",
+        "dp2xpp4_regression", "dp4xtp2xpp2_regression_with_host_hiccups",
     ],
 )  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
@@ -238,7 +256,11 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     replica late in every pair, and held up no one: nothing. In dp4 x pp2 each stage's data-parallel ring has
     one equivalent (the other stage's): the slow one is its ring, held to the faster one. A launch-bound rank
     with one data-parallel partner per stage (dp2 x pp4: too few peers to compare) is late in its pair by its
-    GPU's wait for launches: host_slow on that wait, not a straggler."""
+    GPU's wait for launches: host_slow on that wait, not a straggler. Healthy GPUs differ by a percent or two:
+    the slowest of 16 (4 % slower than the median) arrives last at every all-reduce, and is no finding. A job
+    whose every rank computes 12 % longer from the middle of the run is a job_regression on every rank, also
+    in a pipeline, whose stages wait in send/recv by their schedule (no rank is late for it), and with random
+    host hiccups (one rank in 20 starts a step up to 5 ms late)."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]

@@ -10,7 +10,7 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
 from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.outliers import score_iteration
-from fleetscope.streams.analysis.roles import LATE_IN_ONE_CALL, explain_victims
+from fleetscope.streams.analysis.roles import LATE_IN_ONE_CALL, explain_victims, late_by_compute
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.offline import OfflinePipeline
 
@@ -167,6 +167,15 @@ def test_an_annotation_as_long_as_its_wait_for_a_partner_is_no_host_work(pipelin
     assert [(s.rank, s.category, s.function) for s in score_iteration(records) if s.rank == 5] == [
         (5, "host_slow", "backward")
     ]
+
+
+def test_a_late_rank_is_late_by_its_gpu_where_its_compute_accounts_for_half_its_lateness():
+    """Compute 1 ms above its peers' 30 ms, late by 1.5 ms: late by its GPU, which is 3 % slower, a healthy
+    part (""); 2 ms above 30 ms (6.7 %): gpu_slow; 0.5 ms above, late by 1.5 ms: something else (None)."""
+    assert late_by_compute(1.5e6, 1e6, 30e6, 0.05) == ""
+    assert late_by_compute(1.5e6, 2e6, 30e6, 0.05) == "gpu_slow"
+    assert late_by_compute(1.5e6, 0.5e6, 30e6, 0.05) is None
+    assert late_by_compute(1.5e6, float("nan"), 30e6, 0.05) is None
 
 
 def test_self_time_reaches_the_pattern_records(pipeline_job):

@@ -106,9 +106,10 @@ def test_the_differential_uses_the_scorer_its_configuration_names() -> None:
     robust = OfflinePipeline().add_all(simulate(SLOW_GPU)).finish()
     assert _categories(robust.findings) == {(11, "gpu_slow")}
     mean = OfflinePipeline(differential=DifferentialConfig(scorer="mean_z")).add_all(simulate(SLOW_GPU)).finish()
-    # the mean/std z of one slow rank among 16 stays under the threshold (sqrt(15)): no gpu_slow; the rank's
-    # late arrival, judged without a scorer, may still name it, and only it
-    assert {c for _, c in _categories(mean.findings)} <= {"straggler"}, mean.findings
+    # the mean/std z of one slow rank among 16 stays under the threshold (sqrt(15)): no kernel is gpu_slow; the
+    # rank's late arrival, judged without a scorer, may still name it, and only it: a straggler, or gpu_slow on
+    # its compute where that is what it is late by (JobNoise._own_cause)
+    assert all(f["category"] == "straggler" or f["function"] == "compute" for f in mean.findings), mean.findings
     assert {r for r, _ in _categories(mean.findings)} <= {11} and len(mean.iterations) == len(robust.iterations)
     x = np.array([[1.0], [1.1], [0.9], [1.0], [9.0]])
     for name, factory in SCORERS.items():
