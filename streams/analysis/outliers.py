@@ -332,8 +332,6 @@ def _score_group(
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
     late, arrival, waited = _late_arrivals(collectives, cfg, score, budget)
-    if one_stage:
-        late = _without_healthy_spread(late, pms.of_kind(_COMPUTE), cfg)
     gpu = bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival)
     host = bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival)
     host = _without_gpu_echo(host, gpu)
@@ -347,7 +345,10 @@ def _score_group(
             sig.evidence["waited_ns"] = max(float(waited[i]), echoes.get(i, 0.0) if found is host else 0.0)
             signals.append(sig)
     explained = {i for found in causes for i in found}
-    signals += [sig for i, sig in late.items() if i not in explained]
+    alone = {i: sig for i, sig in late.items() if i not in explained}
+    if one_stage:
+        alone = _without_healthy_spread(alone, pms.of_kind(_COMPUTE), cfg)
+    signals += alone.values()
     return signals
 
 
@@ -371,8 +372,8 @@ def _without_gpu_echo(host: dict[int, RankSignal], gpu: dict[int, RankSignal]) -
 
 
 def _without_healthy_spread(late: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, RankSignal]:
-    """Stragglers less those late by a GPU that computes less than ``min_relative_gap`` longer than its peers
-    (``roles.late_by_compute``): the slowest healthy GPU of a stage."""
+    """Stragglers with no cause of their own less those late by a GPU that computes less than
+    ``min_relative_gap`` longer than its peers (``roles.late_by_compute``): the slowest healthy GPU of a stage."""
     if not late or not pm.functions:
         return late
     total = pm.features.get("total_ns")
