@@ -99,6 +99,9 @@ class TraceJob:
     """The chance that a rank starts a step late by up to ``stall_ms`` (uniform) in unannotated host work: an
     OS hiccup, a page fault, a descheduled thread, a different rank each time; 0: never."""
     stall_ms: float = 5.0
+    work_spread: float = 0.0
+    """Each step, each data-parallel replica's batch takes this much more or less compute (lognormal sigma):
+    sequences of varying length, not packed, so a different replica is the slowest each step; 0: alike."""
     fault: str = "healthy"
     fault_rank: int = 0
     seed: int = 0
@@ -108,8 +111,8 @@ class TraceJob:
             raise ValueError(f"bad tracegen job: order {self.order}, names {self.names}, fault {self.fault}")
         if min(self.dp, self.tp, self.pp, self.ep) < 1 or self.dp % self.ep or self.layers % self.pp:
             raise ValueError("need dp % ep == 0 and layers % pp == 0, sizes >= 1")
-        if self.rank_spread < 0 or not 0 <= self.stall_rate <= 1 or self.stall_ms < 0:
-            raise ValueError("need rank_spread >= 0, stall_rate in [0, 1] and stall_ms >= 0")
+        if self.rank_spread < 0 or not 0 <= self.stall_rate <= 1 or self.stall_ms < 0 or self.work_spread < 0:
+            raise ValueError("need rank_spread >= 0, stall_rate in [0, 1], stall_ms >= 0 and work_spread >= 0")
 
     @property
     def world_size(self) -> int:
@@ -196,6 +199,8 @@ class _Model:
                 self.speed[r] *= 2.35
             if job.fault == "slow_stage" and job.coordinates(r)["pp"] == job.pp - 1:
                 self.speed[r] *= 1.25
+        self.work = np.ones(job.world_size)
+        """Each rank's share of work in the current step (``work_spread``: its replica's batch)."""
         self.lps = job.layers // job.pp
         self.launch_gap = np.zeros(job.world_size)
         if job.fault == "host_bound":
@@ -252,7 +257,7 @@ class _Model:
     def compute(self, r: int, t: float, total_us: float, table: Sequence[tuple[str, float]]) -> float:
         """A layer's kernels on one rank, each with its own noise; returns its end."""
         for name, share in table:
-            d = total_us * share * self.speed[r] * float(self.rng.lognormal(0.0, self.job.noise))
+            d = total_us * share * self.speed[r] * self.work[r] * float(self.rng.lognormal(0.0, self.job.noise))
             t += d * self.launch_gap[r]  # a launch-bound rank's GPU idles until its host launches the kernel
             self.ranks[r].kernels.append((t, d, name, COMPUTE_STREAM, {}))
             t += d
@@ -363,6 +368,9 @@ def simulate(job: TraceJob) -> tuple[list[RankActivity], list[list[tuple[float, 
             start[r] += LATE_START_SHARE * (steps[r][-1][1] - steps[r][-1][0])
         if job.fault == "regression" and step == job.steps // 2:
             model.speed *= REGRESSION_FACTOR
+        if job.work_spread > 0:
+            batch = model.rng.lognormal(0.0, job.work_spread, job.dp)
+            model.work = np.array([batch[job.coordinates(r)["dp"]] for r in range(job.world_size)])
         if job.stall_rate > 0:
             stalled = model.rng.random(job.world_size) < job.stall_rate
             for r in np.flatnonzero(stalled).tolist():

@@ -179,12 +179,12 @@ def test_p2p_peers_are_mapped_from_group_local_to_global_ranks() -> None:
 
 
 def test_knobs_left_at_zero_draw_nothing() -> None:
-    """rank_spread, stall_rate and the regression are drawn only when asked: jobs without them (the bench's,
-    the seeds above) keep their random sequence."""
+    """rank_spread, work_spread, stall_rate and the regression are drawn only when asked: jobs without them (the
+    bench's, the seeds above) keep their random sequence."""
     base = TraceJob(dp=4, pp=2, steps=3, seed=5)
     assert simulate(base)[1] == simulate(dataclasses.replace(base, stall_ms=9.0))[1]
-    spread = simulate(dataclasses.replace(base, rank_spread=0.02))[1]
-    assert spread != simulate(base)[1]
+    for knob in ({"rank_spread": 0.02}, {"work_spread": 0.05}, {"stall_rate": 0.5}):
+        assert simulate(dataclasses.replace(base, **knob))[1] != simulate(base)[1], knob
     assert TraceJob(fault="regression").expected_category == "job_regression"
     assert TraceJob(dp=2, fault="regression").culprits() == (0, 1)
     with pytest.raises(ValueError, match="stall_rate"):
@@ -225,6 +225,7 @@ def test_expected_categories() -> None:
         TraceJob(dp=16, steps=16, seed=719, rank_spread=0.015, noise=0.04),
         TraceJob(dp=2, pp=4, steps=24, seed=733, fault="regression"),
         TraceJob(dp=4, tp=2, pp=2, steps=24, seed=743, fault="regression", noise=0.05, stall_rate=0.05),
+        TraceJob(dp=4, tp=2, pp=2, steps=14, seed=751, work_spread=0.1, noise=0.04, rank_spread=0.01),
     ],
     ids=[
         "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
@@ -233,7 +234,7 @@ def test_expected_categories() -> None:
         "dp8xep4_late_start", "dp4xtp2xpp2_late_start", "dp2xpp4_late_start", "dp2xpp4_healthy_noisy",
         "dp3xtp2_late_start", "dp2xtp3xpp2_late_start", "dp2xtp3xpp2_a_tp_group_across_hosts", "dp4xpp2_slow_link",
         "dp2xpp4_host_bound", "dp16_healthy_gpus_1.5pct_apart", "dp16_healthy_gpus_1.5pct_apart_2",
-        "dp2xpp4_regression", "dp4xtp2xpp2_regression_with_host_hiccups",
+        "dp2xpp4_regression", "dp4xtp2xpp2_regression_with_host_hiccups", "dp4xtp2xpp2_batches_of_varying_work",
     ],
 )  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
@@ -260,7 +261,8 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     the slowest of 16 (4 % slower than the median) arrives last at every all-reduce, and is no finding. A job
     whose every rank computes 12 % longer from the middle of the run is a job_regression on every rank, also
     in a pipeline, whose stages wait in send/recv by their schedule (no rank is late for it), and with random
-    host hiccups (one rank in 20 starts a step up to 5 ms late)."""
+    host hiccups (one rank in 20 starts a step up to 5 ms late). Batches whose work varies by 10 % from step to
+    step and replica to replica (sequences of varying length) make a different replica last each step: nothing."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]
