@@ -15,6 +15,7 @@ import numpy as np
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.signals import RankSignal, ScoringConfig
+from fleetscope.streams.analysis.stats import F64, I64
 
 P2P_PREFIXES = ("nccl:send[", "nccl:recv[")
 """Pattern names of pipeline p2p transfers (``collective_function_name`` of send/recv)."""
@@ -56,6 +57,20 @@ def _slow_member(
     )  # fmt: skip
 
 
+def _replica_compute(
+    records: Sequence[dict[str, Any]], comp: F64, stage_of: I64, slowest: int, members: I64, others: float
+) -> F64:
+    """Per member of the slowest stage, what the other stages of its own replica compute (their ranks' median):
+    a replica's micro-batches pass through all its stages, so a batch with more work (sequences of varying
+    length) makes every stage of that replica compute longer; ``others`` where its replica is unknown."""
+    dp = np.array([int(rec.get("dp_rank", -1)) for rec in records], dtype=np.int64)
+    rest = np.flatnonzero((stage_of != slowest) & (dp >= 0))
+    rest = rest[np.argsort(dp[rest], kind="stable")]
+    replicas, starts = np.unique(dp[rest], return_index=True)
+    median = dict(zip(replicas.tolist(), (float(np.median(c)) for c in np.split(comp[rest], starts[1:])), strict=True))
+    return np.array([median.get(int(dp[i]), others) for i in members.tolist()], dtype=np.float64)
+
+
 def score_stages(
     records: Sequence[dict[str, Any]], config: ScoringConfig | None = None, compute: PeerMatrix | None = None
 ) -> list[RankSignal]:
@@ -90,7 +105,8 @@ def score_stages(
     if gap < cfg.min_relative_gap or excess < budget:
         return []
     members = np.flatnonzero(stage_of == slowest)
-    slow = members[comp[members] >= others * (1 + cfg.min_relative_gap)]
+    slow = members[comp[members] >= _replica_compute(records, comp, stage_of, slowest, members, others)
+                   * (1 + cfg.min_relative_gap)]  # fmt: skip
     if 0 < slow.size < members.size:  # not the stage: some of its ranks, too few to be told apart inside it
         return [_slow_member(records[i], comp[i], others, slowest, members.size, cfg) for i in slow.tolist()]
     p2p = np.array([p2p_ns(rec) for rec in records], dtype=np.float64)
