@@ -414,9 +414,9 @@ def _partner_waits(pm: PeerMatrix, rows: I64, min_gap: float) -> F64:
     thousands)."""
     if not rows.size or not pm.functions:
         return np.zeros(rows.size)
-    time = pm.features["mean_ns"] * pm.features["calls"]
-    cols = np.flatnonzero(~np.isnan(time[rows]).all(axis=0))
-    t = time[:, cols]
+    mean = pm.features["mean_ns"]
+    cols = np.flatnonzero(~np.isnan(mean[rows]).all(axis=0))
+    t = mean[:, cols] * pm.features["calls"][:, cols]
     members = np.sum(~np.isnan(t), axis=0)
     with quiet_nan_warnings():
         others = np.where(members == 2, np.nansum(t, axis=0) - t[rows], nan_median(t)[None, :])
@@ -549,7 +549,8 @@ def merge_columns(
             continue
         whole = all(b is p.whole for b, p in zip(blocks, parts, strict=True))
         group = pms if whole else assemble([b for b in blocks if b is not None])
-        signals += _score_group(group, cfg, scorer, roles[rows], _one_stage([records[i] for i in rows.tolist()]))
+        one_stage = int(records[int(rows[0])].get("pp_rank", -1)) >= 0  # peer_group_rows: one pp_rank a group
+        signals += _score_group(group, cfg, scorer, roles[rows], one_stage)
     gathered = all(p.whole.pms.row_ids is not None for p in parts)
     compute = pms.of_kind(_COMPUTE) if gathered and staged(int(r.get("pp_rank", -1)) for r in records) else None
     stages = score_stages(records, cfg, compute)
