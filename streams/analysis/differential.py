@@ -311,8 +311,8 @@ class JobDifferential:
             persistent = self._noise.stragglers(signals, budget, hosts, set(), gap, same_work=same_work)
             signals += persistent
         self._iteration_ns.append(iteration_ns)
-        own_ns, cpu_wait_ns = _own_time(records)
-        regression = self._regression.observe(own_ns, it, disturbed=disturbed)
+        own_ns, paced_ns, cpu_wait_ns = _own_time(records)
+        regression = self._regression.observe(own_ns, it, disturbed=disturbed, paced_ns=paced_ns)
         if regression is not None and cpu_wait_ns >= 0:
             regression = replace(regression, metric=ITERATION_LESS_CPU_WAIT, evidence={
                 **regression.evidence, "iteration_ns": iteration_ns, "cpu_wait_ns": cpu_wait_ns})  # fmt: skip
@@ -375,18 +375,23 @@ def _late_for_a_cause(signals: list[RankSignal], causes: list[RankSignal]) -> li
     return out
 
 
-def _own_time(records: Sequence[dict[str, Any]]) -> tuple[float, float]:
-    """The iteration's time less the time its ranks waited for a CPU (``cpu_wait_ns``: the median rank's
-    iteration time less its wait), and the median wait; where a rank's wait is unknown, the median
-    iteration time and -1.
+def _own_time(records: Sequence[dict[str, Any]]) -> tuple[float, float, float]:
+    """The iteration's time less the time its ranks waited for a CPU (``cpu_wait_ns``): the median rank's
+    time less its wait, and the paced time, the shortest of them (the time less the longest wait, where the
+    ranks' steps are one); and the median wait. Where a rank's wait is unknown: the median iteration time
+    twice, and -1.
 
     Why: on a shared host the whole job slows when other processes take the CPU (a real 4-rank job on 2
     cores beside the pipeline: steps 80 ms, then 100-155 ms for 20 iterations, every extra ms of it run-queue
     wait while CPU time stayed at 35-45 ms); that is no regression of the job, and the step test on its time
     less the wait does not see it. A regression of the job's own work (more compute, slower I/O or GPU)
-    adds CPU or blocked time, which stays in."""
+    adds CPU or blocked time to every rank, which stays in both. The paced time as well: a synchronous step
+    ends when its latest rank arrives, so the ranks that waited for one starved of a CPU hold its wait as
+    blocked time in a collective (a pair of ranks starved together on one core: the median rank's time less
+    its own wait grows by half their wait; the paced time, the starved ranks', does not)."""
     wall = np.array([r["iteration_ns"] for r in records], dtype=np.float64)
     wait = np.array([r.get("cpu_wait_ns", -1) for r in records], dtype=np.float64)
     if wait.size == 0 or (wait < 0).any():
-        return float(np.median(wall)), -1.0
-    return float(np.median(wall - np.minimum(wait, wall))), float(np.median(wait))
+        return float(np.median(wall)), float(np.median(wall)), -1.0
+    own = wall - np.minimum(wait, wall)
+    return float(np.median(own)), float(np.min(own)), float(np.median(wait))

@@ -130,7 +130,8 @@ class RegressionCheck:
     step (``step_test``), confirmed on consecutive segments. Iterations a profiler window disturbs
     (``ProfilerAftermath``) are neither baseline nor segment. While a step holds, or may hold
     (``StepTest.suspect``: a slow iteration can hide it for a segment), the baseline is frozen; when the
-    job is back to its baseline for a whole segment, the baseline learns again.
+    job is back to its baseline for a whole segment, the baseline learns again. Where the iterations have a
+    paced time too (``observe``), the step must show in it on the same baseline when it is reported.
 
     A regression is sustained; an excursion that came back is not one (CPU contention on a shared host
     slows the whole job for a few iterations at a time). So a step must outlast the longest excursion the
@@ -142,6 +143,9 @@ class RegressionCheck:
         self._seen = 0
         self._recent: deque[float] = deque(maxlen=config.recent_iterations)
         self._baseline: deque[float] = deque(maxlen=config.history_iterations)
+        self._recent_paced: deque[float] = deque(maxlen=config.recent_iterations)
+        self._baseline_paced: deque[float] = deque(maxlen=config.history_iterations)
+        """The same iterations' paced times (``observe``)."""
         self._hits = 0
         self._clear = 0
         self._suspect = False
@@ -156,14 +160,20 @@ class RegressionCheck:
         self.__dict__.update(state)
         for name in ("_excursion", "longest_excursion"):
             self.__dict__.setdefault(name, 0)
+        self.__dict__.setdefault("_recent_paced", deque(self._recent, maxlen=self._recent.maxlen))
+        self.__dict__.setdefault("_baseline_paced", deque(self._baseline, maxlen=self._baseline.maxlen))
 
     @property
     def active(self) -> bool:
         """A step was confirmed and the job has not been back to its baseline for a whole segment since."""
         return self._hits >= self.config.confirm_iterations + self.longest_excursion
 
-    def observe(self, iteration_ns: float, iteration: int = -1, disturbed: bool = False) -> RankSignal | None:
-        """One iteration's time; one a profiler window ``disturbed`` (``ProfilerAftermath``) is skipped."""
+    def observe(
+        self, iteration_ns: float, iteration: int = -1, disturbed: bool = False, paced_ns: float | None = None
+    ) -> RankSignal | None:
+        """One iteration's time; one a profiler window ``disturbed`` (``ProfilerAftermath``) is skipped.
+        ``paced_ns``, where known, is a second measure of the same iteration that a step must show too: the
+        job's time less the CPU wait of its most starved rank, which set the pace (``differential._own_time``)."""
         cfg = self.config
         if disturbed:
             return None
@@ -172,7 +182,9 @@ class RegressionCheck:
             return None
         if len(self._recent) == self._recent.maxlen and self._hits == 0 and not self._suspect:
             self._baseline.append(self._recent[0])
+            self._baseline_paced.append(self._recent_paced[0])
         self._recent.append(iteration_ns)
+        self._recent_paced.append(iteration_ns if paced_ns is None else paced_ns)
         self._iterations.append(iteration)
         if len(self._recent) < cfg.recent_iterations or len(self._baseline) < cfg.baseline_min_iterations:
             return None
@@ -197,7 +209,7 @@ class RegressionCheck:
         else:
             self._hits = 0
             return None
-        if not self.active:
+        if not self.active or not step_test(self._baseline_paced, self._recent_paced, cfg).flagged(len(self._recent)):
             return None
         return RankSignal(
             rank=-1, host="", category="job_regression", function="iteration", metric="iteration_ns",
