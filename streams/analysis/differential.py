@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from fleetscope.schemas import Category
+from fleetscope.schemas import Category, FunctionKind
 from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
@@ -21,6 +21,7 @@ from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 
+_COLLECTIVE = int(FunctionKind.COLLECTIVE)
 PROFILER_BLIND = JUDGED
 """Categories not judged in iterations a profiler window disturbs (``ProfilerAftermath``): a profiler
 records every CPU op, and its overhead per op differs by rank and op (x3 to x300 on a shared host); the
@@ -267,6 +268,15 @@ class JobDifferential:
         slow rank slows the whole job, and opens its own finding sooner than the step test confirms)."""
         return self.tracker.open_findings() > int(self.tracker.is_open(regression.key()))
 
+    def _late_rank_explains(self, regression: RankSignal) -> bool:
+        """A rank late at its collectives explains the job's slowdown (``JobNoise.late_explains``) unless the
+        work outside collectives stepped too, of the rank that did least (``IterationTimes.work_ns``): then
+        every rank's own work grew, and on a shared host the ranks it starved of a CPU arrive late (a real
+        4-rank job on 2 cores whose forward grew 4 times: two ranks 60 ms late for 6 iterations, which held
+        its regression back past the bar). A late rank's peers wait for it inside a collective, so their work
+        outside does not grow (one rank's forward 3 times over: the others' 34 ms before and after)."""
+        return not regression.evidence.get("work_stepped", False) and self._noise.late_explains(regression.loss_ns)
+
     def _alive(self, rank: int, it: int) -> bool:
         """The rank's heartbeat says it completed step ``it`` or holds its events back in a profiler window:
         its missing records are late, not a rank that stopped."""
@@ -311,13 +321,15 @@ class JobDifferential:
             persistent = self._noise.stragglers(signals, budget, hosts, set(), gap, same_work=same_work)
             signals += persistent
         self._iteration_ns.append(iteration_ns)
-        own_ns, paced_ns, cpu_wait_ns = _own_time(records)
-        regression = self._regression.observe(own_ns, it, disturbed=disturbed, paced_ns=paced_ns)
-        if regression is not None and cpu_wait_ns >= 0:
+        times = iteration_times(records, work=len(records) <= self.config.noise.max_ranks)
+        regression = self._regression.observe(
+            times.own_ns, it, disturbed=disturbed, paced_ns=times.paced_ns, work_ns=times.work_ns
+        )
+        if regression is not None and times.cpu_wait_ns >= 0:
             regression = replace(regression, metric=ITERATION_LESS_CPU_WAIT, evidence={
-                **regression.evidence, "iteration_ns": iteration_ns, "cpu_wait_ns": cpu_wait_ns})  # fmt: skip
+                **regression.evidence, "iteration_ns": iteration_ns, "cpu_wait_ns": times.cpu_wait_ns})  # fmt: skip
         late_open: list[RankSignal] = []
-        if regression is not None and (self._explained(regression) or self._noise.late_explains(regression.loss_ns)):
+        if regression is not None and (self._explained(regression) or self._late_rank_explains(regression)):
             regression = None  # a peer explains the job's slowdown (its finding, or it arrives that late)
         if regression is not None:
             regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
@@ -375,23 +387,41 @@ def _late_for_a_cause(signals: list[RankSignal], causes: list[RankSignal]) -> li
     return out
 
 
-def _own_time(records: Sequence[dict[str, Any]]) -> tuple[float, float, float]:
-    """The iteration's time less the time its ranks waited for a CPU (``cpu_wait_ns``): the median rank's
-    time less its wait, and the paced time, the shortest of them (the time less the longest wait, where the
-    ranks' steps are one); and the median wait. Where a rank's wait is unknown: the median iteration time
-    twice, and -1.
+class IterationTimes(NamedTuple):
+    """An iteration's time as the job-level regression test reads it (``iteration_times``)."""
 
-    Why: on a shared host the whole job slows when other processes take the CPU (a real 4-rank job on 2
-    cores beside the pipeline: steps 80 ms, then 100-155 ms for 20 iterations, every extra ms of it run-queue
-    wait while CPU time stayed at 35-45 ms); that is no regression of the job, and the step test on its time
-    less the wait does not see it. A regression of the job's own work (more compute, slower I/O or GPU)
-    adds CPU or blocked time to every rank, which stays in both. The paced time as well: a synchronous step
-    ends when its latest rank arrives, so the ranks that waited for one starved of a CPU hold its wait as
-    blocked time in a collective (a pair of ranks starved together on one core: the median rank's time less
-    its own wait grows by half their wait; the paced time, the starved ranks', does not)."""
+    own_ns: float
+    """The median rank's time less its wait for a CPU (``cpu_wait_ns``)."""
+    paced_ns: float
+    """The shortest of the ranks' times less their own wait: the time less the longest wait, where the
+    ranks' steps are one."""
+    work_ns: float | None
+    """The least of the ranks' times less their wait and their time in collectives (pipeline send/recv too):
+    one rank's own extra work is not in it, its peers' wait for it neither, the whole job's extra work is.
+    None where not asked for (only a small job's late rank can explain its slowdown: ``JobNoise``)."""
+    cpu_wait_ns: float
+    """The median wait; -1 where a rank's wait is unknown (then own and paced are the median time)."""
+
+
+def iteration_times(records: Sequence[dict[str, Any]], work: bool = True) -> IterationTimes:
+    """The iteration's times (``work``: with the work outside collectives, a pass over every record's
+    functions). Why less the wait: on a shared host the whole job slows when other processes take the CPU (a real
+    4-rank job on 2 cores beside the pipeline: steps 80 ms, then 100-155 ms for 20 iterations, every extra ms
+    of it run-queue wait while CPU time stayed at 35-45 ms); that is no regression of the job, and the step
+    test on its time less the wait does not see it. A regression of the job's own work (more compute, slower
+    I/O or GPU) adds CPU or blocked time to every rank, which stays in. The paced time as well: a
+    synchronous step ends when its latest rank arrives, so the ranks that waited for one starved of a CPU
+    hold its wait as blocked time in a collective (a pair of ranks starved together on one core: the median
+    rank's time less its own wait grows by half their wait; the paced time, the starved ranks', does not).
+    The work outside collectives tells a job whose own work grew from one that waits for a late rank."""
     wall = np.array([r["iteration_ns"] for r in records], dtype=np.float64)
     wait = np.array([r.get("cpu_wait_ns", -1) for r in records], dtype=np.float64)
-    if wait.size == 0 or (wait < 0).any():
-        return float(np.median(wall)), float(np.median(wall)), -1.0
-    own = wall - np.minimum(wait, wall)
-    return float(np.median(own)), float(np.min(own)), float(np.median(wait))
+    known = wait.size > 0 and bool((wait >= 0).all())
+    less_wait = wall - np.minimum(wait, wall) if known else wall
+    least_work = None
+    if work:
+        blocked = [float(np.sum(np.asarray(r["total_ns"])[np.asarray(r["kind"]) == _COLLECTIVE])) for r in records]
+        least_work = float(np.min(np.maximum(less_wait - np.array(blocked), 0.0)))
+    if not known:
+        return IterationTimes(float(np.median(wall)), float(np.median(wall)), least_work, -1.0)
+    return IterationTimes(float(np.median(less_wait)), float(np.min(less_wait)), least_work, float(np.median(wait)))

@@ -146,6 +146,9 @@ class RegressionCheck:
         self._recent_paced: deque[float] = deque(maxlen=config.recent_iterations)
         self._baseline_paced: deque[float] = deque(maxlen=config.history_iterations)
         """The same iterations' paced times (``observe``)."""
+        self._recent_work: deque[float] = deque(maxlen=config.recent_iterations)
+        self._baseline_work: deque[float] = deque(maxlen=config.history_iterations)
+        """The same iterations' work outside collectives (``observe``)."""
         self._hits = 0
         self._clear = 0
         self._suspect = False
@@ -160,8 +163,9 @@ class RegressionCheck:
         self.__dict__.update(state)
         for name in ("_excursion", "longest_excursion"):
             self.__dict__.setdefault(name, 0)
-        self.__dict__.setdefault("_recent_paced", deque(self._recent, maxlen=self._recent.maxlen))
-        self.__dict__.setdefault("_baseline_paced", deque(self._baseline, maxlen=self._baseline.maxlen))
+        for more in ("paced", "work"):  # unknown before: the iteration time again
+            self.__dict__.setdefault(f"_recent_{more}", deque(self._recent, maxlen=self._recent.maxlen))
+            self.__dict__.setdefault(f"_baseline_{more}", deque(self._baseline, maxlen=self._baseline.maxlen))
 
     @property
     def active(self) -> bool:
@@ -169,11 +173,19 @@ class RegressionCheck:
         return self._hits >= self.config.confirm_iterations + self.longest_excursion
 
     def observe(
-        self, iteration_ns: float, iteration: int = -1, disturbed: bool = False, paced_ns: float | None = None
+        self,
+        iteration_ns: float,
+        iteration: int = -1,
+        disturbed: bool = False,
+        paced_ns: float | None = None,
+        work_ns: float | None = None,
     ) -> RankSignal | None:
         """One iteration's time; one a profiler window ``disturbed`` (``ProfilerAftermath``) is skipped.
         ``paced_ns``, where known, is a second measure of the same iteration that a step must show too: the
-        job's time less the CPU wait of its most starved rank, which set the pace (``differential._own_time``)."""
+        job's time less the CPU wait of its most starved rank, which set the pace. ``work_ns``, where known,
+        is the work outside collectives of the rank that did least: whether it stepped as well is in the
+        signal's evidence (``work_stepped``; absent where some of the iterations tested lack it). Both:
+        ``differential.IterationTimes``."""
         cfg = self.config
         if disturbed:
             return None
@@ -183,8 +195,10 @@ class RegressionCheck:
         if len(self._recent) == self._recent.maxlen and self._hits == 0 and not self._suspect:
             self._baseline.append(self._recent[0])
             self._baseline_paced.append(self._recent_paced[0])
+            self._baseline_work.append(self._recent_work[0])
         self._recent.append(iteration_ns)
         self._recent_paced.append(iteration_ns if paced_ns is None else paced_ns)
+        self._recent_work.append(np.nan if work_ns is None else work_ns)
         self._iterations.append(iteration)
         if len(self._recent) < cfg.recent_iterations or len(self._baseline) < cfg.baseline_min_iterations:
             return None
@@ -211,6 +225,10 @@ class RegressionCheck:
             return None
         if not self.active or not step_test(self._baseline_paced, self._recent_paced, cfg).flagged(len(self._recent)):
             return None
+        work: dict[str, Any] = {}
+        if not (np.isnan(self._recent_work).any() or np.isnan(self._baseline_work).any()):
+            test_work = step_test(self._baseline_work, self._recent_work, cfg)
+            work = {"work_slowdown": round(test_work.step, 4), "work_stepped": test_work.flagged(len(self._recent))}
         return RankSignal(
             rank=-1, host="", category="job_regression", function="iteration", metric="iteration_ns",
             value=test.recent_ns, peer_median=test.baseline_ns, score=test.step / test.threshold,
@@ -218,7 +236,8 @@ class RegressionCheck:
             evidence={"baseline_ns": test.baseline_ns, "recent_median_ns": test.recent_ns,
                       "slowdown": round(test.step, 4), "threshold": round(test.threshold, 4),
                       "noise_ns": test.noise_ns, "onset_iteration": self._onset,
-                      "baseline_iterations": len(self._baseline), "window_iterations": cfg.recent_iterations},
+                      "baseline_iterations": len(self._baseline), "window_iterations": cfg.recent_iterations,
+                      **work},
         )  # fmt: skip
 
 

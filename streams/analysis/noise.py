@@ -223,7 +223,7 @@ class JobNoise:
             arrivals = np.fromiter(values.values(), dtype=np.float64, count=len(values))
             for rank, late in zip(values, (_median_of_others(arrivals) - arrivals).tolist(), strict=True):
                 self._lateness[rank] = max(self._lateness.get(rank, -np.inf), late)
-        self._latest.append(_less_longer_cpu_wait(self._lateness, records) if small else self._lateness)
+        self._latest.append(self._lateness)
 
     def late_explains(self, slowdown_ns: float) -> bool:
         """Whether one rank arrived late at its collectives by half the job's slowdown or more in all but one
@@ -231,11 +231,7 @@ class JobNoise:
         the slowdown is that rank's (a fault, or contention on its host), not the job's own regression, which
         slows every rank alike. The same rank: a job that shares its cores descheduled a different rank each
         iteration (a real 4-rank job: 25-39 ms late, once each, during a 60 ms regression), and that is no
-        rank's fault. Lateness counts less the rank's longer wait for a CPU than its peers'
-        (``_less_longer_cpu_wait``): the job's own work that grew starves some of its ranks on a shared host
-        (a real 4-rank job on 2 cores whose forward grew 4 times: two ranks 60 ms late for 6 iterations,
-        45 ms of it their longer run-queue wait, which held its regression back past the bar). A rank whose
-        host's cores others take slows no paced time (``RegressionCheck.observe``), and ``contended`` names it."""
+        rank's fault."""
         if self._ranks > self.config.max_ranks or len(self._latest) < 2:
             return False
         late: dict[int, int] = {}
@@ -665,18 +661,6 @@ def _largest_of_others(values: F64) -> F64:
     out: F64 = np.repeat(top[..., 1:], values.shape[-1], axis=-1)
     np.put_along_axis(out, np.argmax(values, axis=-1)[..., None], top[..., :1], axis=-1)
     return out
-
-
-def _less_longer_cpu_wait(lateness: dict[int, float], records: Sequence[dict[str, Any]]) -> dict[int, float]:
-    """Each rank's arrival lateness less its run-queue wait beyond its peers' median (where every rank
-    measured it): a rank late because it waited longer for a CPU is late by contention, which the job's
-    time less CPU wait (the regression test's) leaves out, so that part explains none of its slowdown."""
-    waits = np.array([r.get("cpu_wait_ns", -1) for r in records], dtype=np.float64)
-    if waits.size < 2 or waits.min() < 0:
-        return lateness
-    longer = np.maximum(waits - _median_of_others(waits), 0.0).tolist()
-    by_rank = dict(zip((int(r["rank"]) for r in records), longer, strict=True))
-    return {rank: late - by_rank.get(rank, 0.0) for rank, late in lateness.items()}
 
 
 def _median_of_others(values: F64) -> F64:

@@ -15,7 +15,7 @@ from fleetscope.producers import SimulatorConfig, simulate
 from fleetscope.producers.cpu_wait import CpuWaitClock, SpanWaits
 from fleetscope.schemas import CPU_WAIT, SPAN_CPU_WAIT_DEPTH, THREAD_BUSY_DEPTH, EventBatch, EventKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, ITERATION_LESS_CPU_WAIT
-from fleetscope.streams.analysis.differential import JobDifferential, _own_time
+from fleetscope.streams.analysis.differential import IterationTimes, JobDifferential, iteration_times
 from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.windowing import RankWindower
 from fleetscope.verdict import sentence
@@ -94,11 +94,13 @@ def test_a_job_slowed_by_waiting_for_the_cpu_is_no_regression_one_whose_own_work
         assert "CPU wait" not in sentence(unmeasured, 100e6)
 
 
-def test_own_time_is_the_median_ranks_time_less_its_wait_the_paced_time_the_shortest_unknown_where_unmeasured() -> None:
+def test_iteration_times_less_the_waits_the_paced_the_shortest_the_work_less_collectives_unknown_unmeasured() -> None:
+    """Own: the median rank's time less its wait; paced: the shortest such; work: the least rank's less its
+    wait and its collectives (none here: its host function stays in); unmeasured waits: the median time."""
     records = [_record(r, 0, wall, wait) for r, (wall, wait) in enumerate([(80, 20), (90, 40), (100, 10), (85, 5)])]
-    assert _own_time(records) == (70e6, 50e6, 15e6)
+    assert iteration_times(records) == IterationTimes(70e6, 50e6, 50e6, 15e6)
     records[2]["cpu_wait_ns"] = -1
-    assert _own_time(records) == (87.5e6, 87.5e6, -1.0)
+    assert iteration_times(records) == IterationTimes(87.5e6, 87.5e6, 80e6, -1.0)
 
 
 def test_the_clock_reads_this_threads_growing_wait_or_none_where_the_kernel_does_not_say(tmp_path: Any) -> None:
@@ -161,27 +163,28 @@ def _synchronous_job(
     seed: int,
     stages: int = 1,
     world: int = 4,
-    grown_ms: float = 0.0,
+    grown_ms: float | dict[int, float] = 0.0,
 ) -> list[dict[str, Any]]:
     """Finding records of a synchronous CPU job (steps 80 ms, 25 of them run-queue wait, one all-reduce;
     ``stages`` pipeline stages, the first one's ranks waiting 30 ms more: their host work is larger): in the
-    iterations ``at``, every rank's own work takes ``grown_ms`` more and rank r waits ``extra_ms[r]`` more
-    for a CPU (``extra_ms(r, it)``), and every rank's step takes the largest of those longer (the others wait
-    for it in the all-reduce: blocked, no CPU wait)."""
+    iterations ``at``, every rank's own work takes ``grown_ms`` more (rank r's ``grown_ms[r]``) and rank r
+    waits ``extra_ms[r]`` more for a CPU (``extra_ms(r, it)``), and every rank's step takes the largest of
+    those delays longer (the others wait for it in the all-reduce: blocked, no CPU wait)."""
     rng = np.random.default_rng(seed)
     diff = JobDifferential("j")
     out: list[dict[str, Any]] = []
     waits = extra_ms if callable(extra_ms) else lambda r, _: extra_ms.get(r, 0.0)  # type: ignore[union-attr]
+    grown = grown_ms if isinstance(grown_ms, dict) else dict.fromkeys(range(world), grown_ms)
     for it in range(70):
         extra = {r: waits(r, it) if it in at else 0.0 for r in range(world)}
-        slowest = max(extra.values())
-        grown = grown_ms if it in at else 0.0
+        delay = {r: extra[r] + (grown.get(r, 0.0) if it in at else 0.0) for r in range(world)}
+        slowest = max(delay.values())
         for rank in range(world):
             stage = rank * stages // world
             wait = 25.0 + (30.0 if stages > 1 and stage == 0 else 0.0) + extra[rank] + rng.normal(0.0, 2.0)
-            rec = _record(rank, it, 80.0 + grown + slowest + rng.normal(0.0, 2.0), wait)
+            rec = _record(rank, it, 80.0 + slowest + rng.normal(0.0, 2.0), wait)
             rec |= {"world_size": world, "pp_rank": stage if stages > 1 else -1}
-            allreduce = (10.0 + slowest - extra[rank] + rng.normal(0.0, 0.5)) * 1e6
+            allreduce = (10.0 + slowest - delay[rank] + rng.normal(0.0, 0.5)) * 1e6
             rec |= {key: [*rec[key], value] for key, value in (
                 ("function", "allreduce|pg0|2^20"), ("kind", 2), ("calls", 1), ("total_ns", int(allreduce)),
                 ("self_ns", int(allreduce)), ("mean_ns", allreduce), ("p50_ns", allreduce),
@@ -222,11 +225,14 @@ def test_a_job_whose_own_work_grew_and_starved_two_of_its_ranks_is_a_regression_
     """From iteration 30 every rank's own work takes 40 ms more, and on their shared cores ranks 1 and 3 wait
     60 ms more for a CPU, ranks 0 and 2 25 ms (a real 4-rank job on 2 cores whose forward grew 4 times: two
     ranks 60 ms late, 45 ms of it their longer wait): they arrive late at every all-reduce by more than half
-    the slowdown, by their longer wait alone. A job_regression, named within 5 iterations; no rank named."""
+    the slowdown, by their longer wait alone, and every rank's work outside the all-reduce grew. A
+    job_regression, named within 5 iterations, that says so; no rank named."""
     for seed in range(3):
         found = _synchronous_job({0: 25.0, 1: 60.0, 2: 25.0, 3: 60.0}, range(30, 70), seed, grown_ms=40.0)
         opened = [(f["category"], f["rank"], f["iteration_last"]) for f in found if f["status"] == "open"]
         assert [o[:2] for o in opened] == [("job_regression", -1)] and opened[0][2] <= 35, (seed, opened)
+        evidence = json.loads(next(f for f in found if f["status"] == "open")["evidence"])
+        assert evidence["work_stepped"] and evidence["work_slowdown"] > 0.5, evidence
 
 
 def test_a_rank_above_its_peers_in_the_median_of_a_window_but_not_in_its_iterations_is_not_host_slow() -> None:
@@ -243,3 +249,14 @@ def test_a_rank_above_its_peers_in_the_median_of_a_window_but_not_in_its_iterati
         found = _synchronous_job(waits, range(30, 70), seed, grown_ms=40.0)
         opened = [(f["category"], f["rank"]) for f in found if f["status"] == "open"]
         assert opened == [("job_regression", -1)], (seed, opened)
+
+
+def test_a_rank_whose_own_work_grew_explains_the_jobs_slowdown_though_it_also_waits_longer_for_a_cpu() -> None:
+    """From iteration 30 rank 1's own work takes 60 ms more and, runnable that much longer on the shared
+    cores, it waits 40 ms more for a CPU (a real job, one rank's forward 3 times over: 45 ms longer waits,
+    80 ms late). The others wait for it in the all-reduce, their work outside it unchanged: no
+    job_regression, and no rank but 1 named."""
+    for seed in range(3):
+        found = _synchronous_job({1: 40.0}, range(30, 70), seed, grown_ms={1: 60.0})
+        opened = [(f["category"], f["rank"]) for f in found if f["status"] == "open"]
+        assert opened and {rank for _, rank in opened} == {1}, (seed, opened)

@@ -78,3 +78,24 @@ def test_a_profiler_windows_aftermath_is_no_regression_a_step_after_it_is():
     plain[230:] *= 1.2
     flagged = first_flag(x, profiled=window)
     assert flagged is not None and flagged == first_flag(plain) and 230 <= flagged <= 236
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_step_is_reported_only_where_the_paced_time_steps_too_and_says_whether_the_work_did(seed):
+    """The median rank's time steps 20 % at iteration 30 in three jobs: where the paced time (the most
+    starved rank's) stays, nothing is reported (its wait passed on to the others in a collective); where it
+    steps too, the signal says whether the work outside collectives stepped as well."""
+    own, flat = noisy(60, 0.02, seed), noisy(60, 0.02, 100 + seed, base=30e6)
+    own[30:] *= 1.2
+    stepped = flat.copy()
+    stepped[30:] *= 1.3
+
+    def signals(paced, work):
+        check = RegressionCheck(JobLevelConfig())
+        return [s for i in range(60) if (s := check.observe(float(own[i]), i, paced_ns=paced[i], work_ns=work[i]))]
+
+    assert signals(flat, flat) == []
+    works = [s.evidence["work_stepped"] for s in signals(stepped, flat)]
+    assert works and not any(works)
+    works = [s.evidence["work_stepped"] for s in signals(stepped, stepped)]
+    assert works and all(works)
