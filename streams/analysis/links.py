@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.schemas import FunctionKind
 from fleetscope.schemas.vocabulary import RING_COLLECTIVES
 from fleetscope.streams.analysis.patterns import collective_class, process_group_of
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
@@ -150,6 +151,7 @@ def score_hosts(
 
 
 _RINGS = tuple(f"nccl:{op}[" for op in RING_COLLECTIVES)
+_COMPUTE = int(FunctionKind.COMPUTE)
 
 
 @dataclass(frozen=True)
@@ -167,14 +169,20 @@ class RingGroups:
     calls: F64
     shape: list[tuple[Any, ...]]
     """Groups that do the same work share a shape: the operation and size class, the member count, and
-    which layout dimensions vary among the members (tensor-parallel, pipeline, data-parallel)."""
+    which layout dimensions vary among the members (tensor-parallel, pipeline, data-parallel); and, where
+    the ranks run no kernels, the group's pipeline stage (``ring_groups``)."""
     hosts: I64
     """How many hosts each group's members are on."""
 
 
 def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups | None:
     """Every member of every ring collective at once (no Python loop per group); None without a layout
-    (which groups do the same work is then unknown) or without ring collectives."""
+    (which groups do the same work is then unknown) or without ring collectives.
+
+    Where no rank runs a kernel (gloo on CPUs), a collective's transfer is CPU work that runs beside its
+    stage's own: groups of different pipeline stages are then not equivalent (a real healthy pp2 x dp2 gloo
+    job on 2 shared cores: the second stage's data-parallel all-reduce slower per byte than the first's in
+    every step, a false link_slow). A GPU's transfer runs on its links, whatever its stage computes."""
     if not pm.functions:
         return None
     mean_ns, calls, nbytes = pm.features["mean_ns"], pm.features["calls"], pm.features["nbytes"]
@@ -210,8 +218,12 @@ def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups
     transfer[some] = np.minimum.reduceat(mean_ns[row, cell], starts[some])
     size[some] = np.add.reduceat(np.nan_to_num(nbytes[row, cell]), starts[some]) / count[some]
     per_call = _median_by_group(calls[row, cell][:, None], col, n)[:, 0]
+    stage = np.full(n, -1, dtype=np.int64)
+    if not any(np.any(np.asarray(r["kind"]) == _COMPUTE) for r in records):  # a GPU job's first record has kernels
+        stage[col] = np.where(varying[1][col], -1, coords[at][row, 1])
     shape = [
-        (collective_class(pm.functions[j]), int(count[g]), *(bool(v[g]) for v in varying)) for g, j in enumerate(ring)
+        (collective_class(pm.functions[j]), int(count[g]), *(bool(v[g]) for v in varying), int(stage[g]))
+        for g, j in enumerate(ring)
     ]
     return RingGroups(ring, members, transfer, size, per_call, shape, hosts)
 

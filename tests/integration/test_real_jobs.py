@@ -121,6 +121,62 @@ fs.stop()
 dist.destroy_process_group()
 """
 
+# The same argv; a pp 2 x dp 2 job by hand, as Megatron lays it out: data pairs {0, 1}, {2, 3} (one per stage),
+# pipeline pairs {0, 2}, {1, 3}; each step 4 micro-batches forward (dist.send/recv of activations), then
+# backward (gradients back), then each stage's pair all-reduces its gradients. No fault: a healthy job.
+PIPELINE_JOB = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import fleetscope.producers.torch_hook as fs
+
+steps = int(sys.argv[1])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+fs.start()
+data_group = [dist.new_group(g, group_desc="DATA_PARALLEL_GROUP") for g in ([0, 1], [2, 3])][rank // 2]
+for g in ([0, 2], [1, 3]):
+    dist.new_group(g, group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
+for r in range(4):
+    dist.new_group([r], group_desc="TENSOR_MODEL_PARALLEL_GROUP")
+stage, peer = rank // 2, rank + 2 if rank < 2 else rank - 2
+torch.manual_seed(stage)
+MICRO, BATCH, DIM = 4, 32, 1024
+layer = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh(), torch.nn.Linear(DIM, DIM if stage == 0 else 1))
+opt = torch.optim.SGD(layer.parameters(), lr=1e-4)
+for step in range(steps):
+    with fs.span("dataloader.next"):
+        time.sleep(0.004)
+        batches = [torch.randn(BATCH, DIM) for _ in range(MICRO)]
+    opt.zero_grad()
+    if stage == 0:
+        outputs = []
+        for x in batches:
+            outputs.append(layer(x))
+            dist.send(outputs[-1].detach(), dst=peer)
+        for h in outputs:
+            grad = torch.empty_like(h)
+            dist.recv(grad, src=peer)
+            h.backward(grad)
+    else:
+        grads = []
+        for _ in batches:
+            h = torch.empty(BATCH, DIM)
+            dist.recv(h, src=peer)
+            h.requires_grad_()
+            layer(h).pow(2).mean().backward()
+            grads.append(h.grad)
+        for grad in grads:
+            dist.send(grad, dst=peer)
+    for p in layer.parameters():
+        dist.all_reduce(p.grad, group=data_group)
+    opt.step()
+    fs.step()
+fs.stop()
+dist.destroy_process_group()
+"""
+
 
 @dataclass
 class Job:
@@ -148,14 +204,21 @@ class Live:
     env: dict[str, str]
 
     def launch(
-        self, fault: str = "none", faulty: int = -1, steps: int = 80, at: int = FAULT_AT, layout: str = ""
+        self,
+        fault: str = "none",
+        faulty: int = -1,
+        steps: int = 80,
+        at: int = FAULT_AT,
+        layout: str = "",
+        script: Path | None = None,
     ) -> Job:
-        """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs (the job's text)."""
+        """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs (the job's text);
+        ``script``: another job's text, with the same arguments."""
         name = f"{fault}-{uuid.uuid4().hex[:6]}"
         port = str(free_port())
         ranks = [
             subprocess.Popen(
-                [sys.executable, str(self.script), str(steps), fault, str(faulty), str(at)],
+                [sys.executable, str(script or self.script), str(steps), fault, str(faulty), str(at)],
                 env=self.env
                 | {
                     "FLEETSCOPE_JOB": name,
@@ -242,6 +305,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, broker: str, chdb_path: Path)
     )
     script = tmp / "job.py"
     script.write_text(JOB)
+    (tmp / "pipeline_job.py").write_text(PIPELINE_JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
     env |= {
         "FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS": broker,
@@ -337,6 +401,27 @@ def test_a_healthy_tp2_dp2_job_gets_its_layout_and_no_finding(live: Live) -> Non
         "AND iteration > 5 GROUP BY rank ORDER BY rank"
     )
     assert live.query(sql, job.name) == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 0), (3, 1, 1, 0)]
+    assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
+
+
+def test_a_healthy_pp2_dp2_job_gets_its_stages_and_no_finding(live: Live) -> None:
+    """A pipeline by hand (``PIPELINE_JOB``): activations and gradients sent between the stages, each stage's
+    data pair all-reducing its own gradients. Each rank's coordinates reach the store; the two stages'
+    all-reduces differ (CPU work beside each stage's own, on 2 shared cores), and are not compared as links
+    (``links.ring_groups``): no finding."""
+    steps = 80
+    job = live.launch(steps=steps, script=live.script.parent / "pipeline_job.py")
+    try:
+        job.wait(timeout_s=150)
+        _wait_for_steps(live, job.name, steps - 2, timeout_s=40)
+        found = live.wait_for(job.name, bool, timeout_s=SETTLE_S)
+    finally:
+        job.kill()
+    sql = (
+        "SELECT rank, any(tp_rank), any(dp_rank), any(pp_rank) FROM {db}.iterations WHERE job = {{job:String}} "
+        "AND iteration > 5 GROUP BY rank ORDER BY rank"
+    )
+    assert live.query(sql, job.name) == [(0, 0, 0, 0), (1, 0, 1, 0), (2, 0, 0, 1), (3, 0, 1, 1)]
     assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
 
 

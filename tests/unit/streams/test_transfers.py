@@ -113,3 +113,35 @@ def test_a_ring_slower_than_its_few_equivalents_is_kept_only_while_it_stays_slow
     assert not any(in_turn.keep(slow_one if it % 2 else slow_other, it) for it in range(12))
     many = score_iteration(records({2: 3e6}), ScoringConfig())  # four tensor-parallel groups
     assert SteadyTransfers().keep(many, 0) == many != []
+
+
+def pipeline_records(stage1_ns: float, kernels: bool) -> list[dict[str, Any]]:
+    """pp 2 x dp 2 (Megatron's order: data pairs {0, 1} and {2, 3}, one per stage): each stage's data pair
+    all-reduces its gradients once, stage 1's in ``stage1_ns``, stage 0's in 2 ms; ``kernels``: the ranks
+    run GPU kernels (NCCL), else none (gloo on CPUs)."""
+    out = []
+    for rank in range(4):
+        stage = rank // 2
+        functions = {"gemm": (K, 12e6, 1, 0)} if kernels else {}
+        functions[f"nccl:allreduce[pg={1 + stage},<=32MiB]"] = (C, stage1_ns if stage else 2e6, 1, 24 << 20)
+        out.append({
+            "job": "j", "rank": rank, "host": "node0", "iteration": 0, "iteration_ns": 25_000_000,
+            "tp_rank": 0, "pp_rank": stage, "dp_rank": rank % 2, "function": list(functions),
+            "kind": [v[0] for v in functions.values()], "calls": [v[2] for v in functions.values()],
+            "mean_ns": [v[1] for v in functions.values()], "max_ns": [v[1] for v in functions.values()],
+            "total_ns": [v[1] * v[2] for v in functions.values()],
+            "self_ns": [v[1] * v[2] for v in functions.values()], "nbytes": [v[3] for v in functions.values()],
+            **{name: [value] * len(functions) for name, value in LINKS.items()},
+        })  # fmt: skip
+    return out
+
+
+def test_data_parallel_rings_of_two_stages_are_equivalent_on_gpus_not_where_ranks_run_no_kernels() -> None:
+    """pp 2 x dp 2, stage 1's data-parallel all-reduce 3 times slower than stage 0's: on GPUs the transfer
+    runs on the links, whatever each stage computes, so it is stage 1's group; with no kernels (gloo on
+    CPUs, as a real healthy pp 2 x dp 2 job sharing 2 cores, whose second stage's all-reduce was slower per
+    byte in every step) the all-reduce is CPU work beside each stage's own, and the stages' rings are not
+    compared."""
+    assert links(pipeline_records(6e6, kernels=True)) == [(-1, (2, 3))]
+    assert links(pipeline_records(6e6, kernels=False)) == []
+    assert links(pipeline_records(2e6, kernels=True)) == []
