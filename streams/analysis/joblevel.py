@@ -163,9 +163,10 @@ class RegressionCheck:
         self.__dict__.update(state)
         for name in ("_excursion", "longest_excursion"):
             self.__dict__.setdefault(name, 0)
-        for more in ("paced", "work"):  # unknown before: the iteration time again
-            self.__dict__.setdefault(f"_recent_{more}", deque(self._recent, maxlen=self._recent.maxlen))
-            self.__dict__.setdefault(f"_baseline_{more}", deque(self._baseline, maxlen=self._baseline.maxlen))
+        for name in ("_recent", "_baseline"):  # saved before they were kept: paced as the time, work unknown
+            series: deque[float] = self.__dict__[name]
+            self.__dict__.setdefault(f"{name}_paced", deque(series, maxlen=series.maxlen))
+            self.__dict__.setdefault(f"{name}_work", deque([np.nan] * len(series), maxlen=series.maxlen))
 
     @property
     def active(self) -> bool:

@@ -99,3 +99,20 @@ def test_a_step_is_reported_only_where_the_paced_time_steps_too_and_says_whether
     assert works and not any(works)
     works = [s.evidence["work_stepped"] for s in signals(stepped, stepped)]
     assert works and all(works)
+
+
+def test_a_check_saved_before_paced_and_work_times_restores_and_finds_a_step_without_work_evidence():
+    """A job's state saved by an older worker: its paced time is taken as its time, its work as unknown (no
+    ``work_stepped`` in the evidence, so a late rank still explains the slowdown as before)."""
+    check = RegressionCheck(JobLevelConfig())
+    x = noisy(60, 0.02, 9)
+    for i in range(30):
+        check.observe(float(x[i]), i)
+    state = dict(check.__dict__)
+    for name in ("_recent_paced", "_baseline_paced", "_recent_work", "_baseline_work"):
+        del state[name]
+    restored = RegressionCheck.__new__(RegressionCheck)
+    restored.__setstate__(state)
+    x[30:] *= 1.2
+    found = [s for i in range(30, 60) if (s := restored.observe(float(x[i]), i, work_ns=float(x[i])))]
+    assert found and "work_stepped" not in found[0].evidence
