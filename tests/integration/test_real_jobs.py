@@ -388,8 +388,13 @@ def test_a_healthy_tp2_dp2_job_gets_its_layout_and_no_finding(live: Live) -> Non
     data-parallel pairs that all-reduce gradients. Each rank's coordinates reach the store, and two groups of
     each kind, which the differential compares with each other (``links.score_transfers``), slow and jitter
     alike on the 2 shared cores: no finding."""
-    steps = 120
-    job = live.launch(steps=steps, layout="tp2dp2")
+    coordinates, found = _run_to_the_end(live, live.launch(steps=120, layout="tp2dp2"), 120)
+    assert coordinates == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 0), (3, 1, 1, 0)]
+    assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
+
+
+def _run_to_the_end(live: Live, job: Job, steps: int) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """A job run to its end: each rank's (rank, tp, dp, pp) as stored, and its finding updates."""
     try:
         job.wait(timeout_s=150)
         _wait_for_steps(live, job.name, steps - 2, timeout_s=40)
@@ -400,8 +405,7 @@ def test_a_healthy_tp2_dp2_job_gets_its_layout_and_no_finding(live: Live) -> Non
         "SELECT rank, any(tp_rank), any(dp_rank), any(pp_rank) FROM {db}.iterations WHERE job = {{job:String}} "
         "AND iteration > 5 GROUP BY rank ORDER BY rank"
     )
-    assert live.query(sql, job.name) == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 0), (3, 1, 1, 0)]
-    assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
+    return live.query(sql, job.name), found
 
 
 def test_a_healthy_pp2_dp2_job_gets_its_stages_and_no_finding(live: Live) -> None:
@@ -409,19 +413,9 @@ def test_a_healthy_pp2_dp2_job_gets_its_stages_and_no_finding(live: Live) -> Non
     data pair all-reducing its own gradients. Each rank's coordinates reach the store; the two stages'
     all-reduces differ (CPU work beside each stage's own, on 2 shared cores), and are not compared as links
     (``links.ring_groups``): no finding."""
-    steps = 80
-    job = live.launch(steps=steps, script=live.script.parent / "pipeline_job.py")
-    try:
-        job.wait(timeout_s=150)
-        _wait_for_steps(live, job.name, steps - 2, timeout_s=40)
-        found = live.wait_for(job.name, bool, timeout_s=SETTLE_S)
-    finally:
-        job.kill()
-    sql = (
-        "SELECT rank, any(tp_rank), any(dp_rank), any(pp_rank) FROM {db}.iterations WHERE job = {{job:String}} "
-        "AND iteration > 5 GROUP BY rank ORDER BY rank"
-    )
-    assert live.query(sql, job.name) == [(0, 0, 0, 0), (1, 0, 1, 0), (2, 0, 0, 1), (3, 0, 1, 1)]
+    job = live.launch(steps=80, script=live.script.parent / "pipeline_job.py")
+    coordinates, found = _run_to_the_end(live, job, 80)
+    assert coordinates == [(0, 0, 0, 0), (1, 0, 1, 0), (2, 0, 0, 1), (3, 0, 1, 1)]
     assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
 
 

@@ -35,17 +35,24 @@ def records(
             f"nccl:allreduce[pg={1 + g},<=64MiB]": (C, tp_ns.get(g, 1e6), 8, (tp_bytes or {}).get(g, 48 << 20)),
             f"nccl:allreduce[pg={5 + slot},<=32MiB]": (C, (dp_ns or {}).get(slot, 2e6), 1, 24 << 20),
         }
-        out.append({
-            "job": "j", "rank": rank, "host": (hosts or {}).get(rank, "node0"), "iteration": 0,
-            "iteration_ns": 25_000_000,
-            "tp_rank": slot, "pp_rank": 0, "dp_rank": g, "function": list(functions),
-            "kind": [v[0] for v in functions.values()], "calls": [v[2] for v in functions.values()],
-            "mean_ns": [v[1] for v in functions.values()], "max_ns": [v[1] for v in functions.values()],
-            "total_ns": [v[1] * v[2] for v in functions.values()],
-            "self_ns": [v[1] * v[2] for v in functions.values()], "nbytes": [v[3] for v in functions.values()],
-            **{name: [value] * 3 for name, value in LINKS.items()},
-        })  # fmt: skip
+        out.append(_record(rank, (hosts or {}).get(rank, "node0"), (slot, 0, g), functions))
     return out
+
+
+def _record(
+    rank: int, host: str, coordinates: tuple[int, int, int], functions: dict[str, tuple[int, float, int, int]]
+) -> dict[str, Any]:
+    """One rank's patterns: its (tp, pp, dp) coordinates, and per function (kind, mean ns, calls, bytes)."""
+    tp, pp, dp = coordinates
+    return {
+        "job": "j", "rank": rank, "host": host, "iteration": 0, "iteration_ns": 25_000_000,
+        "tp_rank": tp, "pp_rank": pp, "dp_rank": dp, "function": list(functions),
+        "kind": [v[0] for v in functions.values()], "calls": [v[2] for v in functions.values()],
+        "mean_ns": [v[1] for v in functions.values()], "max_ns": [v[1] for v in functions.values()],
+        "total_ns": [v[1] * v[2] for v in functions.values()],
+        "self_ns": [v[1] * v[2] for v in functions.values()], "nbytes": [v[3] for v in functions.values()],
+        **{name: [value] * len(functions) for name, value in LINKS.items()},
+    }  # fmt: skip
 
 
 def links(recs: list[dict[str, Any]]) -> list[tuple[int, tuple[int, ...]]]:
@@ -124,15 +131,7 @@ def pipeline_records(stage1_ns: float, kernels: bool) -> list[dict[str, Any]]:
         stage = rank // 2
         functions = {"gemm": (K, 12e6, 1, 0)} if kernels else {}
         functions[f"nccl:allreduce[pg={1 + stage},<=32MiB]"] = (C, stage1_ns if stage else 2e6, 1, 24 << 20)
-        out.append({
-            "job": "j", "rank": rank, "host": "node0", "iteration": 0, "iteration_ns": 25_000_000,
-            "tp_rank": 0, "pp_rank": stage, "dp_rank": rank % 2, "function": list(functions),
-            "kind": [v[0] for v in functions.values()], "calls": [v[2] for v in functions.values()],
-            "mean_ns": [v[1] for v in functions.values()], "max_ns": [v[1] for v in functions.values()],
-            "total_ns": [v[1] * v[2] for v in functions.values()],
-            "self_ns": [v[1] * v[2] for v in functions.values()], "nbytes": [v[3] for v in functions.values()],
-            **{name: [value] * len(functions) for name, value in LINKS.items()},
-        })  # fmt: skip
+        out.append(_record(rank, "node0", (0, stage, rank % 2), functions))
     return out
 
 
