@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
+from fleetscope.schemas.vocabulary import GC_PAUSE
 from fleetscope.streams.analysis.links import (
     LINK_FAMILIES,
     _slow_links,
@@ -209,7 +210,10 @@ def _host_share(pm: PeerMatrix, role: I64 | None) -> tuple[F64, float]:
     share = pm.features.get(_SHARE)
     if share is None:
         own = pm.features["self_ns"]
-        share = pm.features[_SHARE] = (absent_as_zero(own, role) if role is not None else np.nan_to_num(own)) / it
+        if role is not None:  # a GC pause is no role's work: every Python process collects, absent is none
+            anyone = np.array([name == GC_PAUSE for name in pm.functions], dtype=bool)
+            own = np.where(anyone, np.nan_to_num(own), absent_as_zero(own, role))
+        share = pm.features[_SHARE] = (own if role is not None else np.nan_to_num(own)) / it
     return share, it
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
-from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, GC_PAUSE
 from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.outliers import score_iteration
 from fleetscope.streams.analysis.roles import LATE_IN_ONE_CALL, explain_victims, late_by_compute
@@ -312,3 +312,18 @@ def test_a_slow_gpu_of_a_tensor_parallel_group_names_no_rank_that_shares_its_dat
     cfg = SimulatorConfig(ranks=16, tp=4, iterations=20, seed=0, faults=(parse_fault("slow_gpu:8:2.0@6"),))
     _, findings = analyse(cfg)
     assert [(f["category"], f["ranks"]) for f in findings] == [("gpu_slow", [8])]
+
+
+def test_a_gc_pause_only_one_rank_takes_is_compared_with_every_rank_whatever_its_tensor_slot(pipeline_job):
+    """16 ranks as 8 tensor slots of 2 (each slot's pair the only ranks of its role): rank 8 alone collects,
+    for a tenth of the step. A function only some slots run is compared within its slot, where rank 8's
+    pair is too few to judge; a GC pause is no slot's work (every Python process collects): host_slow on
+    ``gc.collect``. The simulated iteration (rank 8 collecting briefly) stays clean."""
+    records = [dict(r, pp_rank=0, tp_rank=r["rank"] % 8, dp_rank=r["rank"] // 8) for r in _iteration(pipeline_job, 2)]
+    assert score_iteration(records) == []
+    (at,) = [i for i, r in enumerate(records) if GC_PAUSE in list(r["function"])]  # rank 8 collects, briefly
+    gc = list(records[at]["function"]).index(GC_PAUSE)
+    for key in ("self_ns", "total_ns"):
+        records[at][key] = [v if i != gc else 0.1 * records[at]["iteration_ns"] for i, v in enumerate(records[at][key])]
+    found = [(s.category, s.rank, s.function) for s in score_iteration(records)]
+    assert records[at]["rank"] == 8 and found == [("host_slow", 8, GC_PAUSE)]
