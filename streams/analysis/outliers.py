@@ -18,7 +18,6 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.schemas.vocabulary import GC_PAUSE
 from fleetscope.streams.analysis.links import (
     LINK_FAMILIES,
     _slow_links,
@@ -210,10 +209,8 @@ def _host_share(pm: PeerMatrix, role: I64 | None) -> tuple[F64, float]:
     share = pm.features.get(_SHARE)
     if share is None:
         own = pm.features["self_ns"]
-        if role is not None:  # a GC pause is no role's work: every Python process collects, absent is none
-            anyone = np.array([name == GC_PAUSE for name in pm.functions], dtype=bool)
-            own = np.where(anyone, np.nan_to_num(own), absent_as_zero(own, role))
-        share = pm.features[_SHARE] = (own if role is not None else np.nan_to_num(own)) / it
+        own = absent_as_zero(own, role, pm.functions) if role is not None else np.nan_to_num(own)
+        share = pm.features[_SHARE] = own / it
     return share, it
 
 

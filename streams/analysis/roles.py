@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import Category, FunctionKind
-from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, GC_PAUSE, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import I64
 
@@ -76,14 +76,18 @@ def role_codes(records: Sequence[dict[str, Any]]) -> I64:
     )
 
 
-def absent_as_zero(total: np.ndarray, role: I64) -> np.ndarray:
+def absent_as_zero(total: np.ndarray, role: I64, functions: Sequence[str] = ()) -> np.ndarray:
     """Per-iteration totals (NaN = the function is absent on that rank) with an absence read as zero
-    only where another rank of the same role runs the function; elsewhere it stays NaN (not compared)."""
+    only where another rank of the same role runs the function; elsewhere it stays NaN (not compared).
+    A GC pause (``GC_PAUSE`` among the columns' ``functions``) is no role's work: every Python process
+    collects, so its absence is zero on every rank (a real tp2 x dp2 job whose one rank collected: its
+    slot's pair alone was too few to compare)."""
     present = ~np.isnan(total)
     n_roles = int(role.max()) + 1 if role.size else 0
     runs = np.zeros((n_roles, total.shape[1]), dtype=bool)
     np.logical_or.at(runs, role, present)
-    return np.where(present, total, np.where(runs[role], 0.0, np.nan))
+    anyone = np.array([name == GC_PAUSE for name in functions], dtype=bool) if functions else False
+    return np.where(present, total, np.where(runs[role] | anyone, 0.0, np.nan))
 
 
 def explain_victims(
