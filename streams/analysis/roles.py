@@ -23,6 +23,7 @@ import numpy as np
 from fleetscope.schemas import Category, FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, GC_PAUSE, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.signals import RankSignal
+from fleetscope.streams.analysis.stages import p2p_ns, staged
 from fleetscope.streams.analysis.stats import I64
 
 CAUSE_CATEGORIES = ("gpu_slow", "host_slow", "link_slow")
@@ -125,7 +126,13 @@ def explain_victims(
        ``links.placement_costs``, per rank the time its rings lose by it) is late by its layout, not by a
        fault: its stragglers and waiting ranks that lost no more than ``PLACEMENT_SLACK`` times that, and
        its members' host annotations that lost no more than it, are dropped, with no finding to carry them;
-    5. among stragglers of one replica that all waited and no root, the one that waited least is kept.
+    5. among stragglers of one replica that all waited and no root, the one that waited least is kept;
+    6. among stragglers of one replica whose root is a straggler, in a pipeline, the one that waited least in
+       its send/recv against its stage's ranks is kept (``_pipeline_waits``): a rank that starts its step late
+       holds up the stages after it in their recv and the stages before it in their send, so every rank of
+       its replica arrives late at its data-parallel collective by as much, while its own late work fills
+       the time it would have waited (a dp4 x pp4 job: the late starter 8 ms below its stage's p2p time, the
+       ranks it held up 0.6-3.6 ms above, each too little of their p2p time to count as ``waited_ns``).
     Without a layout (``dp_rank`` -1) only a slow stage explains anything: who waits on whom is unknown.
     """
     replica = {int(r["rank"]): _coordinate(r, "dp_rank") for r in records}
@@ -149,6 +156,13 @@ def explain_victims(
             dropped.add(id(victim))
 
     by_rank, by_replica_pacers = _pacers(links, placement or {}, replica)
+    waits: list[dict[int, float]] = []
+
+    def pipeline() -> dict[int, float]:
+        if not waits:
+            waits.append(_pipeline_waits(records))
+        return waits[0]
+
     for s in signals:  # a host annotation that lasts as long as its rank's slower collectives: link or layout
         if s.category != "host_slow" or s.function in MEASURED_WAITS:
             continue
@@ -197,13 +211,33 @@ def explain_victims(
                 blame(s, stage)
             elif _waited(s) and s.category == "host_slow" and s.function not in MEASURED_WAITS:
                 dropped.add(id(s))  # an annotation as long as its waits for a partner that nothing names
-        if root is None and r >= 0:
-            late = [s for s in members if s.category == "straggler" and id(s) not in dropped]
-            if len(late) > 1:
-                keep = min(late, key=lambda s: float(s.evidence.get("waited_ns", 0.0)))
-                for s in late:
-                    blame(s, keep)
+        late = [s for s in members if s.category == "straggler" and id(s) not in dropped]
+        if root is None and r >= 0 and len(late) > 1:
+            keep = min(late, key=lambda s: float(s.evidence.get("waited_ns", 0.0)))
+            for s in late:
+                blame(s, keep)
+        elif root is not None and root.category == "straggler" and len(late) > 1 and (held := pipeline()):
+            keep = min(late, key=lambda s: held.get(s.rank, np.inf))  # rule 6
+            if keep is not root:  # what the root was found to hold up, the one kept holds up
+                keep.evidence.setdefault("delays_ranks", []).extend(root.evidence.pop("delays_ranks", []))
+            for s in late:
+                blame(s, keep)
     return [s for s in signals if id(s) not in dropped]
+
+
+def _pipeline_waits(records: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Per rank, its time in pipeline send/recv less the median of its stage's ranks (``pp_rank``); empty
+    where no stages are known or no rank sent or received. A rank held up by a neighbouring stage waits
+    there longer than its stage-mates; the one that holds its replica up waits less (a late start fills
+    its bubble with its own work)."""
+    stage = np.array([_coordinate(r, "pp_rank") for r in records], dtype=np.int64)
+    if not staged(stage.tolist()):
+        return {}
+    p2p = np.array([p2p_ns(r) for r in records], dtype=np.float64)
+    if not p2p.any():
+        return {}
+    median = {s: float(np.median(p2p[stage == s])) for s in np.unique(stage).tolist()}
+    return {int(r["rank"]): float(p2p[i] - median[int(stage[i])]) for i, r in enumerate(records)}
 
 
 @dataclass(frozen=True)

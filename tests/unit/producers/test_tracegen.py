@@ -228,6 +228,8 @@ def test_expected_categories() -> None:
         TraceJob(dp=4, tp=2, pp=2, steps=14, seed=751, work_spread=0.1, noise=0.04, rank_spread=0.01),
         TraceJob(dp=2, pp=4, steps=10, seed=787, work_spread=0.08, fault="slow_worker", fault_rank=6),
         TraceJob(dp=2, pp=4, steps=10, seed=797, work_spread=0.08, fault="slow_worker", fault_rank=6),
+        TraceJob(dp=4, pp=4, steps=10, seed=60145, fault="late_start", fault_rank=7, names="none", stall_rate=0.03,
+                 stall_ms=4.0),
     ],
     ids=[
         "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
@@ -237,7 +239,7 @@ def test_expected_categories() -> None:
         "dp3xtp2_late_start", "dp2xtp3xpp2_late_start", "dp2xtp3xpp2_a_tp_group_across_hosts", "dp4xpp2_slow_link",
         "dp2xpp4_host_bound", "dp16_healthy_gpus_1.5pct_apart", "dp16_healthy_gpus_1.5pct_apart_2",
         "dp2xpp4_regression", "dp4xtp2xpp2_regression_with_host_hiccups", "dp4xtp2xpp2_batches_of_varying_work",
-        "dp2xpp4_slow_worker_varying_work", "dp2xpp4_slow_worker_varying_work_2",
+        "dp2xpp4_slow_worker_varying_work", "dp2xpp4_slow_worker_varying_work_2", "dp4xpp4_late_start_with_hiccups",
     ],
 )  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
@@ -267,7 +269,10 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     host hiccups (one rank in 20 starts a step up to 5 ms late). Batches whose work varies by 10 % from step to
     step and replica to replica (sequences of varying length) make a different replica last each step: nothing;
     with a slow worker in a stage of 2 (dp2 x pp4), it alone is gpu_slow, and its stage-mate, whose replica's
-    batch is larger in some steps (so is every stage's of that replica), makes no stage_imbalance."""
+    batch is larger in some steps (so is every stage's of that replica), makes no stage_imbalance. In dp4 x pp4
+    with host hiccups, a second-stage rank that starts late makes every rank of its replica late at its
+    data-parallel all-reduce, each held up a little in its send or recv: the straggler is the one that waited
+    least there, and no other rank of its replica is named."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]

@@ -88,10 +88,44 @@ def test_stragglers_of_one_replica_that_waited_for_a_partner_are_its_victims():
     assert sorted(cause.evidence["delays_ranks"]) == [1, 3, 7]
 
 
+def _piped(p2p_ms: dict[int, float]) -> list[dict]:
+    """dp4 x pp4 (rank = 4 * stage + replica): each rank's data-parallel all-reduce and its p2p time."""
+    return [{"rank": r, "dp_rank": r % 4, "pp_rank": r // 4, "tp_rank": 0, "kind": [2, 2],
+             "function": [f"nccl:allreduce[pg={r // 4}]", f"nccl:recv[pg={20 + r}]"],
+             "total_ns": [2_000_000, int(p2p_ms.get(r, 30.0 - 5 * (r // 4)) * 1e6)]}
+            for r in range(16)]  # fmt: skip
+
+
+def test_of_a_replicas_stragglers_in_a_pipeline_the_one_that_waited_least_in_its_send_recv_is_kept():
+    """Rank 7 (stage 1 of replica 3) starts each step late: the stages after it wait in their recv, the one
+    before in its send, each too little of its p2p time to count as ``waited_ns``, and the whole replica
+    arrives late at its data-parallel all-reduce. Rank 11 was a little later there than rank 7: the one
+    kept is rank 7, 8 ms below its stage's p2p time, and it carries what the others were found to delay."""
+    records = _piped({3: 33.6, 7: 17.0, 11: 20.7, 15: 15.8})
+    stragglers = [_late(7, 0.66e6, 0.0), _late(11, 0.70e6, 0.0), _late(15, 0.6e6, 0.0)]
+    waited = _late(3, 0.6e6, 3.6e6)
+    kept = explain_victims([waited, *stragglers], records)
+    assert kept == [stragglers[0]]
+    assert sorted(stragglers[0].evidence["delays_ranks"]) == [3, 11, 15]
+
+
+def test_stragglers_of_two_replicas_or_without_send_recv_are_each_kept():
+    """The same stragglers in two replicas are two findings; without pipeline stages, or with no time in
+    send/recv, nothing tells the one that holds the replica up, and each straggler stays (as before)."""
+    two = [_late(7, 0.66e6, 0.0), _late(10, 0.7e6, 0.0)]
+    assert explain_victims(list(two), _piped({7: 17.0})) == two
+    same = [_late(7, 0.66e6, 0.0), _late(11, 0.7e6, 0.0)]
+    flat = [{**rec, "pp_rank": -1} for rec in _piped({7: 17.0})]
+    assert explain_victims(list(same), flat) == same
+    idle = [{**rec, "total_ns": [2_000_000, 0]} for rec in _piped({})]
+    assert explain_victims(list(same), idle) == same
+
+
 def test_a_replica_late_by_its_rings_across_hosts_is_no_finding_but_a_later_rank_in_it_still_is():
     """``placement``: replica 1's ranks (1, 3, 5, 7) lose 2 ms a step by a ring across hosts. Its stragglers
     late by that much are its layout; one late by far more (4x) is still named, and replica 0's too."""
-    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0} for r in range(8)]
+    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0, "function": [], "kind": [],
+                "total_ns": []} for r in range(8)]  # fmt: skip
     placement = dict.fromkeys((1, 3, 5, 7), 2e6)
     by_layout = [_late(1, 2.2e6, 0.0), _late(3, 2.5e6, 0.0)]
     assert explain_victims(by_layout, records, placement=placement) == []
