@@ -156,13 +156,7 @@ def explain_victims(
             dropped.add(id(victim))
 
     by_rank, by_replica_pacers = _pacers(links, placement or {}, replica)
-    waits: list[dict[int, float]] = []
-
-    def pipeline() -> dict[int, float]:
-        if not waits:
-            waits.append(_pipeline_waits(records))
-        return waits[0]
-
+    held: dict[int, float] | None = None  # rule 6's waits, read from the records once, where needed
     for s in signals:  # a host annotation that lasts as long as its rank's slower collectives: link or layout
         if s.category != "host_slow" or s.function in MEASURED_WAITS:
             continue
@@ -216,7 +210,10 @@ def explain_victims(
             keep = min(late, key=lambda s: float(s.evidence.get("waited_ns", 0.0)))
             for s in late:
                 blame(s, keep)
-        elif root is not None and root.category == "straggler" and len(late) > 1 and (held := pipeline()):
+        elif root is not None and root.category == "straggler" and len(late) > 1:
+            held = _pipeline_waits(records) if held is None else held
+            if not held:
+                continue
             keep = min(late, key=lambda s: held.get(s.rank, np.inf))  # rule 6
             if keep is not root:  # what the root was found to hold up, the one kept holds up
                 keep.evidence.setdefault("delays_ranks", []).extend(root.evidence.pop("delays_ranks", []))
