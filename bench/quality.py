@@ -245,8 +245,9 @@ def _run_traces(scenario: TraceScenario) -> Outcome:
     expected = []
     if job.fault != "healthy":
         category = job.expected_category  # an expert rank with twice the tokens computes longer: gpu_slow
-        if job.world_size == job.pp:  # a rank alone in its stage is its stage: nothing tells the two apart
-            category = "stage_imbalance"
+        if job.world_size == job.pp and job.fault != "host_bound":
+            category = "stage_imbalance"  # a rank alone in its stage is its stage: a slow GPU and more work look
+            # alike; a launch-bound one's kernels take no longer, its GPU waits for its host (stages._launch_bound)
         expected.append(Expected(category, job.culprits(), job.fault_step))
     return Outcome(scenario, findings, expected, sum(r.iterations for r in result.ranks), 0.0)
 

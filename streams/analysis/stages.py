@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import FunctionKind
+from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.signals import RankSignal, ScoringConfig
 from fleetscope.streams.analysis.stats import F64, I64
@@ -103,7 +104,7 @@ def score_stages(
     budget = cfg.min_loss_fraction * float(np.median([r["iteration_ns"] for r in records]))
     excess = med[slowest] - others
     if gap < cfg.min_relative_gap or excess < budget:
-        return []
+        return _launch_bound(records, cfg, comp, stage_of, budget)
     members = np.flatnonzero(stage_of == slowest)
     slow = members[comp[members] >= _replica_compute(records, comp, stage_of, slowest, members, others)
                    * (1 + cfg.min_relative_gap)]  # fmt: skip
@@ -127,3 +128,54 @@ def score_stages(
             ranks=ranks, subject=f"stage:{slowest}",
         )
     ]  # fmt: skip
+
+
+def _launch_bound(
+    records: Sequence[dict[str, Any]], cfg: ScoringConfig, comp: F64, stage_of: I64, budget: float
+) -> list[RankSignal]:
+    """The ranks of the stage the others wait for whose GPU waits for its host to launch kernels: host_slow on
+    ``LAUNCH_WAIT_FUNCTION``, or none. A stage's pace is its GPU's time per step, its kernels and the gaps
+    in which it waited for the next launch; a launch-bound rank's kernels take no longer than anyone's, so
+    the compute test above does not see it, and a stage of one rank (dp1 x pp8) has no peer to compare it
+    with. It is found as the stage whose kernels and launch waits together exceed the other stages' by
+    ``min_relative_gap`` and the budget, most of it launch wait, and whose neighbours wait for it: the
+    other stages' p2p time exceeds its own by at least half that excess."""
+    launch = np.array([_launch_wait_ns(rec) for rec in records], dtype=np.float64)
+    if not launch.any():
+        return []
+    busy = comp + launch
+    stages = np.unique(stage_of).tolist()
+    med = {s: float(np.median(busy[stage_of == s])) for s in stages}
+    slowest = max(med, key=lambda s: med[s])
+    rest = stage_of != slowest
+    others, others_launch = float(np.median(busy[rest])), float(np.median(launch[rest]))
+    excess = med[slowest] - others
+    if others <= 0 or med[slowest] / others - 1 < cfg.min_relative_gap or excess < budget:
+        return []
+    members = np.flatnonzero(stage_of == slowest)
+    p2p = np.array([p2p_ns(rec) for rec in records], dtype=np.float64)
+    waited = float(np.median(p2p[rest])) - float(np.median(p2p[members]))
+    bound = members[launch[members] - others_launch >= max(0.5 * excess, budget)]
+    if waited < 0.5 * excess or not bound.size:
+        return []
+    out = []
+    for i in bound.tolist():
+        rec, above = records[i], float(launch[i]) - others_launch
+        out.append(RankSignal(
+            rank=int(rec["rank"]), host=str(rec["host"]), category="host_slow", function=LAUNCH_WAIT_FUNCTION,
+            metric="self_ns", value=float(launch[i]), peer_median=others_launch,
+            score=(float(busy[i]) / others - 1) / cfg.min_relative_gap, loss_ns=min(above, waited),
+            subject=f"rank:{int(rec['rank'])}",
+            evidence={"stage": slowest, "compared_with": "the other stages' median", "stage_ranks": members.size,
+                      "launch_wait_above_others_ns": above, "others_wait_ns": waited,
+                      "saved_ns": {"rank": min(above, waited), "stage": 0.0}},
+        ))  # fmt: skip
+    return out
+
+
+def _launch_wait_ns(rec: dict[str, Any]) -> float:
+    """A record's time its GPU waited for its host to launch the next kernel (0 where none was measured)."""
+    try:
+        return float(rec["total_ns"][list(rec["function"]).index(LAUNCH_WAIT_FUNCTION)])
+    except ValueError:
+        return 0.0

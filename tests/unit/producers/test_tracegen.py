@@ -230,6 +230,9 @@ def test_expected_categories() -> None:
         TraceJob(dp=2, pp=4, steps=10, seed=797, work_spread=0.08, fault="slow_worker", fault_rank=6),
         TraceJob(dp=4, pp=4, steps=10, seed=60145, fault="late_start", fault_rank=7, names="none", stall_rate=0.03,
                  stall_ms=4.0),
+        TraceJob(dp=1, pp=8, steps=10, seed=99032, fault="host_bound", fault_rank=6),
+        TraceJob(dp=1, pp=4, steps=10, seed=99038, fault="host_bound", fault_rank=2, work_spread=0.08),
+        TraceJob(dp=1, pp=8, steps=10, seed=99041, noise=0.06, stall_rate=0.05, stall_ms=5.0),
     ],
     ids=[
         "pp4xdp4_slow_last_stage", "dpxppxtp_slow_worker", "healthy_noisy", "dp2xtp2xpp2_host_bound",
@@ -240,6 +243,7 @@ def test_expected_categories() -> None:
         "dp2xpp4_host_bound", "dp16_healthy_gpus_1.5pct_apart", "dp16_healthy_gpus_1.5pct_apart_2",
         "dp2xpp4_regression", "dp4xtp2xpp2_regression_with_host_hiccups", "dp4xtp2xpp2_batches_of_varying_work",
         "dp2xpp4_slow_worker_varying_work", "dp2xpp4_slow_worker_varying_work_2", "dp4xpp4_late_start_with_hiccups",
+        "dp1xpp8_host_bound", "dp1xpp4_host_bound_varying_work", "dp1xpp8_healthy_noisy_with_hiccups",
     ],
 )  # fmt: skip
 def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Path) -> None:
@@ -272,7 +276,9 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     batch is larger in some steps (so is every stage's of that replica), makes no stage_imbalance. In dp4 x pp4
     with host hiccups, a second-stage rank that starts late makes every rank of its replica late at its
     data-parallel all-reduce, each held up a little in its send or recv: the straggler is the one that waited
-    least there, and no other rank of its replica is named."""
+    least there, and no other rank of its replica is named. In a pipeline of one rank per stage (dp1 x pp8,
+    dp1 x pp4), a launch-bound rank has no peer, and its kernels take no longer than anyone's: it is host_slow on
+    its GPU's wait for launches, the stage the others wait for; a noisy healthy dp1 x pp8 job has nothing."""
     write_traces(job, tmp_path / "job")
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]

@@ -7,11 +7,12 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
-from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, GC_PAUSE
+from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, GC_PAUSE, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.outliers import score_iteration
 from fleetscope.streams.analysis.roles import LATE_IN_ONE_CALL, explain_victims, late_by_compute
 from fleetscope.streams.analysis.signals import RankSignal
+from fleetscope.streams.analysis.stages import score_stages
 from fleetscope.streams.offline import OfflinePipeline
 
 
@@ -283,6 +284,31 @@ def test_a_waiting_rank_is_blamed_on_the_cause_it_shares_a_collective_group_with
     victim = _cause(0, "host_slow", 2e6, 2e6)  # waited in the all-to-all with rank 1
     assert explain_victims([big, expert, victim], records) == [big, expert]
     assert expert.evidence["delays_ranks"] == [0] and "delays_ranks" not in big.evidence
+
+
+def _stage_per_rank(launch_ms: dict[int, float], p2p_ms: dict[int, float]) -> list[dict]:
+    """dp1 x pp8: each rank a stage of its own, 15 ms of kernels, its GPU's launch wait and its p2p time."""
+    return [{"rank": r, "host": "h0", "pp_rank": r, "dp_rank": 0, "tp_rank": 0, "iteration_ns": 45_000_000,
+             "function": ["gemm", LAUNCH_WAIT_FUNCTION, f"nccl:send[pg={r}]"], "kind": [0, 3, 2],
+             "total_ns": [15_000_000, int(launch_ms.get(r, 0.0) * 1e6), int(p2p_ms.get(r, 32.0) * 1e6)]}
+            for r in range(8)]  # fmt: skip
+
+
+def test_a_stage_of_one_rank_whose_gpu_waits_for_its_host_is_host_slow_where_the_others_wait_for_it():
+    """dp1 x pp8, rank 2 launch-bound: its kernels take 15 ms like everyone's, its GPU waits 9 ms more for
+    launches, and the other stages wait ~10 ms longer in send/recv than it does. No stage has a peer to
+    compare it with, and no stage computes longer: host_slow on rank 2's launch wait."""
+    found = score_stages(_stage_per_rank({2: 9.0}, {2: 22.0}))
+    assert [(s.rank, s.category, s.function) for s in found] == [(2, "host_slow", LAUNCH_WAIT_FUNCTION)]
+    assert found[0].loss_ns == pytest.approx(9e6) and found[0].evidence["others_wait_ns"] == pytest.approx(10e6)
+
+
+def test_launch_waits_no_stage_waits_for_or_every_stage_has_are_no_finding():
+    """The same launch wait hidden in rank 2's bubble (the others wait no longer than it), launch waits of
+    every rank alike, or none: no finding."""
+    assert score_stages(_stage_per_rank({2: 9.0}, {})) == []
+    assert score_stages(_stage_per_rank(dict.fromkeys(range(8), 9.0), {2: 22.0})) == []
+    assert score_stages(_stage_per_rank({}, {2: 22.0})) == []
 
 
 def test_a_signal_that_waited_on_a_slow_stage_is_the_stage():
