@@ -20,6 +20,7 @@ from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, Scor
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
+from fleetscope.streams.analysis.stages import runs_kernels
 
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
 PROFILER_BLIND = JUDGED
@@ -328,6 +329,8 @@ class JobDifferential:
         if regression is not None and times.cpu_wait_ns >= 0:
             regression = replace(regression, metric=ITERATION_LESS_CPU_WAIT, evidence={
                 **regression.evidence, "iteration_ns": iteration_ns, "cpu_wait_ns": times.cpu_wait_ns})  # fmt: skip
+        if regression is not None and regression.evidence.get("work_stepped") is False and not runs_kernels(records):
+            regression = None  # a CPU job slower in its waits only (runs_kernels)
         late_open: list[RankSignal] = []
         if regression is not None and (self._explained(regression) or self._late_rank_explains(regression)):
             regression = None  # a peer explains the job's slowdown (its finding, or it arrives that late)

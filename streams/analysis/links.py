@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import FunctionKind
 from fleetscope.schemas.vocabulary import RING_COLLECTIVES
 from fleetscope.streams.analysis.patterns import collective_class, process_group_of
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
@@ -24,6 +23,7 @@ from fleetscope.streams.analysis.signals import (
     row_signal,
     top_functions,
 )
+from fleetscope.streams.analysis.stages import runs_kernels
 from fleetscope.streams.analysis.stats import F64, I64, nan_median, quiet_nan_warnings
 
 LINK_FAMILIES = ("nvlink", "pcie")
@@ -151,7 +151,6 @@ def score_hosts(
 
 
 _RINGS = tuple(f"nccl:{op}[" for op in RING_COLLECTIVES)
-_COMPUTE = int(FunctionKind.COMPUTE)
 
 
 @dataclass(frozen=True)
@@ -219,7 +218,7 @@ def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups
     size[some] = np.add.reduceat(np.nan_to_num(nbytes[row, cell]), starts[some]) / count[some]
     per_call = _median_by_group(calls[row, cell][:, None], col, n)[:, 0]
     stage = np.full(n, -1, dtype=np.int64)
-    if not any(np.any(np.asarray(r["kind"]) == _COMPUTE) for r in records):  # a GPU job's first record has kernels
+    if not runs_kernels(records):
         stage[col] = np.where(varying[1][col], -1, coords[at][row, 1])
     shape = [
         (collective_class(pm.functions[j]), int(count[g]), *(bool(v[g]) for v in varying), int(stage[g]))

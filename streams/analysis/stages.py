@@ -33,6 +33,12 @@ def compute_ns(rec: dict[str, Any]) -> int:
     return sum(t for t, k in zip(rec["total_ns"], rec["kind"], strict=True) if k == FunctionKind.COMPUTE)
 
 
+def runs_kernels(records: Sequence[dict[str, Any]]) -> bool:
+    """Some rank ran a compute kernel: a GPU job (its first record has kernels), not a CPU-only one, whose
+    collectives are CPU work that a shared host's contention slows like any other."""
+    return any(np.any(np.asarray(r["kind"]) == FunctionKind.COMPUTE) for r in records)
+
+
 def p2p_ns(rec: dict[str, Any]) -> int:
     """A record's time in pipeline p2p transfers (waiting for the neighbouring stages included)."""
     kinds, names = rec["kind"], rec["function"]
