@@ -101,16 +101,12 @@ def score_stages(
     else:
         comp = np.array([compute_ns(rec) for rec in records], dtype=np.float64)
     stage_of = np.array(pp, dtype=np.int64)
-    med = {s: float(np.median(comp[stage_of == s])) for s in stages}
-    slowest = max(med, key=lambda s: med[s])
-    others = float(np.median([v for s, v in med.items() if s != slowest]))
-    if others <= 0:
-        return []
-    gap = med[slowest] / others - 1
     budget = cfg.min_loss_fraction * float(np.median([r["iteration_ns"] for r in records]))
+    med, slowest, others = _slowest_stage(comp, stage_of)
     excess = med[slowest] - others
-    if gap < cfg.min_relative_gap or excess < budget:
+    if others <= 0 or excess / others < cfg.min_relative_gap or excess < budget:
         return _launch_bound(records, cfg, comp, stage_of, budget)
+    gap = med[slowest] / others - 1
     members = np.flatnonzero(stage_of == slowest)
     slow = members[comp[members] >= _replica_compute(records, comp, stage_of, slowest, members, others)
                    * (1 + cfg.min_relative_gap)]  # fmt: skip
@@ -150,14 +146,12 @@ def _launch_bound(
     if not launch.any():
         return []
     busy = comp + launch
-    stages = np.unique(stage_of).tolist()
-    med = {s: float(np.median(busy[stage_of == s])) for s in stages}
-    slowest = max(med, key=lambda s: med[s])
-    rest = stage_of != slowest
-    others, others_launch = float(np.median(busy[rest])), float(np.median(launch[rest]))
+    med, slowest, others = _slowest_stage(busy, stage_of)
     excess = med[slowest] - others
-    if others <= 0 or med[slowest] / others - 1 < cfg.min_relative_gap or excess < budget:
+    if others <= 0 or excess / others < cfg.min_relative_gap or excess < budget:
         return []
+    rest = stage_of != slowest
+    others_launch = float(np.median(launch[rest]))
     members = np.flatnonzero(stage_of == slowest)
     p2p = np.array([p2p_ns(rec) for rec in records], dtype=np.float64)
     waited = float(np.median(p2p[rest])) - float(np.median(p2p[members]))
@@ -177,6 +171,14 @@ def _launch_bound(
                       "saved_ns": {"rank": min(above, waited), "stage": 0.0}},
         ))  # fmt: skip
     return out
+
+
+def _slowest_stage(per_rank: F64, stage_of: I64) -> tuple[dict[int, float], int, float]:
+    """Per stage, the median of its ranks' ``per_rank``; the stage where it is largest; the median of the
+    other stages' medians (what the slowest is held to, by the compute test and the launch-bound one)."""
+    med = {s: float(np.median(per_rank[stage_of == s])) for s in np.unique(stage_of).tolist()}
+    slowest = max(med, key=lambda s: med[s])
+    return med, slowest, float(np.median([v for s, v in med.items() if s != slowest]))
 
 
 def _launch_wait_ns(rec: dict[str, Any]) -> float:
