@@ -18,7 +18,7 @@ import re
 import time
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from fleetscope.producers.kineto_comms import CommMeta, canonical_op, meta_from_
 from fleetscope.producers.kineto_comms import int_or_none as _int
 from fleetscope.producers.kineto_load import NO_ARGS, Args, Event, TraceDoc, TraceError, load_trace
 from fleetscope.producers.kineto_threads import THREAD_BUSY_NAME, busy_outside_spans, depths
-from fleetscope.producers.trace_layout import GroupNotes, groups_from_pg_config
+from fleetscope.producers.trace_layout import P2P_OPS, GroupNotes, groups_from_pg_config
 from fleetscope.schemas import (
     COLUMNS,
     THREAD_BUSY_DEPTH,
@@ -41,7 +41,7 @@ from fleetscope.schemas import (
     classify_kernel,
 )
 from fleetscope.schemas import parse_step_marker as _step
-from fleetscope.schemas.layout import ProcessGroup
+from fleetscope.schemas.layout import PP, ProcessGroup, role_of_name
 from fleetscope.schemas.vocabulary import is_sync_call
 
 DEFAULT_BATCH_EVENTS = 4096
@@ -80,7 +80,7 @@ class TraceRank:
     collectives: int
     host_spans: int
     skipped_events: int
-    """Events of a used category with a missing or malformed field."""
+    """Events of a used category with a missing or malformed field, and gloo calls of no known group."""
     parse_s: float
     batches: tuple[EventBatch, ...] = field(repr=False)
     groups: tuple[ProcessGroup, ...] = ()
@@ -138,6 +138,8 @@ class _Extractor:
         """(start, duration, thread) of every CPU op that is no host span, one after the other."""
         self._raw_threads: dict[Any, int] = {}
         self.nccl: list[tuple[int, int, str, int | None, int | None, Args]] = []
+        self.gloo: list[tuple[int, int, str, Args, Any]] = []
+        """(start, duration, name, args, thread) of each ``gloo:*`` annotation: a CPU job's collectives."""
         self.launch: dict[int, tuple[int, Any]] = {}
         self.comm_by_ext: dict[int, CommMeta] = {}
         self.comm_by_thread: dict[Any, list[tuple[int, int, CommMeta]]] = {}
@@ -231,6 +233,9 @@ class _Extractor:
         k["corr"].append(corr if corr is not None and -_LIMIT_NS < corr < _LIMIT_NS else -1)
 
     def _host(self, cat: str, name: str, ts: int, dur: int, e: Event, args: Args) -> None:
+        if name.startswith(GLOO_PREFIX):
+            self.gloo.append((ts, dur, name, args, _thread(e)))
+            return
         if name.startswith("nccl:") or name == "record_param_comms":
             meta = meta_from_args(args, canonical_op(name) if name.startswith("nccl:") else None)
             ext = _int(args.external_id)
@@ -248,7 +253,9 @@ class _Extractor:
         p["thread"].append(thread)
         p["step"].append(-1 if step is None or step >= _LIMIT_NS else step)
 
-    def resolve_collectives(self, world_size: int, pg_sizes: Mapping[str, int]) -> dict[str, Any]:
+    def resolve_collectives(
+        self, world_size: int, pg_sizes: Mapping[str, int], groups: Sequence[ProcessGroup] = ()
+    ) -> dict[str, Any]:
         """Metadata for every NCCL kernel: kernel args, then the CPU op by External id, then by launch."""
         for ops in self.comm_by_thread.values():
             ops.sort(key=lambda o: o[0])
@@ -277,7 +284,94 @@ class _Extractor:
                  seq, min(meta.group_size, 2**31 - 1),
                  min(nbytes_of(meta), _LIMIT_NS), launch[0] if launch else ts)
             )  # fmt: skip
+        if not self.nccl:
+            rows += self._gloo_rows(world_size, pg_sizes, groups)
         return {c: [r[j] for r in rows] for j, c in enumerate(COLUMNS[EventKind.COLLECTIVES])}
+
+    def _gloo_rows(
+        self, world_size: int, pg_sizes: Mapping[str, int], groups: Sequence[ProcessGroup]
+    ) -> list[tuple[int, ...]]:
+        """A CPU (gloo) job's collectives: each ``gloo:*`` annotation spans the call, from when its thread
+        takes the work until every peer's data is in, as an NCCL kernel spans it on the GPU. Its group is
+        its worker thread's (``gloo_groups``), a send's or receive's the pipeline's; calls whose group cannot
+        be told are left out, and counted as skipped, rather than matched with the wrong peers."""
+        calls = sorted(self.gloo, key=lambda g: g[0])
+        metas = [meta_from_args(args, canonical_op(name.removeprefix(GLOO_PREFIX))) for _, _, name, args, _ in calls]
+        p2p = [m.op in P2P_OPS for m in metas]
+        worker = ((c[4], nbytes_of(m)) for c, m, q in zip(calls, metas, p2p, strict=True) if not q)
+        by_thread, pipeline = gloo_groups(worker, groups) or {}, gloo_p2p_group(groups)
+        rows: list[tuple[int, ...]] = []
+        ordinal: dict[str, int] = {}
+        for (ts, dur, name, _, thread), meta, q in zip(calls, metas, p2p, strict=True):
+            pg = meta.pg = meta.pg or (pipeline if q else by_thread.get(thread))
+            if pg is None:
+                self.skipped += 1
+                continue
+            meta.group_size = meta.group_size or pg_sizes.get(pg) or world_size
+            self.notes.note(meta.op or "unknown", pg, meta.desc, meta.ranks, meta.peer)
+            n = ordinal[pg] = ordinal.get(pg, -1) + 1
+            rows.append(
+                (ts, dur, self.intern(name), self.intern(meta.op or "unknown"), self.intern(pg), n,
+                 min(meta.group_size, 2**31 - 1), min(nbytes_of(meta), _LIMIT_NS), ts)
+            )  # fmt: skip
+        return rows
+
+
+GLOO_PREFIX = "gloo:"
+"""PyTorch's annotation of a gloo call: a collective on a worker thread of its group, a send or receive on
+the calling thread (``gloo:all_reduce``, ``gloo:send``)."""
+
+
+def gloo_groups(calls: Iterable[tuple[Any, int]], groups: Sequence[ProcessGroup]) -> dict[Any, str] | None:
+    """Each gloo worker thread's process group, from its collectives ((thread, message bytes)), or None
+    where the threads do not say.
+
+    Gloo gives each process group worker threads of its own (two by default), started as the group is
+    created, and a trace lists its groups (``pg_config``) in creation order. The threads of one group
+    carry the same messages, so threads sharing a message size are one group; the groups, ordered by
+    their first thread's id, are then, in order, every group that can hold a collective (two ranks or
+    more, not described as the pipeline's, whose sends and receives run on the calling thread), or every
+    one of those but the default (world) group, which a job often never calls. Any other count is
+    ambiguous, and so are groups whose threads interleave or differ in number: two groups sending one
+    size, merged.
+    """
+    sizes: dict[Any, set[int]] = {}
+    for thread, nbytes in calls:
+        sizes.setdefault(thread, set()).add(nbytes)
+    if len(groups) <= 1:
+        return dict.fromkeys(sizes, groups[0].name if groups else DEFAULT_PROCESS_GROUP)
+    candidates = [g.name for g in groups if len(g.ranks) >= 2 and role_of_name(g.desc) != PP]
+    if len(candidates) == 1:
+        return dict.fromkeys(sizes, candidates[0])
+    clusters: list[tuple[list[Any], set[int]]] = []
+    for thread, seen in sizes.items():
+        joined = [c for c in clusters if c[1] & seen]
+        merged = ([thread] + [t for c in joined for t in c[0]], seen.union(*(c[1] for c in joined)))
+        clusters = [c for c in clusters if not c[1] & seen] + [merged]
+    spans = sorted((min(map(_thread_order, c[0])), max(map(_thread_order, c[0])), c[0]) for c in clusters)
+    apart = all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))  # each group's threads together
+    if not apart or len({len(threads) for _, _, threads in spans}) > 1:  # and as many to each group
+        return None
+    ordered = [threads for _, _, threads in spans]
+    without_default = candidates[1:] if candidates and candidates[0] == groups[0].name else candidates
+    for names in (candidates, without_default):
+        if len(ordered) == len(names):
+            return {t: pg for threads, pg in zip(ordered, names, strict=True) for t in threads}
+    return None
+
+
+def gloo_p2p_group(groups: Sequence[ProcessGroup]) -> str | None:
+    """The group of a gloo send or receive, which runs on the calling thread: the job's only group, else
+    the one group described as the pipeline's; None where there is no such group."""
+    if len(groups) <= 1:
+        return groups[0].name if groups else DEFAULT_PROCESS_GROUP
+    pipeline = [g.name for g in groups if role_of_name(g.desc) == PP]
+    return pipeline[0] if len(pipeline) == 1 else None
+
+
+def _thread_order(thread: Any) -> tuple[int, int]:
+    pid, tid = thread
+    return (pid if type(pid) is int else -1, tid if type(tid) is int else -1)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -353,7 +447,7 @@ def parse_trace(
     ex.skipped = doc.skipped
     ex.feed(doc.traceEvents)
     del doc  # the decoded events are by far the largest object: free them before building batches
-    coll = ex.resolve_collectives(header.world_size, pg_sizes)
+    coll = ex.resolve_collectives(header.world_size, pg_sizes, configured)
     if not (ex.k["start"] or ex.p["start"] or coll["start_ns"]):
         raise TraceError(f"{p}: not a Kineto trace (no kernel, memory-op or host-span events)")
     steps = sorted((t, s) for t, s in zip(ex.p["start"], ex.p["step"], strict=True) if s >= 0)

@@ -18,7 +18,7 @@ from fleetscope.schemas.layout import JobLayout, ProcessGroup, derive_layout, la
 if TYPE_CHECKING:  # kineto imports this module
     from fleetscope.producers.kineto import TraceRank
 
-_P2P_OPS = frozenset({"send", "recv"})
+P2P_OPS = frozenset({"send", "recv"})
 
 
 def groups_from_pg_config(info: Mapping[str, Any]) -> list[ProcessGroup]:
@@ -60,7 +60,7 @@ class GroupNotes:
             self.descs[pg] = desc
         if ranks and pg not in self.ranks:
             self.ranks[pg] = ranks
-        if op in _P2P_OPS and peer is not None:
+        if op in P2P_OPS and peer is not None:
             self.peers.append((op, pg, peer))
 
     def groups(self, configured: Sequence[ProcessGroup]) -> tuple[ProcessGroup, ...]:

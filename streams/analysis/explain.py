@@ -104,7 +104,7 @@ class JobTally:
                 stages.setdefault(ri.stage, []).append((ri.compute_ns, rank))
                 sums.setdefault(ri.stage, {}).setdefault(rank, []).append(ri.compute_ns)
             for stage, values in stages.items():
-                if len(values) >= 2:
+                if len(values) >= 2 and max(values)[0] > 0:  # a CPU job's ranks run no kernel: nobody computes longest
                     by_stage.setdefault(stage, Counter())[max(values)[1]] += 1
         out = []
         for stage in sorted(by_stage):

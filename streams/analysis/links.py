@@ -172,6 +172,11 @@ class RingGroups:
     the ranks run no kernels, the group's pipeline stage (``ring_groups``)."""
     hosts: I64
     """How many hosts each group's members are on."""
+    linked: npt.NDArray[np.bool_]
+    """Whether a link carries the group's data. Not where no rank runs a kernel and the members share one
+    host: a CPU job's collective there is a copy through the host's memory, which the host's CPUs do, so its
+    pace is theirs, slowed by any contention, and no link can be slow (a real healthy tp2 x dp2 gloo job on 2
+    shared cores: one data-parallel pair's all-reduce 4 times the other's for 8 steps, a false link_slow)."""
 
 
 def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups | None:
@@ -218,13 +223,15 @@ def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups
     size[some] = np.add.reduceat(np.nan_to_num(nbytes[row, cell]), starts[some]) / count[some]
     per_call = _median_by_group(calls[row, cell][:, None], col, n)[:, 0]
     stage = np.full(n, -1, dtype=np.int64)
-    if not runs_kernels(records):
+    gpu = runs_kernels(records)
+    if not gpu:
         stage[col] = np.where(varying[1][col], -1, coords[at][row, 1])
     shape = [
         (collective_class(pm.functions[j]), int(count[g]), *(bool(v[g]) for v in varying), int(stage[g]))
         for g, j in enumerate(ring)
     ]
-    return RingGroups(ring, members, transfer, size, per_call, shape, hosts)
+    linked = np.ones(n, dtype=bool) if gpu else hosts > 1
+    return RingGroups(ring, members, transfer, size, per_call, shape, hosts, linked)
 
 
 def _per_byte(transfer: F64, size: F64) -> F64 | None:
@@ -258,7 +265,7 @@ def score_transfers(
         return []
     classes: dict[tuple[Any, ...], list[int]] = {}
     for g, shape in enumerate(groups.shape):
-        if shape[1] >= 2:
+        if shape[1] >= 2 and groups.linked[g]:
             classes.setdefault((*shape, int(groups.hosts[g])), []).append(g)
     budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
     out: list[RankSignal] = []

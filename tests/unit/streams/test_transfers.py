@@ -23,15 +23,16 @@ def records(
     dp_ns: dict[int, float] | None = None,
     tp: int = 2,
     hosts: dict[int, str] | None = None,
+    kernels: bool = True,
 ) -> list[dict[str, Any]]:
     """dp 4 x ``tp``: the tensor-parallel group of replica g all-reduces in ``tp_ns[g]`` (its transfer: the
     members arrive together) 8 times; the data-parallel ring of tensor slot s once, in ``dp_ns[s]``; every
-    rank on node0 but those ``hosts`` moves."""
+    rank on node0 but those ``hosts`` moves. ``kernels``: the ranks run a GPU kernel, else none (gloo)."""
     out = []
     for rank in range(tp * 4):
         g, slot = rank // tp, rank % tp
         functions = {
-            "gemm": (K, 12e6, 1, 0),
+            **({"gemm": (K, 12e6, 1, 0)} if kernels else {}),
             f"nccl:allreduce[pg={1 + g},<=64MiB]": (C, tp_ns.get(g, 1e6), 8, (tp_bytes or {}).get(g, 48 << 20)),
             f"nccl:allreduce[pg={5 + slot},<=32MiB]": (C, (dp_ns or {}).get(slot, 2e6), 1, 24 << 20),
         }
@@ -144,3 +145,17 @@ def test_data_parallel_rings_of_two_stages_are_equivalent_on_gpus_not_where_rank
     assert links(pipeline_records(6e6, kernels=True)) == [(-1, (2, 3))]
     assert links(pipeline_records(6e6, kernels=False)) == []
     assert links(pipeline_records(2e6, kernels=True)) == []
+
+
+def test_a_cpu_jobs_ring_on_one_host_has_no_link_to_be_slow_across_hosts_it_has() -> None:
+    """dp 4 x tp 2, slot 1's data-parallel ring 3 times slower than slot 0's. With no kernels (gloo) and
+    every rank on one host, each all-reduce is a copy through the host's memory by its CPUs, paced by them
+    and their contention (a real healthy tp 2 x dp 2 gloo job: one pair's all-reduce 4 times the other's
+    for 8 steps): no link_slow. Spread over hosts, the rings cross the network, and the slow one is named
+    again; on GPUs it is named on one host too."""
+    assert links(records({}, dp_ns={1: 6e6}, kernels=False)) == []
+    assert links(records({2: 3e6}, kernels=False)) == []
+    per_replica = {rank: f"node{rank // 2}" for rank in range(8)}
+    assert links(records({}, dp_ns={1: 6e6}, hosts=per_replica, kernels=False)) == [(-1, (1, 3, 5, 7))]
+    assert links(records({}, dp_ns={1: 6e6}, hosts=per_replica)) == [(-1, (1, 3, 5, 7))]
+    assert links(records({}, dp_ns={1: 6e6})) == [(-1, (1, 3, 5, 7))]

@@ -1,0 +1,108 @@
+"""Real torch.profiler traces of real 4-rank gloo jobs through ``fleetscope analyze``: a CPU job's trace has
+no NCCL kernel, its collectives are the ``gloo:*`` annotations of its process groups' worker threads.
+
+A healthy data-parallel job and a healthy tp 2 x dp 2 job get no finding; a rank that sleeps 20 ms after
+each step from step 10 is named a straggler, and no other rank. Before gloo calls were read, the sleeping
+rank's job got only a ``job_regression`` naming no rank, and reading them with a wrong group (worker threads
+grouped by thread id alone) gave the healthy tp 2 x dp 2 job a false ``link_slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetscope.broker import free_port
+from fleetscope.cli import main
+
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
+
+WORLD = 4
+STEPS = 60
+JOB = """
+import os, sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+steps, layout, faulty, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(rank)
+net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+tp = None
+if layout == "tp2dp2":  # every rank creates every group, in one order: Megatron's tensor pairs, then data pairs
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, model = tps[rank // 2], DDP(net, process_group=dps[rank % 2])
+else:
+    model = DDP(net)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps - 2)
+trace = lambda p: p.export_chrome_trace(os.path.join(out, f"rank{rank}.json"))
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule,
+                            on_trace_ready=trace, record_shapes=True) as prof:
+    for step in range(steps):
+        h = model(torch.randn(64, 256))
+        if tp is not None:  # the tensor-parallel pair all-reduces its activations
+            a = h.detach().clone()
+            dist.all_reduce(a, group=tp)
+            h = h + 0 * a
+        loss = torch.nn.functional.cross_entropy(h, torch.randint(0, 10, (64,)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == faulty and step >= 10:
+            time.sleep(0.02)
+        prof.step()
+dist.destroy_process_group()
+"""
+
+
+def profile_job(tmp: Path, layout: str, faulty: int) -> Path:
+    """Run the job on ``WORLD`` gloo processes; the folder of its ranks' traces."""
+    script, out = tmp / "job.py", tmp / f"{layout}-{faulty}"
+    script.write_text(JOB)
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD)}
+    env["OMP_NUM_THREADS"] = "1"
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(STEPS), layout, str(faulty), str(out)],
+                         env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(WORLD)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=240)[0] for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), outputs
+    return out
+
+
+def analyze(folder: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    capsys.readouterr()
+    assert main(["analyze", "--quiet", "--json", str(folder)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
+def test_a_healthy_gloo_jobs_profiler_traces_get_no_finding(
+    layout: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    got = analyze(profile_job(tmp_path, layout, faulty=-1), capsys)
+    ranks = got["ranks"]
+    assert isinstance(ranks, list) and len(ranks) == WORLD
+    assert all(r["collectives"] > 0 for r in ranks), ranks  # the gloo calls are read
+    assert got["findings"] == []
+
+
+def test_a_gloo_rank_that_sleeps_after_each_step_is_named_a_straggler(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    got = analyze(profile_job(tmp_path, "tp2dp2", faulty=3), capsys)
+    findings = got["findings"]
+    assert isinstance(findings, list)
+    assert {(f["category"], f["rank"]) for f in findings} == {("straggler", 3)}, findings
