@@ -42,7 +42,7 @@ from fleetscope.schemas import (
 )
 from fleetscope.schemas import parse_step_marker as _step
 from fleetscope.schemas.layout import PP, ProcessGroup, role_of_name
-from fleetscope.schemas.vocabulary import is_sync_call
+from fleetscope.schemas.vocabulary import is_sync_call, stable_function_name
 
 DEFAULT_BATCH_EVENTS = 4096
 DEFAULT_PROCESS_GROUP = "0"  # PyTorch's name for the default (world) process group
@@ -245,6 +245,7 @@ class _Extractor:
         step = _step(name) if name.startswith("ProfilerStep#") else None
         if cat == "cpu_op" and step is None and not _blocks(name):
             return
+        name = stable_function_name(name)
         thread = self.threads.setdefault(_thread(e), len(self.threads))
         p = self.p
         p["start"].append(ts)

@@ -6,6 +6,7 @@ One definition each, so the parser, the simulator and the windower cannot drift 
 from __future__ import annotations
 
 import enum
+import functools
 import re
 
 from fleetscope.schemas.records import FunctionKind
@@ -159,3 +160,15 @@ def is_sync_call(name: str) -> bool:
     """A host call that blocks until the GPU or the peers are done (``cudaStreamSynchronize``, ``.item()``,
     a collective's ``wait``): its time is waiting, not work, so it is never a rank's own host time."""
     return _SYNC_RE.search(name) is not None
+
+
+_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+(?=>)")
+
+
+@functools.lru_cache(maxsize=65536)
+def stable_function_name(name: str) -> str:
+    """A host function's name as every rank writes it. Python's repr of a built-in method carries its
+    object's address (``<built-in method get of dict object at 0x7f9d3c370800>``, the names of
+    ``torch.profiler``'s ``with_stack`` events), which differs by process: left in, every rank has functions
+    no peer has, each an outlier of its own (a real healthy 4-rank trace: ``host_slow`` on every rank)."""
+    return _ADDRESS_RE.sub("", name) if " at 0x" in name else name

@@ -2,9 +2,10 @@
 no NCCL kernel, its collectives are the ``gloo:*`` annotations of its process groups' worker threads.
 
 A healthy data-parallel job and a healthy tp 2 x dp 2 job get no finding; a rank that sleeps 20 ms after
-each step from step 10 is named a straggler, and no other rank. Before gloo calls were read, the sleeping
-rank's job got only a ``job_regression`` naming no rank, and reading them with a wrong group (worker threads
-grouped by thread id alone) gave the healthy tp 2 x dp 2 job a false ``link_slow``.
+each step from step 10 is named, and no other rank. Before gloo calls were read, the sleeping rank's job got
+only a ``job_regression`` naming no rank, and reading them with a wrong group (worker threads grouped by
+thread id alone) gave the healthy tp 2 x dp 2 job a false ``link_slow``; with the stack recorded, every rank
+of the healthy job was ``host_slow`` on a function named with its own process's object address.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os, sys, time
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-steps, layout, faulty, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+steps, layout, faulty, out, stack = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -46,7 +47,7 @@ opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps - 2)
 trace = lambda p: p.export_chrome_trace(os.path.join(out, f"rank{rank}.json"))
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule,
-                            on_trace_ready=trace, record_shapes=True) as prof:
+                            on_trace_ready=trace, record_shapes=True, with_stack=stack) as prof:
     for step in range(steps):
         h = model(torch.randn(64, 256))
         if tp is not None:  # the tensor-parallel pair all-reduces its activations
@@ -64,8 +65,9 @@ dist.destroy_process_group()
 """
 
 
-def profile_job(tmp: Path, layout: str, faulty: int) -> Path:
-    """Run the job on ``WORLD`` gloo processes; the folder of its ranks' traces."""
+def profile_job(tmp: Path, layout: str, faulty: int, stack: bool) -> Path:
+    """Run the job on ``WORLD`` gloo processes; the folder of its ranks' traces. ``stack``: the profiler's
+    ``with_stack``, whose Python functions' names carry their objects' addresses, which differ by process."""
     script, out = tmp / "job.py", tmp / f"{layout}-{faulty}"
     script.write_text(JOB)
     out.mkdir()
@@ -73,7 +75,7 @@ def profile_job(tmp: Path, layout: str, faulty: int) -> Path:
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD)}
     env["OMP_NUM_THREADS"] = "1"
     ranks = [
-        subprocess.Popen([sys.executable, str(script), str(STEPS), layout, str(faulty), str(out)],
+        subprocess.Popen([sys.executable, str(script), str(STEPS), layout, str(faulty), str(out), str(int(stack))],
                          env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(WORLD)
     ]  # fmt: skip
@@ -88,21 +90,33 @@ def analyze(folder: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, objec
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
+@pytest.mark.parametrize(("layout", "stack"), [("dp4", True), ("tp2dp2", False)])
 def test_a_healthy_gloo_jobs_profiler_traces_get_no_finding(
-    layout: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    layout: str, stack: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    got = analyze(profile_job(tmp_path, layout, faulty=-1), capsys)
+    got = analyze(profile_job(tmp_path, layout, -1, stack), capsys)
     ranks = got["ranks"]
     assert isinstance(ranks, list) and len(ranks) == WORLD
     assert all(r["collectives"] > 0 for r in ranks), ranks  # the gloo calls are read
     assert got["findings"] == []
 
 
-def test_a_gloo_rank_that_sleeps_after_each_step_is_named_a_straggler(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("layout", "faulty", "stack", "named"),
+    [("tp2dp2", 3, False, ("straggler", 3, "nccl:")), ("dp4", 1, True, ("host_slow", 1, "<built-in function sleep>"))],
+)
+def test_a_gloo_rank_that_sleeps_after_each_step_is_named_and_no_other(
+    layout: str,
+    faulty: int,
+    stack: bool,
+    named: tuple[str, int, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    got = analyze(profile_job(tmp_path, "tp2dp2", faulty=3), capsys)
+    """Without the stack, the sleep is time between collectives: the rank arrives late. With it, the sleep is
+    a Python function of its own, on that rank only: host time."""
+    got = analyze(profile_job(tmp_path, layout, faulty, stack), capsys)
     findings = got["findings"]
     assert isinstance(findings, list)
-    assert {(f["category"], f["rank"]) for f in findings} == {("straggler", 3)}, findings
+    assert {(f["category"], f["rank"]) for f in findings} == {named[:2]}, findings
+    assert all(f["function"].startswith(named[2]) for f in findings), findings

@@ -1,5 +1,7 @@
-"""A CPU job's trace (gloo): PyTorch annotates each collective as ``gloo:<op>`` on a worker thread of its
-process group, which ``parse_trace`` reads as the job's collectives, each in its own group."""
+"""A CPU job's torch.profiler trace. Its collectives are gloo's: PyTorch annotates each as ``gloo:<op>`` on a
+worker thread of its process group (a send or receive on the calling thread), which ``parse_trace`` reads
+as the job's collectives, each in its own group. With ``with_stack``, its Python functions are named as
+every rank names them."""
 
 from __future__ import annotations
 
@@ -112,3 +114,22 @@ def test_a_gpu_jobs_gloo_calls_leave_its_nccl_collectives_alone(tmp_path: Path) 
     events = [gloo("gloo:all_reduce", 10, 5, 21, [1])]
     assert [op for op, *_ in trace(tmp_path, events, [("0", [0, 1, 2, 3])], nccl=True)] == ["allreduce"]
     assert len(trace(tmp_path, events, [("0", [0, 1, 2, 3])], nccl=True)) == 1
+
+
+def test_python_functions_named_with_their_objects_addresses_are_one_function_on_every_rank(tmp_path: Path) -> None:
+    """``with_stack``: a built-in method's name carries its object's address, which differs by process.
+    Two ranks' traces of the same call give the same function; a name without an address is kept as is."""
+    names = []
+    for rank, address in ((0, "0x7f9d3c370800"), (1, "0x7fe7f4da7000")):
+        call = f"<built-in method run_backward of torch._C._EngineBase object at {address}>"
+        events = [{"ph": "X", "cat": "python_function", "name": n, "pid": 7, "tid": 7, "ts": 10, "dur": 5}
+                  for n in (call, "train.py(42): forward", "<built-in function sleep>")]  # fmt: skip
+        doc = {"distributedInfo": {"rank": rank, "world_size": 2}, "traceEvents": events}
+        path = tmp_path / f"rank{rank}.json"
+        path.write_text(json.dumps(doc))
+        (b,) = [b for b in parse_trace(path).batches if b.kind is EventKind.PYTHON]
+        names.append(sorted(b.names[i] for i in b["name_id"].tolist() if not b.names[i].startswith("fleetscope")))
+    assert names[0] == names[1] == [
+        "<built-in function sleep>", "<built-in method run_backward of torch._C._EngineBase object>",
+        "train.py(42): forward",
+    ]  # fmt: skip
