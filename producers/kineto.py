@@ -257,7 +257,8 @@ class _Extractor:
     def resolve_collectives(
         self, world_size: int, pg_sizes: Mapping[str, int], groups: Sequence[ProcessGroup] = ()
     ) -> dict[str, Any]:
-        """Metadata for every NCCL kernel: kernel args, then the CPU op by External id, then by launch."""
+        """Metadata for every NCCL kernel: kernel args, then the CPU op by External id, then by launch. A
+        trace with no NCCL kernel (a CPU job) has gloo's calls instead (``_gloo_rows``)."""
         for ops in self.comm_by_thread.values():
             ops.sort(key=lambda o: o[0])
         starts = {t: [o[0] for o in ops] for t, ops in self.comm_by_thread.items()}

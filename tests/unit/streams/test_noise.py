@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.noise import JobNoise, _noise
+from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
+from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, _noise
 
 _COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
 
@@ -361,3 +361,83 @@ def test_a_slowdown_is_a_late_ranks_only_where_the_same_rank_is_late_again_and_a
     assert not noise_of([{1: 25.0}, {0: 30.0}, {2: 35.0}, {1: 27.0}]).late_explains(40e6)
     assert noise_of([{1: 25.0}] * 4, pair=True).late_explains(40e6)
     assert not noise_of([{1: 15.0}] * 4, pair=True).late_explains(40e6)
+
+
+def _stack_job(
+    spikes: dict[tuple[int, int], tuple[str, float]], seed: int, iterations: int = 40
+) -> list[dict[str, Any]]:
+    """Finding records of a 4-rank CPU job whose host time is a dozen fine-grained Python functions (a trace
+    with the Python stack), each 0.5 ms; ``spikes[(iteration, rank)]`` adds (function, ms) to one of them,
+    which delays the rank's arrival at the all-reduce by as much."""
+    rng = np.random.default_rng(seed)
+    diff = JobDifferential("j")
+    out: list[dict[str, Any]] = []
+    names = [f"train.py({10 + i}): f{i}" for i in range(12)]
+    for it in range(iterations):
+        host = 0.5 + rng.normal(0.0, 0.02, size=(4, len(names)))
+        for (at, rank), (name, ms) in spikes.items():
+            if at == it:
+                host[rank, names.index(name)] += ms
+        arrival = host.sum(axis=1) + rng.normal(0.0, 0.5, size=4)
+        for r in range(4):
+            functions = [("nccl:allreduce[pg=0,<=2MiB]", _COLLECTIVE, 1, 4.0 + arrival.max() - arrival[r])]
+            functions += [(name, _PYTHON, 1, float(ms)) for name, ms in zip(names, host[r], strict=True)]
+            out += diff.add(_record_of(r, it, functions, iteration_ms=40.0))
+    return out + diff.flush()
+
+
+def test_chance_spikes_in_one_of_many_host_functions_are_held_to_the_others_spikes_in_any_of_them() -> None:
+    """Descheduling delays whatever function runs: rank 3's four 4 ms spikes land in one function (f7) by
+    chance, the other ranks' (6 to 13 ms) in other ones. Held to the others' spikes in that function alone
+    (none), they came back (an intermittent fault): a host_slow finding on a healthy job, as on a real
+    4-rank trace with the Python stack. Held to the others' largest in any function, they are contention.
+    A rank whose f7 takes 20 ms more every third iteration, beyond any spike of the others, still is."""
+    f7 = "train.py(17): f7"
+    chance = {(it, 3): (f7, 4.0 + 0.3 * k) for k, it in enumerate((9, 14, 17, 20))}
+    chance |= {(6, 0): ("train.py(12): f2", 13.0), (11, 1): ("train.py(14): f4", 9.0)}
+    chance |= {(15, 2): ("train.py(19): f9", 11.0), (23, 0): ("train.py(11): f1", 6.0)}
+    for seed in range(3):
+        assert [f for f in _stack_job(chance, seed) if f["category"] == "host_slow"] == [], seed
+        fault = chance | {(it, 2): (f7, 20.0) for it in range(24, 40, 3)}
+        opened = [f for f in _stack_job(fault, seed) if f["status"] == "open"]
+        assert [(f["category"], f["rank"], f["function"]) for f in opened] == [("host_slow", 2, f7)], seed
+
+
+def _trace_job(
+    spikes: dict[int, tuple[str, float]], kernels: bool, seed: int, iterations: int = 24
+) -> list[dict[str, Any]]:
+    """Finding records of a 4-rank trace judged from its first iteration (``analyze``: no warm-up), whose
+    ranks arrive at the all-reduce with 3 ms of jitter (CPUs shared) or 0.2 ms (GPUs); rank 0's host
+    functions take ``spikes[iteration]`` more. ``kernels``: every rank runs a 10 ms compute kernel."""
+    rng = np.random.default_rng(seed)
+    config = DifferentialConfig(noise=NoiseConfig(warmup_iterations=0))
+    diff = JobDifferential("j", config)
+    out: list[dict[str, Any]] = []
+    names = ("DistributedDataParallel.forward", "Optimizer.zero_grad#SGD.zero_grad", "Optimizer.step#SGD.step")
+    for it in range(iterations):
+        host = np.array([[1.5, 0.05, 0.3]] * 4) + rng.normal(0.0, 0.01, size=(4, 3))
+        if it in spikes:
+            host[0, names.index(spikes[it][0])] += spikes[it][1]
+        arrival = host.sum(axis=1) + rng.normal(0.0, 0.2 if kernels else 3.0, size=4)
+        for r in range(4):
+            functions = [("nccl:allreduce[pg=0,<=2MiB]", _COLLECTIVE, 1, 4.0 + arrival.max() - arrival[r])]
+            functions += [(name, _PYTHON, 1, float(ms)) for name, ms in zip(names, host[r], strict=True)]
+            functions += [("gemm", _COMPUTE, 1, 10.0)] if kernels else []
+            out += diff.add(_record_of(r, it, functions, iteration_ms=25.0))
+    return out + diff.flush()
+
+
+def test_a_cpu_traces_first_chance_spikes_before_its_noise_is_known_are_no_finding_a_gpu_traces_slow_host_is() -> None:
+    """A real 4-rank gloo trace: rank 0 descheduled in three of its first four iterations, each time in
+    another function, and late by more than the budget then, as any rank of a CPU job often is. Before
+    the noise is known, a CPU job's lateness is no cost to go by: no finding. A GPU job's rank whose host
+    adds 4 ms from the trace's first iteration costs its peers that wait, and is named within its first
+    iterations as before."""
+    chance = {0: ("DistributedDataParallel.forward", 2.8), 1: ("DistributedDataParallel.forward", 0.6)}
+    chance |= {2: ("Optimizer.zero_grad#SGD.zero_grad", 3.7), 3: ("DistributedDataParallel.forward", 1.8)}
+    for seed in range(4):
+        assert [f for f in _trace_job(chance, kernels=False, seed=seed) if f["category"] == "host_slow"] == [], seed
+        slow = {it: ("DistributedDataParallel.forward", 4.0) for it in range(24)}
+        opened = [f for f in _trace_job(slow, kernels=True, seed=seed) if f["status"] == "open"]
+        assert [(f["category"], f["rank"]) for f in opened] == [("host_slow", 0)], seed
+        assert opened[0]["iteration_last"] <= 4, opened
