@@ -304,9 +304,12 @@ class JobNoise:
             return None
         noise = _noise(x, col)
         if sig.category == "host_slow":
-            spikes = self._host_spikes()
-            bar = max(cfg.z * noise, max((v for r, v in spikes.items() if r != sig.rank), default=0.0))
-            if sig.value - sig.peer_median >= bar and _episodes(x, col, bar) >= 2:
+            spiked = max((v for r, v in self._host_spikes().items() if r != sig.rank), default=0.0)
+            bar = max(cfg.z * noise, spiked)
+            # above the others' largest chance spike, a rank's two largest are its own one time in 16 (of 4
+            # ranks' alike); three, one in 64
+            again = 3 if spiked > cfg.z * noise else 2
+            if sig.value - sig.peer_median >= bar and _episodes(x, col, bar) >= again:
                 return True
         with quiet_nan_warnings():
             level = np.nanmedian(x[-cfg.level_iterations :], axis=0)
