@@ -139,6 +139,8 @@ class JobNoise:
         """``_host_spikes`` as of the recorded iteration it was computed for."""
         self._kernels = False
         """Whether some rank ran a compute kernel (a GPU job) in an iteration recorded so far."""
+        self._seen_at: dict[str, deque[int]] = {}
+        """Per function, the recorded iterations its ``_series`` entries come from (``_sparse``)."""
         self._latest: deque[dict[int, float]] = deque(maxlen=self.config.min_history)
         """Each rank's arrival lateness (``_lateness``) per recent iteration."""
         self._waits: deque[F64] = deque(maxlen=self.config.history_iterations)
@@ -173,6 +175,7 @@ class JobNoise:
         self.__dict__.setdefault("_groups", {})
         self.__dict__.setdefault("_spikes", (-1, {}))
         self.__dict__.setdefault("_kernels", True)  # judged as before
+        self.__dict__.setdefault("_seen_at", {})
         if any(not isinstance(lateness, dict) for lateness in self._latest):  # saved as each iteration's largest
             self._latest = deque(maxlen=self.config.min_history)
 
@@ -216,6 +219,8 @@ class JobNoise:
         for function, values in seen.items():
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
+                self._seen_at[function] = deque(maxlen=self.config.history_iterations)
+            self._seen_at.setdefault(function, deque(maxlen=self.config.history_iterations)).append(self._recorded)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
         for function, values in paired.items():
             if len(values) >= 2:
@@ -252,6 +257,7 @@ class JobNoise:
         export afterwards slow the ranks unevenly, so arrivals before and after it do not form one run."""
         for function in [f for f in self._series if f not in self._host]:
             del self._series[function]
+            self._seen_at.pop(function, None)
         self._pairs.clear()
         self._groups.clear()
         self._p2p.clear()
@@ -299,6 +305,8 @@ class JobNoise:
     def stands_out(self, sig: RankSignal) -> bool | None:
         """Whether the signal stands out from the job's noise; None while that noise is unknown."""
         cfg = self.config
+        if sig.category == "straggler" and self._sparse(sig.function):
+            return False
         x, col = self._matrix(sig.function, sig.rank, lateness=sig.category == "straggler")
         if x is None:
             return None
@@ -316,6 +324,17 @@ class JobNoise:
             if level[col] - np.nanmedian(np.delete(level, col)) >= cfg.level_z * noise:
                 return True
         return sig.category == "straggler" and self._clearly_late(x, col)
+
+    def _sparse(self, function: str) -> bool:
+        """Whether a collective ran in fewer than half of the job's recent iterations (a logging all-reduce
+        every 10 steps). Its history then spans a long stretch of the job, and a rank that pauses every few
+        steps on a schedule (rank 0 saving a checkpoint every 20) is behind every peer in every other entry,
+        as if late each time: a real healthy 4-rank job's checkpointing rank was named a straggler at such
+        an all-reduce. A rank slow of its own is late at the collectives every iteration runs too; a
+        sparse one's lateness says nothing of the rank's history, only of the iterations it ran in."""
+        at = self._seen_at.get(function)
+        n = self.config.level_iterations + 1
+        return at is not None and len(at) >= n and at[-1] - at[-n] + 1 > 2 * n
 
     def _host_spikes(self) -> dict[int, float]:
         """Per rank, the largest rise above its own median that any of its host functions showed over the
@@ -388,6 +407,8 @@ class JobNoise:
             return out
         for function, series in self._series.items():
             if not same_work or function in self._host or len(series) < self.config.min_history:
+                continue
+            if self._sparse(function):
                 continue
             x, ranks = _as_matrix(series)
             with quiet_nan_warnings():
