@@ -219,7 +219,7 @@ class JobNoise:
         for function, values in seen.items():
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
-                self._seen_at[function] = deque(maxlen=self.config.history_iterations)
+            # (a state restored from before ``_seen_at`` has series without it)
             self._seen_at.setdefault(function, deque(maxlen=self.config.history_iterations)).append(self._recorded)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
         for function, values in paired.items():
