@@ -52,7 +52,11 @@ COLLECTIVES: dict[str, tuple[str, str | None]] = {
     "reduce": ("reduce", "tensor"),
     "all_gather": ("allgather", "tensor_list"),
     "all_gather_into_tensor": ("allgather", "output_tensor"),
+    "all_gather_single": ("allgather", "output_tensor"),  # FSDP2's parameter all-gathers (torch >= 2.12)
+    "all_gather_coalesced": ("allgather", "output_tensor_lists"),
+    "all_reduce_coalesced": ("allreduce", "tensors"),
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),  # FSDP2's gradient reduce-scatters
     "reduce_scatter": ("reduce_scatter", "input_list"),
     "all_to_all_single": ("all_to_all", "input"),
     "all_to_all": ("all_to_all", "input_tensor_list"),

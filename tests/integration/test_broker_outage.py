@@ -167,8 +167,6 @@ def test_every_batch_published_during_a_10s_broker_outage_arrives_and_the_findin
     assert stats.outages == 1 and stats.producer_restarts == 1 and during > 0
     assert stats.failed == 0 and stats.dropped == 0 and stats.spool_dropped == 0
     assert stats.spooled >= during
-    # every accepted batch was acknowledged by one broker or the other: the publisher lost none
-    assert stats.delivered == stats.published == len(batches), figures
 
     published, consumed = by_stream(batches), by_stream(got)
     assert set(consumed) <= set(published)
@@ -188,6 +186,9 @@ def test_every_batch_published_during_a_10s_broker_outage_arrives_and_the_findin
         f"the old one; the first index on the new broker per stream: {first_on_new}; {figures}"
     )
     assert duplicates == 0, f"{duplicates} duplicates (detectable by seq) after the outage"
+    # every accepted batch was acknowledged by one broker or the other, and counted so (after what arrived:
+    # a shortfall here with the checks above passing is the counters', not the data's)
+    assert stats.delivered == stats.published == len(batches), (stats, figures)
 
     delivered = [b for b in batches if ((b.header.producer_id, b.kind.value), b.header.seq) in acked_by_old] + got
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -471,6 +472,66 @@ def test_on_gloo_ddp_gradient_sync_is_timed_without_a_comm_hook(hooked, monkeypa
     last = recorder.state.last
     assert last is not None and (last.op, last.pg, last.group_ranks, last.seq) == ("allreduce", "0", (0,), 3)
     assert recorder.stats.hook_errors == 0
+
+
+FSDP_RANK = """
+import json, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path.insert(0, sys.argv[1])
+import test_torch_hook as t
+import fleetscope.producers.torch_hook as fs
+from fleetscope.schemas import EventKind
+
+publisher = t.FakePublisher()
+recorder = t.Recorder(t.ME, publisher, t.RecorderConfig(flush_interval_ms=10_000))
+monitor = fs.Monitor(recorder)
+monitor.start()
+fs._monitor = monitor
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    fs.step()
+time.sleep(0.1)  # async completions run on the backend's thread
+dist.destroy_process_group()
+recorder._flush()
+coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
+calls = [(int(s), b.names[o], int(n)) for b in coll for s, o, n in zip(b["seq"], b["op_id"], b["nbytes"])]
+print(json.dumps(sorted(calls)))
+"""
+
+
+def test_fsdp2s_all_gathers_and_reduce_scatters_are_timed_alike_on_every_rank(tmp_path: Path) -> None:
+    """torch 2.12's FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``: before they were wrapped,
+    a real 4-rank FSDP2 job had no collective at all, and a rank sleeping 30 ms after each step got only a
+    ``job_regression`` naming no rank. Per step and layer: an all-gather in the forward and again in the
+    backward, a reduce-scatter of the gradients; each rank numbers them alike, as the windower aligns them."""
+    script = tmp_path / "rank.py"
+    script.write_text(FSDP_RANK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).parent)
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), here], env=env | {"RANK": str(r)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), outputs
+    recorded = [json.loads(out.splitlines()[-1]) for out, _ in outputs]
+    assert recorded[0] == recorded[1]
+    assert [seq for seq, _, _ in recorded[0]] == list(range(12))
+    ops = [op for _, op, _ in recorded[0]]
+    assert ops.count("allgather") == 8 and ops.count("reduce_scatter") == 4, recorded[0]
+    assert 144 in {n for _, op, n in recorded[0] if op == "allgather"}  # the first layer's 36 fp32, gathered
 
 
 class _WithoutActivityType:
