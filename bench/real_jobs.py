@@ -2,6 +2,7 @@
 replayed through today's differential: how a rule change does on the same real arrivals, before and after.
 
     python bench/real_jobs.py record DIR [--jobs compute,dataloader,gc,none] [--load steady|bursty|none]
+                                         [--layout tp2dp2|fsdp]
     python bench/real_jobs.py replay DIR
     python bench/real_jobs.py export DIR NAME...   (into tests/data/real_jobs, which a unit test replays)
 
@@ -78,7 +79,7 @@ def _patterns(config: Any, job: str) -> list[Message]:
     return out
 
 
-def record(folder: Path, jobs: list[str], load: str) -> None:
+def record(folder: Path, jobs: list[str], load: str, layout: str = "") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     loads = [multiprocessing.Process(target=_load, args=(load, 3600.0, i), daemon=True) for i in range(2)]
     with tempfile.TemporaryDirectory(prefix="fleetscope-real-") as tmp:
@@ -103,7 +104,10 @@ def record(folder: Path, jobs: list[str], load: str) -> None:
                 for fault in jobs:
                     faulty = real.FAULTS[fault][0] if fault in real.FAULTS else -1
                     steps = real.FAULT_STEPS if fault in real.FAULTS else real.HEALTHY_STEPS
-                    job = live.launch(fault, faulty, steps=steps) if fault in real.FAULTS else real.launch_healthy(live)
+                    if fault in real.FAULTS:
+                        job = live.launch(fault, faulty, steps=steps, layout=layout)
+                    else:
+                        job = real.launch_healthy(live, layout)
                     try:
                         job.wait(timeout_s=600)
                         real._wait_for_steps(live, job.name, steps - 2, timeout_s=60)
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("folder", type=Path)
     rec.add_argument("--jobs", default="compute,dataloader,gc,none", help="faults (none: healthy), in order")
     rec.add_argument("--load", choices=("steady", "bursty", "none"), default="bursty")
+    rec.add_argument("--layout", choices=("", "tp2dp2", "fsdp"), default="", help="the job's layout (default DDP)")
     rep = sub.add_parser("replay", help="replay saved jobs through today's differential")
     rep.add_argument("folder", type=Path)
     exp = sub.add_parser("export", help="save recordings as the unit tests' recorded jobs (tests/data/real_jobs)")
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("names", nargs="+", help="recordings (file names without .pkl)")
     args = ap.parse_args(argv)
     if args.command == "record":
-        record(args.folder, args.jobs.split(","), args.load)
+        record(args.folder, args.jobs.split(","), args.load, args.layout)
         return 0
     if args.command == "export":
         export(args.folder, args.names)

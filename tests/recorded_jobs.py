@@ -2,8 +2,9 @@
 publication order (``bench/real_jobs.py record`` ran them through the live stack, ``export`` wrote these).
 
 A file is ``<fault>-rank<R>-<id>.bin.gz`` (``<fault>-<id>.bin.gz`` for a healthy job, ``none``, and a fault of
-the whole job): gzip of the messages, each a 4-byte big-endian length and the message. Importable from every
-test as ``recorded_jobs``."""
+the whole job): gzip of the messages, each a 4-byte big-endian length and the message. An id that starts with
+a layout (``fsdp``) is the job laid out so (``record --layout``: its model sharded by FSDP2, the others DDP).
+Importable from every test as ``recorded_jobs``."""
 
 from __future__ import annotations
 

@@ -68,20 +68,31 @@ class Net(torch.nn.Module):
             reps = 3 if fault == "compute" and mine and step >= at else 1
             for _ in range(4 if fault == "slowdown" and step >= at else reps):
                 features = torch.tanh(x @ self.projection)
-            if layout:  # the tensor-parallel pair sums its halves, twice a forward (1 MiB each)
+            if layout == "tp2dp2":  # the tensor-parallel pair sums its halves, twice a forward (1 MiB each)
                 for _ in range(2):
                     dist.all_reduce(features, group=tp_group)
         return self.mlp(features)
 
 
-layout = os.environ.get("TOY_LAYOUT") == "tp2dp2"
-if layout:  # Megatron's groups, made once the hook watches new_group: tensor pairs {0, 1}, {2, 3}, data {0, 2}, {1, 3}
+layout = os.environ.get("TOY_LAYOUT", "")
+if layout:  # the hook watches the groups the layout makes
     fs.start()
+if layout == "tp2dp2":  # Megatron's groups: tensor pairs {0, 1}, {2, 3}, data {0, 2}, {1, 3}
     tp_group = [dist.new_group(g, group_desc="TENSOR_MODEL_PARALLEL_GROUP") for g in ([0, 1], [2, 3])][rank // 2]
     dp_group = [dist.new_group(g, group_desc="DATA_PARALLEL_GROUP") for g in ([0, 2], [1, 3])][rank % 2]
     for r in range(4):
         dist.new_group([r], group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
-model = DDP(Net(), process_group=dp_group if layout else None)
+    model = DDP(Net(), process_group=dp_group)
+elif layout == "fsdp":  # FSDP2: each rank holds a quarter of the MLP, all-gathered for each pass
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Net()
+    fully_shard(model.mlp[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+else:
+    model = DDP(Net())
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
 
@@ -212,9 +223,10 @@ class Live:
         layout: str = "",
         script: Path | None = None,
     ) -> Job:
-        """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs (the job's text);
-        ``script``: another job's text, with the same arguments."""
-        name = f"{fault}-{uuid.uuid4().hex[:6]}"
+        """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs, "fsdp" shards its model
+        with FSDP2 (the job's text; the layout starts the name's id); ``script``: another job's text, with the
+        same arguments."""
+        name = f"{fault}-{layout}{uuid.uuid4().hex[:6]}"
         port = str(free_port())
         ranks = [
             subprocess.Popen(
@@ -340,10 +352,10 @@ HEALTHY_STEPS = 300
 WINDOW_AFTER_STEP = 120
 
 
-def launch_healthy(live: Live) -> Job:
+def launch_healthy(live: Live, layout: str = "") -> Job:
     """The healthy job: 300 steps, automatic profiling on (the default) and a manual window of 1.5 s asked
     for once every rank is past step 120 (bench/real_jobs.py records the same job)."""
-    job = live.launch(steps=HEALTHY_STEPS)
+    job = live.launch(steps=HEALTHY_STEPS, layout=layout)
     _wait_for_steps(live, job.name, WINDOW_AFTER_STEP, timeout_s=90)
     request_profile(live.config, job.name, 1.5, "manual, mid-job", start_in_s=0.5)
     return job
