@@ -4,10 +4,12 @@ Why these points: they are where a training step's time goes on the host and whe
 cheap to time from Python (two clock reads and a deque append). Collectives are timed by wrapping the
 ``torch.distributed`` functions (with op, process group, group size, nccl-tests message size and a per-group
 sequence number, so ranks can be aligned without trusting wall clocks; the flight recorder is told before
-the call, so a rank blocked inside one still says which). DDP calls NCCL/Gloo from C++: unless the user
-registered a comm hook (a user hook that calls ``dist.all_reduce`` is timed by the wrapper), a DDP model's
-gradient all-reduce is timed from its first forward: on NCCL by ``timed_allreduce_hook`` (the stock
-``allreduce_hook``, timed, one event per bucket); on any other backend (Gloo) without a comm hook, from
+the call, so a rank blocked inside one still says which), and the functional collectives that DTensor's
+tensor parallelism calls, from the call to their result's ``wait_tensor`` (``FUNCTIONAL_COLLECTIVES``).
+DDP calls NCCL/Gloo from C++: unless the user registered a comm hook (a user hook that calls
+``dist.all_reduce`` is timed by the wrapper), a DDP model's gradient all-reduce is timed from its first
+forward: on NCCL by ``timed_allreduce_hook`` (the stock ``allreduce_hook``, timed, one event per bucket); on
+any other backend (Gloo) without a comm hook, from
 the end of the backward pass to the end of DDP's wait (``_GradientSync``, one event per step), because
 with any Python comm hook DDP divides the gradients in a separate pass, a short kernel on a GPU but
 several per cent of a CPU step (bench/overhead.py). ``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) chooses
@@ -31,7 +33,9 @@ import inspect
 import itertools
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -64,6 +68,22 @@ COLLECTIVES: dict[str, tuple[str, str | None]] = {
     "scatter": ("scatter", "tensor"),
     "barrier": ("barrier", None),
 }
+FUNCTIONAL_COLLECTIVES: dict[str, tuple[str, bool]] = {
+    "all_reduce": ("allreduce", False),
+    "all_gather_tensor": ("allgather", True),
+    "all_gather_single": ("allgather", True),
+    "all_gather_tensor_autograd": ("allgather", True),
+    "reduce_scatter_tensor": ("reduce_scatter", False),
+    "reduce_scatter_single": ("reduce_scatter", False),
+    "reduce_scatter_tensor_autograd": ("reduce_scatter", False),
+    "all_to_all_single": ("all_to_all", False),
+    "all_to_all_single_autograd": ("all_to_all", False),
+    "broadcast": ("broadcast", False),
+}
+"""``torch.distributed._functional_collectives`` function -> (canonical op, whether the nccl-tests message size is
+the input's times the group's size: a gather's output). DTensor (PyTorch's tensor and sequence parallelism)
+calls these, not ``torch.distributed``'s; they return at launch, and the collective completes at its
+``wait_tensor``, which DTensor reaches at the result's first use."""
 _DISABLE_DDP_HOOK = "FLEETSCOPE_TORCH_DDP_HOOK"
 GC_MIN_PAUSE_NS = 100_000
 """Collections that took less CPU time (most young-generation ones) are not recorded: far below what a
@@ -104,6 +124,7 @@ def install(current: Callable[[], Instrumented | None]) -> None:
     _installed = True
     for site, fn in (
         ("collectives", _patch_collectives),
+        ("functional collectives", _patch_functional_collectives),
         ("optimizer", _patch_optimizer),
         ("dataloader", _patch_dataloader),
         ("ddp", _patch_ddp),
@@ -215,6 +236,117 @@ def _patch_collectives() -> None:
         if orig is None or hasattr(orig, "__fleetscope_original__"):
             continue
         setattr(dist, fname, _wrap_collective(fname, orig))
+
+
+# -- functional collectives (DTensor) --------------------------------------------------------------------
+_functional = threading.local()
+"""``inside``: a wrapped functional collective is running on this thread (one calls another: counted once)."""
+_awaited: dict[int, _Call] = {}
+"""Launched functional collectives by their result's storage (a view of the result, which DTensor waits for
+as often as the result itself, shares it), until its ``wait_tensor``."""
+
+
+def _functional_group(group: Any) -> Any:
+    """The process group of a functional collective's ``group`` (a group, its name, ranks or a mesh)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    resolved = funcol._resolve_group(group)
+    return (
+        resolved if isinstance(resolved, dist.ProcessGroup) else dist.distributed_c10d._resolve_process_group(resolved)
+    )
+
+
+def _enter_functional(mon: Instrumented, op: str, tensor: Any, gathers: bool, group: Any) -> _Call:
+    pg = _functional_group(group)
+    return _enter(mon, op, _nbytes(tensor) * (int(pg.size()) if gathers else 1), pg)
+
+
+def _launched(mon: Instrumented, call: _Call, result: Any) -> None:
+    """Record the collective now if it completed, else when its tensor is waited for (or forget it, with the
+    flight recorder's entry, if the tensor dies unwaited)."""
+    elem = getattr(result, "elem", None)
+    key = _storage(elem) if elem is not None and not getattr(result, "completed", True) else 0
+    if not key:
+        _leave(mon.recorder, call, time.time_ns())
+        return
+    _awaited[key] = call
+    weakref.finalize(elem, _forget, key, mon.recorder)  # its views keep it alive until they die too
+
+
+def _compiling() -> bool:
+    return bool(torch.compiler.is_compiling())
+
+
+def _storage(tensor: Any) -> int:
+    """The address of a tensor's storage (0 for an empty one)."""
+    return int(tensor.untyped_storage().data_ptr()) if isinstance(tensor, torch.Tensor) else 0
+
+
+def _forget(key: int, recorder: Recorder) -> None:
+    call = _awaited.pop(key, None)
+    if call is not None:
+        recorder.state.leave(call[0])
+
+
+def _wrap_functional(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    op, gathers = FUNCTIONAL_COLLECTIVES[fname]
+    params = list(inspect.signature(orig).parameters)
+    gi = params.index("group")
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _compiling():  # torch.compile traces the original, as it knows it
+            return orig(*args, **kwargs)
+        mon = _current()
+        if mon is None or getattr(_functional, "inside", False):
+            return orig(*args, **kwargs)
+        group = kwargs["group"] if "group" in kwargs else (args[gi] if len(args) > gi else None)
+        tensor = kwargs["self"] if "self" in kwargs else (args[0] if args else None)
+        call = mon.recorder.guard("collective", _enter_functional, mon, op, tensor, gathers, group)
+        _functional.inside = True
+        try:
+            result = orig(*args, **kwargs)
+        except BaseException:
+            if call is not None:
+                mon.recorder.state.leave(call[0])
+            raise
+        finally:
+            _functional.inside = False
+        if call is not None:
+            mon.recorder.guard("collective", _launched, mon, call, result)
+        return result
+
+    wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def wait_tensor(tensor: Any) -> Any:
+        out = orig(tensor)
+        if _compiling():
+            return out
+        call = _awaited.pop(_storage(tensor), None) if _awaited else None
+        mon = _current()
+        if call is not None and mon is not None:
+            mon.recorder.guard("collective_done", _leave, mon.recorder, call, time.time_ns())
+        return out
+
+    wait_tensor.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    return wait_tensor
+
+
+def _patch_functional_collectives() -> None:
+    """Module attributes: the module's own calls to them (``AsyncCollectiveTensor.wait``) go through them too."""
+    from torch.distributed import _functional_collectives as funcol
+
+    for fname in FUNCTIONAL_COLLECTIVES:
+        orig = getattr(funcol, fname, None)
+        if orig is None or hasattr(orig, "__fleetscope_original__"):
+            continue
+        setattr(funcol, fname, _wrap_functional(fname, orig))
+    if not hasattr(funcol.wait_tensor, "__fleetscope_original__"):
+        funcol.wait_tensor = _wrap_wait(funcol.wait_tensor)
 
 
 # -- DDP -------------------------------------------------------------------------------------------------

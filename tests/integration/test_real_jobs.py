@@ -91,6 +91,13 @@ elif layout == "fsdp":  # FSDP2: each rank holds a quarter of the MLP, all-gathe
     model = Net()
     fully_shard(model.mlp[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
+elif layout == "dtensor":  # PyTorch's tensor parallelism: the MLP split by columns, then rows, over the 4 ranks
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = Net()
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    parallelize_module(model.mlp, init_device_mesh("cpu", (dist.get_world_size(),)), plan)
 else:
     model = DDP(Net())
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -224,8 +231,8 @@ class Live:
         script: Path | None = None,
     ) -> Job:
         """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs, "fsdp" shards its model
-        with FSDP2 (the job's text; the layout starts the name's id); ``script``: another job's text, with the
-        same arguments."""
+        with FSDP2, "dtensor" splits it with DTensor's tensor parallelism (the job's text; the layout starts
+        the name's id); ``script``: another job's text, with the same arguments."""
         name = f"{fault}-{layout}{uuid.uuid4().hex[:6]}"
         port = str(free_port())
         ranks = [

@@ -474,11 +474,12 @@ def test_on_gloo_ddp_gradient_sync_is_timed_without_a_comm_hook(hooked, monkeypa
     assert recorder.stats.hook_errors == 0
 
 
-FSDP_RANK = """
+SHARDED_RANK = """
 import json, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 sys.path.insert(0, sys.argv[1])
 import test_torch_hook as t
 import fleetscope.producers.torch_hook as fs
@@ -491,10 +492,14 @@ monitor.start()
 fs._monitor = monitor
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,))
-model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
-for layer in model:
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
+if sys.argv[2] == "fsdp":
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+else:  # DTensor tensor parallelism: the second layer's partial sums all-reduced, in the forward
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 8))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(2):
     model(torch.ones(2, 8)).sum().backward()
@@ -509,29 +514,38 @@ print(json.dumps(sorted(calls)))
 """
 
 
-def test_fsdp2s_all_gathers_and_reduce_scatters_are_timed_alike_on_every_rank(tmp_path: Path) -> None:
-    """torch 2.12's FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``: before they were wrapped,
-    a real 4-rank FSDP2 job had no collective at all, and a rank sleeping 30 ms after each step got only a
-    ``job_regression`` naming no rank. Per step and layer: an all-gather in the forward and again in the
-    backward, a reduce-scatter of the gradients; each rank numbers them alike, as the windower aligns them."""
+@pytest.mark.parametrize(
+    ("parallel", "per_step"),
+    [("fsdp", {"allgather": 4, "reduce_scatter": 2}), ("tp", {"allreduce": 1})],
+)
+def test_fsdp2_and_dtensor_collectives_are_timed_alike_on_every_rank(
+    parallel: str, per_step: dict[str, int], tmp_path: Path
+) -> None:
+    """torch 2.12's FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``, and DTensor (PyTorch's
+    tensor parallelism) the functional collectives, which complete at their result's first use: before they
+    were timed, a real 4-rank job of either had no collective at all, and a rank sleeping 30 ms after each
+    step got only a ``job_regression`` naming no rank. FSDP2, per step and layer: an all-gather in the
+    forward and again in the backward, a reduce-scatter of the gradients; the tensor-parallel pair: an
+    all-reduce of the second layer's output. Each rank numbers them alike, as the windower aligns them."""
     script = tmp_path / "rank.py"
-    script.write_text(FSDP_RANK)
+    script.write_text(SHARDED_RANK)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     here = str(Path(__file__).parent)
     ranks = [
-        subprocess.Popen([sys.executable, str(script), here], env=env | {"RANK": str(r)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, str(script), here, parallel], env=env | {"RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]  # fmt: skip
     outputs = [p.communicate(timeout=120) for p in ranks]
     assert all(p.returncode == 0 for p in ranks), outputs
     recorded = [json.loads(out.splitlines()[-1]) for out, _ in outputs]
     assert recorded[0] == recorded[1]
-    assert [seq for seq, _, _ in recorded[0]] == list(range(12))
     ops = [op for _, op, _ in recorded[0]]
-    assert ops.count("allgather") == 8 and ops.count("reduce_scatter") == 4, recorded[0]
-    assert 144 in {n for _, op, n in recorded[0] if op == "allgather"}  # the first layer's 36 fp32, gathered
+    assert {op: ops.count(op) for op in ops} == {op: 2 * n for op, n in per_step.items()}, recorded[0]
+    assert [seq for seq, _, _ in recorded[0]] == list(range(len(ops)))
+    sizes = {n for _, _, n in recorded[0]}
+    assert (144 if parallel == "fsdp" else 64) in sizes, sizes  # the first layer's 36 fp32 gathered; 2 x 8 fp32
 
 
 class _WithoutActivityType:

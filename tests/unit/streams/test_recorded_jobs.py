@@ -8,8 +8,9 @@ wait) gave a false ``job_regression`` at iteration 21 on its steps' time: the br
 their share of the 2 cores, and its steps less that wait show no step. The faulty ones (from step 30) must
 be named within 10 iterations, and no other rank: the 3x-forward rank aa8c5d was named at iteration 41
 before the summed lead (``noise._leads``); slowdown-2f5da0, every rank's forward 4 times over, is the
-job's own regression, wait included. The ``fsdp`` ones shard the model with FSDP2: its all-gathers and
-reduce-scatters are the collectives the ranks meet at (before the hook timed them, such a job had none)."""
+job's own regression, wait included. The ``fsdp`` ones shard the model with FSDP2, the ``dtensor`` ones split
+it with DTensor's tensor parallelism: FSDP2's all-gathers and reduce-scatters, and DTensor's all-reduce, are
+the collectives the ranks meet at (before the hook timed them, such jobs had none)."""
 
 from __future__ import annotations
 
@@ -45,4 +46,5 @@ def test_a_recorded_real_job_gets_exactly_its_faults_finding(recording: Recordin
 
 def test_the_recordings_are_there() -> None:
     assert {r.fault for r in recordings()} == {"none", *FAULTS}, "tests/data/real_jobs lost a recording"
-    assert {r.fault for r in recordings() if "-fsdp" in r.path.name} == {"none", *FAULTS}, "an FSDP2 job is lost"
+    for layout in ("fsdp", "dtensor"):
+        assert {r.fault for r in recordings() if f"-{layout}" in r.path.name} == {"none", *FAULTS}, layout
