@@ -9,14 +9,13 @@ tensor parallelism calls, from the call to their result's ``wait_tensor`` (``FUN
 DDP calls NCCL/Gloo from C++: unless the user registered a comm hook (a user hook that calls
 ``dist.all_reduce`` is timed by the wrapper), a DDP model's gradient all-reduce is timed from its first
 forward: on NCCL by ``timed_allreduce_hook`` (the stock ``allreduce_hook``, timed, one event per bucket); on
-any other backend (Gloo) without a comm hook, from
-the end of the backward pass to the end of DDP's wait (``_GradientSync``, one event per step), because
-with any Python comm hook DDP divides the gradients in a separate pass, a short kernel on a GPU but
-several per cent of a CPU step (bench/overhead.py). ``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) chooses
-so; ``=1`` forces the comm hook, ``=0`` times no DDP all-reduce. Host spans come from the global optimizer
-step hooks, from ``_BaseDataLoaderIter.__next__`` and from ``gc.callbacks`` (a ``gc.collect`` span per
-garbage collection of at least ``GC_MIN_PAUSE_NS`` of CPU: two clock reads per callback, an append per
-pause).
+any other backend (Gloo) without a comm hook, from the end of the backward pass to the end of DDP's wait
+(``_GradientSync``, one event per step), because with any Python comm hook DDP divides the gradients in a
+separate pass, a short kernel on a GPU but several per cent of a CPU step (bench/overhead.py).
+``FLEETSCOPE_TORCH_DDP_HOOK=auto`` (default) chooses so; ``=1`` forces the comm hook, ``=0`` times no DDP
+all-reduce. Host spans come from the global optimizer step hooks, from ``_BaseDataLoaderIter.__next__`` and
+from ``gc.callbacks`` (a ``gc.collect`` span per garbage collection of at least ``GC_MIN_PAUSE_NS`` of CPU:
+two clock reads per callback, an append per pause).
 Every patch is inert while no monitor records, and our own code on it runs under ``Recorder.guard``:
 training never sees our exceptions.
 
@@ -209,23 +208,38 @@ def _wrap_collective(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]
         mon = _current()
         if mon is None:
             return orig(*args, **kwargs)
-        group = kwargs["group"] if "group" in kwargs else (args[gi] if len(args) > gi else None)
-        size_arg = None
-        if si >= 0:
-            size_arg = kwargs[size_param] if size_param in kwargs else (args[si] if len(args) > si else None)
-        call = mon.recorder.guard("collective", _enter, mon, op, size_arg, group)
-        try:
-            result = orig(*args, **kwargs)
-        except BaseException:
-            if call is not None:
-                mon.recorder.state.leave(call[0])
-            raise
-        if call is not None:
-            mon.recorder.guard("collective", _record_collective, mon, call, result)
-        return result
+        size_arg = _argument(args, kwargs, size_param, si) if size_param else None
+        call = mon.recorder.guard("collective", _enter, mon, op, size_arg, _argument(args, kwargs, "group", gi))
+        return _timed(mon, call, _record_collective, orig, args, kwargs)
 
     wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
     return wrapper
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int) -> Any:
+    """A call's argument, by keyword or at its position; None where it was left to its default."""
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def _timed(
+    mon: Instrumented,
+    call: _Call | None,
+    done: Callable[[Instrumented, _Call, Any], None],
+    orig: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run the collective; hand its result to ``done``, or, where it raised, tell the flight recorder the rank
+    is out of it."""
+    try:
+        result = orig(*args, **kwargs)
+    except BaseException:
+        if call is not None:
+            mon.recorder.state.leave(call[0])
+        raise
+    if call is not None:
+        mon.recorder.guard("collective", done, mon, call, result)
+    return result
 
 
 def _patch_collectives() -> None:
@@ -300,21 +314,13 @@ def _wrap_functional(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]
         mon = _current()
         if mon is None or getattr(_functional, "inside", False):
             return orig(*args, **kwargs)
-        group = kwargs["group"] if "group" in kwargs else (args[gi] if len(args) > gi else None)
-        tensor = kwargs["self"] if "self" in kwargs else (args[0] if args else None)
+        group, tensor = _argument(args, kwargs, "group", gi), _argument(args, kwargs, "self", 0)
         call = mon.recorder.guard("collective", _enter_functional, mon, op, tensor, gathers, group)
         _functional.inside = True
         try:
-            result = orig(*args, **kwargs)
-        except BaseException:
-            if call is not None:
-                mon.recorder.state.leave(call[0])
-            raise
+            return _timed(mon, call, _launched, orig, args, kwargs)
         finally:
             _functional.inside = False
-        if call is not None:
-            mon.recorder.guard("collective", _launched, mon, call, result)
-        return result
 
     wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
     return wrapper

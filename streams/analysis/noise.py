@@ -16,7 +16,7 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
   rank's median over its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about
   as large as the noise, on the same rank every time), where that usual excess is at least half the
   signal's, or the function is the rank's alone (a real healthy 4-rank trace under another process's
-  load: rank 2 spent a steady 14 µs more than its peers in ``ones_like``, 6 times their jitter, and that
+  load: rank 2 spent a steady 14 µs more than its peers in ``ones_like``, 4 times their jitter, and that
   vouched for a 6.8 ms descheduling there as a fault). A single late arrival is no evidence: a rank
   descheduled for a moment on a shared host arrives late by as much as the whole iteration;
 - a straggler also stands out when it arrived ``last_z`` times its peers' typical jitter later than their
