@@ -113,13 +113,13 @@ def rank_findings(folder: Path, findings: list[dict[str, object]], since: int = 
     cores, and a CI machine's other load has slowed a healthy job's last 15 steps 1.9-fold. That is the
     job's time, told truly; a run-queue wait to tell it from the job's own regression is what the hook
     measures and a trace lacks (README, ``job_regression``)."""
-    steps = job_steps_ms(folder)
-    for f in findings:
-        if f["category"] == "job_regression":
-            onset = int(json.loads(str(f["evidence"]))["onset_iteration"])
-            before = [ms for s, ms in steps.items() if since <= s < onset]
-            after = [ms for s, ms in steps.items() if onset <= s <= int(str(f["iteration_last"]))]
-            assert before and after and statistics.median(after) >= 1.5 * statistics.median(before), (f, steps)
+    regressions = [f for f in findings if f["category"] == "job_regression"]
+    steps = job_steps_ms(folder) if regressions else {}  # 4 traces of 11 MB with the stack: read only if needed
+    for f in regressions:
+        onset = int(json.loads(str(f["evidence"]))["onset_iteration"])
+        before = [ms for s, ms in steps.items() if since <= s < onset]
+        after = [ms for s, ms in steps.items() if onset <= s <= int(str(f["iteration_last"]))]
+        assert before and after and statistics.median(after) >= 1.5 * statistics.median(before), (f, steps)
     return [f for f in findings if f["category"] != "job_regression"]
 
 
