@@ -63,6 +63,7 @@ import numpy.typing as npt
 
 from fleetscope.schemas import Category, FunctionKind
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION
+from fleetscope.streams.analysis.patterns import process_group_of
 from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE, late_by_compute, role_codes
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stages import P2P_PREFIXES
@@ -156,11 +157,16 @@ class JobNoise:
         """Per pipeline stage (-1: no layout), each rank's compute kernel time per recent iteration: the
         ranks of one stage do the same work, those of different stages do not."""
         self._pairs: dict[str, deque[dict[int, float]]] = {}
-        """Per collective of two members (pipeline send/recv aside), each one's time in it per recent iteration
-        (every call: a partner waits at each one): ``_pair_stragglers``."""
+        """Per process group of two members (pipeline send/recv aside), each one's time in all its collectives
+        per recent iteration: ``_pair_stragglers``. The group, not each collective: a partner that arrives
+        late is waited for at whichever of the group's calls comes next (FSDP2's first all-gather of a step,
+        or one of its buckets' all-reduces), and the group's other calls show nothing."""
         self._groups: dict[str, deque[dict[int, float]]] = {}
-        """The same for collectives of three or more members, which say whether a rank late in its pair held up
+        """The same for groups of three or more members, which say whether a rank late in its pair held up
         its larger groups too (``_held_up_groups``)."""
+        self._group_function: dict[str, str] = {}
+        """Per process group of ``_pairs``, its collective where a member waited longest in the latest
+        iteration: what a straggler's finding names."""
         self._p2p: deque[dict[int, float]] = deque(maxlen=self.config.level_iterations + 1)
         """Each rank's time in pipeline send/recv per recent iteration: a rank held up by the stage before it
         waits there (``_pair_stragglers``)."""
@@ -173,9 +179,9 @@ class JobNoise:
         self.__dict__.setdefault("_wait_ranks", ())
         self.__dict__.setdefault("_wait_roles", np.zeros(0, dtype=np.int64))
         self.__dict__.setdefault("_compute", {})
-        self.__dict__.setdefault("_pairs", {})
+        if "_group_function" not in self.__dict__:  # pairs kept per collective then: start them afresh
+            self.__dict__.update(_pairs={}, _groups={}, _group_function={})
         self.__dict__.setdefault("_p2p", deque(maxlen=self.config.level_iterations + 1))
-        self.__dict__.setdefault("_groups", {})
         self.__dict__.setdefault("_spikes", (-1, {}))
         self.__dict__.setdefault("_kernels", True)  # judged as before
         self.__dict__.setdefault("_seen_at", {})
@@ -186,7 +192,7 @@ class JobNoise:
         """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
         there (a GC pause only the culprit has); collectives absent are unknown."""
         seen: dict[str, dict[int, float]] = {name: {} for name in self._host}
-        paired: dict[str, dict[int, float]] = {}
+        calls: dict[str, dict[int, float]] = {}  # per collective: each rank's time in it
         p2p: dict[int, float] = {}
         compute: dict[int, dict[int, float]] = {}
         small = len(records) <= self.config.max_ranks  # only those jobs are judged against their noise
@@ -211,7 +217,7 @@ class JobNoise:
                     if small and functions[j].startswith(P2P_PREFIXES):
                         p2p[rank] = p2p.get(rank, 0.0) + float(rec["total_ns"][j])
                     elif small:
-                        paired.setdefault(functions[j], {})[rank] = float(rec["total_ns"][j])
+                        calls.setdefault(functions[j], {})[rank] = float(rec["total_ns"][j])
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
         self._record_waits(records, ranks)
@@ -225,10 +231,7 @@ class JobNoise:
             # (a state restored from before ``_seen_at`` has series without it)
             self._seen_at.setdefault(function, deque(maxlen=self.config.history_iterations)).append(self._recorded)
             self._series[function].append({r: values.get(r, 0.0) for r in ranks} if function in self._host else values)
-        for function, values in paired.items():
-            if len(values) >= 2:
-                kept = self._pairs if len(values) == 2 else self._groups
-                kept.setdefault(function, deque(maxlen=self.config.level_iterations + 1)).append(values)
+        self._record_groups(calls)
         if small:
             self._p2p.append(p2p)
         self._lateness = {}
@@ -239,6 +242,25 @@ class JobNoise:
             for rank, late in zip(values, (_median_of_others(arrivals) - arrivals).tolist(), strict=True):
                 self._lateness[rank] = max(self._lateness.get(rank, -np.inf), late)
         self._latest.append(self._lateness)
+
+    def _record_groups(self, calls: dict[str, dict[int, float]]) -> None:
+        """Each process group's members' time in all its collectives (``_pairs``, ``_groups``), and the
+        collective of each pair where a member waited longest (``_group_function``)."""
+        paired: dict[str, dict[int, float]] = {}
+        longest: dict[str, tuple[float, str]] = {}
+        for function, times in calls.items():
+            group = process_group_of(function) or function
+            members = paired.setdefault(group, {})
+            for rank, t in times.items():
+                members[rank] = members.get(rank, 0.0) + t
+            wait = max(times.values()) - min(times.values())
+            if wait >= longest.get(group, (-1.0, ""))[0]:
+                longest[group] = (wait, function)
+        for group, members in paired.items():
+            if len(members) >= 2:
+                kept = self._pairs if len(members) == 2 else self._groups
+                kept.setdefault(group, deque(maxlen=self.config.level_iterations + 1)).append(members)
+                self._group_function[group] = longest[group][1]
 
     def late_explains(self, slowdown_ns: float) -> bool:
         """Whether one rank arrived late at its collectives by half the job's slowdown or more in all but one
@@ -468,12 +490,13 @@ class JobNoise:
         window = cfg.level_iterations + 1
         pairs: dict[int, list[tuple[int, str, F64]]] = {}  # rank: (partner, function, lateness per iteration)
         lags: list[F64] = []
-        for function, series in self._pairs.items():
+        for group, series in self._pairs.items():
             x, ranks = _as_matrix(series)
             if len(series) < window or len(ranks) != 2 or np.isnan(x).any():
                 continue
             a, b = ranks
             lags.append(x[:, 1] - x[:, 0])
+            function = self._group_function.get(group, group)
             pairs.setdefault(a, []).append((b, function, lags[-1]))
             pairs.setdefault(b, []).append((a, function, -lags[-1]))
         piped = len(self._p2p) == window and any(self._p2p[-1].values())

@@ -91,6 +91,14 @@ elif layout == "fsdp":  # FSDP2: each rank holds a quarter of the MLP, all-gathe
     model = Net()
     fully_shard(model.mlp[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
+elif layout == "hsdp":  # FSDP2 over a 2 x 2 mesh: shard pairs {0, 1}, {2, 3}, replicated over {0, 2}, {1, 3}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = Net()
+    fully_shard(model.mlp[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
 elif layout == "dtensor":  # PyTorch's tensor parallelism: the MLP split by columns, then rows, over the 4 ranks
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -231,8 +239,9 @@ class Live:
         script: Path | None = None,
     ) -> Job:
         """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs, "fsdp" shards its model
-        with FSDP2, "dtensor" splits it with DTensor's tensor parallelism (the job's text; the layout starts
-        the name's id); ``script``: another job's text, with the same arguments."""
+        with FSDP2, "hsdp" shards it in pairs replicated over the pairs (FSDP2 on a 2 x 2 mesh), "dtensor"
+        splits it with DTensor's tensor parallelism (the job's text; the layout starts the name's id);
+        ``script``: another job's text, with the same arguments."""
         name = f"{fault}-{layout}{uuid.uuid4().hex[:6]}"
         port = str(free_port())
         ranks = [

@@ -289,12 +289,16 @@ def test_compute_that_varies_on_every_rank_of_a_stage_is_no_slow_gpu_one_slow_ev
         assert [(f["category"], f["rank"]) for f in noisy] == [("gpu_slow", 6)] and noisy[0]["iteration_first"] <= 32
 
 
-def _pair_job(late_ms: float, seed: int, iterations: int = 60, fault_at: int = 30) -> list[dict[str, Any]]:
+def _pair_job(
+    late_ms: float, seed: int, iterations: int = 60, fault_at: int = 30, buckets: bool = False
+) -> list[dict[str, Any]]:
     """Finding records of a dp2 x tp2 x pp2 job (the blind probe's layout: stage = rank // 4, tensor pairs
     {0, 1}, {2, 3}, data-parallel pairs {0, 2}, {1, 3}, the same one stage later) where every collective
     group is a pair. From ``fault_at``, rank 2 arrives ``late_ms`` late at each step's collectives: its
     tensor partner 3 waits for it in their 16 all-reduces, then both reach the data-parallel all-reduce
-    late, where 0 and 1 wait; stage 1 waits in its recv. Every arrival jitters by 1 ms (a shared host)."""
+    late, where 0 and 1 wait; stage 1 waits in its recv. Every arrival jitters by 1 ms (a shared host).
+    ``buckets``: each group's calls are two functions of different sizes, and the wait falls in the first
+    call, which is of the smaller one (FSDP2's first all-gather of a step; a real HSDP job's pairs)."""
     rng = np.random.default_rng(seed)
     diff = JobDifferential("j")
     out: list[dict[str, Any]] = []
@@ -319,6 +323,14 @@ def _pair_job(late_ms: float, seed: int, iterations: int = 60, fault_at: int = 3
                     (f"nccl:allreduce[pg=dp{stage}{tp},<=64MiB]", _COLLECTIVE, 1, 5.0 + dp_wait[k]),
                     ("gemm", _COMPUTE, 32, 60.0 + rng.normal(0.0, 0.3)),
                 ]
+                if buckets:
+                    steady = np.abs(rng.normal(0.0, 0.3, size=2))
+                    functions[:2] = [
+                        (f"nccl:allgather[pg=tp{stage}{dp},<=16KiB]", _COLLECTIVE, 1, 0.1 + tp_wait[k]),
+                        (f"nccl:allgather[pg=tp{stage}{dp},<=2MiB]", _COLLECTIVE, 15, 15 * 0.2 + steady[0]),
+                        (f"nccl:allreduce[pg=dp{stage}{tp},<=1MiB]", _COLLECTIVE, 1, 0.3 + dp_wait[k]),
+                        (f"nccl:allreduce[pg=dp{stage}{tp},<=64MiB]", _COLLECTIVE, 4, 20.0 + steady[1]),
+                    ]
                 if stage == 0:
                     functions.append((f"nccl:send[pg=pp{dp}{tp},<=16MiB]", _COLLECTIVE, 4, 2.0))
                     functions.append(("dataloader.next", _PYTHON, 1, 3.0 + rng.normal(0.0, 0.2)))
@@ -340,6 +352,20 @@ def test_a_rank_late_in_every_one_of_its_collective_pairs_is_the_straggler_its_p
         opened = [f for f in _pair_job(late_ms=12.0, seed=seed) if f["status"] == "open"]
         assert [(f["category"], f["rank"]) for f in opened] == [("straggler", 2)], opened
         assert 30 <= opened[0]["iteration_first"] <= 40
+
+
+def test_a_pairs_lateness_is_read_over_all_its_collectives_not_each_alone() -> None:
+    """A group's collectives of several sizes: the partner waits at whichever call comes next after the late
+    arrival (FSDP2's first all-gather of a step), and the group's other calls show nothing. A real 4-rank
+    HSDP job (shard pairs, replicated over pairs) had a rank sleeping 30 ms a step named by no finding: its
+    least lateness over its collectives was that of a call nobody waited at. Its lateness is that of each
+    group, all of its calls summed; a healthy job of the same layout still has nothing in 300 iterations."""
+    for seed in range(3):
+        assert _pair_job(late_ms=0.0, seed=seed, iterations=300, buckets=True) == []
+        opened = [f for f in _pair_job(late_ms=12.0, seed=seed, buckets=True) if f["status"] == "open"]
+        assert [(f["category"], f["rank"]) for f in opened] == [("straggler", 2)], opened
+        assert 30 <= opened[0]["iteration_first"] <= 40
+        assert opened[0]["function"].endswith("<=16KiB]") or opened[0]["function"].endswith("<=1MiB]")
 
 
 def test_a_slowdown_is_a_late_ranks_only_where_the_same_rank_is_late_again_and_again() -> None:
