@@ -2,7 +2,7 @@
 replayed through today's differential: how a rule change does on the same real arrivals, before and after.
 
     python bench/real_jobs.py record DIR [--jobs compute,dataloader,gc,none] [--load steady|bursty|none]
-                                         [--layout tp2dp2|fsdp|hsdp|dtensor]
+                                         [--layout tp2dp2|fsdp|hsdp|dtensor|varying]
     python bench/real_jobs.py replay DIR
     python bench/real_jobs.py export DIR NAME...   (into tests/data/real_jobs, which a unit test replays)
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("folder", type=Path)
     rec.add_argument("--jobs", default="compute,dataloader,gc,none", help="faults (none: healthy), in order")
     rec.add_argument("--load", choices=("steady", "bursty", "none"), default="bursty")
-    layouts = ("", "tp2dp2", "fsdp", "hsdp", "dtensor")
+    layouts = ("", "tp2dp2", "fsdp", "hsdp", "dtensor", "varying")
     rec.add_argument("--layout", choices=layouts, default="", help="the job's layout (default: DDP)")
     rep = sub.add_parser("replay", help="replay saved jobs through today's differential")
     rep.add_argument("folder", type=Path)

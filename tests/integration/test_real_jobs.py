@@ -37,7 +37,7 @@ WORLD = 4
 
 # argv: steps, fault (none|dataloader|gc|compute|slowdown|block), faulty rank (slowdown: every rank), fault step
 JOB = """
-import gc, logging, os, sys, threading, time
+import contextlib, gc, logging, os, random, sys, threading, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -125,6 +125,7 @@ class Samples(torch.utils.data.Dataset):
 
 
 garbage = [[i] for i in range(150_000)] if fault == "gc" and mine else []
+lengths = random.Random(rank)  # each rank's own draw: a different rank has the most rows each step
 step = 0
 if not layout:
     fs.start()
@@ -132,10 +133,14 @@ for step, (x, y) in enumerate(torch.utils.data.DataLoader(Samples(), batch_size=
     if fault == "block" and mine and step == at:
         print("BLOCKED", time.time_ns(), flush=True)
         threading.Event().wait()
-    out = model(x)
-    loss = torch.nn.functional.mse_loss(out, y)
     opt.zero_grad()
-    loss.backward()
+    if layout == "varying":  # gradient accumulation over 4 micro-batches of 16-64 rows, as many as chance gives
+        for micro in range(4):
+            n = lengths.randint(16, 64)
+            with model.no_sync() if micro < 3 else contextlib.nullcontext():
+                torch.nn.functional.mse_loss(model(x[:n]), y[:n]).backward()
+    else:
+        torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     if fault == "gc" and mine and step >= at:
         gc.collect()
@@ -240,7 +245,8 @@ class Live:
     ) -> Job:
         """``layout``: "tp2dp2" gives the job Megatron's tensor and data-parallel pairs, "fsdp" shards its model
         with FSDP2, "hsdp" shards it in pairs replicated over the pairs (FSDP2 on a 2 x 2 mesh), "dtensor"
-        splits it with DTensor's tensor parallelism (the job's text; the layout starts the name's id);
+        splits it with DTensor's tensor parallelism, "varying" accumulates gradients over micro-batches of
+        random lengths, DDP (the job's text; the layout starts the name's id);
         ``script``: another job's text, with the same arguments."""
         name = f"{fault}-{layout}{uuid.uuid4().hex[:6]}"
         port = str(free_port())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
@@ -52,8 +53,8 @@ def test_a_rank_behind_every_peer_each_iteration_is_named_by_its_summed_lead_a_b
     """The recorded 3x-forward job's pattern: behind every peer each iteration, but in half of them by less
     than the margin (twice the jitter), which the count by the margin misses; its lead adds up (``_leads``).
     Three iterations behind every peer by far, one descheduling burst, add up to less than the alarm; a
-    fourth passes it."""
-    noise = JobNoise()
+    fourth passes it. (The sum alone: the sign test, ``_late_throughout``, asks here for the whole history.)"""
+    noise = JobNoise(NoiseConfig(sign_iterations=24, sign_misses=0))
     for seed in range(20):
         late, noise_ns = _behind_every_peer([1.6, 4.0] * 4, seed)  # a sum of 8.4 after 7 iterations
         assert noise._clearly_late(late, 1), seed
@@ -136,6 +137,36 @@ def test_a_slow_rank_overtaken_twice_by_contention_is_still_named_within_ten_ite
 def test_a_healthy_job_with_a_jittery_host_has_no_straggler() -> None:
     for seed in range(4):
         assert _job(late_ms=0.0, fault_at=0, overtaken=set(), seed=seed, iterations=300) == []
+
+
+def _varying_work_job(late_ms: float, seed: int, iterations: int = 60, fault_at: int = 30) -> list[dict[str, Any]]:
+    """Finding records of a 4-rank job whose work varies from step to step (sequences of varying length): each
+    rank's step is 12 ms longer or shorter at random (standard deviation), so a different rank is last each
+    time; from ``fault_at``, rank 2 sleeps ``late_ms`` more each step (a real 4-rank job with gradient
+    accumulation over batches of 32-160 rows)."""
+    rng = np.random.default_rng(seed)
+    diff = JobDifferential("j")
+    out: list[dict[str, Any]] = []
+    for it in range(iterations):
+        arrival = rng.normal(0.0, 12.0, size=4)
+        if it >= fault_at:
+            arrival[2] += late_ms
+        last = arrival.max()
+        for rank in range(4):
+            out += diff.add(_record(rank, it, 4.0 + last - arrival[rank], 9.0 + rng.normal(0.0, 0.5)))
+    return out + diff.flush()
+
+
+def test_a_rank_behind_each_peer_nearly_every_step_is_named_where_work_varies_more_than_its_lateness() -> None:
+    """Where every rank's step varies by as much as the fault, no margin in units of the peers' jitter is
+    passed: a rank 20 ms late each step of 80 (a quarter of the job's time) was named by nothing. It is behind
+    each peer, on its own, in 11 of 12 steps nearly always, and healthy ranks, taking turns, are not: named
+    within 16 iterations, and nothing in 300 healthy ones."""
+    for seed in range(4):
+        assert _varying_work_job(late_ms=0.0, seed=seed, iterations=300) == []
+        opened = [f for f in _varying_work_job(late_ms=20.0, seed=seed) if f["status"] == "open"]
+        assert [(f["category"], f["rank"]) for f in opened][:1] == [("straggler", 2)], opened
+        assert {f["rank"] for f in opened} == {2} and 30 <= opened[0]["iteration_first"] <= 46, opened
 
 
 def _loader_job(extra_ms: dict[int, float], rank: int, seed: int, iterations: int = 56) -> list[dict[str, Any]]:
@@ -548,3 +579,12 @@ def test_a_rank_that_checkpoints_every_20_steps_before_a_sparse_all_reduce_is_no
         opened = [f for f in _checkpoint_job(slow_from=100, seed=seed) if f["status"] == "open"]
         assert [(f["category"], f["rank"]) for f in opened] == [("straggler", 1)], seed
         assert 100 <= opened[0]["iteration_last"] <= 110, opened
+
+
+def test_a_sign_test_that_chance_would_pass_is_refused_at_configuration() -> None:
+    """A quarter of misses or more lets healthy ranks taking turns pass; a window longer than the history
+    could never be read."""
+    for bad in ({"sign_iterations": 12, "sign_misses": 3}, {"sign_iterations": 30}):
+        with pytest.raises(ValueError, match="sign_misses < sign_iterations / 4"):
+            NoiseConfig(**bad)
+    assert NoiseConfig(sign_iterations=24, sign_misses=5).sign_misses == 5

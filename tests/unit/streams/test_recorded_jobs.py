@@ -12,7 +12,9 @@ job's own regression, wait included. The ``fsdp`` ones shard the model with FSDP
 it with DTensor's tensor parallelism: FSDP2's all-gathers and reduce-scatters, and DTensor's all-reduce, are
 the collectives the ranks meet at (before the hook timed them, such jobs had none). The ``hsdp`` ones shard
 it in pairs, replicated over the pairs: every group a pair, each with collectives of several sizes, and the
-wait at whichever comes first (the 3x-forward rank was named by nothing while pairs were read per collective)."""
+wait at whichever comes first (the 3x-forward rank was named by nothing while pairs were read per collective).
+The ``varying`` ones accumulate gradients over micro-batches of random lengths: a different rank is last
+each step."""
 
 from __future__ import annotations
 
@@ -48,5 +50,5 @@ def test_a_recorded_real_job_gets_exactly_its_faults_finding(recording: Recordin
 
 def test_the_recordings_are_there() -> None:
     assert {r.fault for r in recordings()} == {"none", *FAULTS}, "tests/data/real_jobs lost a recording"
-    for layout in ("fsdp", "hsdp", "dtensor"):
+    for layout in ("fsdp", "hsdp", "dtensor", "varying"):
         assert {r.fault for r in recordings() if f"-{layout}" in r.path.name} == {"none", *FAULTS}, layout
