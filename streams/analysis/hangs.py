@@ -8,7 +8,9 @@ still carry the times they were built at) change nothing. When no rank completed
 ``max(stall_factor x mean iteration, hang_min_stall_ms)``:
 
 - the first collective (group, sequence number) not every member has entered names the culprits (the
-  members that never entered it) and the waiters (those inside it);
+  members that never entered it) and the waiters (those inside it). A member absent because it waits in a
+  collective of another group is held up itself: where groups overlap (HSDP's shard pairs replicated
+  over pairs), the culprit is a member absent and in no collective, the one the others' waits lead to;
 - every member inside it: the collective itself does not complete (a link or NCCL problem);
 - members in the same (group, sequence number) with different op or size: a desync.
 
@@ -78,6 +80,7 @@ def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns
             inside=bool(hb.get("in_collective", False)), entered_ns=int(hb.get("collective_entered_ns", 0)),
             sent_ns=int(hb["sent_ns"]),
         )  # fmt: skip
+    busy = {r for r, hb in latest.items() if hb.get("in_collective", False)}
     candidates = []
     for pg, entries in groups.items():
         group = members.get(pg) or tuple(sorted(latest))
@@ -86,10 +89,12 @@ def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns
         if not inside:
             continue
         waited = max(e.sent_ns - e.entered_ns for e in inside)
-        candidates.append((waited, pg, seq, group, inside))
+        absent = [r for r in group if r not in {e.rank for e in inside}]
+        blocking = bool(absent) and not busy.issuperset(absent)
+        candidates.append((blocking, waited, pg, seq, group, inside))
     if not candidates:
         return _outside_collectives(latest, threshold_ns)
-    waited, pg, seq, group, inside = max(candidates, key=lambda c: (c[0], c[1]))
+    _, waited, pg, seq, group, inside = max(candidates, key=lambda c: (c[0], c[1], c[2]))
     entered = sorted(e.rank for e in inside)
     missing = [r for r in group if r not in entered]
     evidence: dict[str, Any] = {
@@ -108,8 +113,9 @@ def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns
         (op, nbytes), _ = next(iter(shapes.items()))
         evidence |= {"op": op, "nbytes": nbytes}
         if missing:
-            culprits = missing
+            culprits = [r for r in missing if r not in busy] or missing
             evidence["kind"] = "missing_member"
+            evidence["waiting_elsewhere"] = [r for r in missing if r in busy]
         else:  # everyone is inside and it does not complete: the transport, not a rank
             culprits = []
             evidence["kind"] = "collective_stuck"

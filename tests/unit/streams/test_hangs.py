@@ -46,6 +46,28 @@ def test_the_rank_that_never_entered_the_collective_is_the_culprit_and_the_other
     assert 14 * S < ev["waiting_ns"] < 15 * S  # on the waiters' own clocks, whatever their skew
 
 
+def test_where_groups_overlap_the_culprit_is_the_absent_rank_in_no_collective_not_one_held_up_elsewhere():
+    """HSDP's shard pairs {0, 1}, {2, 3} replicated over {0, 2}, {1, 3}: rank 1 blocks outside any collective.
+    Rank 0 waits for it in their shard pair, rank 3 in their replica pair, and rank 2, which went on with its
+    own shard pair, waits in its replica pair for rank 0, longest of all (a real 4-rank HSDP job: rank 0 was
+    named). Rank 0 is absent there because it waits itself: the culprit is rank 1."""
+
+    def inside(rank: int, pg: str, ranks: list[int], seq: int, entered_s: float) -> dict:
+        hb = heartbeat(rank, 130.0, 99, 100.0, seq=seq, inside=True, pg=pg)
+        return dict(hb, collective_group_ranks=ranks, collective_entered_ns=int(entered_s * S))
+
+    latest = {
+        0: inside(0, "3", [0, 1], 100, 101.0),
+        1: dict(heartbeat(1, 130.0, 99, 100.0, seq=99, pg="3"), collective_group_ranks=[0, 1]),
+        2: inside(2, "1", [0, 2], 200, 100.5),
+        3: inside(3, "2", [1, 3], 200, 101.2),
+    }
+    sig = diagnose_hang(latest, WORLD, threshold_ns=10 * S)
+    assert sig is not None and sig.member_ranks() == (1,) and sig.subject == "rank:1", sig
+    assert sig.evidence["kind"] == "missing_member" and sig.evidence["not_entered"] == [1]
+    assert sig.evidence["group"] in {"3", "2"} and sig.evidence["waiting_elsewhere"] == []
+
+
 def test_a_job_still_inside_its_threshold_or_profiling_is_not_hung():
     assert diagnose_hang(blocked_at_150(105.0), WORLD, threshold_ns=10 * S) is None
     latest = blocked_at_150(115.0)
