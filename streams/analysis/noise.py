@@ -708,8 +708,8 @@ class JobNoise:
         Why beside the margins: where the ranks' work varies from step to step (sequences of varying length,
         gradient accumulation over them), a different rank is last each time, the peers' jitter is as large
         as a fault that costs a third of the step, and no margin in units of it is passed; a rank sleeping
-        20 ms a step in a real 4-rank job of 60 ms steps was named by nothing, one computing 3 times over 25
-        iterations late. Such a rank is behind each peer nearly every time all the same. Healthy ranks take
+        20 ms a step in a real 4-rank job of 60 ms steps was named by nothing (now 13-14 iterations after its
+        fault, two runs). Such a rank is behind each peer nearly every time all the same. Healthy ranks take
         turns: of 4 alike, one behind each of 3 peers in 11 of 12 iterations by chance is about one window
         in 16,000 (independent turns); pairs starved together on one core are behind each other half the
         time. Real turns are not independent: at 14 of 16, a healthy recorded job had a false straggler; at
