@@ -356,7 +356,7 @@ class JobNoise:
             usual = level[col] - np.nanmedian(np.delete(level, col))
             if usual >= cfg.level_z * noise and (usual >= excess / 2 or _own(x, col)):
                 return True
-        return sig.category == "straggler" and self._clearly_late(x, col)
+        return sig.category == "straggler" and self._clearly_late(x, col, sig.rank)
 
     def _sparse(self, function: str) -> bool:
         """Whether a collective ran in fewer than half of the job's recent iterations (a logging all-reduce
@@ -450,7 +450,7 @@ class JobNoise:
             if recent.shape[0] <= self.config.level_iterations:
                 continue  # not a whole window since the job started or a profiler window ended
             for col, rank in enumerate(ranks):
-                if rank in named or not self._clearly_late(late, col) or np.isnan(late[-1, col]):
+                if rank in named or not self._clearly_late(late, col, rank) or np.isnan(late[-1, col]):
                     continue
                 lateness = float(np.nanmedian(recent[:, col]))
                 if lateness < budget_ns:
@@ -661,7 +661,7 @@ class JobNoise:
         """Whether none of the series' latest ``level_iterations + 1`` iterations is of the job's warm-up."""
         return self._recorded - self.config.warmup_iterations > self.config.level_iterations
 
-    def _clearly_late(self, late: F64, col: int) -> bool:
+    def _clearly_late(self, late: F64, col: int, rank: int = -1) -> bool:
         """Whether rank ``col`` arrived ``last_z`` times the noise (its peers' typical jitter) later than its
         peers' median in all but ``last_misses`` of the last ``level_iterations + 1`` rows of its lateness
         history ``late`` (iterations x ranks), every one of them complete, and by ``level_z`` times that
@@ -690,7 +690,7 @@ class JobNoise:
         cfg = self.config
         noise = _noise(late, col, among=np.nanmedian)
         peers = np.delete(window, col, axis=1)
-        if _leads(window[:, col] - peers.max(axis=1), noise, cfg) or self._late_throughout(late, col):
+        if _leads(window[:, col] - peers.max(axis=1), noise, cfg) or self._late_throughout(late, col, rank):
             return True
         excess = window[:, col] - np.median(peers, axis=1)
         need, margin = window.shape[0] - cfg.last_misses, cfg.last_z * noise
@@ -700,7 +700,7 @@ class JobNoise:
             return False  # late by far, typically
         return bool((np.count_nonzero(window[:, [col]] - peers >= margin, axis=0) >= need).all())
 
-    def _late_throughout(self, late: F64, col: int) -> bool:
+    def _late_throughout(self, late: F64, col: int, rank: int) -> bool:
         """Whether rank ``col`` arrived after each peer, on its own, in all but ``sign_misses`` of the last
         ``sign_iterations`` rows of its lateness history ``late``, all complete: a sign test, which asks
         nothing of the noise's size.
@@ -713,12 +713,30 @@ class JobNoise:
         turns: of 4 alike, one behind each of 3 peers in 11 of 12 iterations by chance is about one window
         in 16,000 (independent turns); pairs starved together on one core are behind each other half the
         time. Real turns are not independent: at 14 of 16, a healthy recorded job had a false straggler; at
-        11 of 12, in 17 healthy real jobs (DDP, FSDP2, HSDP, DTensor, varying work) not one window passed."""
+        11 of 12, in 17 healthy real jobs (DDP, FSDP2, HSDP, DTensor, varying work) not one window passed.
+
+        Not where the rank waited for a CPU, above its peers, for half its lateness or more (``rank``, its
+        run-queue waits, where measured): other processes on its cores (a real varying-work job beside CPU
+        burners, 60 % of its steps waiting for a CPU, had one rank behind each peer 11 times in 12 for it).
+        That is its host's contention, which ``contended`` judges, not its own work."""
         rows = late[-self.config.sign_iterations :]
         if rows.shape[0] < self.config.sign_iterations or np.isnan(rows).any():
             return False
-        behind = np.count_nonzero(rows[:, [col]] > np.delete(rows, col, axis=1), axis=0)
-        return bool((behind >= rows.shape[0] - self.config.sign_misses).all())
+        peers = np.delete(rows, col, axis=1)
+        behind = np.count_nonzero(rows[:, [col]] > peers, axis=0)
+        if (behind < rows.shape[0] - self.config.sign_misses).any():
+            return False
+        lateness = float(np.median(rows[:, col] - np.median(peers, axis=1)))
+        return self._cpu_wait_above_peers(rank) < VICTIM_WAIT_SHARE * lateness
+
+    def _cpu_wait_above_peers(self, rank: int) -> float:
+        """The rank's run-queue wait above its peers' median, the median over the sign test's window (0 where
+        not measured in all of it)."""
+        if rank not in self._wait_ranks or len(self._waits) < self.config.sign_iterations:
+            return 0.0
+        waits = np.array(list(self._waits)[-self.config.sign_iterations :])
+        col = self._wait_ranks.index(rank)
+        return float(np.median(waits[:, col] - np.median(np.delete(waits, col, axis=1), axis=1)))
 
     def _matrix(self, function: str, rank: int, lateness: bool) -> tuple[F64 | None, int]:
         """The function's recent values (iterations x ranks; lateness for a collective) and the rank's column."""

@@ -139,34 +139,47 @@ def test_a_healthy_job_with_a_jittery_host_has_no_straggler() -> None:
         assert _job(late_ms=0.0, fault_at=0, overtaken=set(), seed=seed, iterations=300) == []
 
 
-def _varying_work_job(late_ms: float, seed: int, iterations: int = 60, fault_at: int = 30) -> list[dict[str, Any]]:
+def _varying_work_job(
+    late_ms: float, seed: int, iterations: int = 60, fault_at: int = 30, waiting: bool = False
+) -> list[dict[str, Any]]:
     """Finding records of a 4-rank job whose work varies from step to step (sequences of varying length): each
     rank's step is 12 ms longer or shorter at random (standard deviation), so a different rank is last each
     time; from ``fault_at``, rank 2 sleeps ``late_ms`` more each step (a real 4-rank job with gradient
-    accumulation over batches of 32-160 rows)."""
+    accumulation over batches of 32-160 rows), or, ``waiting``, waits that long for a CPU (other processes
+    on its cores). Every rank's run-queue wait is measured, 30 ms give or take 2, and delays its arrival."""
     rng = np.random.default_rng(seed)
     diff = JobDifferential("j")
     out: list[dict[str, Any]] = []
     for it in range(iterations):
-        arrival = rng.normal(0.0, 12.0, size=4)
+        waits = 30.0 + rng.normal(0.0, 2.0, size=4)
+        arrival = rng.normal(0.0, 12.0, size=4) + waits
         if it >= fault_at:
             arrival[2] += late_ms
+            waits[2] += late_ms if waiting else 0.0
         last = arrival.max()
         for rank in range(4):
-            out += diff.add(_record(rank, it, 4.0 + last - arrival[rank], 9.0 + rng.normal(0.0, 0.5)))
+            record = _record(rank, it, 4.0 + last - arrival[rank], 9.0 + rng.normal(0.0, 0.5))
+            out += diff.add(record | {"cpu_wait_ns": int(max(waits[rank], 0.0) * 1e6)})
     return out + diff.flush()
 
 
 def test_a_rank_behind_each_peer_nearly_every_step_is_named_where_work_varies_more_than_its_lateness() -> None:
     """Where every rank's step varies by as much as the fault, no margin in units of the peers' jitter is
-    passed: a rank 20 ms late each step of 80 (a quarter of the job's time) was named by nothing. It is behind
-    each peer, on its own, in 11 of 12 steps nearly always, and healthy ranks, taking turns, are not: named
-    within 16 iterations, and nothing in 300 healthy ones."""
+    passed: a rank 25 ms late each step of 80 (a third of the job's time) was named by nothing in 2 of these 4
+    jobs. It is behind each peer, on its own, in 11 of 12 steps nearly always, and healthy ranks, taking
+    turns, are not: named within 16 iterations, and nothing in 300 healthy ones. Not where the rank waited
+    for a CPU as long: that is other processes on its cores, its host's contention, which the run-queue rule
+    names. (A real varying-work job beside CPU burners had a rank behind each peer for want of a CPU, but
+    below that rule's bar; the recorded jobs' test replays it: none-varying8bd1aa.)"""
     for seed in range(4):
         assert _varying_work_job(late_ms=0.0, seed=seed, iterations=300) == []
-        opened = [f for f in _varying_work_job(late_ms=20.0, seed=seed) if f["status"] == "open"]
+        opened = [f for f in _varying_work_job(late_ms=25.0, seed=seed) if f["status"] == "open"]
         assert [(f["category"], f["rank"]) for f in opened][:1] == [("straggler", 2)], opened
         assert {f["rank"] for f in opened} == {2} and 30 <= opened[0]["iteration_first"] <= 46, opened
+        # as late for want of a CPU, its run-queue wait above its peers' by as much: host_slow on that wait
+        waited = [f for f in _varying_work_job(late_ms=25.0, seed=seed, waiting=True) if f["status"] == "open"]
+        assert [(f["category"], f["rank"], f["function"]) for f in waited][:1] == [("host_slow", 2, "cpu_wait")]
+        assert not [f for f in waited if f["category"] == "straggler" or f["rank"] != 2], waited
 
 
 def _loader_job(extra_ms: dict[int, float], rank: int, seed: int, iterations: int = 56) -> list[dict[str, Any]]:
