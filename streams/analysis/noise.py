@@ -713,7 +713,8 @@ class JobNoise:
         turns: of 4 alike, one behind each of 3 peers in 11 of 12 iterations by chance is about one window
         in 16,000 (independent turns); pairs starved together on one core are behind each other half the
         time. Real turns are not independent: at 14 of 16, a healthy recorded job had a false straggler; at
-        11 of 12, in 17 healthy real jobs (DDP, FSDP2, HSDP, DTensor, varying work) not one window passed.
+        11 of 12, in 22 healthy real jobs (DDP, FSDP2, HSDP, DTensor, varying work) one window passed, in
+        one job, and for want of a CPU (below).
 
         Not where the rank waited for a CPU, above its peers, for half its lateness or more (``rank``, its
         run-queue waits, where measured): other processes on its cores (a real varying-work job beside CPU
