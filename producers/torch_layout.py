@@ -5,95 +5,23 @@ Why: a running job already says its layout: Megatron creates its groups with a `
 ``LayoutTracker`` reads the groups this rank is in (``_world.pg_map``) at monitoring start and again at a
 step boundary after the job created more (a counter compare, nothing else, per step), derives the
 coordinates with ``schemas.layout`` (the same rules as the trace parser) and puts them in the recorder's
-identity. The peers of its ``send``/``recv`` calls order the pipeline stages where the group's own order
-does not tell. ``FLEETSCOPE_TP``/``FLEETSCOPE_PP`` override what the groups say. Never raises into
-training: a failure leaves the coordinates as they were and is counted by the recorder.
+identity. The peers of its ``send``/``recv`` calls (``torch_patches.PEERS``) order the pipeline stages
+where the group's own order does not tell. ``FLEETSCOPE_TP``/``FLEETSCOPE_PP`` override what the groups
+say. Never raises into training: a failure leaves the coordinates as they were and is counted by the recorder.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import torch.distributed as dist
 
 from fleetscope.producers.rank_recorder import Recorder
+from fleetscope.producers.torch_patches import PEERS, install_p2p_patches
 from fleetscope.schemas.layout import JobLayout, ProcessGroup, derive_layout, layout_from_sizes, stages_reversed
 
 ENV_TP, ENV_PP = "FLEETSCOPE_TP", "FLEETSCOPE_PP"
-_P2P_FUNCTIONS = {"send": ("send", "dst"), "isend": ("send", "dst"), "recv": ("recv", "src"), "irecv": ("recv", "src")}
-_PATCHED = ("send", "recv")
-_MAX_PEERS = 64
-
-
-class P2PPeers:
-    """The peers of this rank's point-to-point calls (global ranks) and whether it sent first."""
-
-    def __init__(self) -> None:
-        self.edges: dict[tuple[int, int], None] = {}
-        self.first: str = ""
-        self.first_peer = -1
-
-    def note(self, op: str, me: int, peer: int) -> None:
-        if len(self.edges) < _MAX_PEERS and peer != me:
-            self.edges[(me, peer) if op == "send" else (peer, me)] = None
-        if not self.first:
-            self.first, self.first_peer = op, peer
-
-
-PEERS = P2PPeers()
-
-
-def _wrap_p2p(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
-    op, param = _P2P_FUNCTIONS[fname]
-
-    @functools.wraps(orig)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = orig(*args, **kwargs)
-        try:
-            peer = kwargs.get(param, args[1] if len(args) > 1 else None)
-            if isinstance(peer, int):
-                PEERS.note(op, dist.get_rank(), peer)
-        except Exception:  # noqa: S110 - bookkeeping must never fail the training call
-            pass
-        return result
-
-    wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """``batch_isend_irecv`` (Megatron's 1F1B p2p): each ``P2POp`` names its op and global peer."""
-
-    @functools.wraps(orig)
-    def wrapper(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            me = dist.get_rank()
-            for p in list(p2p_op_list)[:_MAX_PEERS]:
-                name = getattr(getattr(p, "op", None), "__name__", "")
-                if isinstance(p.peer, int) and name in _P2P_FUNCTIONS:
-                    PEERS.note(_P2P_FUNCTIONS[name][0], me, p.peer)
-        except Exception:  # noqa: S110 - bookkeeping must never fail the training call
-            pass
-        return orig(p2p_op_list, *args, **kwargs)
-
-    wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
-    return wrapper
-
-
-def install_p2p_patches() -> None:
-    """Record the peers of ``dist.send/recv/batch_isend_irecv`` (idempotent). ``isend``/``irecv`` stay
-    unwrapped: ``P2POp`` accepts only the original functions (an identity check)."""
-    for fname in _PATCHED:
-        orig = getattr(dist, fname, None)
-        if orig is not None and not hasattr(orig, "__fleetscope_original__"):
-            setattr(dist, fname, _wrap_p2p(fname, orig))
-    batch = getattr(dist, "batch_isend_irecv", None)
-    if batch is not None and not hasattr(batch, "__fleetscope_original__"):
-        dist.batch_isend_irecv = _wrap_batch(batch)
 
 
 def process_groups() -> list[ProcessGroup]:

@@ -5,7 +5,9 @@ cheap to time from Python (two clock reads and a deque append). Collectives are 
 ``torch.distributed`` functions (with op, process group, group size, nccl-tests message size and a per-group
 sequence number, so ranks can be aligned without trusting wall clocks; the flight recorder is told before
 the call, so a rank blocked inside one still says which), and the functional collectives that DTensor's
-tensor parallelism calls, from the call to their result's ``wait_tensor`` (``FUNCTIONAL_COLLECTIVES``).
+tensor parallelism calls, from the call to their result's ``wait_tensor`` (``FUNCTIONAL_COLLECTIVES``). A
+pipeline's blocking ``send``/``recv`` are timed alike, and ``batch_isend_irecv``'s operations from the batch's
+call to each work's completion (``P2P_FUNCTIONS``); their peers order the stages (``PEERS``).
 DDP calls NCCL/Gloo from C++: unless the user registered a comm hook (a user hook that calls
 ``dist.all_reduce`` is timed by the wrapper), a DDP model's gradient all-reduce is timed from its first
 forward: on NCCL by ``timed_allreduce_hook`` (the stock ``allreduce_hook``, timed, one event per bucket); on
@@ -21,7 +23,8 @@ training never sees our exceptions.
 
 Timing caveat: a collective's duration is measured on the host, to the completion of its future for async
 calls. For Gloo that is the transfer; for NCCL it is only the enqueue (kernels run later on the GPU): a
-profiling window gives the GPU-side NCCL kernel times.
+profiling window gives the GPU-side NCCL kernel times. Gloo's batched p2p works have no future: they are
+timed to their ``wait``, so a send waited for only at the end of a schedule counts the time until then.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ def install(current: Callable[[], Instrumented | None]) -> None:
     _installed = True
     for site, fn in (
         ("collectives", _patch_collectives),
+        ("point-to-point", install_p2p_patches),
         ("functional collectives", _patch_functional_collectives),
         ("optimizer", _patch_optimizer),
         ("dataloader", _patch_dataloader),
@@ -162,8 +166,8 @@ def _group(group: Any) -> tuple[str, int, str, tuple[int, ...]]:
     return info
 
 
-# A collective being called: what the flight recorder shows, and the event's name and group size.
-_Call = tuple[CollectiveEntry, str, int]
+# A collective being called: what the flight recorder shows, and the event's name, group size and group.
+_Call = tuple[CollectiveEntry, str, int, str]
 
 
 def _enter(mon: Instrumented, op: str, size_arg: Any, group: Any) -> _Call:
@@ -175,14 +179,14 @@ def _enter(mon: Instrumented, op: str, size_arg: Any, group: Any) -> _Call:
         mon.recorder.declare(EventKind.COLLECTIVES)
     entry = CollectiveEntry(op, name, ranks, seq, _nbytes(size_arg), time.time_ns())
     mon.recorder.state.enter(entry)
-    return entry, f"{backend}:{op}", size
+    return entry, f"{backend}:{op}", size, name
 
 
 def _leave(recorder: Recorder, call: _Call, end_ns: int) -> None:
-    entry, event_name, size = call
+    entry, event_name, size, group = call
     recorder.state.leave(entry)
     start = entry.entered_ns
-    recorder.collective(event_name, entry.op, entry.pg, entry.seq, size, entry.nbytes, start, end_ns - start)
+    recorder.collective(event_name, entry.op, group, entry.seq, size, entry.nbytes, start, end_ns - start)
 
 
 def _record_collective(mon: Instrumented, call: _Call, result: Any) -> None:
@@ -250,6 +254,193 @@ def _patch_collectives() -> None:
         if orig is None or hasattr(orig, "__fleetscope_original__"):
             continue
         setattr(dist, fname, _wrap_collective(fname, orig))
+
+
+# -- point-to-point: pipeline stages' sends and receives ------------------------------------------------
+P2P_FUNCTIONS: dict[str, tuple[str, str, str]] = {
+    "send": ("send", "dst", "group_dst"),
+    "recv": ("recv", "src", "group_src"),
+}
+"""The blocking p2p calls: op, peer parameter (a global rank), peer parameter within ``group``. ``isend`` and
+``irecv`` stay unwrapped: ``P2POp`` and ``batch_isend_irecv`` know them by identity; their batches are timed
+through ``batch_isend_irecv``."""
+_MAX_PEERS = 64
+_MAX_PENDING_WORKS = 256
+
+
+class P2PPeers:
+    """The peers of this rank's point-to-point calls (global ranks) and whether it sent first: the layout
+    orders the pipeline stages by them (``torch_layout``)."""
+
+    def __init__(self) -> None:
+        self.edges: dict[tuple[int, int], None] = {}
+        self.first: str = ""
+        self.first_peer = -1
+
+    def note(self, op: str, me: int, peer: int) -> None:
+        if len(self.edges) < _MAX_PEERS and peer != me:
+            self.edges[(me, peer) if op == "send" else (peer, me)] = None
+        if not self.first:
+            self.first, self.first_peer = op, peer
+
+
+PEERS = P2PPeers()
+_pending_works: dict[int, tuple[Any, list[_Call]]] = {}
+"""Batched p2p works of a backend whose works have no future (Gloo), by id, until they are waited for."""
+
+
+def _enter_p2p(mon: Instrumented, op: str, tensor: Any, peer: int, group: Any) -> _Call:
+    """A send/recv is its pair's, for the flight recorder: numbered in its own count (both ends make their
+    calls to each other in one order), with the pair as the group's members. Numbered in the process
+    group's count, the group's later collectives would carry different numbers on ranks that sent
+    different numbers of times (a middle stage sends twice as often as the first). The event keeps the
+    process group, as a profiler trace's does."""
+    name, size, backend, _ = _group(group)
+    me = dist.get_rank()
+    pair = (min(me, peer), max(me, peer)) if peer >= 0 else (me,)
+    key = f"{name}:p2p:{'-'.join(map(str, pair))}"
+    seq = next(_group_seq.setdefault(key, itertools.count()))
+    mon.recorder.declare(EventKind.COLLECTIVES)
+    entry = CollectiveEntry(op, key, pair, seq, _nbytes(tensor), time.time_ns())
+    mon.recorder.state.enter(entry)
+    return entry, f"{backend}:{op}", size, name
+
+
+def _global_peer(peer: Any, group_peer: Any, group: Any) -> int:
+    """The other end as a global rank (given as one, or as a rank within ``group``); -1 where unknown
+    (``recv`` from any source)."""
+    if isinstance(peer, int):
+        return peer
+    if isinstance(group_peer, int):
+        return _group(group)[3][group_peer]
+    return -1
+
+
+def _wrap_p2p(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    op, peer_param, group_peer_param = P2P_FUNCTIONS[fname]
+    params = list(inspect.signature(orig).parameters)
+    pi, gi = params.index(peer_param), params.index("group")
+    gpi = params.index(group_peer_param) if group_peer_param in params else -1
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mon = _current()
+        group = _argument(args, kwargs, "group", gi)
+        peer = _argument(args, kwargs, peer_param, pi)
+        group_peer = _argument(args, kwargs, group_peer_param, gpi) if gpi >= 0 else None
+        call = None
+        try:
+            where = _global_peer(peer, group_peer, group)
+            if where >= 0:
+                PEERS.note(op, dist.get_rank(), where)
+            if mon is not None:
+                call = mon.recorder.guard("collective", _enter_p2p, mon, op, _argument(args, kwargs, "tensor", 0),
+                                          where, group)  # fmt: skip
+        except Exception:  # noqa: S110 - bookkeeping must never fail the training call
+            pass
+        if mon is None:
+            return orig(*args, **kwargs)
+        return _timed(mon, call, _returned, orig, args, kwargs)
+
+    wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _returned(mon: Instrumented, call: _Call, _result: Any) -> None:
+    """A blocking call completed on its return (``recv`` returns the sender's rank, not a work)."""
+    _leave(mon.recorder, call, time.time_ns())
+
+
+def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``batch_isend_irecv`` (Megatron's 1F1B p2p): each ``P2POp`` names its op and global peer; each is
+    timed from the batch's call to its work's completion (its future; on Gloo, which has none, the return
+    of its ``wait``)."""
+
+    @functools.wraps(orig)
+    def wrapper(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+        mon = _current()
+        calls: list[_Call] = []
+        try:
+            me = dist.get_rank()
+            for p in list(p2p_op_list):
+                name = getattr(getattr(p, "op", None), "__name__", "")
+                if not isinstance(p.peer, int) or name not in ("isend", "irecv"):
+                    continue
+                op = "send" if name == "isend" else "recv"
+                PEERS.note(op, me, p.peer)
+                if mon is not None:
+                    calls.append(_enter_p2p(mon, op, p.tensor, p.peer, p.group))
+        except Exception:  # the batch is timed whole or not at all
+            if mon is not None:
+                for call in calls:
+                    mon.recorder.state.leave(call[0])
+            calls = []
+        works = orig(p2p_op_list, *args, **kwargs)
+        if mon is not None and calls:
+            mon.recorder.guard("collective", _batch_launched, mon, calls, works)
+        return works
+
+    wrapper.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _batch_launched(mon: Instrumented, calls: list[_Call], works: Any) -> None:
+    """Pair each call with its work (one work for a coalesced batch: all its calls end with it)."""
+    works = list(works or ())
+    if not works:  # completed already
+        for call in calls:
+            _leave(mon.recorder, call, time.time_ns())
+        return
+    per_work = [[c] for c in calls] if len(works) == len(calls) else [[]] * (len(works) - 1) + [calls]
+    for work, mine in zip(works, per_work, strict=True):
+        if not mine:
+            continue
+        try:
+            future = work.get_future()
+        except RuntimeError:  # Gloo: no future; timed when waited for
+            if len(_pending_works) >= _MAX_PENDING_WORKS:  # never waited for: forget the oldest
+                _, (_, stale) = _pending_works.popitem()
+                for call in stale:
+                    mon.recorder.state.leave(call[0])
+            _pending_works[id(work)] = (work, mine)
+            continue
+        future.add_done_callback(functools.partial(_works_done, mon.recorder, mine))
+
+
+def _works_done(recorder: Recorder, calls: list[_Call], _fut: Any = None) -> None:
+    now = time.time_ns()
+    for call in calls:
+        recorder.guard("collective_done", _leave, recorder, call, now)
+
+
+def _wrap_work_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        if _pending_works:
+            pending = _pending_works.pop(id(self), None)
+            mon = _current()
+            if pending is not None and mon is not None:
+                _works_done(mon.recorder, pending[1])
+        return out
+
+    wait.__fleetscope_original__ = orig  # type: ignore[attr-defined]
+    return wait
+
+
+def install_p2p_patches() -> None:
+    """Wrap ``dist.send/recv/batch_isend_irecv`` (their peers, and their times while a monitor records) and
+    ``Work.wait`` (Gloo's batched works); idempotent."""
+    for fname in P2P_FUNCTIONS:
+        orig = getattr(dist, fname, None)
+        if orig is not None and not hasattr(orig, "__fleetscope_original__"):
+            setattr(dist, fname, _wrap_p2p(fname, orig))
+    batch = getattr(dist, "batch_isend_irecv", None)
+    if batch is not None and not hasattr(batch, "__fleetscope_original__"):
+        dist.batch_isend_irecv = _wrap_batch(batch)
+    work = getattr(dist, "Work", None)
+    if work is not None and not hasattr(work.wait, "__fleetscope_original__"):
+        work.wait = _wrap_work_wait(work.wait)
 
 
 # -- functional collectives (DTensor) --------------------------------------------------------------------

@@ -9,7 +9,11 @@ steps more is the memory guard, and such a close is counted as incomplete and lo
 travel on separate topics and are consumed independently, so every stream
 declared in the batch header (``streams``) is waited for; when a producer declares nothing, a
 stream not seen yet is waited for during ``stream_discovery_ms`` after the rank's first batch.
-Events that arrive for an already closed step are counted as late and dropped.
+Events that arrive for an already closed step are counted as late and dropped. Without markers, steps are
+inferred from the host sequence (data loader, optimizer) or the collectives' period; steps inferred from
+collectives also wait for the host stream, where there is one, to pass them: a rank's collectives can run
+ahead of its first step marker (a pipeline stage's receives, early in its first step), and the marker
+replaces what they would have cut.
 """
 
 from __future__ import annotations
@@ -401,6 +405,8 @@ class RankWindower:
         for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
             if kind in waited and self._watermark[kind] < end:
                 return False
+        if self._mode == "collective_period" and self._watermark.get(EventKind.PYTHON, end) < end:
+            return False  # a step marker in host events not in yet replaces boundaries inferred from collectives
         if EventKind.THROUGHPUT in waited:
             gpu_end = self._gpu_end(start, end)
             if self._watermark[EventKind.THROUGHPUT] < gpu_end:

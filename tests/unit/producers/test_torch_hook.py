@@ -599,3 +599,75 @@ def test_a_rank_blocked_inside_a_window_stops_saying_profiling_once_the_window_s
     assert not recorder.profiling
     recorder.release()
     assert not recorder.profiling
+
+
+P2P_RANK = """
+import json, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import test_torch_hook as t
+import fleetscope.producers.torch_hook as fs
+from fleetscope.producers import torch_patches
+from fleetscope.schemas import EventKind
+
+publisher = t.FakePublisher()
+recorder = t.Recorder(t.ME, publisher, t.RecorderConfig(flush_interval_ms=10_000))
+monitor = fs.Monitor(recorder)
+monitor.start()
+fs._monitor = monitor
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+x = torch.zeros(1024)
+last = []
+if rank == 0:  # the sender is late twice: the receiver waits in its recv
+    time.sleep(0.3)
+    dist.send(x, dst=1)
+    time.sleep(0.3)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.irecv, x, 1)]):
+        work.wait()
+else:
+    dist.recv(x, src=0)
+    last.append(recorder.state.last)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, 0), dist.P2POp(dist.isend, x, 0)]):
+        work.wait()
+dist.all_reduce(x)  # numbered in its group as if no send or receive came before
+last.append(recorder.state.last)
+dist.destroy_process_group()
+recorder._flush()
+coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
+calls = [(b.names[o], b.names[g], int(s), int(d)) for b in coll
+         for o, g, s, d in zip(b["op_id"], b["pg_id"], b["seq"], b["dur_ns"])]
+print(json.dumps({"calls": calls, "peers": sorted(torch_patches.PEERS.edges),
+                  "entries": [[e.op, e.pg, list(e.group_ranks), e.seq] for e in last]}))
+"""
+
+
+def test_sends_and_receives_are_timed_on_their_pair_and_leave_the_groups_numbering_alone(tmp_path: Path) -> None:
+    """A pipeline's stages meet in their sends and receives: a stage held up by the one before it waits in
+    its receive, and only that time tells it from the stage that is late of its own (``streams.analysis``'s
+    pair and stage rules). Blocking ``send``/``recv`` are timed by their wrappers, batched ``isend``/``irecv``
+    from the batch's call to each work's ``wait`` (Gloo's works have no future). The flight recorder numbers
+    them per pair, so the group's own collectives keep one numbering on every rank."""
+    script = tmp_path / "rank.py"
+    script.write_text(P2P_RANK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).parent)
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), here], env=env | {"RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), outputs
+    sender, receiver = (json.loads(out.splitlines()[-1]) for out, _ in outputs)
+    for got in (sender, receiver):
+        assert [(op, pg, seq) for op, pg, seq, _ in got["calls"] if op == "allreduce"] == [("allreduce", "0", 0)]
+        assert got["peers"] == [[0, 1], [1, 0]]
+        assert got["entries"][-1] == ["allreduce", "0", [0, 1], 0]
+    received = [(pg, seq, dur) for op, pg, seq, dur in receiver["calls"] if op == "recv"]
+    assert [(pg, seq) for pg, seq, _ in received] == [("0", 0), ("0", 1)], receiver["calls"]
+    assert all(dur >= 250_000_000 for _, _, dur in received), received  # it waited for the late sender
+    assert receiver["entries"][0] == ["recv", "0:p2p:0-1", [0, 1], 0]
+    sent = sorted((op, seq) for op, _, seq, _ in sender["calls"] if op != "allreduce")
+    assert sent == [("recv", 2), ("send", 0), ("send", 1)], sender["calls"]  # the pair's count, both ways

@@ -68,6 +68,28 @@ def test_where_groups_overlap_the_culprit_is_the_absent_rank_in_no_collective_no
     assert sig.evidence["group"] in {"3", "2"} and sig.evidence["waiting_elsewhere"] == []
 
 
+def test_in_a_pipeline_the_culprit_is_the_stage_rank_its_next_stage_waits_for_in_its_receive() -> None:
+    """dp2 x pp2 by hand: data pairs {0, 1}, {2, 3}; the stages' pairs 0 -> 2, 1 -> 3 send and receive. Rank 1
+    blocks outside any collective: rank 0 waits for it in their all-reduce, rank 3 in its receive from it
+    (the hook numbers a pair's sends and receives on their own, group ``<pg>:p2p:<a>-<b>``), and rank 2 in its
+    all-reduce for rank 3. Before the hook timed receives, rank 3 was in no collective, and the live job's
+    hang named it (rank 2 blocked: rank 0 was named)."""
+
+    def inside(rank: int, pg: str, ranks: list[int], seq: int, entered_s: float, op: str = "allreduce") -> dict:
+        hb = heartbeat(rank, 130.0, 99, 100.0, seq=seq, inside=True, pg=pg, op=op)
+        return dict(hb, collective_group_ranks=ranks, collective_entered_ns=int(entered_s * S))
+
+    latest = {
+        0: inside(0, "1", [0, 1], 300, 100.4),
+        1: dict(heartbeat(1, 130.0, 99, 100.0, seq=299, pg="1"), collective_group_ranks=[0, 1]),
+        2: inside(2, "2", [2, 3], 300, 100.3),
+        3: inside(3, "0:p2p:1-3", [1, 3], 800, 100.2, op="recv"),
+    }
+    sig = diagnose_hang(latest, WORLD, threshold_ns=10 * S)
+    assert sig is not None and sig.member_ranks() == (1,) and sig.subject == "rank:1", sig
+    assert sig.evidence["not_entered"] == [1] and sig.evidence["group"] in {"1", "0:p2p:1-3"}
+
+
 def test_a_job_still_inside_its_threshold_or_profiling_is_not_hung():
     assert diagnose_hang(blocked_at_150(105.0), WORLD, threshold_ns=10 * S) is None
     latest = blocked_at_150(115.0)

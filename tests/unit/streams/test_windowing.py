@@ -101,3 +101,29 @@ def test_steps_waiting_for_a_quiet_stream_close_after_max_open_steps_and_are_cou
     long_ahead = [b for b in rank0_batches(40) if b.kind is not EventKind.KERNELS]
     closed = sum((hard.add(b, now_ns=0) for b in long_ahead), [])
     assert hard.counters.incomplete == len(closed) > 0  # past 16 x max_open_steps, whatever the streams do
+
+
+def test_collectives_ahead_of_the_host_stream_wait_for_its_step_markers():
+    """A real pipeline rank (torch hook, gloo) published its first collectives, the receives early in its
+    first step, before its first step marker. The collective period cut 26 one-receive iterations out of
+    them in 250 ms, the steps whose numbers they took were lost, and the baseline they made gave a false
+    ``job_regression``. Boundaries inferred from collectives now wait for the host stream to pass them: a
+    step marker there replaces them."""
+    batches = rank0_batches(8)
+    host = [b for b in batches if b.kind is EventKind.PYTHON]
+    first = host[0]
+    names = [first.names[i] for i in first.columns["name_id"]]
+    early = names.index("forward")  # the host stream's first batch: one span, no step marker, no phase
+    w = RankWindower()
+    closed = w.add(replace(first, columns={k: v[early : early + 1] for k, v in first.columns.items()}), now_ns=0)
+    for b in batches:
+        if b.kind is not EventKind.PYTHON:
+            closed += w.add(b, now_ns=0)
+    assert closed == []
+    for b in host:
+        closed += w.add(b, now_ns=0)
+    closed += w.flush()
+    assert [(c.iteration["iteration"], c.iteration["detected_by"]) for c in closed] == [
+        (i, "step_marker") for i in range(8)
+    ]
+    assert collectives_per_iteration(closed) == {i: 2 for i in range(8)}
