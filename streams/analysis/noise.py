@@ -514,9 +514,14 @@ class JobNoise:
         noise = float(np.median(_jitter(np.column_stack(lags))))
         out: list[RankSignal] = []
         piped_waits: dict[int, float] = {}  # one-partner stragglers: their wait in the pipeline
+        piped_late: dict[int, tuple[float, float]] = {}  # every one-partner rank: (lateness, wait in the pipeline)
         for rank in ranks:
             late = np.min([lag for _, _, lag in pairs[rank]], axis=0)
+            if len(partners[rank]) == 1:  # one pair says nothing of whose core was busy: its run-queue wait does
+                late = late - self._cpu_waits_above_peers(rank, window)
             lateness = float(np.median(late))
+            if len(partners[rank]) == 1 and piped:
+                piped_late[rank] = (lateness, self._pipeline_wait(rank, *partners[rank]))
             if (
                 rank in named
                 or np.count_nonzero(late >= cfg.last_z * noise) < window - cfg.last_misses
@@ -543,7 +548,7 @@ class JobNoise:
         if len(piped_waits) > 1:  # one late stage holds up the others a little too: the one that waited least
             least = min(piped_waits, key=piped_waits.__getitem__)
             out = [s for s in out if s.rank not in piped_waits or s.rank == least]
-        return out
+        return [s for s in out if s.rank not in piped_waits or not _held_up_by(s.rank, piped_late)]
 
     def _own_cause(self, straggler: RankSignal, others: Sequence[int], min_gap: float) -> RankSignal | None:
         """The straggler, or what it is late by where its own records say (medians of the window, against
@@ -728,16 +733,18 @@ class JobNoise:
         if (behind < rows.shape[0] - self.config.sign_misses).any():
             return False
         lateness = float(np.median(rows[:, col] - np.median(peers, axis=1)))
-        return self._cpu_wait_above_peers(rank) < VICTIM_WAIT_SHARE * lateness
+        wait = float(np.median(self._cpu_waits_above_peers(rank, self.config.sign_iterations)))
+        return wait < VICTIM_WAIT_SHARE * lateness
 
-    def _cpu_wait_above_peers(self, rank: int) -> float:
-        """The rank's run-queue wait above its peers' median, the median over the sign test's window (0 where
-        not measured in all of it)."""
-        if rank not in self._wait_ranks or len(self._waits) < self.config.sign_iterations:
-            return 0.0
-        waits = np.array(list(self._waits)[-self.config.sign_iterations :])
+    def _cpu_waits_above_peers(self, rank: int, iterations: int) -> F64:
+        """The rank's run-queue wait above its peers' median in each of its last ``iterations`` (zeros where
+        not measured in all of them)."""
+        if rank not in self._wait_ranks or len(self._waits) < iterations:
+            return np.zeros(iterations)
+        waits = np.array(list(self._waits)[-iterations:])
         col = self._wait_ranks.index(rank)
-        return float(np.median(waits[:, col] - np.median(np.delete(waits, col, axis=1), axis=1)))
+        above: F64 = waits[:, col] - np.median(np.delete(waits, col, axis=1), axis=1)
+        return above
 
     def _matrix(self, function: str, rank: int, lateness: bool) -> tuple[F64 | None, int]:
         """The function's recent values (iterations x ranks; lateness for a collective) and the rank's column."""
@@ -751,6 +758,19 @@ class JobNoise:
             with quiet_nan_warnings():
                 x = np.nanmedian(x, axis=1, keepdims=True) - x
         return x, ranks.index(rank)
+
+
+def _held_up_by(rank: int, piped: dict[int, tuple[float, float]]) -> bool:
+    """Whether another rank of one pair partner, late in its pair by half ``rank``'s lateness or more, waited
+    less in its pipeline send/recv than ``rank`` did (``piped``: each such rank's lateness and wait): the late
+    replica's ranks are all late in their pairs, and the one that waited least holds up the others, whether or
+    not its own lateness passed every test this iteration. A real dp2 x pp2 job's stage-0 rank computing 4x
+    made its next stage's rank, which waited for it in its receives, the one named (twice in three runs)."""
+    lateness, wait = piped[rank]
+    return any(
+        other != rank and late >= VICTIM_WAIT_SHARE * lateness and waited < wait
+        for other, (late, waited) in piped.items()
+    )
 
 
 def _leads(lead: F64, noise: float, cfg: NoiseConfig) -> bool:

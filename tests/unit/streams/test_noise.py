@@ -10,7 +10,7 @@ import pytest
 
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
-from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, _noise
+from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, _held_up_by, _noise
 from fleetscope.streams.analysis.signals import RankSignal
 
 _COMPUTE, _COLLECTIVE, _PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
@@ -601,3 +601,69 @@ def test_a_sign_test_that_chance_would_pass_is_refused_at_configuration() -> Non
         with pytest.raises(ValueError, match="sign_misses < sign_iterations / 4"):
             NoiseConfig(**bad)
     assert NoiseConfig(sign_iterations=24, sign_misses=5).sign_misses == 5
+
+
+def _pipeline_job(
+    seed: int, *, starved_ms: float = 0.0, slow_forward_ms: float = 0.0, iterations: int = 60, fault_at: int = 30
+) -> list[dict[str, Any]]:
+    """Finding records of a dp2 x pp2 job by hand, as a real one on 2 shared cores runs (the real-job test's
+    pipeline): data pairs {0, 1}, {2, 3}; rank k of stage 0 sends its activations to rank k + 2, which sends
+    its gradients back; each stage's pair all-reduces. Run-queue waits are measured; rank 2's sends take
+    12 ms longer than rank 3's (which core each pair shares: the real job's sends differed so). From
+    ``fault_at``: ``starved_ms``, rank 1 waits that much longer for a CPU before its backward (its host's
+    contention, its core mate busy); ``slow_forward_ms``, rank 1's forward computes that much longer, and
+    rank 3 waits for its activations."""
+    rng = np.random.default_rng(seed)
+    diff = JobDifferential("j")
+    out: list[dict[str, Any]] = []
+    for it in range(iterations):
+        on = it >= fault_at
+        jit = rng.normal(0.0, 1.0, size=(8, 4))
+        sent = 20.0 + jit[:2, 0] + np.array([0.0, slow_forward_ms if on else 0.0])  # stage 0's activations out
+        grads = sent + 30.0 + jit[2:4, 0]  # stage 1: received, computed, sent back
+        starved = np.array([0.0, starved_ms if on else 0.0])
+        waits = np.concatenate([5.0 + np.abs(jit[:2, 1]) + starved, 5.0 + np.abs(jit[2:4, 1])])
+        arrive = np.concatenate([grads + 20.0 + jit[:2, 2] + starved, grads + 5.0 + jit[2:4, 2]])
+        done = np.repeat(arrive.reshape(2, 2).max(axis=1), 2)
+        sends = np.array([1.0, 1.0, 13.0, 1.0]) + np.abs(jit[:4, 3])
+        recvs = np.concatenate([grads - sent, sent])
+        for rank in range(4):
+            stage = rank // 2
+            functions = [
+                (f"nccl:allreduce[pg=d{stage},<=4MiB]", _COLLECTIVE, 1, done[rank] - arrive[rank] + 2.0),
+                ("nccl:send[pg=0,<=128KiB]", _COLLECTIVE, 4, sends[rank]),
+                ("nccl:recv[pg=0,<=128KiB]", _COLLECTIVE, 4, recvs[rank]),
+                ("dataloader.next", _PYTHON, 1, 4.0 + abs(jit[rank, 3])),
+            ]
+            record = _record_of(rank, it, functions, iteration_ms=float(done.max()) + 5.0)
+            record.update(world_size=4, pp_rank=stage, dp_rank=rank % 2, tp_rank=0, host="h")
+            out += diff.add(record | {"cpu_wait_ns": int(waits[rank] * 1e6)})
+    return out + diff.flush()
+
+
+def test_in_a_pipeline_a_rank_late_for_want_of_a_cpu_or_held_up_by_the_stage_before_is_no_straggler() -> None:
+    """A rank with one pair partner (dp2 x pp) is the straggler where it is late in its pair and did not wait
+    in its pipeline send/recv. Live, on shared cores, two things looked alike (a real 4-rank pipeline job by
+    hand, its sends and receives timed): a healthy run's rank 1 late by 12 ms whose core mate kept it
+    waiting for a CPU 8 ms of them (a false straggler at step 209); and, rank 1 computing 4x, rank 3, which
+    waited for its activations but less in its sends than its partner, named in its stead. Its lateness is
+    now taken less its run-queue wait above its peers', and a rank late in its pair is held up by another
+    late one that waited less in the pipeline. A slow forward is still rank 1's, named within 10 steps."""
+    for seed in range(3):
+        assert _pipeline_job(seed, iterations=200) == []
+        starved = [f for f in _pipeline_job(seed, starved_ms=15.0) if f["status"] == "open"]
+        assert [(f["category"], f["rank"]) for f in starved if f["category"] == "straggler"] == [], starved
+        opened = [f for f in _pipeline_job(seed, slow_forward_ms=15.0) if f["status"] == "open"]
+        assert [(f["category"], f["rank"]) for f in opened] == [("straggler", 1)], opened
+        assert 30 <= opened[0]["iteration_first"] <= 40
+
+
+def test_a_late_rank_that_waited_in_its_pipeline_more_than_another_late_one_is_held_up_by_it() -> None:
+    """The real pipeline job's figures, (lateness in its pair, wait in send/recv above its partner's), ms:
+    rank 1 computing 4x, late by 15 and waiting 15 less than its partner; rank 3, waiting for its activations,
+    late by 19 and waiting 10 more in its receives (its sends took less). Rank 3 alone passed the tests at
+    step 66 and was named; it is rank 1's symptom, whether or not rank 1 passed them then."""
+    piped = {1: (15.3, -15.0), 3: (18.7, 10.0)}
+    assert _held_up_by(3, piped) and not _held_up_by(1, piped)
+    assert not _held_up_by(3, {1: (5.0, -15.0), 3: (18.7, 10.0)})  # late by less than half: no culprit of it
+    assert not _held_up_by(3, {1: (15.3, 12.0), 3: (18.7, 10.0)})  # it waited more: no culprit of it either
