@@ -5,7 +5,8 @@ A file is ``<fault>-rank<R>-<id>.bin.gz`` (``<fault>-<id>.bin.gz`` for a healthy
 the whole job): gzip of the messages, each a 4-byte big-endian length and the message. An id that starts with
 a layout is the job laid out so (``record --layout``): ``fsdp``, its model sharded by FSDP2; ``hsdp``, sharded in
 pairs and replicated over them (FSDP2 on a 2 x 2 mesh); ``dtensor``, split by DTensor's tensor parallelism;
-``varying``, DDP accumulating gradients over micro-batches of random lengths; the others DDP.
+``varying``, DDP accumulating gradients over micro-batches of random lengths; ``pipe``, the test's pipeline by
+hand (dp2 x pp2, its sends and receives timed); the others DDP.
 Importable from every test as ``recorded_jobs``."""
 
 from __future__ import annotations

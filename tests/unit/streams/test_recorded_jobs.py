@@ -15,7 +15,10 @@ it in pairs, replicated over the pairs: every group a pair, each with collective
 wait at whichever comes first (the 3x-forward rank was named by nothing while pairs were read per collective).
 The ``varying`` ones accumulate gradients over micro-batches of random lengths: a different rank is last
 each step. In none-varying8bd1aa (CPU burners beside it, 60 % of its steps waiting for a CPU), rank 2 is
-behind each peer in 11 of 12 steps around step 127 for want of a CPU: no straggler (``_late_throughout``)."""
+behind each peer in 11 of 12 steps around step 127 for want of a CPU: no straggler (``_late_throughout``).
+In none-pipe2fa0f8, the real-job test's pipeline by hand (dp2 x pp2), rank 1 is late in its data pair by
+12.5 ms around step 209, 8 ms of them waiting for a CPU while its core mate ran: no straggler (a one-pair
+rank's lateness is taken less its run-queue wait above its peers')."""
 
 from __future__ import annotations
 
