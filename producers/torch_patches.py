@@ -6,8 +6,9 @@ cheap to time from Python (two clock reads and a deque append). Collectives are 
 sequence number, so ranks can be aligned without trusting wall clocks; the flight recorder is told before
 the call, so a rank blocked inside one still says which), and the functional collectives that DTensor's
 tensor parallelism calls, from the call to their result's ``wait_tensor`` (``FUNCTIONAL_COLLECTIVES``). A
-pipeline's blocking ``send``/``recv`` are timed alike, and ``batch_isend_irecv``'s operations from the batch's
-call to each work's completion (``P2P_FUNCTIONS``); their peers order the stages (``PEERS``).
+pipeline's blocking ``send``/``recv`` are timed alike, and ``batch_isend_irecv``'s and
+torch.distributed.pipelining's batches of operations from the batch's call to each work's completion
+(``P2P_FUNCTIONS``, ``install_p2p_patches``); their peers order the stages (``PEERS``).
 DDP calls NCCL/Gloo from C++: unless the user registered a comm hook (a user hook that calls
 ``dist.all_reduce`` is timed by the wrapper), a DDP model's gradient all-reduce is timed from its first
 forward: on NCCL by ``timed_allreduce_hook`` (the stock ``allreduce_hook``, timed, one event per bucket); on
@@ -35,6 +36,7 @@ import inspect
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -285,6 +287,9 @@ class P2PPeers:
 
 
 PEERS = P2PPeers()
+_PIPELINING = "torch.distributed.pipelining.schedules"
+_batching = threading.local()
+"""``inside``: a wrapped batch of p2p operations is being issued on this thread."""
 _pending_works: dict[int, tuple[Any, list[_Call]]] = {}
 """Batched p2p works of a backend whose works have no future (Gloo), by id, until they are waited for."""
 
@@ -358,6 +363,8 @@ def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(orig)
     def wrapper(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_batching, "inside", False):  # pipelining's batch calls batch_isend_irecv: counted once
+            return orig(p2p_op_list, *args, **kwargs)
         mon = _current()
         calls: list[_Call] = []
         try:
@@ -375,7 +382,11 @@ def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
                 for call in calls:
                     mon.recorder.state.leave(call[0])
             calls = []
-        works = orig(p2p_op_list, *args, **kwargs)
+        _batching.inside = True
+        try:
+            works = orig(p2p_op_list, *args, **kwargs)
+        finally:
+            _batching.inside = False
         if mon is not None and calls:
             mon.recorder.guard("collective", _batch_launched, mon, calls, works)
         return works
@@ -429,8 +440,12 @@ def _wrap_work_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install_p2p_patches() -> None:
-    """Wrap ``dist.send/recv/batch_isend_irecv`` (their peers, and their times while a monitor records) and
-    ``Work.wait`` (Gloo's batched works); idempotent."""
+    """Wrap ``dist.send/recv/batch_isend_irecv`` (their peers, and their times while a monitor records),
+    ``Work.wait`` (Gloo's batched works) and, where the job imported torch.distributed.pipelining, its
+    ``_batch_p2p``: it issues a batch of sends alone, or of receives alone, with ``isend``/``irecv`` themselves,
+    and only sends and receives all timed tell a stage held up from one that is late (partly timed, a real
+    1F1B job's next stage, whose wait for its first activations went untimed, was named a straggler in its
+    stead); idempotent."""
     for fname in P2P_FUNCTIONS:
         orig = getattr(dist, fname, None)
         if orig is not None and not hasattr(orig, "__fleetscope_original__"):
@@ -441,6 +456,10 @@ def install_p2p_patches() -> None:
     work = getattr(dist, "Work", None)
     if work is not None and not hasattr(work.wait, "__fleetscope_original__"):
         work.wait = _wrap_work_wait(work.wait)
+    schedules = sys.modules.get(_PIPELINING)  # torch.distributed.pipelining, where the job imported it already
+    pipelined = getattr(schedules, "_batch_p2p", None)
+    if schedules is not None and pipelined is not None and not hasattr(pipelined, "__fleetscope_original__"):
+        schedules._batch_p2p = _wrap_batch(pipelined)  # type: ignore[attr-defined]
 
 
 # -- functional collectives (DTensor) --------------------------------------------------------------------

@@ -671,3 +671,57 @@ def test_sends_and_receives_are_timed_on_their_pair_and_leave_the_groups_numberi
     assert receiver["entries"][0] == ["recv", "0:p2p:0-1", [0, 1], 0]
     sent = sorted((op, seq) for op, _, seq, _ in sender["calls"] if op != "allreduce")
     assert sent == [("recv", 2), ("send", 0), ("send", 1)], sender["calls"]  # the pair's count, both ways
+
+
+PIPELINED_RANK = """
+import json, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+sys.path.insert(0, sys.argv[1])
+import test_torch_hook as t
+import fleetscope.producers.torch_hook as fs
+from fleetscope.schemas import EventKind
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+publisher = t.FakePublisher()
+recorder = t.Recorder(t.ME, publisher, t.RecorderConfig(flush_interval_ms=10_000))
+monitor = fs.Monitor(recorder)
+monitor.start()  # after the job imported torch.distributed.pipelining
+fs._monitor = monitor
+torch.manual_seed(0)
+stage = PipelineStage(torch.nn.Linear(8, 8), rank, 2, torch.device("cpu"))
+schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=lambda out, target: (out - target).pow(2).mean())
+for step in range(2):
+    if rank == 0:
+        time.sleep(0.3)  # the first stage is late: the next one waits for its first activations
+        schedule.step(torch.ones(4, 8))
+    else:
+        schedule.step(target=torch.zeros(4, 8))
+    fs.step()
+dist.destroy_process_group()
+recorder._flush()
+coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
+print(json.dumps([(b.names[o], int(d)) for b in coll for o, d in zip(b["op_id"], b["dur_ns"])]))
+"""
+
+
+def test_torch_pipelinings_own_batches_of_receives_are_timed() -> None:
+    """torch.distributed.pipelining issues a batch of receives alone (or of sends alone) with ``irecv`` itself,
+    not through ``batch_isend_irecv``: the next stage's wait for its first activations went untimed, and a
+    real 1F1B job's next stage, late in its data pair only because it waited there, was named a straggler
+    in place of the stage before it (whose own waits were timed). Its ``_batch_p2p`` is wrapped too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).parent)
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", PIPELINED_RANK, here], env=env | {"RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), outputs
+    first, second = (json.loads(out.splitlines()[-1]) for out, _ in outputs)
+    assert {op for op, _ in first} == {op for op, _ in second} == {"send", "recv"}, (first, second)
+    waited = [dur for op, dur in second if op == "recv" and dur >= 250_000_000]
+    assert len(waited) == 2, second  # one a step: its first activations
