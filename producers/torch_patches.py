@@ -408,9 +408,9 @@ def _batch_launched(mon: Instrumented, calls: list[_Call], works: Any) -> None:
             continue
         try:
             future = work.get_future()
-        except RuntimeError:  # Gloo: no future; timed when waited for
+        except Exception:  # Gloo: no future ("not implemented"); timed when waited for
             if len(_pending_works) >= _MAX_PENDING_WORKS:  # never waited for: forget the oldest
-                _, (_, stale) = _pending_works.popitem()
+                _, stale = _pending_works.pop(next(iter(_pending_works)))
                 for call in stale:
                     mon.recorder.state.leave(call[0])
             _pending_works[id(work)] = (work, mine)

@@ -485,7 +485,10 @@ class JobNoise:
         do; the cost below is read on it all the same). A rank with pairs of at least two partners, or with
         one in a pipeline (dp2 x pp: a late stage holds up the stages after it, in their recv, and each of
         them is late in its one pair too) where it did not wait in its send/recv (``_pipeline_wait``; of
-        several, the one that waited least), or with one and a larger group (dp3 x tp2), where that group
+        several, the one that waited least, and none that another rank late by half as much waited less than:
+        ``_held_up_by``), its lateness taken less its run-queue wait above its peers' where measured (one pair
+        does not say whose core was busy: a healthy real pipeline's rank whose core mate ran was 12.5 ms late
+        in its pair, 8 of them waiting for a CPU), or with one and a larger group (dp3 x tp2), where that group
         waited for it (``_held_up_groups``), is a straggler when that lateness is ``last_z`` times the pairs'
         noise in all but ``last_misses`` of its last ``level_iterations + 1`` iterations, and ``level_z``
         times it and ``budget_ns`` in their median.
