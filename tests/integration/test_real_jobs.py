@@ -5,7 +5,8 @@ loses no step, and so does the same job laid out as Megatron's tp2 x dp2; a slow
 rank or a rank computing its forward 3 times over, from step 30, is named within 10 iterations and no other
 rank is named by any finding of its job (every rank computing its forward 4 times over: a
 ``job_regression``, and no rank named); a rank blocked forever is named, from heartbeats alone, as the one
-that never entered the collective, with its group and sequence number.
+that never entered the collective, with its group and sequence number, and in a pipeline, not the next
+stage's rank that waits for it in its receive.
 """
 
 from __future__ import annotations
@@ -156,12 +157,12 @@ dist.destroy_process_group()
 # pipeline pairs {0, 2}, {1, 3}; each step 4 micro-batches forward (dist.send/recv of activations), then
 # backward (gradients back), then each stage's pair all-reduces its gradients. No fault: a healthy job.
 PIPELINE_JOB = """
-import sys, time
+import sys, threading, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 import fleetscope.producers.torch_hook as fs
 
-steps = int(sys.argv[1])
+steps, fault, faulty, at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])  # fault: none|block
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 rank = dist.get_rank()
@@ -177,6 +178,9 @@ MICRO, BATCH, DIM = 4, 32, 1024
 layer = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh(), torch.nn.Linear(DIM, DIM if stage == 0 else 1))
 opt = torch.optim.SGD(layer.parameters(), lr=1e-4)
 for step in range(steps):
+    if fault == "block" and rank == faulty and step == at:
+        print("BLOCKED", time.time_ns(), flush=True)
+        threading.Event().wait()
     with fs.span("dataloader.next"):
         time.sleep(0.004)
         batches = [torch.randn(BATCH, DIM) for _ in range(MICRO)]
@@ -451,6 +455,29 @@ def test_a_healthy_pp2_dp2_job_gets_its_stages_and_no_finding(live: Live) -> Non
     coordinates, found = _run_to_the_end(live, job, 80)
     assert coordinates == [(0, 0, 0, 0), (1, 0, 1, 0), (2, 0, 0, 1), (3, 0, 1, 1)]
     assert found == [], _show(found) + "\n" + "\n".join(str(u["evidence"]) for u in found if u["status"] == "open")
+
+
+def test_in_a_pipeline_a_rank_blocked_forever_is_named_not_the_next_stage_waiting_in_its_receive(live: Live) -> None:
+    """The pipeline by hand (``PIPELINE_JOB``, dp2 x pp2): rank 1 blocks for good at step 40, outside any
+    collective. Its data partner 0 waits for it in their all-reduce, the next stage's rank 3 in its receive
+    of rank 1's activations, and rank 3's partner 2 for rank 3 in theirs. Before the hook timed receives,
+    rank 3 was in no collective, and the ``hang`` finding named it."""
+    at = 40
+    job = live.launch("block", 1, steps=at + 40, at=at, script=live.script.parent / "pipeline_job.py")
+    try:
+        assert job.ranks[1].stdout is not None
+        for line in job.ranks[1].stdout:
+            if line.startswith("BLOCKED"):
+                break
+        found = live.wait_for(job.name, lambda us: any(u["category"] == "hang" for u in us), timeout_s=40)
+    finally:
+        job.kill()
+    hangs = [u for u in found if u["category"] == "hang" and u["status"] == "open"]
+    assert hangs, _show(found)
+    assert (hangs[0]["rank"], list(hangs[0]["ranks"])) == (1, [1]), (_show(found), hangs[0]["evidence"])
+    assert _named([u for u in found if u["rank"] >= 0]) == {1}, _show(found)
+    evidence = json.loads(hangs[0]["evidence"])
+    assert evidence["not_entered"] == [1] and evidence["group"] in {"1", "0:p2p:1-3"}, evidence
 
 
 FAULT_STEPS = 56
