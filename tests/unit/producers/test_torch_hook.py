@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -474,12 +475,9 @@ def test_on_gloo_ddp_gradient_sync_is_timed_without_a_comm_hook(hooked, monkeypa
     assert recorder.stats.hook_errors == 0
 
 
-SHARDED_RANK = """
+MONITORED_RANK = """
 import json, sys, time
 import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 sys.path.insert(0, sys.argv[1])
 import test_torch_hook as t
 import fleetscope.producers.torch_hook as fs
@@ -488,6 +486,31 @@ from fleetscope.schemas import EventKind
 publisher = t.FakePublisher()
 recorder = t.Recorder(t.ME, publisher, t.RecorderConfig(flush_interval_ms=10_000))
 monitor = fs.Monitor(recorder)
+"""
+"""How each rank of ``_two_ranks`` begins: a recorder into a fake publisher, and its monitor, not started."""
+
+
+def _two_ranks(script: str, *args: str) -> list[Any]:
+    """Run ``MONITORED_RANK`` and ``script`` as both ranks of a gloo job (``sys.argv[2:]``: ``args``); each
+    rank's last line of output, read as JSON."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).parent)
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", MONITORED_RANK + script, here, *args], env=env | {"RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), outputs
+    return [json.loads(out.splitlines()[-1]) for out, _ in outputs]
+
+
+SHARDED_RANK = """
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
 monitor.start()
 fs._monitor = monitor
 dist.init_process_group("gloo")
@@ -518,28 +541,14 @@ print(json.dumps(sorted(calls)))
     ("parallel", "per_step"),
     [("fsdp", {"allgather": 4, "reduce_scatter": 2}), ("tp", {"allreduce": 1})],
 )
-def test_fsdp2_and_dtensor_collectives_are_timed_alike_on_every_rank(
-    parallel: str, per_step: dict[str, int], tmp_path: Path
-) -> None:
+def test_fsdp2_and_dtensor_collectives_are_timed_alike_on_every_rank(parallel: str, per_step: dict[str, int]) -> None:
     """torch 2.12's FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``, and DTensor (PyTorch's
     tensor parallelism) the functional collectives, which complete at their result's first use: before they
     were timed, a real 4-rank job of either had no collective at all, and a rank sleeping 30 ms after each
     step got only a ``job_regression`` naming no rank. FSDP2, per step and layer: an all-gather in the
     forward and again in the backward, a reduce-scatter of the gradients; the tensor-parallel pair: an
     all-reduce of the second layer's output. Each rank numbers them alike, as the windower aligns them."""
-    script = tmp_path / "rank.py"
-    script.write_text(SHARDED_RANK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    here = str(Path(__file__).parent)
-    ranks = [
-        subprocess.Popen([sys.executable, str(script), here, parallel], env=env | {"RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]  # fmt: skip
-    outputs = [p.communicate(timeout=120) for p in ranks]
-    assert all(p.returncode == 0 for p in ranks), outputs
-    recorded = [json.loads(out.splitlines()[-1]) for out, _ in outputs]
+    recorded = _two_ranks(SHARDED_RANK, parallel)
     assert recorded[0] == recorded[1]
     ops = [op for _, op, _ in recorded[0]]
     assert {op: ops.count(op) for op in ops} == {op: 2 * n for op, n in per_step.items()}, recorded[0]
@@ -602,17 +611,8 @@ def test_a_rank_blocked_inside_a_window_stops_saying_profiling_once_the_window_s
 
 
 P2P_RANK = """
-import json, sys, time
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-import test_torch_hook as t
-import fleetscope.producers.torch_hook as fs
 from fleetscope.producers import torch_patches
-from fleetscope.schemas import EventKind
 
-publisher = t.FakePublisher()
-recorder = t.Recorder(t.ME, publisher, t.RecorderConfig(flush_interval_ms=10_000))
-monitor = fs.Monitor(recorder)
 monitor.start()
 fs._monitor = monitor
 dist.init_process_group("gloo")
@@ -642,25 +642,13 @@ print(json.dumps({"calls": calls, "peers": sorted(torch_patches.PEERS.edges),
 """
 
 
-def test_sends_and_receives_are_timed_on_their_pair_and_leave_the_groups_numbering_alone(tmp_path: Path) -> None:
+def test_sends_and_receives_are_timed_on_their_pair_and_leave_the_groups_numbering_alone() -> None:
     """A pipeline's stages meet in their sends and receives: a stage held up by the one before it waits in
     its receive, and only that time tells it from the stage that is late of its own (``streams.analysis``'s
     pair and stage rules). Blocking ``send``/``recv`` are timed by their wrappers, batched ``isend``/``irecv``
     from the batch's call to each work's ``wait`` (Gloo's works have no future). The flight recorder numbers
     them per pair, so the group's own collectives keep one numbering on every rank."""
-    script = tmp_path / "rank.py"
-    script.write_text(P2P_RANK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    here = str(Path(__file__).parent)
-    ranks = [
-        subprocess.Popen([sys.executable, str(script), here], env=env | {"RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]  # fmt: skip
-    outputs = [p.communicate(timeout=120) for p in ranks]
-    assert all(p.returncode == 0 for p in ranks), outputs
-    sender, receiver = (json.loads(out.splitlines()[-1]) for out, _ in outputs)
+    sender, receiver = _two_ranks(P2P_RANK)
     for got in (sender, receiver):
         assert [(op, pg, seq) for op, pg, seq, _ in got["calls"] if op == "allreduce"] == [("allreduce", "0", 0)]
         assert got["peers"] == [[0, 1], [1, 0]]
@@ -674,19 +662,10 @@ def test_sends_and_receives_are_timed_on_their_pair_and_leave_the_groups_numberi
 
 
 PIPELINED_RANK = """
-import json, sys, time
-import torch, torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-sys.path.insert(0, sys.argv[1])
-import test_torch_hook as t
-import fleetscope.producers.torch_hook as fs
-from fleetscope.schemas import EventKind
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-publisher = t.FakePublisher()
-recorder = t.Recorder(t.ME, publisher, t.RecorderConfig(flush_interval_ms=10_000))
-monitor = fs.Monitor(recorder)
 monitor.start()  # after the job imported torch.distributed.pipelining
 fs._monitor = monitor
 torch.manual_seed(0)
@@ -711,17 +690,7 @@ def test_torch_pipelinings_own_batches_of_receives_are_timed() -> None:
     not through ``batch_isend_irecv``: the next stage's wait for its first activations went untimed, and a
     real 1F1B job's next stage, late in its data pair only because it waited there, was named a straggler
     in place of the stage before it (whose own waits were timed). Its ``_batch_p2p`` is wrapped too."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    here = str(Path(__file__).parent)
-    ranks = [
-        subprocess.Popen([sys.executable, "-c", PIPELINED_RANK, here], env=env | {"RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]  # fmt: skip
-    outputs = [p.communicate(timeout=120) for p in ranks]
-    assert all(p.returncode == 0 for p in ranks), outputs
-    first, second = (json.loads(out.splitlines()[-1]) for out, _ in outputs)
+    first, second = _two_ranks(PIPELINED_RANK)
     assert {op for op, _ in first} == {op for op, _ in second} == {"send", "recv"}, (first, second)
     waited = [dur for op, dur in second if op == "recv" and dur >= 250_000_000]
     assert len(waited) == 2, second  # one a step: its first activations
