@@ -164,6 +164,9 @@ class RankWindower:
     _waits: dict[int, int] = field(default_factory=dict)
     """Run-queue wait spans not yet attributed to a closed step: start -> wait (ns)."""
     _mean_ns: float = 0.0
+    _host_seen_ns: int = -(2**62)
+    """The end of the latest host event of any kind (step markers and the producer's own spans included): how
+    far the host stream has reported, whether or not it advanced the host watermark."""
     _gpu_end_memo: tuple[tuple[int, int], Cols | None, Cols | None, int] | None = None
     """The last ``_gpu_end`` answer and the kernel/collective buffers it read (buffers are replaced, never
     changed in place): the steps' readiness checks ask again after every batch."""
@@ -185,6 +188,9 @@ class RankWindower:
         cols = self._columns(batch, size=n)
         kind = batch.kind
         if kind is EventKind.PYTHON:
+            if cols["start_ns"].size:
+                seen = int(np.maximum.reduce(cols["start_ns"] + np.maximum(cols["dur_ns"], 0)))
+                self._host_seen_ns = max(self._host_seen_ns, seen)
             cols = self._take_step_markers(cols)
             if self._mode != "step_marker":
                 self._detect_host_sequence(cols)
@@ -405,7 +411,7 @@ class RankWindower:
         for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
             if kind in waited and self._watermark[kind] < end:
                 return False
-        if self._mode == "collective_period" and self._watermark.get(EventKind.PYTHON, end) < end:
+        if self._mode == "collective_period" and -(2**62) < self._host_seen_ns < end:
             return False  # a step marker in host events not in yet replaces boundaries inferred from collectives
         if EventKind.THROUGHPUT in waited:
             gpu_end = self._gpu_end(start, end)

@@ -2,8 +2,10 @@
 
 from dataclasses import replace
 
+import numpy as np
+
 from fleetscope.producers import SimulatorConfig, simulate
-from fleetscope.schemas import EventKind, FunctionKind
+from fleetscope.schemas import CPU_WAIT, EventKind, FunctionKind
 from fleetscope.streams.analysis.windowing import RankWindower, WindowerConfig
 
 
@@ -127,3 +129,20 @@ def test_collectives_ahead_of_the_host_stream_wait_for_its_step_markers():
         (i, "step_marker") for i in range(8)
     ]
     assert collectives_per_iteration(closed) == {i: 2 for i in range(8)}
+
+
+def test_steps_inferred_from_collectives_close_as_a_host_stream_without_markers_passes_them():
+    """A host stream with no step marker and no phase still tells how far it has reported, also where all it
+    sends is the producer's own spans (each step's run-queue wait): the collectives' steps close as it
+    passes them, not only when too many wait."""
+    w = RankWindower()
+    closed = []
+    for n, b in enumerate(b for b in rank0_batches(8)):
+        if b.kind is EventKind.PYTHON:
+            names = [CPU_WAIT if name == "backward" else name for name in b.names]
+            rows = [b.names[i] for i in b.columns["name_id"]]
+            keep = np.array([row == ("forward" if n == 2 else "backward") for row in rows])
+            b = replace(b, names=names, columns={k: v[keep] for k, v in b.columns.items()})
+        closed += w.add(b, now_ns=0)
+    assert {c.iteration["detected_by"] for c in closed} == {"collective_period"}
+    assert len(closed) >= 5, len(closed)  # all but the last one or two, before any flush
