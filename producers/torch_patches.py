@@ -172,14 +172,27 @@ def _group(group: Any) -> tuple[str, int, str, tuple[int, ...]]:
 _Call = tuple[CollectiveEntry, str, int, str]
 
 
-def _enter(mon: Instrumented, op: str, size_arg: Any, group: Any) -> _Call:
+def _enter(mon: Instrumented, op: str, size_arg: Any, group: Any, peer: int | None = None) -> _Call:
     """Number the collective in its group and tell the flight recorder the rank is inside it, before the
-    real call: a rank blocked in it still says where it is."""
+    real call: a rank blocked in it still says where it is.
+
+    A send or receive (``peer``: the other end's global rank, -1 where unknown) is its pair's, for the
+    flight recorder: numbered in the pair's own count (both ends make their calls to each other in one
+    order), with the pair as the group's members. Numbered in the process group's count, the group's later
+    collectives would carry different numbers on ranks that sent different numbers of times (a middle stage
+    sends twice as often as the first). The event keeps the process group, as a profiler trace's does."""
     name, size, backend, ranks = _group(group)
-    seq = next(_group_seq.setdefault(name, itertools.count()))
+    key = name
+    if peer is not None:
+        me = dist.get_rank()
+        ranks = (min(me, peer), max(me, peer)) if peer >= 0 else (me,)
+        key = f"{name}:p2p:{'-'.join(map(str, ranks))}"
+    counter = _group_seq.get(key)
+    if counter is None:
+        counter = _group_seq[key] = itertools.count()
     if size > 1:  # the windower then waits for this rank's collectives before closing a step
         mon.recorder.declare(EventKind.COLLECTIVES)
-    entry = CollectiveEntry(op, name, ranks, seq, _nbytes(size_arg), time.time_ns())
+    entry = CollectiveEntry(op, key, ranks, next(counter), _nbytes(size_arg), time.time_ns())
     mon.recorder.state.enter(entry)
     return entry, f"{backend}:{op}", size, name
 
@@ -294,23 +307,6 @@ _pending_works: dict[int, tuple[Any, list[_Call]]] = {}
 """Batched p2p works of a backend whose works have no future (Gloo), by id, until they are waited for."""
 
 
-def _enter_p2p(mon: Instrumented, op: str, tensor: Any, peer: int, group: Any) -> _Call:
-    """A send/recv is its pair's, for the flight recorder: numbered in its own count (both ends make their
-    calls to each other in one order), with the pair as the group's members. Numbered in the process
-    group's count, the group's later collectives would carry different numbers on ranks that sent
-    different numbers of times (a middle stage sends twice as often as the first). The event keeps the
-    process group, as a profiler trace's does."""
-    name, size, backend, _ = _group(group)
-    me = dist.get_rank()
-    pair = (min(me, peer), max(me, peer)) if peer >= 0 else (me,)
-    key = f"{name}:p2p:{'-'.join(map(str, pair))}"
-    seq = next(_group_seq.setdefault(key, itertools.count()))
-    mon.recorder.declare(EventKind.COLLECTIVES)
-    entry = CollectiveEntry(op, key, pair, seq, _nbytes(tensor), time.time_ns())
-    mon.recorder.state.enter(entry)
-    return entry, f"{backend}:{op}", size, name
-
-
 def _global_peer(peer: Any, group_peer: Any, group: Any) -> int:
     """The other end as a global rank (given as one, or as a rank within ``group``); -1 where unknown
     (``recv`` from any source)."""
@@ -339,8 +335,8 @@ def _wrap_p2p(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             if where >= 0:
                 PEERS.note(op, dist.get_rank(), where)
             if mon is not None:
-                call = mon.recorder.guard("collective", _enter_p2p, mon, op, _argument(args, kwargs, "tensor", 0),
-                                          where, group)  # fmt: skip
+                call = mon.recorder.guard("collective", _enter, mon, op, _argument(args, kwargs, "tensor", 0),
+                                          group, where)  # fmt: skip
         except Exception:  # noqa: S110 - bookkeeping must never fail the training call
             pass
         if mon is None:
@@ -376,7 +372,7 @@ def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
                 op = "send" if name == "isend" else "recv"
                 PEERS.note(op, me, p.peer)
                 if mon is not None:
-                    calls.append(_enter_p2p(mon, op, p.tensor, p.peer, p.group))
+                    calls.append(_enter(mon, op, p.tensor, p.group, p.peer))
         except Exception:  # the batch is timed whole or not at all
             if mon is not None:
                 for call in calls:
