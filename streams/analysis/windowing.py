@@ -188,7 +188,7 @@ class RankWindower:
         cols = self._columns(batch, size=n)
         kind = batch.kind
         if kind is EventKind.PYTHON:
-            if cols["start_ns"].size:
+            if self._mode != "step_marker" and cols["start_ns"].size:  # read only until markers come
                 seen = int(np.maximum.reduce(cols["start_ns"] + np.maximum(cols["dur_ns"], 0)))
                 self._host_seen_ns = max(self._host_seen_ns, seen)
             cols = self._take_step_markers(cols)
