@@ -486,12 +486,13 @@ class JobNoise:
         one in a pipeline (dp2 x pp: a late stage holds up the stages after it, in their recv, and each of
         them is late in its one pair too) where it did not wait in its send/recv (``_pipeline_wait``; of
         several, the one that waited least, and none that another rank late by half as much waited less than:
-        ``_held_up_by``), its lateness taken less its run-queue wait above its peers' where measured (one pair
-        does not say whose core was busy: a healthy real pipeline's rank whose core mate ran was 12.5 ms late
-        in its pair, 8 of them waiting for a CPU), or with one and a larger group (dp3 x tp2), where that group
-        waited for it (``_held_up_groups``), is a straggler when that lateness is ``last_z`` times the pairs'
-        noise in all but ``last_misses`` of its last ``level_iterations + 1`` iterations, and ``level_z``
-        times it and ``budget_ns`` in their median.
+        ``_held_up_by``), but not where its run-queue waits are measured (a live job on shared cores: one pair
+        does not say whose core was busy; a healthy real pipeline by hand had rank 1, its core mate running,
+        12.5 ms late in its pair, 8 of them waiting for a CPU, and with those taken off, another healthy run
+        still had rank 0 late by 7.6 ms, 3.1 times the pairs' noise), or with one and a larger group
+        (dp3 x tp2), where that group waited for it (``_held_up_groups``), is a straggler when that lateness
+        is ``last_z`` times the pairs' noise in all but ``last_misses`` of its last ``level_iterations + 1``
+        iterations, and ``level_z`` times it and ``budget_ns`` in their median.
         The noise is the median jitter of the pairs' lateness series: a pair's members take turns at random;
         the ranks that wait on a straggler mirror its lateness, so their own series are no yardstick. Jobs of
         up to ``max_ranks`` ranks (``record`` keeps no pairs for more)."""
@@ -520,8 +521,6 @@ class JobNoise:
         piped_late: dict[int, tuple[float, float]] = {}  # every one-partner rank: (lateness, wait in the pipeline)
         for rank in ranks:
             late = np.min([lag for _, _, lag in pairs[rank]], axis=0)
-            if len(partners[rank]) == 1:  # one pair says nothing of whose core was busy: its run-queue wait does
-                late = late - self._cpu_waits_above_peers(rank, window)
             lateness = float(np.median(late))
             if len(partners[rank]) == 1 and piped:
                 piped_late[rank] = (lateness, self._pipeline_wait(rank, *partners[rank]))
@@ -532,6 +531,8 @@ class JobNoise:
             ):
                 continue
             if len(partners[rank]) == 1:
+                if rank in self._wait_ranks and self._waits:
+                    continue  # its host's scheduler, not its pair, decides who is late: below
                 wait = self._pipeline_wait(rank, *partners[rank]) if piped else 0.0
                 if not wait < VICTIM_WAIT_SHARE * lateness:  # NaN: it has no send/recv to tell
                     continue

@@ -17,8 +17,8 @@ The ``varying`` ones accumulate gradients over micro-batches of random lengths: 
 each step. In none-varying8bd1aa (CPU burners beside it, 60 % of its steps waiting for a CPU), rank 2 is
 behind each peer in 11 of 12 steps around step 127 for want of a CPU: no straggler (``_late_throughout``).
 In none-pipe2fa0f8, the real-job test's pipeline by hand (dp2 x pp2), rank 1 is late in its data pair by
-12.5 ms around step 209, 8 ms of them waiting for a CPU while its core mate ran: no straggler (a one-pair
-rank's lateness is taken less its run-queue wait above its peers')."""
+12.5 ms around step 209, 8 ms of them waiting for a CPU while its core mate ran: no straggler (no one-pair
+straggler where run-queue waits are measured)."""
 
 from __future__ import annotations
 
