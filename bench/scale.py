@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
-from fleetscope.schemas import EventKind, FunctionKind
+from fleetscope.schemas import EventKind, FunctionKind, decode, encode
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.outliers import (
     ScoringConfig,
@@ -55,6 +55,7 @@ from fleetscope.streams.analysis.outliers import (
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.shards import split_records
 from fleetscope.streams.analysis.windowing import RankWindower, summarize_closed
+from fleetscope.streams.differential import DifferentialStage
 
 SLOW_FACTOR = 1.3
 ITERATION_NS = 400e6
@@ -345,6 +346,61 @@ def bench_windower(ranks: int, iterations: int, open_steps: int) -> None:
     )
 
 
+def encodable(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with every field the pattern schema has (those ``make_records`` leaves out: as the windower
+    fills them for a function whose calls all took the same time, with no link samples)."""
+    n, mean = len(record["function"]), record["mean_ns"]
+    filled = {
+        "p50_ns": mean, "p99_ns": mean, "cv": [0.0] * n, "algbw_gbps": [0.0] * n, "busbw_gbps": [0.0] * n,
+        "share": [t / record["iteration_ns"] for t in record["total_ns"]],
+        "profiled": False, "local_rank": record["rank"] % 8, "gpu_uuid": f"GPU-{record['rank']:08d}", "cpu_wait_ns": -1,
+    }  # fmt: skip
+    return {**filled, **record}
+
+
+def bench_messages(ranks: int, f: int, repeat: int, interleave: bool) -> bool:
+    """The differential from its input, the pattern messages: decoding each (fastavro, the reference, and the
+    numpy decoder that ``decode`` uses) and the whole stage (decode, add, score), CPU s per iteration."""
+    slow = ranks * 7 // 10 + 3
+    first, second = (
+        [encode("patterns", encodable(r)) for r in make_records(ranks, f, slow, iteration=i, interleave=interleave)]
+        for i in (0, 1)
+    )
+    mib = sum(map(len, second)) / 2**20
+    print(
+        f"\ndifferential from its messages: {ranks:,} ranks x {f} functions, one iteration = {mib:.0f} MiB of records"
+    )
+    print(f"{'step':<44} {'CPU s':>7} {'us/rank':>8} {'rank-it/CPU s':>13}")
+    rows: dict[str, float] = {}
+    steps: dict[str, Callable[[], Any]] = {
+        "decode, fastavro (before 2026-11-29)": lambda: [decode(m, fast=False) for m in second],
+        "decode, numpy (decode())": lambda: [decode(m) for m in second],
+    }
+    for name, fn in steps.items():
+        fn()  # warm: each process decodes a rank's names once
+        runs = [cpu_s(fn)[0] for _ in range(repeat)]
+        rows[name] = statistics.median(runs)
+    found = True
+    for fast in (False, True):
+        runs = []
+        for _ in range(repeat):
+            stage = DifferentialStage()
+            for m in first:
+                stage.apply(*decode(m, fast=fast), None)
+            t, taken = cpu_s(lambda stage=stage, fast=fast: [stage.apply(*decode(m, fast=fast), None) for m in second])
+            runs.append(t)
+            found &= stage.jobs["scale"].iterations_scored == 2 and not any(x.reason for x in taken)
+        rows[f"whole stage (decode + add + score), {'numpy' if fast else 'fastavro'}"] = statistics.median(runs)
+    for name, t in rows.items():
+        print(f"{name:<44} {t:>7.3f} {1e6 * t / ranks:>8.0f} {ranks / t:>13,.0f}")
+    whole = rows["whole stage (decode + add + score), numpy"]
+    print(
+        f"  a 100,000-GPU job at 1 iteration/s needs {100_000 * whole / ranks:.1f} differential cores at the whole"
+        f" stage's rate ({100_000 * rows['whole stage (decode + add + score), fastavro'] / ranks:.1f} with fastavro)"
+    )
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="64,256,1024,4096,10240", help="comma-separated rank counts")
@@ -352,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--interleave", action="store_true", help="shuffle odd ranks' whole function lists")
     ap.add_argument("--shards", default="1,2,4,8", help="comma-separated shard counts ('' to skip)")
+    ap.add_argument("--message-ranks", type=int, default=2048, help="ranks of the from-messages run (0 to skip)")
     ap.add_argument("--windower-ranks", type=int, default=16)
     ap.add_argument("--windower-iterations", type=int, default=12)
     ap.add_argument("--open-steps", type=int, default=8)
@@ -361,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shards:
         counts = [int(x) for x in args.shards.split(",")]
         ok &= bench_shards(max(sizes), args.functions, counts, args.repeat, args.interleave)
+    if args.message_ranks:
+        ok &= bench_messages(args.message_ranks, args.functions, args.repeat, args.interleave)
     bench_windower(args.windower_ranks, args.windower_iterations, args.open_steps)
     return 0 if ok else 1
 

@@ -1,9 +1,10 @@
 """The one codec: Confluent wire format around schemaless Avro (fastavro).
 
 Schema ids come from the embedded catalog unless a resolver (a schema registry, see ``registry.py``) is
-installed for the process with ``use_resolver`` or passed to one call. Raw event batches are decoded
-by ``fastdecode`` (numbers in bulk, straight into numpy); fastavro stays the reference and reads any
-message that decoder does not vouch for, so both give the same batch or the same ``SchemaError``.
+installed for the process with ``use_resolver`` or passed to one call. Raw event batches and pattern
+records are decoded by ``fastdecode`` (numbers in bulk, straight into numpy); fastavro stays the reference
+and reads any message that decoder does not vouch for, so both give the same values or the same
+``SchemaError``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 _MAGIC = 0
 _PREFIX = struct.Struct(">bI")
 _EVENT_SUBJECTS = frozenset(k.value for k in EventKind)
+_COLUMN_SUBJECTS = frozenset({"patterns"})
+"""Records of per-function arrays that ``decode`` takes as numpy columns: hundreds of functions a record,
+for which fastavro's Python object per value costs ~1 ms (5 times the numpy decoder; docs/scaling.md)."""
 _ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
 
 
@@ -70,11 +74,27 @@ def schema_id_of(message: bytes) -> int:
 
 
 def decode(
-    message: bytes, catalog: SchemaCatalog = CATALOG, *, resolver: SchemaResolver | None = None
+    message: bytes,
+    catalog: SchemaCatalog = CATALOG,
+    *,
+    resolver: SchemaResolver | None = None,
+    fast: bool = True,
 ) -> tuple[str, dict[str, Any]]:
-    """Return (subject, record), resolving the writer schema to the newest version of its subject."""
+    """Return (subject, record), resolving the writer schema to the newest version of its subject.
+
+    A pattern record's per-function columns come as numpy arrays (``fastdecode``; integers as int64), as
+    the windower builds them; ``fast=False`` reads it with fastavro only (the reference: lists)."""
     schema_id, writer = _writer_of(message, catalog, resolver)
-    return writer.subject, _read_record(message, schema_id, writer, catalog.latest(writer.subject))
+    reader = catalog.latest(writer.subject)
+    if fast and writer.subject in _COLUMN_SUBJECTS:
+        record = decode_columns(message, _PREFIX.size, writer.parsed, reader.parsed)
+        if record is not None:
+            return writer.subject, {k: v.astype(np.int64) if _is_int32(v) else v for k, v in record.items()}
+    return writer.subject, _read_record(message, schema_id, writer, reader)
+
+
+def _is_int32(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.int32
 
 
 def _writer_of(message: bytes, catalog: SchemaCatalog, resolver: SchemaResolver | None) -> tuple[int, SchemaEntry]:

@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas.fastplan import (
+    BOOLEAN,
     DOUBLE,
     DOUBLES,
     LONG,
@@ -66,6 +67,23 @@ _ONE, _SEVEN, _THREE, _FIFTEEN, _SHIFT56 = (_u64(v) for v in (1, 7, 3, 15, 56))
 _B7F, _B80, _B7F7F = _u64(0x7F), _u64(0x80), _u64(0x7F7F7F7F7F7F7F7F)
 _LANE16, _LANE32, _LANE64 = _u64(0x007F007F007F007F), _u64(0x0000FFFF0000FFFF), _u64(0x00000000FFFFFFFF)
 _DOUBLE_LE = struct.Struct("<d")
+_NAMES: dict[bytes, str] = {}
+_NAMES_KEPT = 100_000
+"""Strings of arrays of strings by their bytes (function names), up to this many: each decoded once."""
+_BLOCKS: dict[bytes, list[str]] = {}
+_BLOCKS_KEPT_BYTES = 64 << 20
+_blocks_bytes = 0
+"""Whole blocks of names by their bytes (a rank's function list), up to this many bytes (and ``_NAMES_KEPT``
+blocks) kept in all; then they start afresh."""
+
+
+def _keep_block(block: bytes, names: list[str]) -> None:
+    global _blocks_bytes
+    if _blocks_bytes + len(block) > _BLOCKS_KEPT_BYTES or len(_BLOCKS) >= _NAMES_KEPT:
+        _BLOCKS.clear()
+        _blocks_bytes = 0
+    _BLOCKS[block] = names
+    _blocks_bytes += len(block)
 
 
 class _Malformed(Exception):
@@ -123,6 +141,60 @@ class _Message:
     def string(self) -> str:
         return self.raw(self.long()).decode("utf-8")
 
+    def strings(self, n: int, out: list[str]) -> None:
+        """Append the next ``n`` strings. A pattern record lists hundreds of function names, mostly the same
+        list as the rank's last record: a block of names under 64 bytes each (one-byte lengths) is found by
+        its lengths alone and taken whole from the blocks seen before by its bytes; other names are each
+        decoded once per process."""
+        data, limit = self.data, self.limit
+        pos = end = self.pos
+        for _ in range(n):
+            b = data[end] if end < limit else 0x80
+            if b >= 0x80 or b & 1:
+                break
+            end += 1 + (b >> 1)
+        else:
+            if end <= limit:
+                block = data[pos:end]
+                names = _BLOCKS.get(block)
+                if names is None:
+                    names = self._names(n, pos)
+                    _keep_block(block, names)
+                out += names
+                self.pos = end
+                self.run_open = False
+                return
+        out += self._names(n, pos)
+        self.run_open = False
+
+    def _names(self, n: int, pos: int) -> list[str]:
+        data, limit, known = self.data, self.limit, _NAMES
+        out: list[str] = []
+        for _ in range(n):
+            b = data[pos]
+            if b < 0x80 and not b & 1:
+                pos += 1
+                end = pos + (b >> 1)
+            else:
+                self.pos = pos
+                size = self.long()
+                pos = self.pos
+                end = pos + size
+                if size < 0:
+                    raise _Malformed("negative string length")
+            if end > limit:
+                raise _Malformed("length past the end")
+            raw = data[pos:end]
+            name = known.get(raw)
+            if name is None:
+                name = raw.decode("utf-8")
+                if len(known) < _NAMES_KEPT:
+                    known[raw] = name
+            out.append(name)
+            pos = end
+        self.pos = pos
+        return out
+
     def count(self, item_bytes: int) -> int:
         """Items in the next array block (0: the array ended)."""
         n = self.long()
@@ -179,9 +251,14 @@ class _Message:
             elif code == STRINGS:
                 value = []
                 while n := self.count(1):
-                    value += [self.string() for _ in range(n)]
+                    self.strings(n, value)
             elif code == DOUBLE:
                 value = _DOUBLE_LE.unpack(self.raw(8))[0]
+            elif code == BOOLEAN:
+                b = self.raw(1)[0]
+                if b > 1:
+                    raise _Malformed("boolean byte not 0 or 1")
+                value = b == 1
             else:
                 value = self.record(arg)
             if name is not None:
@@ -196,7 +273,10 @@ def _finish(msgs: list[_Message]) -> list[bool]:
     arrays into their records; per message, whether it went well (an int out of range fails it alone).
     Raises ``_Malformed`` when some varint is too long, without telling whose."""
     runs = [run for m in msgs for run in m.runs]
-    if not runs:
+    if not runs:  # every varint array is empty
+        for m in msgs:
+            for record, name, avro_type, _ in m.pending:
+                record[name] = np.zeros(0, dtype=np.int64 if avro_type == "long" else np.int32)
         return [True] * len(msgs)
     stops = msgs[0].stops
     if len(runs) == 1:

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-LONG, DOUBLE, STRING, STRINGS, VARINTS, DOUBLES, RECORD, RUN = range(8)
-MEMO_CODES = frozenset({LONG, DOUBLE, STRING, STRINGS})
+LONG, DOUBLE, STRING, STRINGS, VARINTS, DOUBLES, RECORD, RUN, BOOLEAN = range(9)
+MEMO_CODES = frozenset({LONG, DOUBLE, STRING, STRINGS, BOOLEAN})
 VOLATILE = frozenset({"seq", "sent_ns"})
 RUN_ENTRIES = 512
 RUN_BYTES = 4096
@@ -96,7 +96,7 @@ def _default(schema: Any, value: Any) -> Any:
             return list(value)
     except (TypeError, ValueError, OverflowError) as exc:
         raise Unsupported(f"default {value!r}") from exc
-    if type(value) is {"long": int, "int": int, "string": str, "double": float}.get(kind):
+    if type(value) is {"long": int, "int": int, "string": str, "double": float, "boolean": bool}.get(kind):
         return value
     raise Unsupported(f"default {value!r} of {kind}")
 
@@ -107,6 +107,8 @@ def _step(writer: Any, reader: Any) -> tuple[int, Any]:
         raise Unsupported(f"{kind} read as {_type_name(reader)}")
     if kind in ("long", "int"):
         return LONG, None
+    if kind == "boolean":
+        return BOOLEAN, None
     if kind in ("double", "string"):
         return (DOUBLE if kind == "double" else STRING), None
     if kind == "record":
@@ -125,7 +127,7 @@ def _step(writer: Any, reader: Any) -> tuple[int, Any]:
 def compile_plan(writer: Any, reader: Any) -> Plan:
     """How to read a record written with ``writer`` as ``reader`` (fastavro-parsed, expanded schemas).
 
-    Raises ``Unsupported`` outside the subset: records, strings, ints, longs, doubles and arrays of
+    Raises ``Unsupported`` outside the subset: records, strings, ints, longs, doubles, booleans and arrays of
     strings and numbers, with reader fields added (with a default) or dropped.
     """
     if _type_name(writer) != "record" or _type_name(reader) != "record":

@@ -1,0 +1,159 @@
+"""Pattern records through the numpy decoder: the values fastavro gives (the reference), as numpy columns.
+
+The differential and the sink decode one pattern record per rank and iteration, each with hundreds of
+functions; ``decode`` takes them with ``fastdecode`` (docs/scaling.md). Any message it does not vouch for
+is fastavro's to decode, so both end alike on every input.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+from fastavro import schemaless_writer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.schemas import CATALOG, SchemaError, decode, encode
+from fleetscope.schemas.fastdecode import decode_columns
+from fleetscope.streams.offline import OfflinePipeline
+
+EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+FIELDS = CATALOG.latest("patterns").parsed["fields"]
+ARRAYS = {f["name"]: f["type"]["items"] for f in FIELDS if isinstance(f["type"], dict)}
+
+
+def comparable(value: Any) -> Any:
+    """A decoded value as plain data: floats by their bits (NaN equals NaN), arrays and lists alike."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, list):
+        return [comparable(v) for v in value]
+    if isinstance(value, float):
+        return ("f", struct.pack("<d", value))
+    return value
+
+
+def outcome(message: bytes, fast: bool) -> tuple[Any, ...]:
+    try:
+        subject, record = decode(message, fast=fast)
+    except SchemaError as exc:
+        return ("error", ADDRESS.sub("", str(exc)))
+    return ("record", subject, {k: comparable(v) for k, v in record.items()})
+
+
+def vouched(message: bytes) -> bool:
+    writer = CATALOG.by_id(struct.unpack(">I", message[1:5])[0])
+    return decode_columns(message, 5, writer.parsed, CATALOG.latest(writer.subject).parsed) is not None
+
+
+def simulated_patterns() -> list[dict[str, Any]]:
+    pipe = OfflinePipeline(keep_patterns=True)
+    pipe.add_all(
+        simulate(SimulatorConfig(job="pat", ranks=4, iterations=6, tp=2, faults=(parse_fault("slow_gpu:1:1.4"),)))
+    )
+    pipe.finish()
+    return pipe.patterns
+
+
+PATTERNS = simulated_patterns()
+
+
+def test_simulated_pattern_records_take_the_numpy_path_with_fastavros_values() -> None:
+    assert len(PATTERNS) >= 20
+    for record in PATTERNS:
+        message = encode("patterns", record)
+        assert vouched(message)
+        assert outcome(message, fast=True) == outcome(message, fast=False)
+        _, got = decode(message)
+        assert all(isinstance(got[name], np.ndarray) for name in ARRAYS if name != "function")
+        assert all(got[name].dtype in (np.int64, np.float64) for name in ARRAYS if name != "function")
+        assert got["function"] == list(record["function"]) and isinstance(got["profiled"], bool)
+
+
+NAMES = st.text(min_size=0, max_size=90) | st.sampled_from(["aten::mm", "x" * 63, "y" * 64, "ü" * 40])
+
+
+@st.composite
+def pattern_records(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(st.integers(0, 12))
+    record = {k: v for k, v in PATTERNS[0].items() if k not in ARRAYS}
+    record.update(
+        rank=draw(st.integers(0, 2**31 - 1)), iteration=draw(st.integers(-(2**63), 2**63 - 1)),
+        profiled=draw(st.booleans()), host=draw(NAMES), function=draw(st.lists(NAMES, min_size=n, max_size=n)),
+    )  # fmt: skip
+    numbers = {
+        "int": st.integers(-(2**31), 2**31 - 1),
+        "long": st.integers(-(2**63), 2**63 - 1),
+        "double": st.floats(allow_nan=True, allow_infinity=True),
+    }
+    for name, items in ARRAYS.items():
+        if name != "function":
+            record[name] = draw(st.lists(numbers[items], min_size=n, max_size=n))
+    return record
+
+
+@EXAMPLES
+@given(pattern_records())
+def test_random_pattern_records_decode_exactly_as_with_fastavro(record: dict[str, Any]) -> None:
+    message = encode("patterns", record)
+    assert vouched(message)
+    assert outcome(message, fast=True) == outcome(message, fast=False)
+
+
+def test_a_names_block_taken_whole_by_its_bytes_is_the_same_list_and_a_copy() -> None:
+    """The second record's names come from the kept block; editing what a decode returned changes no
+    later decode; a message cut inside the names is an error, not a kept block."""
+    message = encode("patterns", PATTERNS[0])
+    _, first = decode(message)
+    first["function"].append("edited")
+    _, second = decode(message)
+    assert second["function"] == list(PATTERNS[0]["function"])
+    cut = message.index(PATTERNS[0]["function"][-1].encode()) + 1
+    with pytest.raises(SchemaError):
+        decode(message[:cut])
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> bytes:
+    data = bytearray(encode("patterns", draw(st.sampled_from(PATTERNS[:8]))))
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(["flip", "byte", "truncate", "splice"]))
+        i = draw(st.integers(0, len(data) - 1)) if data else 0
+        if op == "flip" and data:
+            data[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "byte" and data:
+            data[i] = draw(st.integers(0, 255))
+        elif op == "truncate":
+            del data[i:]
+        elif op == "splice":
+            data[i:i] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated())
+def test_mutated_pattern_records_end_exactly_like_fastavro(message: bytes) -> None:
+    assert outcome(message, fast=True) == outcome(message, fast=False)
+
+
+def test_pattern_records_of_older_schemas_get_the_readers_defaults() -> None:
+    record = dict(PATTERNS[0])
+    for schema_id in (601, 602):
+        writer = CATALOG.by_id(schema_id)
+        buf = io.BytesIO()
+        buf.write(struct.pack(">bI", 0, schema_id))
+        schemaless_writer(
+            buf, writer.parsed, {k: list(v) if isinstance(v, np.ndarray) else v for k, v in record.items()}
+        )
+        message = buf.getvalue()
+        assert vouched(message)
+        fast = outcome(message, fast=True)
+        assert fast == outcome(message, fast=False)
+        assert fast[2]["cpu_wait_ns"] == -1
