@@ -1,8 +1,9 @@
-"""Pattern records through the numpy decoder: the values fastavro gives (the reference), as numpy columns.
+"""Pattern records through the numpy encoder and decoder: fastavro's bytes and values (the reference).
 
-The differential and the sink decode one pattern record per rank and iteration, each with hundreds of
-functions; ``decode`` takes them with ``fastdecode`` (docs/scaling.md). Any message it does not vouch for
-is fastavro's to decode, so both end alike on every input.
+The windower writes one pattern record per rank and iteration, each with hundreds of functions, and the
+differential and the sink read them; ``encode`` and ``decode`` take them with ``fastencode`` and
+``fastdecode`` (docs/scaling.md). What either does not vouch for is fastavro's, so both end alike on every
+input: the same bytes, the same values (as numpy columns), or the same error.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import CATALOG, SchemaError, decode, encode
 from fleetscope.schemas.fastdecode import decode_columns
+from fleetscope.schemas.fastencode import encode_columns
 from fleetscope.streams.offline import OfflinePipeline
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,11 +102,52 @@ def pattern_records(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @EXAMPLES
-@given(pattern_records())
-def test_random_pattern_records_decode_exactly_as_with_fastavro(record: dict[str, Any]) -> None:
+@given(pattern_records(), st.booleans())
+def test_random_pattern_records_encode_and_decode_exactly_as_with_fastavro(
+    record: dict[str, Any], arrays: bool
+) -> None:
+    if arrays:  # as the windower builds them
+        record = {k: np.asarray(v) if k in ARRAYS and k != "function" else v for k, v in record.items()}
     message = encode("patterns", record)
+    assert encode_columns(record, CATALOG.latest("patterns").parsed) is not None
+    assert message == encode("patterns", record, fast=False)
     assert vouched(message)
     assert outcome(message, fast=True) == outcome(message, fast=False)
+
+
+def written(record: dict[str, Any], fast: bool) -> tuple[str, Any]:
+    try:
+        return ("bytes", encode("patterns", record, fast=fast))
+    except Exception as exc:  # fastavro's own errors, of many types
+        return ("error", f"{type(exc).__name__}: {ADDRESS.sub('', str(exc))}")
+
+
+ODD_VALUES = {
+    "rank": [2**31, -(2**31) - 1, True, 1.0, np.int64(3), "1"],
+    "iteration": [2**63, np.uint64(2**63), -(2**63), np.int32(-5)],
+    "iteration_ns": [None],
+    "profiled": [1, np.bool_(True), None],
+    "host": [b"node", None, "\ud800"],
+    "kind": [[2**31], np.array([-(2**31) - 1]), [True, False], [1.0], np.zeros((1, 1), np.int64), "1"],
+    "total_ns": [np.array([2**63], dtype=np.uint64), [2**63], np.array([1.5]), [None], np.array([-1], np.int8)],
+    "mean_ns": [[1], np.array([1], np.int64), ["1"], [True], np.array([1.0], np.float32), None],
+    "function": [["a", 1], ("a",), np.array(["a"]), "a", ["\ud800"]],
+}
+
+
+@pytest.mark.parametrize("field", list(ODD_VALUES))
+def test_odd_values_are_written_as_fastavro_writes_them_or_refused_as_it_refuses_them(field: str) -> None:
+    """Each value outside the plain case: the numpy encoder writes fastavro's bytes or leaves it to fastavro,
+    so a value out of its Avro range, of another type or of another shape ends as it always did."""
+    base = dict(PATTERNS[0])
+    n = 1 if field in ARRAYS else len(base["function"])
+    if field in ARRAYS:
+        base = {k: (v[:1] if k in ARRAYS else v) for k, v in base.items()}
+    for value in ODD_VALUES[field]:
+        record = {**base, field: value}
+        assert written(record, fast=True) == written(record, fast=False), (field, value, n)
+    missing = {k: v for k, v in base.items() if k != field}
+    assert written(missing, fast=True) == written(missing, fast=False)
 
 
 def test_a_names_block_taken_whole_by_its_bytes_is_the_same_list_and_a_copy() -> None:
