@@ -31,6 +31,10 @@ _EVENT_SUBJECTS = frozenset(k.value for k in EventKind)
 _COLUMN_SUBJECTS = frozenset({"patterns"})
 """Records of per-function arrays that ``encode`` and ``decode`` take as numpy columns: hundreds of functions
 a record, for which fastavro's Python object per value costs ~1 ms each way (docs/scaling.md)."""
+COLUMNS_FROM_FUNCTIONS = 16
+COLUMNS_FROM_BYTES = 4_000
+"""Where the numpy encoder and decoder start to pay (a record of this many functions; a message of this many
+bytes, about 24 functions): below, their fixed cost per field exceeds fastavro's per value (bench/scale)."""
 _ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
 
 
@@ -57,12 +61,19 @@ def encode(
     resolver: SchemaResolver | None = None,
     fast: bool = True,
 ) -> bytes:
-    """Serialise a record with the newest schema of its subject. A pattern record is written by
-    ``fastencode`` (the same bytes); ``fast=False``, or a record it does not vouch for: by fastavro."""
+    """Serialise a record with the newest schema of its subject. A pattern record of ``COLUMNS_FROM_FUNCTIONS``
+    functions or more is written by ``fastencode`` (the same bytes); ``fast=False``, or a record it does not
+    vouch for: by fastavro."""
     entry = catalog.latest(subject)
     r = resolver or _resolver
     prefix = _PREFIX.pack(_MAGIC, entry.schema_id if r is None else r.schema_id(subject))
-    if fast and subject in _COLUMN_SUBJECTS:
+    functions = record.get("function") if isinstance(record, dict) else None
+    if (
+        fast
+        and subject in _COLUMN_SUBJECTS
+        and isinstance(functions, list)
+        and len(functions) >= COLUMNS_FROM_FUNCTIONS
+    ):
         body = encode_columns(record, entry.parsed)
         if body is not None:
             return prefix + body
@@ -91,10 +102,11 @@ def decode(
     """Return (subject, record), resolving the writer schema to the newest version of its subject.
 
     A pattern record's per-function columns come as numpy arrays (``fastdecode``; integers as int64), as
-    the windower builds them; ``fast=False`` reads it with fastavro only (the reference: lists)."""
+    the windower builds them, from ``COLUMNS_FROM_BYTES``; ``fast=False`` reads it with fastavro only (the
+    reference: lists)."""
     schema_id, writer = _writer_of(message, catalog, resolver)
     reader = catalog.latest(writer.subject)
-    if fast and writer.subject in _COLUMN_SUBJECTS:
+    if fast and writer.subject in _COLUMN_SUBJECTS and len(message) >= COLUMNS_FROM_BYTES:
         record = decode_columns(message, _PREFIX.size, writer.parsed, reader.parsed)
         if record is not None:
             return writer.subject, {k: v.astype(np.int64) if _is_int32(v) else v for k, v in record.items()}

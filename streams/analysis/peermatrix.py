@@ -315,7 +315,9 @@ class PeerMatrices:
             if n and not np.array_equal(np.fromiter(map(len, columns), dtype=np.int64, count=n), lengths):
                 raise ValueError(f"pattern column {name!r} is not as long as the record's functions")
             whole = None
-            if sum(cells[k].size for k in kinds) > PICK_SHARE * total:
+            if n and all(isinstance(c, np.ndarray) for c in columns):  # decoded or windowed: no object per value
+                whole = np.concatenate(columns).astype(np.float64, copy=False)
+            elif sum(cells[k].size for k in kinds) > PICK_SHARE * total:
                 whole = np.fromiter(chain.from_iterable(columns), dtype=np.float64, count=total)
             for k in kinds:
                 if whole is not None:

@@ -20,10 +20,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
-from fleetscope.schemas import CATALOG, SchemaError, decode, encode
+from fleetscope.schemas import CATALOG, SchemaError, codec, decode, encode
 from fleetscope.schemas.fastdecode import decode_columns
 from fleetscope.schemas.fastencode import encode_columns
 from fleetscope.streams.offline import OfflinePipeline
+
+
+@pytest.fixture(autouse=True)
+def numpy_paths_at_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small records too (the codec leaves those to fastavro, which is quicker there: its own test below)."""
+    monkeypatch.setattr(codec, "COLUMNS_FROM_FUNCTIONS", 0)
+    monkeypatch.setattr(codec, "COLUMNS_FROM_BYTES", 0)
+
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ADDRESS = re.compile(r" at 0x[0-9a-f]+")
@@ -200,3 +208,18 @@ def test_pattern_records_of_older_schemas_get_the_readers_defaults() -> None:
         fast = outcome(message, fast=True)
         assert fast == outcome(message, fast=False)
         assert fast[2]["cpu_wait_ns"] == -1
+
+
+def test_records_of_few_functions_are_left_to_fastavro_and_large_ones_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()
+    small = dict(PATTERNS[0], function=PATTERNS[0]["function"][: codec.COLUMNS_FROM_FUNCTIONS - 1])
+    small = {k: v[: len(small["function"])] if k in ARRAYS else v for k, v in small.items()}
+    message = encode("patterns", small)
+    assert len(message) < codec.COLUMNS_FROM_BYTES and isinstance(decode(message)[1]["calls"], list)
+    n = codec.COLUMNS_FROM_BYTES // 20
+    large = {k: np.resize(np.asarray(v), n) if k in ARRAYS and k != "function" else v for k, v in small.items()}
+    large["function"] = [f"kernel_{i}" for i in range(n)]
+    message = encode("patterns", large)
+    assert message == encode("patterns", large, fast=False) and len(message) >= codec.COLUMNS_FROM_BYTES
+    assert isinstance(decode(message)[1]["calls"], np.ndarray)
+    assert outcome(message, fast=True) == outcome(message, fast=False)
