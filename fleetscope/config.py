@@ -159,6 +159,9 @@ class StreamSettings:
     job_idle_ms: int = 2000
     job_end_ms: int = 120_000
     """A job without input (patterns, heartbeats) this long has ended: its open findings close (job_ended)."""
+    state_chunk_bytes: int = 512 * 1024
+    """State records (a job's differential state: megabytes at a thousand ranks) larger than this are written in
+    chunks of it: keep it under the broker's ``max.message.bytes`` (1 MB by default) less the key."""
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
@@ -167,6 +170,8 @@ class StreamSettings:
     def __post_init__(self) -> None:
         if self.job_end_ms <= self.job_idle_ms:
             raise ValueError(f"job_end_ms ({self.job_end_ms}) must be > job_idle_ms ({self.job_idle_ms})")
+        if self.state_chunk_bytes < 1024:
+            raise ValueError(f"state_chunk_bytes must be >= 1024, got {self.state_chunk_bytes}")
         unknown = [stage for stage in self.stages if stage not in STAGES]
         if unknown or not self.stages or len(set(self.stages)) < len(self.stages):
             raise ValueError(

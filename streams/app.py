@@ -62,8 +62,10 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     differential_topics = (topics.patterns, topics.stalls, topics.heartbeats)
     differential_in = raw(*differential_topics)
     state_name = f"{cfg.topic_prefix}.{cfg.app_id}"
-    windower_state = StateLog(app, f"{state_name}.windower-state", cfg.raw_partitions, cfg.bootstrap_servers)
-    differential_state = StateLog(app, f"{state_name}.differential-state", cfg.partitions, cfg.bootstrap_servers)
+    windower_state, differential_state = (
+        StateLog(app, f"{state_name}.{stage}-state", n, cfg.bootstrap_servers, chunk_bytes=cfg.state_chunk_bytes)
+        for stage, n in (("windower", cfg.raw_partitions), ("differential", cfg.partitions))
+    )
 
     counters, gate, clock = StageCounters(), Gate(), InputClock()
     dead = DeadLetters(raw(topics.deadletter), counters, cfg.limits.max_message_bytes)

@@ -33,6 +33,7 @@ class StreamAppConfig:
     take_within_ms: int = 200
     job_idle_ms: int = 2000
     job_end_ms: int = 120_000
+    state_chunk_bytes: int = 512 * 1024
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -91,9 +92,17 @@ class _StateUnpickler(pickle.Unpickler):
 class DifferentialRecovery:
     """The differential's jobs, their pattern messages held until scored, and their state records."""
 
-    def __init__(self, log: StateLog, jobs: dict[str, JobDifferential]) -> None:
+    def __init__(self, log: StateLog, jobs: dict[str, JobDifferential], large_interval_s: float = 10.0) -> None:
         self.log = log
         self.jobs = jobs
+        self.large_interval_s = large_interval_s
+        """A job whose state record was larger than a chunk (``StateLog.chunk_bytes``) gets its next one only this
+        long after, while it only scores iterations: at a thousand ranks and 300 functions the record (20 MB)
+        takes three times as long to write as an iteration to score. Its pattern messages stay held until
+        then, so a crash replays at most this much. Stall reports, flushes and findings opened or closed are
+        written at once, as for every job."""
+        self._large_written_at: dict[str, float] = {}
+        """Per job whose last record was large: when it was written (monotonic seconds)."""
         """The stage's jobs: restored ones are put there, revoked ones taken out."""
         self.holds: Holds[str] = Holds()
         self.restored = 0
@@ -171,10 +180,21 @@ class DifferentialRecovery:
             if jd is None:
                 continue
             mark = self._mark(job)
-            if mark != self._written.get(job):
-                state = JobState(job=jd, progress_offset=mark[1], flushed=mark[2])
-                await self.log.write(self._partition[job], job_key(job), dump_job_state(state))
-                self._written[job] = mark
+            written = self._written.get(job)
+            if mark == written:
+                out += self.holds.release(job, jd.scored_upto + 1)
+                continue
+            since = self._large_written_at.get(job)
+            if since is not None and written is not None and mark[1:] == written[1:]:
+                if time.monotonic() - since < self.large_interval_s:
+                    continue  # only iterations scored since: they wait for the next record, and so do their messages
+            value = dump_job_state(JobState(job=jd, progress_offset=mark[1], flushed=mark[2]))
+            await self.log.write(self._partition[job], job_key(job), value)
+            self._written[job] = mark
+            if len(value) > self.log.chunk_bytes:
+                self._large_written_at[job] = time.monotonic()
+            else:
+                self._large_written_at.pop(job, None)
             out += self.holds.release(job, jd.scored_upto + 1)
         return out
 
@@ -183,7 +203,8 @@ class DifferentialRecovery:
         jobs = [j for j, p in self._partition.items() if p in partitions]
         self.holds.forget(jobs)
         for job in jobs:
-            for table in (self.jobs, self._partition, self._progress_offset, self._flushed, self._written):
+            tables = (self.jobs, self._partition, self._progress_offset, self._flushed, self._written)
+            for table in (*tables, self._large_written_at):
                 table.pop(job, None)
         self._loaded -= set(partitions)
         return jobs

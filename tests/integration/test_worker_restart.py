@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from fleetscope.producers import simulate
 from fleetscope.stack import StreamWorkerProcess
+from fleetscope.streams.offline import OfflinePipeline
+from fleetscope.streams.recovery import JobState, dump_job_state
 from tests.integration.worker_runs import (
     MOVING_JOB,
     QUICK_HANDOVER,
@@ -45,3 +48,25 @@ def test_a_worker_killed_mid_run_and_restarted_stores_exactly_what_a_clean_run_s
         f"({killed.sink_messages - one_worker_run.sink_messages} re-emitted, dropped by natural key); "
         f"counts {killed.counts}"
     )
+
+
+def test_a_worker_killed_mid_run_with_its_state_records_in_chunks_stores_what_a_clean_run_stores(
+    tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome
+) -> None:
+    """A large job's differential state (megabytes at a thousand ranks: more than a Kafka message may hold)
+    goes in chunks; here the job is small and the chunks are too (1 KiB), so each of its state records is
+    dozens of chunks, and the restarted worker restores the job from them."""
+    pipeline = OfflinePipeline().add_all(simulate(MOVING_JOB.sim))
+    pipeline.finish()
+    state = dump_job_state(JobState(job=pipeline.differential.jobs["moving-job"], progress_offset=-1, flushed=False))
+    assert len(state) > 8 * 1024  # chunked: the test tests something
+    config = run_config(
+        tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **{"streams.state_chunk_bytes": 1024}
+    )
+    worker = StreamWorkerProcess(config)
+    killed = run_pipeline(config, MOVING_JOB, [worker], [Step(kill, [worker]), Step(join, [worker])], _a_third_stored)
+
+    assert 0 < killed.acted_at_rows < MOVING_JOB.expected_rows, "the worker must die mid-run"
+    assert killed.counts == one_worker_run.counts
+    assert killed.updates == one_worker_run.updates
+    assert killed.findings == one_worker_run.findings

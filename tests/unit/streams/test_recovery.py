@@ -7,6 +7,7 @@ import asyncio
 import os
 import pickle
 import time
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -20,6 +21,7 @@ from fleetscope.streams.offline import OfflinePipeline
 from fleetscope.streams.rebalance import InputClock
 from fleetscope.streams.recovery import (
     EARLIEST,
+    DifferentialRecovery,
     Holds,
     JobState,
     StateLog,
@@ -27,6 +29,7 @@ from fleetscope.streams.recovery import (
     dump_job_state,
     load_job_state,
 )
+from fleetscope.streams.recovery.statelog import chunk_key, chunked, joined
 
 SIM = SimulatorConfig(job="rec", ranks=4, iterations=24, faults=(parse_fault("slow_gpu:2:1.5"),))
 
@@ -174,3 +177,137 @@ def test_a_rank_revoked_while_the_windower_writes_its_state_records_is_skipped_n
     emitted = asyncio.run(wrec.record([_rank_iteration(0, 5, 500), _rank_iteration(1, 5, 500)]))
     assert sorted(emitted) == [("j", 0), ("j", 1)] and [p for p, _ in log.writes] == [1, 3]
     assert asyncio.run(wrec.record([_rank_iteration(1, 6, 600)])) == [("j", 1)] and len(log.writes) == 2
+
+
+def _latest(records: list[tuple[bytes, bytes]], into: dict[bytes, bytes] | None = None) -> dict[bytes, bytes]:
+    """What a compacted topic keeps of these records, in order: the latest value of each key."""
+    kept = dict(into or {})
+    kept.update(records)
+    return kept
+
+
+@pytest.mark.parametrize("size", [0, 1, 6, 7, 8, 20, 21, 100])
+def test_a_state_value_over_the_chunk_size_is_read_back_whole(size: int) -> None:
+    value = os.urandom(size)
+    records = chunked(b"job-a", value, 0, chunk_bytes=7)
+    assert all(len(v) <= 7 for k, v in records[:-1]) and records[-1][0] == b"job-a"
+    values, slots, broken = joined(_latest(records, {b"job-b": b"\x02plain"}))
+    assert values == {b"job-a": value, b"job-b": b"\x02plain"} and slots == {b"job-a": 0} and not broken
+
+
+def test_a_worker_dying_mid_write_leaves_the_previous_state_whole_and_a_damaged_one_is_left_out() -> None:
+    """Generation 2 goes to the slot generation 1's manifest does not name; its chunks without its manifest
+    change nothing, its manifest switches over; a chunk lost or altered is no state at all (not garbage)."""
+    first, second, third = (os.urandom(30) for _ in range(3))
+    topic = _latest(chunked(b"j", first, 0, chunk_bytes=8))
+    *chunks, manifest = chunked(b"j", second, 1, chunk_bytes=8)
+    topic = _latest(chunks[:2], topic)  # died after two chunks
+    assert joined(topic)[0] == {b"j": first}
+    topic = _latest([*chunks, manifest], topic)
+    assert joined(topic)[:2] == ({b"j": second}, {b"j": 1})
+    *chunks, manifest = chunked(b"j", third, 0, chunk_bytes=8)
+    assert joined(_latest(chunks[:3], topic))[0] == {b"j": second}
+    damaged = dict(topic)
+    damaged[chunk_key(b"j", 1, 2)] = b"x" * 8
+    assert joined(damaged) == ({}, {}, [b"j"])
+    del damaged[chunk_key(b"j", 1, 2)]
+    assert joined(damaged) == ({}, {}, [b"j"])
+    assert joined(_latest([(b"j", b"\x02small again")], topic))[0] == {b"j": b"\x02small again"}
+
+
+def test_state_log_writes_big_values_in_alternating_slots_chunks_delivered_before_the_manifest() -> None:
+    class Topic:
+        def __init__(self) -> None:
+            self.sent: list[tuple[bytes, bytes]] = []
+            self.pending: list[asyncio.Future[None]] = []
+
+        async def send(self, key: bytes, value: bytes, partition: int) -> asyncio.Future[None]:
+            if value.startswith(b"\x00chunked"):  # the manifest: every chunk before it delivered
+                assert all(f.done() for f in self.pending)
+            self.sent.append((key, value))
+            delivered = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(delivered.set_result, None)
+            self.pending.append(delivered)
+            return delivered
+
+    log = StateLog.__new__(StateLog)
+    log.topic, log.chunk_bytes, log.writes, log._slots = Topic(), 10, 0, {}  # type: ignore[assignment]
+    values = [os.urandom(25), b"\x02small", os.urandom(11), os.urandom(40)]
+
+    async def write_all() -> None:
+        for v in values:
+            await log.write(0, b"k", v)
+
+    asyncio.run(write_all())
+    sent = log.topic.sent  # type: ignore[attr-defined]
+    manifests = [v for k, v in sent if k == b"k" and v.startswith(b"\x00chunked")]
+    assert [m[len(b"\x00chunked\x00")] for m in manifests] == [0, 1, 0]  # slots alternate
+    topic: dict[bytes, bytes] = {}
+    for record, value in zip(_split_at_writes(sent), values, strict=True):
+        topic = _latest(record, topic)
+        assert joined(topic)[0] == {b"k": value}
+
+
+def _split_at_writes(sent: list[tuple[bytes, bytes]]) -> list[list[tuple[bytes, bytes]]]:
+    """The records of each write: a write ends with its record under the key itself."""
+    out: list[list[tuple[bytes, bytes]]] = [[]]
+    for key, value in sent:
+        out[-1].append((key, value))
+        if key == b"k":
+            out.append([])
+    return out[:-1]
+
+
+def test_a_large_job_state_is_written_at_most_every_interval_while_it_only_scores_and_its_messages_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Large: over a chunk. Scored iterations alone wait for the interval, and the messages they cover stay
+    held; a stall report is written at once; a small state is written at every checkpoint."""
+
+    class Log:
+        chunk_bytes = 1024
+
+        def __init__(self) -> None:
+            self.writes = 0
+
+        async def write(self, partition: int, key: bytes, value: bytes) -> None:
+            self.writes += 1
+
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    by_iteration: dict[int, list[dict[str, Any]]] = {}
+    for rec in _patterns():
+        by_iteration.setdefault(int(rec["iteration"]), []).append(rec)
+    log = Log()
+    jobs: dict[str, JobDifferential] = {}
+    rec = DifferentialRecovery(cast(StateLog, log), jobs, large_interval_s=10.0)
+    jobs[SIM.job] = JobDifferential(SIM.job)
+    rec.place(SIM.job, 0)
+
+    def step(it: int) -> list[Any]:
+        for r in by_iteration[it]:
+            jobs[SIM.job].add(r)
+            rec.took(SIM.job, _message(f"{it}/{r['rank']}"), it)
+        return asyncio.run(rec.checkpoint([SIM.job]))
+
+    def of(*iterations: int) -> list[Any]:
+        return [_message(f"{i}/{r}") for i in iterations for r in range(4)]
+
+    assert step(0) == of(0) and log.writes == 1  # each iteration is scored as its last rank comes (offline)
+    now[0] += 1.0
+    assert step(1) == [] and log.writes == 1  # iteration 1 scored alone: it waits, and so do its messages
+    assert step(2) == of(1, 2) and log.writes == 2  # a finding opened: written at once
+    assert jobs[SIM.job].open_findings() == 1
+    now[0] += 1.0
+    assert step(3) == [] and log.writes == 2
+    now[0] += 9.5
+    assert step(4) == of(3, 4) and log.writes == 3  # the interval passed
+    stall = cast(Any, SimpleNamespace(offset=7))
+    rec.took(SIM.job, stall, None)
+    assert asyncio.run(rec.checkpoint([SIM.job])) == [stall] and log.writes == 4
+    log.chunk_bytes = 10**9  # records small from now on: once one is written, every checkpoint writes, as before
+    now[0] += 10.0
+    assert step(5) == of(5) and log.writes == 5
+    now[0] += 1.0
+    assert step(6) == of(6) and log.writes == 6
+    assert jobs[SIM.job].open_findings() == 1
