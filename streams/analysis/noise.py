@@ -214,16 +214,24 @@ class JobNoise:
             own = rec.get("self_ns")
             if own is None or len(own) != len(functions):  # a producer that predates self times
                 own = rec["total_ns"]
-            for j in wanted.tolist():
-                if kinds[j] == _PYTHON:
-                    self._host.add(functions[j])
-                    seen.setdefault(functions[j], {})[rank] = float(own[j])
+            # each column's values picked in one numpy step: no per-entry indexing of the record's columns
+            host = (kinds[wanted] == _PYTHON).tolist()
+            own_l = np.asarray(own, dtype=np.float64)[wanted].tolist()
+            mean_l = np.asarray(rec["mean_ns"], dtype=np.float64)[wanted].tolist()
+            total_l = np.asarray(rec["total_ns"], dtype=np.float64)[wanted].tolist() if small else mean_l
+            for j, is_host, own_ns, mean_ns, total_ns in zip(
+                wanted.tolist(), host, own_l, mean_l, total_l, strict=True
+            ):
+                name = functions[j]
+                if is_host:
+                    self._host.add(name)
+                    seen.setdefault(name, {})[rank] = own_ns
                 else:
-                    seen.setdefault(functions[j], {})[rank] = float(rec["mean_ns"][j])
-                    if small and functions[j].startswith(P2P_PREFIXES):
-                        p2p[rank] = p2p.get(rank, 0.0) + float(rec["total_ns"][j])
+                    seen.setdefault(name, {})[rank] = mean_ns
+                    if small and name.startswith(P2P_PREFIXES):
+                        p2p[rank] = p2p.get(rank, 0.0) + total_ns
                     elif small:
-                        calls.setdefault(functions[j], {})[rank] = float(rec["total_ns"][j])
+                        calls.setdefault(name, {})[rank] = total_ns
         ranks = [int(r["rank"]) for r in records]
         self._ranks = max(self._ranks, len(ranks))
         self._record_waits(records, ranks)

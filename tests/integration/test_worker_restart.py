@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetscope.config import Config
 from fleetscope.producers import simulate
 from fleetscope.stack import StreamWorkerProcess
 from fleetscope.streams.offline import OfflinePipeline
@@ -31,17 +32,23 @@ def _a_third_stored(_publishing: Publishing, rows: int) -> bool:
     return rows >= MOVING_JOB.expected_rows // 3
 
 
-def test_a_worker_killed_mid_run_and_restarted_stores_exactly_what_a_clean_run_stores(
-    tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome
-) -> None:
-    config = run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER)
+def _killed_and_restarted(config: Config, one_worker_run: Outcome) -> Outcome:
+    """``MOVING_JOB`` through one worker, SIGKILLed once a third is stored and restarted: it must store
+    exactly what the uninterrupted run stored."""
     worker = StreamWorkerProcess(config)
     killed = run_pipeline(config, MOVING_JOB, [worker], [Step(kill, [worker]), Step(join, [worker])], _a_third_stored)
-
     assert 0 < killed.acted_at_rows < MOVING_JOB.expected_rows, "the worker must die mid-run"
     assert killed.counts == one_worker_run.counts
     assert killed.updates == one_worker_run.updates
     assert killed.findings == one_worker_run.findings
+    return killed
+
+
+def test_a_worker_killed_mid_run_and_restarted_stores_exactly_what_a_clean_run_stores(
+    tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome
+) -> None:
+    config = run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER)
+    killed = _killed_and_restarted(config, one_worker_run)
     print(
         f"\nrestart (kill to ready) {killed.act_s:.1f} s at {killed.acted_at_rows}/{MOVING_JOB.expected_rows} rows; "
         f"sink consumed {killed.sink_messages} messages vs {one_worker_run.sink_messages} "
@@ -60,13 +67,7 @@ def test_a_worker_killed_mid_run_with_its_state_records_in_chunks_stores_what_a_
     pipeline.finish()
     state = dump_job_state(JobState(job=pipeline.differential.jobs["moving-job"], progress_offset=-1, flushed=False))
     assert len(state) > 8 * 1024  # chunked: the test tests something
-    config = run_config(
-        tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **{"streams.state_chunk_bytes": 1024}
+    chunks = {"streams.state_chunk_bytes": 1024}
+    _killed_and_restarted(
+        run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **chunks), one_worker_run
     )
-    worker = StreamWorkerProcess(config)
-    killed = run_pipeline(config, MOVING_JOB, [worker], [Step(kill, [worker]), Step(join, [worker])], _a_third_stored)
-
-    assert 0 < killed.acted_at_rows < MOVING_JOB.expected_rows, "the worker must die mid-run"
-    assert killed.counts == one_worker_run.counts
-    assert killed.updates == one_worker_run.updates
-    assert killed.findings == one_worker_run.findings

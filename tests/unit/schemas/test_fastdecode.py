@@ -26,6 +26,7 @@ from fleetscope.schemas import (
     encode_event_batch,
 )
 from fleetscope.schemas.fastdecode import decode_columns, decode_many, plan_for
+from tests.unit.schemas import mutations
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -218,23 +219,8 @@ def test_batches_of_the_old_kernel_schema_decode_as_with_fastavro() -> None:
 VALID = [encode_event_batch(b) for b in simulate(SimulatorConfig(job="fz", ranks=2, iterations=2))]
 
 
-@st.composite
-def mutated(draw: st.DrawFn) -> bytes:
-    data = bytearray(draw(st.sampled_from(VALID)))
-    for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(["flip", "byte", "truncate", "extend", "splice"]))
-        i = draw(st.integers(0, len(data) - 1)) if data else 0
-        if op == "flip" and data:
-            data[i] ^= 1 << draw(st.integers(0, 7))
-        elif op == "byte" and data:
-            data[i] = draw(st.integers(0, 255))
-        elif op == "truncate":
-            del data[i:]
-        elif op == "extend":
-            data += draw(st.binary(min_size=1, max_size=16))
-        elif op == "splice":
-            data[i:i] = draw(st.binary(min_size=1, max_size=8))
-    return bytes(data)
+def mutated() -> st.SearchStrategy[bytes]:
+    return mutations.mutated(VALID)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,6 +24,7 @@ from fleetscope.schemas import CATALOG, SchemaError, codec, decode, encode
 from fleetscope.schemas.fastdecode import decode_columns
 from fleetscope.schemas.fastencode import encode_columns
 from fleetscope.streams.offline import OfflinePipeline
+from tests.unit.schemas.mutations import mutated
 
 
 @pytest.fixture(autouse=True)
@@ -171,25 +172,8 @@ def test_a_names_block_taken_whole_by_its_bytes_is_the_same_list_and_a_copy() ->
         decode(message[:cut])
 
 
-@st.composite
-def mutated(draw: st.DrawFn) -> bytes:
-    data = bytearray(encode("patterns", draw(st.sampled_from(PATTERNS[:8]))))
-    for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(["flip", "byte", "truncate", "splice"]))
-        i = draw(st.integers(0, len(data) - 1)) if data else 0
-        if op == "flip" and data:
-            data[i] ^= 1 << draw(st.integers(0, 7))
-        elif op == "byte" and data:
-            data[i] = draw(st.integers(0, 255))
-        elif op == "truncate":
-            del data[i:]
-        elif op == "splice":
-            data[i:i] = draw(st.binary(min_size=1, max_size=8))
-    return bytes(data)
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mutated())
+@given(mutated([encode("patterns", p) for p in PATTERNS[:8]]))
 def test_mutated_pattern_records_end_exactly_like_fastavro(message: bytes) -> None:
     assert outcome(message, fast=True) == outcome(message, fast=False)
 
