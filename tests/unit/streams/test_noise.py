@@ -674,3 +674,35 @@ def test_a_late_rank_that_waited_in_its_pipeline_more_than_another_late_one_is_h
     assert _held_up_by(3, piped) and not _held_up_by(1, piped)
     assert not _held_up_by(3, {1: (5.0, -15.0), 3: (18.7, 10.0)})  # late by less than half: no culprit of it
     assert not _held_up_by(3, {1: (15.3, 12.0), 3: (18.7, 10.0)})  # it waited more: no culprit of it either
+
+
+def test_the_noise_history_keeps_arrays_and_a_state_from_before_with_dicts_continues_alike() -> None:
+    """Each recorded iteration keeps every function's values as two arrays (a dict per entry cost ~100 bytes a
+    rank); a job restored from a state record written with dicts finds, from there on, what it would have."""
+    from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+    from fleetscope.streams.analysis.noise import RankValues, _as_matrix
+    from fleetscope.streams.offline import OfflinePipeline
+
+    cfg = SimulatorConfig(job="hist", ranks=8, iterations=24, seed=2, faults=(parse_fault("host_slow:3:1.5@8"),))
+    pipeline = OfflinePipeline(keep_patterns=True).add_all(simulate(cfg))
+    pipeline.finish()
+    records = pipeline.patterns
+    current, older = JobDifferential("hist"), JobDifferential("hist")
+    cut = len(records) // 3
+    for rec in records[:cut]:
+        current.add(rec)
+        older.add(rec)
+    series = older._noise._series
+    assert series and all(isinstance(e, RankValues) for s in series.values() for e in s)
+    for entries in series.values():  # as older code wrote it: a dict of each rank's value
+        arrays = list(entries)
+        entries.clear()
+        entries.extend({r: v for r, v in zip(e.ranks.tolist(), e.values.tolist(), strict=True)} for e in arrays)
+    a = [u for rec in records[cut:] for u in current.add(rec)] + current.flush()
+    b = [u for rec in records[cut:] for u in older.add(rec)] + older.flush()
+    assert any(u["category"] == "host_slow" and u["rank"] == 3 for u in a)
+    strip = [{k: v for k, v in u.items() if k != "emitted_ns"} for u in a]
+    assert strip == [{k: v for k, v in u.items() if k != "emitted_ns"} for u in b]
+    mixed = [{5: 1.0, 2: 2.0}, RankValues(np.array([2, 7]), np.array([3.0, 4.0]))]
+    x, ranks = _as_matrix(mixed)
+    assert ranks == [2, 5, 7] and np.array_equal(x, [[2.0, 1.0, np.nan], [3.0, np.nan, 4.0]], equal_nan=True)
