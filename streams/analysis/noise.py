@@ -871,9 +871,9 @@ class RankValues:
     def values_of(self, ranks: Sequence[int], absent: float = 0.0) -> F64:
         """The values of ``ranks``, in their order; ``absent`` for a rank without one."""
         wanted = np.asarray(ranks, dtype=np.int64)
-        at = np.minimum(np.searchsorted(self.ranks, wanted), max(self.ranks.size - 1, 0))
         if not self.ranks.size:
             return np.full(wanted.size, absent)
+        at = np.minimum(np.searchsorted(self.ranks, wanted), self.ranks.size - 1)
         return np.where(self.ranks[at] == wanted, self.values[at], absent)
 
 

@@ -95,15 +95,15 @@ class DifferentialRecovery:
     def __init__(self, log: StateLog, jobs: dict[str, JobDifferential], large_interval_s: float = 10.0) -> None:
         self.log = log
         self.jobs = jobs
+        """The stage's jobs: restored ones are put there, revoked ones taken out."""
         self.large_interval_s = large_interval_s
-        """A job whose state record was larger than a chunk (``StateLog.chunk_bytes``) gets its next one only this
-        long after, while it only scores iterations: at a thousand ranks and 300 functions the record is 15 MB,
-        so one a scored iteration would be 15 MB/s of state per job at one iteration a second (150 MB/s at 10k
-        ranks). Its pattern messages stay held until then, so a crash replays at most this much. Stall
-        reports, flushes and findings opened or closed are written at once, as for every job."""
+        """A job whose state record was larger than a chunk (``StateLog.chunk_bytes``) gets its next one only
+        this long after, while it only scores iterations: at a thousand ranks and 300 functions the record is
+        15 MB, so a record per scored iteration would be 15 MB/s of state per job at one iteration a second
+        (150 MB/s at 10k ranks). Its pattern messages stay held until then, so a crash replays at most this
+        much. Stall reports, flushes and findings opened or closed are written at once, as for every job."""
         self._large_written_at: dict[str, float] = {}
         """Per job whose last record was large: when it was written (monotonic seconds)."""
-        """The stage's jobs: restored ones are put there, revoked ones taken out."""
         self.holds: Holds[str] = Holds()
         self.restored = 0
         self.unreadable = 0
