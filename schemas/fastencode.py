@@ -4,8 +4,8 @@ Python object per value.
 A pattern record holds two dozen arrays over the rank's functions (hundreds of them): fastavro turns every
 value into a Python number and writes it alone, about 0.9 ms a record of 300 functions, as much as the
 windowing that made it. Here every integer of the record is zigzag- and varint-encoded in one vector pass
-(each value's 10 possible bytes as a row, the bytes past its end dropped), doubles are the array's own
-bytes, and a list of names is written once per process and then taken by its strings.
+(``_varints``: each value's 7-bit groups spread into the bytes of a word, its first bytes taken), doubles
+are the array's own bytes, and a list of names is written once per process and then taken by its strings.
 
 The encoder vouches only for what it fully understands: a schema outside its subset, a missing field, a
 value of another type or out of its Avro range gives None, and the caller writes the record with fastavro,
