@@ -15,7 +15,7 @@ from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
 from fleetscope.streams.analysis.links import SteadyTransfers
-from fleetscope.streams.analysis.noise import JUDGED, JobNoise, NoiseConfig
+from fleetscope.streams.analysis.noise import JUDGED, JobNoise, NoiseConfig, NoiseReading, read_noise
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.roles import role_codes
@@ -288,26 +288,30 @@ class JobDifferential:
         records = list(self._pending.pop(it).values())
         self._scored_upto = it
         self.iterations_scored += 1
-        profiled = sum(1 for r in records if r.get("profiled", False))
-        disturbed = self._aftermath.observe(profiled > 0)
+        scorer = self.scorer or scorer_named(self.config.scorer, self.config.scoring)
+        return self.apply(it, score_records(records, self.config, scorer, self._functions))
+
+    def apply(self, it: int, scored: IterationScore) -> list[dict[str, Any]]:
+        """Track one iteration's score (``score_records``): its signals judged against the job's history (the
+        steady transfers, the noise, the regression test, the findings open), in iteration order."""
+        self.tracker.gpus.update(scored.gpus)
+        disturbed = self._aftermath.observe(scored.profiled > 0)
         if disturbed:
             self._noise.forget_arrivals()
-        if 0 < profiled < len(records):
-            # A profiler slows the ranks it runs on: compared with unprofiled ones they would all stand out.
+        if scored.noise is None:  # profiled on some ranks only: not compared across ranks
             self.skipped_profiled += 1
-            return self._missing_ranks(it, records)
-        scorer = self.scorer or scorer_named(self.config.scorer, self.config.scoring)
-        signals = self._transfers.keep(score_iteration(records, self.config.scoring, scorer, self._functions), it)
+            return self._missing_ranks(it, scored.hosts)
+        signals = self._transfers.keep(scored.signals, it)
         blind: tuple[str, ...] = ()
         if disturbed:  # by a window on every rank, or after one: kernels compare, host times and arrivals not
             blind = PROFILER_BLIND
             signals = [s for s in signals if s.category not in blind]
         else:
-            self._noise.record(records)
-        iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
+            self._noise.apply(scored.noise)
+        iteration_ns = scored.iteration_ns
         budget = self.config.scoring.min_loss_fraction * iteration_ns
         signals = self._noise.keep(signals, budget)
-        hosts = {int(r["rank"]): r["host"] for r in records}
+        hosts = scored.hosts
         persistent: list[RankSignal] = []
         if not disturbed:  # a rank whose host's cores others take: its median wait over 8 iterations
             persistent = self._noise.contended(budget, hosts, {s.rank for s in signals if s.category != "straggler"})
@@ -317,25 +321,24 @@ class JobDifferential:
             # late by its launch waits or compute, JobNoise._own_cause) is judged again, so that it stays open
             # while it holds. Ranks compare by function where every rank does the same work, and in their
             # collective pairs in any layout.
-            same_work = np.unique(role_codes(records)).size == 1
             gap = self.config.scoring.min_relative_gap
-            persistent = self._noise.stragglers(signals, budget, hosts, set(), gap, same_work=same_work)
+            persistent = self._noise.stragglers(signals, budget, hosts, set(), gap, same_work=scored.same_work)
             signals += persistent
         self._iteration_ns.append(iteration_ns)
-        times = iteration_times(records, work=len(records) <= self.config.noise.max_ranks)
+        times = scored.times
         regression = self._regression.observe(
             times.own_ns, it, disturbed=disturbed, paced_ns=times.paced_ns, work_ns=times.work_ns
         )
         if regression is not None and times.cpu_wait_ns >= 0:
             regression = replace(regression, metric=ITERATION_LESS_CPU_WAIT, evidence={
                 **regression.evidence, "iteration_ns": iteration_ns, "cpu_wait_ns": times.cpu_wait_ns})  # fmt: skip
-        if regression is not None and regression.evidence.get("work_stepped") is False and not runs_kernels(records):
+        if regression is not None and regression.evidence.get("work_stepped") is False and not scored.runs_kernels:
             regression = None  # a CPU job slower in its waits only (runs_kernels)
         late_open: list[RankSignal] = []
         if regression is not None and (self._explained(regression) or self._late_rank_explains(regression)):
             regression = None  # a peer explains the job's slowdown (its finding, or it arrives that late)
         if regression is not None:
-            regression = replace(regression, ranks=tuple(sorted(int(r["rank"]) for r in records)))
+            regression = replace(regression, ranks=tuple(sorted(hosts)))
             if self.tracker.is_open(regression.key()):
                 signals.append(regression)
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
@@ -347,7 +350,7 @@ class JobDifferential:
         if not self.tracker.peers_explain(it):  # a culprit still about to open explains it too
             for sig in late_open:
                 out += self.tracker.emit_now(sig, it)
-        return out + self._missing_ranks(it, records)
+        return out + self._missing_ranks(it, hosts)
 
     def _judged_late_open(self) -> int:
         """Open findings that ``JobNoise.stragglers`` keeps open: stragglers, and the ranks it found late by their
@@ -358,10 +361,10 @@ class JobDifferential:
             + self.tracker.open_findings(Category.GPU_SLOW.value, "compute")
         )
 
-    def _missing_ranks(self, it: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A rank absent from several scored iterations in a row stopped reporting: a hang of its own."""
-        present = {int(r["rank"]) for r in records}
-        self._hosts.update({int(r["rank"]): r["host"] for r in records})
+    def _missing_ranks(self, it: int, present: dict[int, str]) -> list[dict[str, Any]]:
+        """A rank absent from several scored iterations in a row stopped reporting: a hang of its own.
+        ``present``: the host of each rank the iteration has."""
+        self._hosts.update(present)
         out: list[dict[str, Any]] = []
         for rank in self._hosts:
             run = 0 if rank in present else self._missing_run.get(rank, 0) + 1
@@ -428,3 +431,60 @@ def iteration_times(records: Sequence[dict[str, Any]], work: bool = True) -> Ite
     if not known:
         return IterationTimes(float(np.median(wall)), float(np.median(wall)), least_work, -1.0)
     return IterationTimes(float(np.median(less_wait)), float(np.min(less_wait)), least_work, float(np.median(wait)))
+
+
+_NO_TIMES = IterationTimes(0.0, 0.0, None, -1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class IterationScore:
+    """One iteration of a job as ``JobDifferential.apply`` tracks it (``score_records``): what its records
+    alone say, apart from the job's history."""
+
+    hosts: dict[int, str]
+    """Each rank the iteration has, and its host."""
+    gpus: dict[int, tuple[int, str]]
+    """Each rank's local rank and GPU UUID, where its record names one."""
+    profiled: int
+    """How many of its ranks a profiler window ran on."""
+    signals: list[RankSignal]
+    """The ranks' signals against their peers (``outliers.score_iteration``); none where ``noise`` is None."""
+    noise: NoiseReading | None
+    """What it tells the noise history; None where the iteration is not compared across ranks (a profiler ran
+    on some of its ranks only: it slows the ranks it runs on)."""
+    iteration_ns: float = 0.0
+    """The median rank's iteration time."""
+    same_work: bool = True
+    """Whether every rank does the same work (one role: ``roles.role_codes``)."""
+    times: IterationTimes = _NO_TIMES
+    runs_kernels: bool = False
+    """Whether some rank ran a compute kernel (``stages.runs_kernels``)."""
+
+
+def score_records(
+    records: Sequence[dict[str, Any]],
+    config: DifferentialConfig,
+    scorer: OutlierScorer | None = None,
+    functions: FunctionIndex | None = None,
+) -> IterationScore:
+    """Score one iteration's records: a pure function of the records (``functions`` is a cache), so a job's
+    iterations can be scored anywhere, in any order, and tracked in order (``JobDifferential.apply``).
+    ``scorer``: None, the one ``config`` names."""
+    hosts = {int(r["rank"]): str(r["host"]) for r in records}
+    gpus = {int(r["rank"]): (int(r["local_rank"]), str(r["gpu_uuid"])) for r in records if "gpu_uuid" in r}
+    profiled = sum(1 for r in records if r.get("profiled", False))
+    if 0 < profiled < len(records):
+        return IterationScore(hosts=hosts, gpus=gpus, profiled=profiled, signals=[], noise=None)
+    score = scorer or scorer_named(config.scorer, config.scoring)
+    roles = role_codes(records)
+    return IterationScore(
+        hosts=hosts,
+        gpus=gpus,
+        profiled=profiled,
+        signals=score_iteration(records, config.scoring, score, functions),
+        noise=read_noise(records, config.noise, roles),
+        iteration_ns=float(np.median([r["iteration_ns"] for r in records])),
+        same_work=np.unique(roles).size == 1,
+        times=iteration_times(records, work=len(records) <= config.noise.max_ranks),
+        runs_kernels=runs_kernels(records),
+    )

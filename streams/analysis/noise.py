@@ -197,50 +197,23 @@ class JobNoise:
             self._latest = deque(maxlen=self.config.min_history)
 
     def record(self, records: Sequence[dict[str, Any]]) -> None:
-        """One scored, unprofiled iteration: host functions absent on a rank that reported count as zero
-        there (a GC pause only the culprit has); collectives absent are unknown."""
-        seen: dict[str, dict[int, float]] = {name: {} for name in self._host}
-        calls: dict[str, dict[int, float]] = {}  # per collective: each rank's time in it
-        p2p: dict[int, float] = {}
-        compute: dict[int, dict[int, float]] = {}
-        small = len(records) <= self.config.max_ranks  # only those jobs are judged against their noise
-        for rec in records:
-            kinds = np.asarray(rec["kind"])
-            if small:
-                totals = compute.setdefault(int(rec.get("pp_rank", -1)), {})
-                totals[int(rec["rank"])] = float(np.sum(np.asarray(rec["total_ns"])[kinds == _COMPUTE]))
-            wanted = np.flatnonzero((kinds == _PYTHON) | (kinds == _COLLECTIVE))
-            if not wanted.size:
-                continue
-            rank, functions = int(rec["rank"]), rec["function"]
-            own = rec.get("self_ns")
-            if own is None or len(own) != len(functions):  # a producer that predates self times
-                own = rec["total_ns"]
-            # each column's values picked in one numpy step: no per-entry indexing of the record's columns
-            host = (kinds[wanted] == _PYTHON).tolist()
-            own_l = np.asarray(own, dtype=np.float64)[wanted].tolist()
-            mean_l = np.asarray(rec["mean_ns"], dtype=np.float64)[wanted].tolist()
-            total_l = np.asarray(rec["total_ns"], dtype=np.float64)[wanted].tolist() if small else mean_l
-            for j, is_host, own_ns, mean_ns, total_ns in zip(
-                wanted.tolist(), host, own_l, mean_l, total_l, strict=True
-            ):
-                name = functions[j]
-                if is_host:
-                    self._host.add(name)
-                    seen.setdefault(name, {})[rank] = own_ns
-                else:
-                    seen.setdefault(name, {})[rank] = mean_ns
-                    if small and name.startswith(P2P_PREFIXES):
-                        p2p[rank] = p2p.get(rank, 0.0) + total_ns
-                    elif small:
-                        calls.setdefault(name, {})[rank] = total_ns
-        ranks = [int(r["rank"]) for r in records]
+        """One scored, unprofiled iteration (``read_noise``, then ``apply``)."""
+        self.apply(read_noise(records, self.config))
+
+    def apply(self, reading: NoiseReading) -> None:
+        """One scored, unprofiled iteration's reading: host functions absent on a rank that reported count as
+        zero there (a GC pause only the culprit has); collectives absent are unknown."""
+        seen: dict[str, dict[int, float]] = {name: reading.seen.get(name, {}) for name in self._host}
+        for function, values in reading.seen.items():
+            seen.setdefault(function, values)
+        self._host |= reading.host
+        small, ranks = reading.small, reading.ranks
         order = np.argsort(ranks, kind="stable")
         every_rank = np.asarray(ranks, dtype=np.int64)[order]  # one array for all host functions' entries
         self._ranks = max(self._ranks, len(ranks))
-        self._record_waits(records, ranks)
+        self._record_waits(ranks, reading.waits, reading.roles)
         self._recorded += 1
-        for stage, totals in compute.items():
+        for stage, totals in reading.compute.items():
             self._compute.setdefault(stage, deque(maxlen=self.config.history_iterations)).append(totals)
             self._kernels = self._kernels or any(v > 0 for v in totals.values())
         for function, values in seen.items():
@@ -255,9 +228,9 @@ class JobNoise:
             else:
                 entry = RankValues.of(values)
             self._series[function].append(entry)
-        self._record_groups(calls)
+        self._record_groups(reading.calls)
         if small:
-            self._p2p.append(p2p)
+            self._p2p.append(reading.p2p)
         self._lateness = {}
         for function, values in seen.items() if small else ():  # only small jobs are judged by it
             if function in self._host or len(values) < 2 or function.startswith(P2P_PREFIXES):
@@ -626,16 +599,16 @@ class JobNoise:
         waited = [it.get(rank, np.nan) - it.get(partner, np.nan) for it in self._p2p]
         return float("nan") if np.isnan(waited).any() else float(np.median(waited))
 
-    def _record_waits(self, records: Sequence[dict[str, Any]], ranks: list[int]) -> None:
+    def _record_waits(self, ranks: list[int], waits: F64, roles: npt.NDArray[np.int64]) -> None:
         """The iteration's run-queue waits, one array in rank order (no per-rank objects: a job may have
         thousands of ranks); a rank that does not measure it, or another set of ranks, restarts the run."""
         order = np.argsort(ranks, kind="stable")
-        waits = np.array([r.get("cpu_wait_ns", -1) for r in records], dtype=np.float64)[order]
+        waits = waits[order]
         key = tuple(ranks[i] for i in order)
         if key != self._wait_ranks or not waits.size or waits.min() < 0:
             self._waits.clear()
             self._wait_ranks = key
-            self._wait_roles = role_codes(records)[order]  # a rank's role stays while its job runs
+            self._wait_roles = roles[order]  # a rank's role stays while its job runs
         if waits.size and waits.min() >= 0:
             self._waits.append(waits)
 
@@ -846,6 +819,77 @@ def _median_of_others(values: F64) -> F64:
     middle = (n - 1) // 2
     median: F64 = rest[:, middle] if n % 2 == 0 else (rest[:, middle - 1] + rest[:, middle]) / 2.0
     return median
+
+
+@dataclass(frozen=True, slots=True)
+class NoiseReading:
+    """What one iteration's records tell the job's noise history (``read_noise``): the pass over every
+    record's functions, apart from the history, so it can run where the iteration is scored."""
+
+    small: bool
+    """Whether the job is small enough to be judged against its noise (``NoiseConfig.max_ranks``)."""
+    ranks: list[int]
+    """The records' ranks, in their order."""
+    seen: dict[str, dict[int, float]]
+    """Per host function (its self time) and collective (its mean time), each rank's value; first seen first."""
+    host: set[str]
+    """The functions of ``seen`` that are host functions."""
+    calls: dict[str, dict[int, float]]
+    """Per collective but pipeline send/recv, each rank's time in it (small jobs)."""
+    p2p: dict[int, float]
+    """Each rank's time in pipeline send/recv (small jobs)."""
+    compute: dict[int, dict[int, float]]
+    """Per pipeline stage, each rank's compute kernel time (small jobs)."""
+    waits: F64
+    """Each record's run-queue wait (-1: not measured)."""
+    roles: npt.NDArray[np.int64]
+    """Each record's role code (``roles.role_codes``)."""
+
+
+def read_noise(
+    records: Sequence[dict[str, Any]], config: NoiseConfig, roles: npt.NDArray[np.int64] | None = None
+) -> NoiseReading:
+    """The iteration's reading for ``JobNoise.apply``; ``roles``: the records' role codes, if known already."""
+    seen: dict[str, dict[int, float]] = {}
+    host: set[str] = set()
+    calls: dict[str, dict[int, float]] = {}  # per collective: each rank's time in it
+    p2p: dict[int, float] = {}
+    compute: dict[int, dict[int, float]] = {}
+    small = len(records) <= config.max_ranks  # only those jobs are judged against their noise
+    for rec in records:
+        kinds = np.asarray(rec["kind"])
+        if small:
+            totals = compute.setdefault(int(rec.get("pp_rank", -1)), {})
+            totals[int(rec["rank"])] = float(np.sum(np.asarray(rec["total_ns"])[kinds == _COMPUTE]))
+        wanted = np.flatnonzero((kinds == _PYTHON) | (kinds == _COLLECTIVE))
+        if not wanted.size:
+            continue
+        rank, functions = int(rec["rank"]), rec["function"]
+        own = rec.get("self_ns")
+        if own is None or len(own) != len(functions):  # a producer that predates self times
+            own = rec["total_ns"]
+        # each column's values picked in one numpy step: no per-entry indexing of the record's columns
+        is_host_l = (kinds[wanted] == _PYTHON).tolist()
+        own_l = np.asarray(own, dtype=np.float64)[wanted].tolist()
+        mean_l = np.asarray(rec["mean_ns"], dtype=np.float64)[wanted].tolist()
+        total_l = np.asarray(rec["total_ns"], dtype=np.float64)[wanted].tolist() if small else mean_l
+        rows = zip(wanted.tolist(), is_host_l, own_l, mean_l, total_l, strict=True)
+        for j, is_host, own_ns, mean_ns, total_ns in rows:
+            name = functions[j]
+            if is_host:
+                host.add(name)
+                seen.setdefault(name, {})[rank] = own_ns
+            else:
+                seen.setdefault(name, {})[rank] = mean_ns
+                if small and name.startswith(P2P_PREFIXES):
+                    p2p[rank] = p2p.get(rank, 0.0) + total_ns
+                elif small:
+                    calls.setdefault(name, {})[rank] = total_ns
+    waits = np.array([r.get("cpu_wait_ns", -1) for r in records], dtype=np.float64)
+    return NoiseReading(
+        small=small, ranks=[int(r["rank"]) for r in records], seen=seen, host=host, calls=calls, p2p=p2p,
+        compute=compute, waits=waits, roles=role_codes(records) if roles is None else roles,
+    )  # fmt: skip
 
 
 class RankValues:
