@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import pickle
 import statistics
 import sys
@@ -44,7 +45,7 @@ import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
 from fleetscope.schemas import EventKind, FunctionKind, decode, encode
-from fleetscope.streams.analysis.differential import JobDifferential
+from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
 from fleetscope.streams.analysis.outliers import (
     ScoringConfig,
     gather_matrices,
@@ -56,6 +57,7 @@ from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.shards import split_records
 from fleetscope.streams.analysis.windowing import RankWindower, summarize_closed
 from fleetscope.streams.differential import DifferentialStage
+from fleetscope.streams.scoring import ScoringPool
 
 SLOW_FACTOR = 1.3
 ITERATION_NS = 400e6
@@ -401,6 +403,68 @@ def bench_messages(ranks: int, f: int, repeat: int, interleave: bool) -> bool:
     return found
 
 
+def process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def bench_pool(ranks: int, f: int, processes: list[int], iterations: int, interleave: bool) -> bool:
+    """One job's differential with its scoring in a pool of processes (``streams.scoring_processes``): the
+    worker places each message by its head, the pool decodes and scores each iteration, the worker tracks
+    them in order. Timed over ``iterations`` iterations after a first one: the worker's CPU s (what bounds one
+    job: its rate is the worker's, the pool's grows with processes), the pool's, and the wall time."""
+    slow = ranks * 7 // 10 + 3
+    its = [
+        [encode("patterns", encodable(r)) for r in make_records(ranks, f, slow, iteration=i, interleave=interleave)]
+        for i in range(iterations + 1)
+    ]
+    print(f"\none job's differential, scored in processes: {ranks:,} ranks x {f} functions, {iterations} iterations")
+    print(f"{'processes':>9} {'worker CPU s':>12} {'pool CPU s':>10} {'wall s':>7} {'worker us/rank-it':>17} "
+          f"{'job rank-it/s (worker)':>22} {'all us/rank-it':>14} {'found':>5}")  # fmt: skip
+    found = True
+    inline: list[dict[str, Any]] | None = None
+    for n in processes:
+        pool = ScoringPool(n, DifferentialConfig()) if n else None
+        stage = DifferentialStage(pool=pool)
+        out: list[dict[str, Any]] = []
+        for m in its[0]:
+            out += stage.take(m, None).findings
+        out += stage.collect(wait={"scale"})
+        pids = list(pool._executor._processes) if pool is not None else []  # noqa: SLF001 - the bench reads them
+        c0, p0, w0 = time.process_time(), process_cpu_s(pids), time.perf_counter()
+        for batch in its[1:]:
+            for m in batch:
+                out += stage.take(m, None).findings
+            while len(stage.in_flight()) > 2 * n:  # as the worker does: the input waits for the oldest
+                stage.in_flight()[0].result()
+                out += stage.collect()
+            out += stage.collect()
+        out += stage.collect(wait={"scale"})
+        worker, wall = time.process_time() - c0, time.perf_counter() - w0
+        pids = list(pool._executor._processes) if pool is not None else []  # noqa: SLF001 - started since too
+        in_pool = process_cpu_s(pids) - p0
+        jd = stage.jobs["scale"]
+        ok = jd.scored_upto == iterations and not stage.rejected
+        ok &= any(u["rank"] == slow for u in out) if iterations > 3 else True
+        inline = inline if inline is not None else out
+        ok &= [u["finding_id"] for u in out] == [u["finding_id"] for u in inline]
+        found &= ok
+        n_rank_its = ranks * iterations
+        print(
+            f"{n:>9} {worker:>12.2f} {in_pool:>10.2f} {wall:>7.2f} {1e6 * worker / n_rank_its:>17.0f} "
+            f"{n_rank_its / worker:>22,.0f} {1e6 * (worker + in_pool) / n_rank_its:>14.0f} {str(ok):>5}"
+        )
+        if pool is not None:
+            pool.close()
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="64,256,1024,4096,10240", help="comma-separated rank counts")
@@ -409,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interleave", action="store_true", help="shuffle odd ranks' whole function lists")
     ap.add_argument("--shards", default="1,2,4,8", help="comma-separated shard counts ('' to skip)")
     ap.add_argument("--message-ranks", type=int, default=2048, help="ranks of the from-messages run (0 to skip)")
+    ap.add_argument("--pool", default="", help="comma-separated scoring process counts (0: none) for the pool run")
+    ap.add_argument("--pool-iterations", type=int, default=4)
     ap.add_argument("--windower-ranks", type=int, default=16)
     ap.add_argument("--windower-iterations", type=int, default=12)
     ap.add_argument("--open-steps", type=int, default=8)
@@ -420,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
         ok &= bench_shards(max(sizes), args.functions, counts, args.repeat, args.interleave)
     if args.message_ranks:
         ok &= bench_messages(args.message_ranks, args.functions, args.repeat, args.interleave)
+    if args.pool:
+        pool_ranks = args.message_ranks or max(sizes)
+        counts = [int(x) for x in args.pool.split(",")]
+        ok &= bench_pool(pool_ranks, args.functions, counts, args.pool_iterations, args.interleave)
     bench_windower(args.windower_ranks, args.windower_iterations, args.open_steps)
     return 0 if ok else 1
 

@@ -162,6 +162,9 @@ class StreamSettings:
     state_chunk_bytes: int = 512 * 1024
     """State records (a job's differential state: megabytes at a thousand ranks) larger than this are written in
     chunks of it: keep it under the broker's ``max.message.bytes`` (1 MB by default) less the key."""
+    scoring_processes: int = 0
+    """Processes that decode and score the differential's iterations beside the worker (``streams.scoring``):
+    one job's differential on several cores, for jobs of thousands of ranks. 0: the worker scores them."""
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
@@ -170,6 +173,8 @@ class StreamSettings:
     def __post_init__(self) -> None:
         if self.job_end_ms <= self.job_idle_ms:
             raise ValueError(f"job_end_ms ({self.job_end_ms}) must be > job_idle_ms ({self.job_idle_ms})")
+        if not 0 <= self.scoring_processes <= 256:
+            raise ValueError(f"scoring_processes must be between 0 and 256, got {self.scoring_processes}")
         if self.state_chunk_bytes < 1024:
             raise ValueError(f"state_chunk_bytes must be >= 1024, got {self.state_chunk_bytes}")
         unknown = [stage for stage in self.stages if stage not in STAGES]

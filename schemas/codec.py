@@ -113,6 +113,58 @@ def decode(
     return writer.subject, _read_record(message, schema_id, writer, reader)
 
 
+PATTERN_HEAD = (
+    ("job", "string"), ("rank", "int"), ("host", "string"), ("world_size", "int"), ("tp_rank", "int"),
+    ("pp_rank", "int"), ("dp_rank", "int"), ("iteration", "long"), ("iteration_start_ns", "long"),
+    ("iteration_ns", "long"),
+)  # fmt: skip
+"""The fields a pattern record starts with: enough to place it in its job's iteration (``decode_head``)."""
+_HEADS: dict[int, bool] = {}
+
+
+def decode_head(
+    message: bytes, catalog: SchemaCatalog = CATALOG, *, resolver: SchemaResolver | None = None
+) -> tuple[SchemaEntry, dict[str, Any] | None]:
+    """(the writer's schema, the record's ``PATTERN_HEAD`` fields) of a pattern message, read without the rest: a few
+    varints where the whole record is hundreds of arrays, so one process can place every rank's record
+    and leave the rest to the processes that score (``streams.scoring``). The head is None where the
+    writer's schema does not start with those fields (or the message is not a pattern record): decode it
+    whole. The rest of the message is not checked: its ``decode`` may still fail."""
+    schema_id, writer = _writer_of(message, catalog, resolver)
+    starts = _HEADS.get(schema_id)
+    if starts is None:
+        fields = writer.parsed.get("fields", []) if isinstance(writer.parsed, dict) else []
+        named = [(f.get("name"), f.get("type")) for f in fields[: len(PATTERN_HEAD)]]
+        starts = _HEADS[schema_id] = writer.subject in _COLUMN_SUBJECTS and named == list(PATTERN_HEAD)
+    if not starts:
+        return writer, None
+    head: dict[str, Any] = {}
+    at, end = _PREFIX.size, len(message)
+    try:
+        for name, kind in PATTERN_HEAD:
+            value, shift, byte = 0, 0, 0x80
+            while byte & 0x80:
+                byte = message[at]
+                value |= (byte & 0x7F) << shift
+                shift += 7
+                at += 1
+                if shift > 70:
+                    raise SchemaError(f"malformed Avro for schema id {schema_id}: varint too long at {name}")
+            value = (value >> 1) ^ -(value & 1)
+            if kind == "string":
+                if value < 0 or at + value > end:
+                    raise SchemaError(f"malformed Avro for schema id {schema_id}: string {name} out of bounds")
+                head[name] = message[at : at + value].decode()
+                at += value
+            else:
+                head[name] = value
+    except IndexError:
+        raise SchemaError(f"malformed Avro for schema id {schema_id}: message ends inside its head") from None
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"malformed Avro for schema id {schema_id}: {exc!r}") from exc
+    return writer, head
+
+
 def _is_int32(value: Any) -> bool:
     return isinstance(value, np.ndarray) and value.dtype == np.int32
 

@@ -25,6 +25,7 @@ from fleetscope.streams.differential import DifferentialAgent, DifferentialStage
 from fleetscope.streams.profiling import ProfilePolicy
 from fleetscope.streams.rebalance import Gate, InputClock
 from fleetscope.streams.recovery import DifferentialRecovery, StateLog, WindowerRecovery
+from fleetscope.streams.scoring import ScoringPool
 from fleetscope.streams.windower import WindowerAgent, WindowerStage
 
 __all__ = ["StageCounters", "StreamAppConfig", "consumer_lag", "create_app", "run_worker"]
@@ -74,7 +75,10 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         app, windower_stage, WindowerRecovery(windower_state), topics=topics, stalls=raw(topics.stalls),
         counters=counters, dead=dead, gate=gate, clock=clock,
     )  # fmt: skip
-    differential_stage = DifferentialStage(cfg.differential)
+    pool = None
+    if cfg.scoring_processes and "differential" in cfg.stages:
+        pool = ScoringPool(cfg.scoring_processes, cfg.differential)
+    differential_stage = DifferentialStage(cfg.differential, pool=pool)
     profiles = ProfilePolicy(cfg.profiling)
     differential = DifferentialAgent(
         app, differential_stage, DifferentialRecovery(differential_state, differential_stage.jobs),
@@ -112,9 +116,17 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     if "differential" in cfg.stages:
         app.agent(differential_in, name="differential")(differential_agent)
 
+    if pool is not None:
+
+        async def close_pool(_sender: object, **_kw: object) -> None:
+            pool.close()
+
+        app.on_before_shutdown.connect(close_pool)  # type: ignore[arg-type]
+
     @app.timer(interval=0.25)
     async def close_idle() -> None:
         await windower.close_idle()
+        await differential.collect_scores()
         await differential.flush_idle(windower.jobs_in_progress())
 
     @app.timer(interval=1.0)
@@ -124,6 +136,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     @app.timer(interval=10.0)
     async def report() -> None:
         counters.held_messages = len(windower.recovery.holds) + len(differential.recovery.holds)
+        counters.iterations_scored_in_pool = pool.submitted if pool is not None else 0
         counters.profile_requests_suppressed = profiles.suppressed
         counters.state_writes = windower_state.writes + differential_state.writes
         counters.incomplete_iterations = windower_stage.incomplete

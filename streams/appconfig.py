@@ -34,6 +34,7 @@ class StreamAppConfig:
     job_idle_ms: int = 2000
     job_end_ms: int = 120_000
     state_chunk_bytes: int = 512 * 1024
+    scoring_processes: int = 0
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)

@@ -18,6 +18,8 @@ class StageCounters:
     incomplete_iterations: int = 0
     """Steps closed before all their streams arrived (too many open while one was quiet), current ranks."""
     pattern_records: int = 0
+    iterations_scored_in_pool: int = 0
+    """Iterations sent to the scoring processes (``streams.scoring_processes``)."""
     findings: int = 0
     per_reason: dict[str, int] = field(default_factory=dict)
     profile_requests_suppressed: int = 0

@@ -4,6 +4,7 @@ its reason and where it came from in the headers, and is counted."""
 from __future__ import annotations
 
 import faust
+from faust.types import Message
 
 from fleetscope.streams.counters import StageCounters
 
@@ -16,17 +17,17 @@ class DeadLetters:
         self.counters = counters
         self.max_message_bytes = max_message_bytes
 
-    async def send(self, event: faust.EventT, reason: str) -> None:
+    async def send(self, msg: Message, reason: str) -> None:
+        """Send the message as it came (its key and value bytes) with ``reason``."""
         self.counters.dead_letter(reason)
-        msg = event.message
         headers = {
             "reason": reason.encode(),
             "topic": str(msg.topic).encode(),
             "partition": str(msg.partition).encode(),
             "offset": str(msg.offset).encode(),
         }
-        value = event.value
+        value = msg.value
         if value is not None and len(value) > self.max_message_bytes:  # the raw topic keeps it whole
             headers["truncated_from_bytes"] = str(len(value)).encode()
             value = value[: self.max_message_bytes]
-        await self.topic.send(key=event.key, value=value, headers=headers)
+        await self.topic.send(key=msg.key, value=value, headers=headers)

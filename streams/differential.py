@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
 
 from fleetscope.schemas import SchemaError, decode, encode
+from fleetscope.schemas.codec import decode_head
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
 from fleetscope.streams.analysis.signals import OutlierScorer
@@ -27,12 +30,15 @@ from fleetscope.streams.deadletter import DeadLetters
 from fleetscope.streams.profiling import ProfilePolicy
 from fleetscope.streams.rebalance import Gate, InputClock, ack, take_over
 from fleetscope.streams.recovery import DifferentialRecovery
+from fleetscope.streams.scoring import PoolScore, ScoringPool
 
 log = logging.getLogger(__name__)
 
 SUBJECTS = ("patterns", "progress", "heartbeat")
 """What the differential reads: windowers' pattern records and stall reports, producers' heartbeats."""
 _MAX_REASON_CHARS = 500
+_PAYLOAD, _WRITER, _SOURCE = "_payload", "_writer", "_source"
+"""A record placed by its head (``decode_head``): its message, the message's writer schema, and its source."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +53,43 @@ class Taken:
     iteration: int | None = None
     reason: str | None = None
     replayed: bool = False
+    source: Any = None
+    """The message ``reason`` refuses, where it is not the one taken (``DifferentialStage.rejected``)."""
+
+
+@dataclass(slots=True)
+class _Scoring:
+    """An iteration a scoring process has: its messages' sources, in the order sent."""
+
+    iteration: int
+    future: Future[PoolScore]
+    sources: list[Any]
 
 
 class DifferentialStage:
-    """Every job's differential; messages in, finding records out (no I/O)."""
+    """Every job's differential; messages in, finding records out (no I/O but the scoring pool's).
 
-    def __init__(self, config: DifferentialConfig | None = None, scorer: OutlierScorer | None = None) -> None:
+    With a ``pool`` (``streams.scoring``), a pattern message is placed by its head and each complete
+    iteration scored by a pool process; ``collect`` tracks the scores that are back, in each job's iteration
+    order, and ``flush`` and ``end`` wait for the job's. Without, an iteration is scored as it completes."""
+
+    def __init__(
+        self,
+        config: DifferentialConfig | None = None,
+        scorer: OutlierScorer | None = None,
+        pool: ScoringPool | None = None,
+    ) -> None:
+        if pool is not None and scorer is not None:
+            raise ValueError("a scoring pool scores with the configured scorer: pass no scorer with it")
         self.config = config or DifferentialConfig()
         self.scorer = scorer
         """Overrides the scorer the configuration names (tests, experiments); None: the configured one."""
+        self.pool = pool
         self.jobs: dict[str, JobDifferential] = {}
+        self.scoring: dict[str, deque[_Scoring]] = {}
+        """Per job, the iterations its pool processes have, oldest first."""
+        self.rejected: list[Taken] = []
+        """Messages the pool could not use (``Taken.source``): for the dead-letter topic."""
 
     def job(self, name: str) -> JobDifferential:
         jd = self.jobs.get(name)
@@ -70,9 +103,16 @@ class DifferentialStage:
         now_ns: int | None,
         replayed: Callable[[str, int], bool] | None = None,
         offset: int = -1,
+        source: Any = None,
     ) -> Taken:
-        """Decode one message and apply it (``apply``); ``offset`` is the message's, for ``replayed``."""
+        """Decode one message and apply it (``apply``); ``offset`` is the message's, for ``replayed``;
+        ``source``: what names the message to the caller, should the pool refuse it later (``rejected``)."""
         try:
+            if self.pool is not None:
+                writer, head = decode_head(message or b"")
+                if head is not None:  # the rest is decoded where the iteration is scored
+                    record = {**head, _PAYLOAD: message, _WRITER: writer, _SOURCE: source}
+                    return self.apply(writer.subject, record, now_ns, replayed, offset)
             subject, record = decode(message or b"")
         except SchemaError as exc:
             return Taken(reason=f"schema: {exc}")
@@ -99,7 +139,11 @@ class DifferentialStage:
                 if replayed is not None and replayed(job, offset):
                     return Taken([], job, subject, replayed=True)
                 return Taken(jd.add_progress(record), job, subject)
-            return Taken(jd.add(record, now_ns), job, subject, iteration=int(record["iteration"]))
+            if self.pool is None:
+                return Taken(jd.add(record, now_ns), job, subject, iteration=int(record["iteration"]))
+            for it, records in jd.gather(record, now_ns):
+                self._send(job, it, records)
+            return Taken([], job, subject, iteration=int(record["iteration"]))
         except Exception as exc:  # an analysis bug must cost one message, not the stream
             log.warning("the differential of job %r rejected a %s record: %r", job, subject, exc)
             text = " ".join(str(exc).split()) or type(exc).__name__
@@ -107,11 +151,71 @@ class DifferentialStage:
 
     def flush(self, job: str) -> list[dict[str, Any]]:
         """Score what the idle job has pending (``JobDifferential.flush``); an analysis failure is logged."""
-        return self._guarded(job, "flush", self.jobs[job].flush)
+        self.send_pending(job)
+        return self.collect(wait={job}) + self._guarded(job, "flush", self.jobs[job].flush)
 
     def end(self, job: str) -> list[dict[str, Any]]:
         """Close the ended job's findings (``JobDifferential.end``); an analysis failure is logged."""
-        return self._guarded(job, "end", self.jobs[job].end)
+        self.send_pending(job)
+        return self.collect(wait={job}) + self._guarded(job, "end", self.jobs[job].end)
+
+    def send_pending(self, job: str) -> None:
+        """With a pool: send it the job's pending iterations, with the ranks they have (a flush, the job's end)."""
+        jd = self.jobs.get(job)
+        if self.pool is not None and jd is not None:
+            for it, records in jd.take_pending():
+                self._send(job, it, records)
+
+    def in_flight(self, jobs: Collection[str] | None = None) -> list[Future[PoolScore]]:
+        """The pool's futures of ``jobs`` (None: every job's), oldest first per job."""
+        return [s.future for job, q in self.scoring.items() if jobs is None or job in jobs for s in q]
+
+    def collect(self, wait: Collection[str] = ()) -> list[dict[str, Any]]:
+        """Track the scores the pool has returned, each job's in iteration order (those of ``wait``'s jobs all,
+        waiting for them); return the finding records. Messages the pool refused go to ``rejected``."""
+        out: list[dict[str, Any]] = []
+        for job, queue in list(self.scoring.items()):
+            while queue and (job in wait or queue[0].future.done()):
+                out += self._track(job, queue.popleft())
+            if not queue:
+                del self.scoring[job]
+        return out
+
+    def forget(self, jobs: Collection[str]) -> None:
+        """Drop the pool's iterations of jobs this worker no longer owns (their messages replay elsewhere)."""
+        for job in jobs:
+            for scoring in self.scoring.pop(job, ()):
+                scoring.future.cancel()
+
+    def _send(self, job: str, it: int, records: list[dict[str, Any]]) -> None:
+        assert self.pool is not None
+        payloads = [r[_PAYLOAD] if _PAYLOAD in r else r for r in records]
+        writers = {r[_WRITER].schema_id: r[_WRITER] for r in records if _WRITER in r}
+        sources = [r.get(_SOURCE) for r in records]
+        future = self.pool.submit(job, payloads, writers)
+        self.scoring.setdefault(job, deque()).append(_Scoring(it, future, sources))
+
+    def _track(self, job: str, scoring: _Scoring) -> list[dict[str, Any]]:
+        jd = self.jobs[job]
+        try:
+            result = scoring.future.result()
+        except Exception as exc:  # the pool itself failed (a process died): the iteration is lost, logged
+            log.error("the scoring pool lost iteration %d of job %r: %r", scoring.iteration, job, exc)
+            jd.skip(scoring.iteration)
+            return []
+        for at, reason in result.rejected:
+            self.rejected.append(Taken([], job, "patterns", scoring.iteration, reason, source=scoring.sources[at]))
+        if result.score is None:
+            jd.skip(scoring.iteration)
+            return []
+        try:
+            return jd.apply(scoring.iteration, result.score)
+        except Exception as exc:  # an analysis bug must cost one iteration, not the stream
+            log.warning("the differential of job %r failed to track iteration %d: %r", job, scoring.iteration, exc)
+            text = " ".join(str(exc).split()) or type(exc).__name__
+            reason = f"differential: {text}"[:_MAX_REASON_CHARS]
+            self.rejected.append(Taken([], job, "patterns", scoring.iteration, reason, source=scoring.sources[-1]))
+            return []
 
     @staticmethod
     def _guarded(job: str, what: str, step: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -179,7 +283,9 @@ class DifferentialAgent:
             touched: set[str] = set()
             for event in events:
                 msg = event.message
-                taken = self.stage.take(event.value, self.clock.now_ns(), self.recovery.replayed_progress, msg.offset)
+                taken = self.stage.take(
+                    event.value, self.clock.now_ns(), self.recovery.replayed_progress, msg.offset, source=msg
+                )
                 if taken.job:
                     self.recovery.place(taken.job, msg.partition)
                     self.input[taken.job] = self.clock.now_ns()
@@ -201,12 +307,54 @@ class DifferentialAgent:
                 else:
                     self.counters.pattern_records += 1
                     self.recovery.took(job, msg, taken.iteration)
+            if self.stage.pool is not None:
+                await self._backpressure()
+                touched |= self.stage.scoring.keys()
+                out += self.stage.collect()
             await self.emit(out)
             released = await self.recovery.checkpoint(touched) if epoch == self.gate.epoch else []
         for event, reason in rejected:
-            await self.dead.send(event, reason)
+            await self.dead.send(event.message, reason)
+        await self._dead_letter_refused()
         if epoch == self.gate.epoch:
             ack([*released, *(event.message for event, _ in rejected)], self.app)
+
+    async def _backpressure(self) -> None:
+        """Wait for the pool's oldest iterations while it has more than two per process: the input waits."""
+        assert self.stage.pool is not None
+        futures = self.stage.in_flight()
+        excess = len(futures) - 2 * self.stage.pool.processes
+        if excess > 0:
+            await asyncio.wait([asyncio.wrap_future(f) for f in futures[:excess]])
+
+    async def _scores_of(self, job: str) -> None:
+        """Send the pool the job's pending iterations and wait for all its iterations there (before a flush)."""
+        if self.stage.pool is not None:
+            self.stage.send_pending(job)
+            futures = self.stage.in_flight({job})
+            if futures:
+                await asyncio.wait([asyncio.wrap_future(f) for f in futures])
+
+    async def _dead_letter_refused(self) -> None:
+        """Messages the pool could not decode (held by their jobs like the others: acked once covered)."""
+        refused, self.stage.rejected = self.stage.rejected, []
+        for taken in refused:
+            await self.dead.send(taken.source, taken.reason or "")
+
+    async def collect_scores(self) -> None:
+        """Track the scores the pool has returned since the last batch (the input may have stopped)."""
+        if self.stage.pool is None or not self.stage.scoring or self.gate.paused:
+            return
+        epoch = self.gate.epoch
+        async with self.lock:
+            if epoch != self.gate.epoch:
+                return
+            jobs = set(self.stage.scoring)
+            await self.emit(self.stage.collect())
+            released = await self.recovery.checkpoint(jobs) if epoch == self.gate.epoch else []
+        await self._dead_letter_refused()
+        if epoch == self.gate.epoch:
+            ack(released, self.app)
 
     def adopt(self, partitions: Collection[int]) -> None:
         """Restore the jobs of assigned partitions now rather than at their next message: a job whose last
@@ -244,6 +392,7 @@ class DifferentialAgent:
             async with self.lock:
                 if epoch != self.gate.epoch:
                     return
+                await self._scores_of(job)
                 out = self.stage.flush(job)
                 self.recovery.flushed(job)
                 await self.emit(out)
@@ -267,6 +416,7 @@ class DifferentialAgent:
             async with self.lock:
                 if epoch != self.gate.epoch:
                     return
+                await self._scores_of(job)
                 await self.emit(self.stage.end(job))
                 self.profiles.forget(job)
                 released = await self.recovery.checkpoint([job]) if epoch == self.gate.epoch else []
@@ -290,6 +440,8 @@ class DifferentialAgent:
 
     def revoke(self, partitions: Collection[int]) -> None:
         """Forget the jobs of revoked partitions (their next owner restores them)."""
-        for job in self.recovery.revoke(partitions):
+        jobs = self.recovery.revoke(partitions)
+        self.stage.forget(jobs)
+        for job in jobs:
             self.seen.pop(job, None)
             self.input.pop(job, None)

@@ -135,7 +135,7 @@ class WindowerAgent:
             released = await self.emit(closed, epoch, touched)
         await self.emit_stalls(touched.values())
         for event, reason in rejected:
-            await self.dead.send(event, reason)
+            await self.dead.send(event.message, reason)
         if epoch == self.gate.epoch:  # whatever was sent above is flushed before Faust commits these acks
             ack([*released, *(event.message for event, _ in rejected)], self.app)
 

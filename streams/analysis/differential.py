@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -64,6 +64,8 @@ class JobDifferential:
         self._pending: dict[int, dict[int, dict[str, Any]]] = {}
         self._world_size = 0
         self._scored_upto = -(2**62)
+        self._gathered_upto = self._scored_upto
+        """The last iteration taken to be scored (``gather``); ahead of ``scored_upto`` while scored elsewhere."""
         self._regression = RegressionCheck(self.config.job_level)
         self._aftermath = ProfilerAftermath()
         self._transfers = SteadyTransfers()
@@ -97,13 +99,14 @@ class JobDifferential:
 
     @property
     def scored_upto(self) -> int:
-        """The last iteration scored; records for it or earlier are late and ignored."""
+        """The last iteration tracked (``apply``); records for it or earlier are late and ignored."""
         return self._scored_upto
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled state leaves out the records still waiting for ranks: a replay of their messages brings them back."""
         state = self.__dict__.copy()
         state["_pending"] = {}
+        state["_gathered_upto"] = self._scored_upto  # iterations still being scored elsewhere: replayed
         clocks = ("_last_seen_ns", "_first_seen_ns", "_unseen", "_newest_ns", "_last_input_ns", "_first_input_ns")
         for clock_field in clocks:  # rebuilt from replay
             del state[clock_field]
@@ -113,6 +116,7 @@ class JobDifferential:
         """State records written before the function index existed restore with an empty one."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_functions", FunctionIndex())
+        self.__dict__.setdefault("_gathered_upto", self._scored_upto)
         self.__dict__.setdefault("_last_seen_ns", OrderedDict())
         self.__dict__.setdefault("_first_seen_ns", None)
         self.__dict__.setdefault("_newest_ns", 0)
@@ -135,6 +139,12 @@ class JobDifferential:
 
         ``now_ns`` (the worker's input clock) marks a live stream, where an iteration a silent rank lacks is
         scored without it; without it (offline) an iteration waits for all its ranks."""
+        return self._scored(self.gather(record, now_ns))
+
+    def gather(self, record: dict[str, Any], now_ns: int | None = None) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+        """Take one rank's pattern record (``add``); yield the iterations it made ready to score, in order, each
+        with its records, for ``score`` here or ``score_records`` elsewhere and ``apply`` here. Lazy: an
+        iteration not yet yielded stays pending."""
         it = int(record["iteration"])
         if now_ns is not None:
             ended = int(record.get("iteration_start_ns", 0)) + int(record.get("iteration_ns", 0))
@@ -146,14 +156,14 @@ class JobDifferential:
             self._last_input_ns[int(record["rank"])] = now_ns
             if self._first_input_ns is None:
                 self._first_input_ns = now_ns
-        if it <= self._scored_upto:
+        if it <= self._gathered_upto:
             self.late_records += 1
-            return []
+            return iter(())
         self._world_size = max(self._world_size, int(record["world_size"]))
         self._pending.setdefault(it, {})[int(record["rank"])] = record
         if "gpu_uuid" in record:
             self.tracker.gpus[int(record["rank"])] = (int(record["local_rank"]), str(record["gpu_uuid"]))
-        return self._score_ready(now_ns)
+        return self._ready(now_ns)
 
     def add_heartbeat(self, hb: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one rank's heartbeat; return a hang finding when the job stopped progressing (``hangs``).
@@ -200,17 +210,12 @@ class JobDifferential:
 
     def flush(self) -> list[dict[str, Any]]:
         """Score every pending iteration with the ranks it has, then report open findings' state."""
-        out: list[dict[str, Any]] = []
-        for it in sorted(self._pending):
-            out += self._score(it)
-        return out + self.tracker.flush()
+        return self._scored(self.take_pending()) + self.tracker.flush()
 
     def end(self) -> list[dict[str, Any]]:
         """The job ended (no input for the stage's ``job_end_ms``): score what is pending, then close every
         open finding with reason ``job_ended``. A job that comes back starts its findings afresh."""
-        out: list[dict[str, Any]] = []
-        for it in sorted(self._pending):
-            out += self._score(it)
+        out = self._scored(self.take_pending())
         out += self.tracker.close_all("job_ended")
         self._heartbeats.clear()
         self._stalled.clear()
@@ -224,8 +229,12 @@ class JobDifferential:
     def _complete(self, it: int) -> bool:
         return len(self._pending[it]) >= self._world_size
 
-    def _score_ready(self, now_ns: int | None = None) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def take_pending(self) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+        """Every pending iteration with the ranks it has, in order (``gather``)."""
+        for it in sorted(self._pending):
+            yield self._take(it)
+
+    def _ready(self, now_ns: int | None = None) -> Iterator[tuple[int, list[dict[str, Any]]]]:
         wait = self.config.missing_rank_wait_iterations
         while self._pending:
             first = min(self._pending)
@@ -235,8 +244,7 @@ class JobDifferential:
                 # silent long enough, score without it (it then becomes a hang) rather than stall the job.
                 if later_complete < wait and not self._lacks_only_silent_ranks(first, now_ns):
                     break
-            out += self._score(first)
-        return out
+            yield self._take(first)
 
     def _lacks_only_silent_ranks(self, it: int, now_ns: int | None) -> bool:
         """Whether every rank missing from ``it`` sent nothing (or never reported) while its peers advanced the
@@ -284,16 +292,31 @@ class JobDifferential:
         hb = self._heartbeats.get(rank)
         return hb is not None and (bool(hb.get("profiling", False)) or int(hb["last_step"]) >= it)
 
-    def _score(self, it: int) -> list[dict[str, Any]]:
-        records = list(self._pending.pop(it).values())
-        self._scored_upto = it
+    def _take(self, it: int) -> tuple[int, list[dict[str, Any]]]:
+        self._gathered_upto = it
         self.iterations_scored += 1
+        return it, list(self._pending.pop(it).values())
+
+    def _scored(self, ready: Iterable[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for it, records in ready:
+            out += self.score(it, records)
+        return out
+
+    def score(self, it: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Score one iteration here (``score_records``) and track it (``apply``)."""
+        self.skip(it)  # a scoring that fails costs this iteration, not the job's later ones
         scorer = self.scorer or scorer_named(self.config.scorer, self.config.scoring)
         return self.apply(it, score_records(records, self.config, scorer, self._functions))
+
+    def skip(self, it: int) -> None:
+        """Iteration ``it`` will not be tracked (its scoring failed): the job's state covers it all the same."""
+        self._scored_upto = max(self._scored_upto, it)
 
     def apply(self, it: int, scored: IterationScore) -> list[dict[str, Any]]:
         """Track one iteration's score (``score_records``): its signals judged against the job's history (the
         steady transfers, the noise, the regression test, the findings open), in iteration order."""
+        self.skip(it)
         self.tracker.gpus.update(scored.gpus)
         disturbed = self._aftermath.observe(scored.profiled > 0)
         if disturbed:

@@ -203,36 +203,29 @@ class JobNoise:
     def apply(self, reading: NoiseReading) -> None:
         """One scored, unprofiled iteration's reading: host functions absent on a rank that reported count as
         zero there (a GC pause only the culprit has); collectives absent are unknown."""
-        seen: dict[str, dict[int, float]] = {name: reading.seen.get(name, {}) for name in self._host}
-        for function, values in reading.seen.items():
-            seen.setdefault(function, values)
+        absent = RankValues(reading.every_rank, np.zeros(len(reading.ranks)))  # a host function no rank ran
+        entries = {name: reading.entries.get(name, absent) for name in self._host}
+        for function, entry in reading.entries.items():
+            entries.setdefault(function, entry)
         self._host |= reading.host
         small, ranks = reading.small, reading.ranks
-        order = np.argsort(ranks, kind="stable")
-        every_rank = np.asarray(ranks, dtype=np.int64)[order]  # one array for all host functions' entries
         self._ranks = max(self._ranks, len(ranks))
         self._record_waits(ranks, reading.waits, reading.roles)
         self._recorded += 1
         for stage, totals in reading.compute.items():
             self._compute.setdefault(stage, deque(maxlen=self.config.history_iterations)).append(totals)
             self._kernels = self._kernels or any(v > 0 for v in totals.values())
-        for function, values in seen.items():
+        for function, entry in entries.items():
             if function not in self._series:
                 self._series[function] = deque(maxlen=self.config.history_iterations)
             # (a state restored from before ``_seen_at`` has series without it)
             self._seen_at.setdefault(function, deque(maxlen=self.config.history_iterations)).append(self._recorded)
-            if function in self._host:
-                entry = RankValues(every_rank, np.array([values.get(r, 0.0) for r in ranks], dtype=np.float64)[order])
-            elif len(values) == len(ranks) and list(values) == ranks:  # every rank: the iteration's ranks array
-                entry = RankValues(every_rank, np.fromiter(values.values(), np.float64, len(values))[order])
-            else:
-                entry = RankValues.of(values)
             self._series[function].append(entry)
         self._record_groups(reading.calls)
         if small:
             self._p2p.append(reading.p2p)
         self._lateness = {}
-        for function, values in seen.items() if small else ():  # only small jobs are judged by it
+        for function, values in reading.seen.items() if small else ():  # only small jobs are judged by it
             if function in self._host or len(values) < 2 or function.startswith(P2P_PREFIXES):
                 continue  # a pipeline group's stages send and receive by their own schedules, not as peers
             arrivals = np.fromiter(values.values(), dtype=np.float64, count=len(values))
@@ -830,10 +823,15 @@ class NoiseReading:
     """Whether the job is small enough to be judged against its noise (``NoiseConfig.max_ranks``)."""
     ranks: list[int]
     """The records' ranks, in their order."""
+    every_rank: npt.NDArray[np.int64]
+    """The ranks ascending: one array for the entries that have every rank."""
+    entries: dict[str, RankValues]
+    """Per host function (its self time; 0 on a rank that did not run it) and collective (its mean time),
+    the ranks' values; first seen first."""
     seen: dict[str, dict[int, float]]
-    """Per host function (its self time) and collective (its mean time), each rank's value; first seen first."""
+    """The same as dicts, for small jobs' arrivals (empty for others)."""
     host: set[str]
-    """The functions of ``seen`` that are host functions."""
+    """The functions of ``entries`` that are host functions."""
     calls: dict[str, dict[int, float]]
     """Per collective but pipeline send/recv, each rank's time in it (small jobs)."""
     p2p: dict[int, float]
@@ -886,9 +884,21 @@ def read_noise(
                 elif small:
                     calls.setdefault(name, {})[rank] = total_ns
     waits = np.array([r.get("cpu_wait_ns", -1) for r in records], dtype=np.float64)
+    ranks = [int(r["rank"]) for r in records]
+    order = np.argsort(ranks, kind="stable")
+    every_rank = np.asarray(ranks, dtype=np.int64)[order]
+    entries: dict[str, RankValues] = {}
+    for function, values in seen.items():
+        if function in host:
+            entry = RankValues(every_rank, np.array([values.get(r, 0.0) for r in ranks], dtype=np.float64)[order])
+        elif len(values) == len(ranks) and list(values) == ranks:  # every rank: the iteration's ranks array
+            entry = RankValues(every_rank, np.fromiter(values.values(), np.float64, len(values))[order])
+        else:
+            entry = RankValues.of(values)
+        entries[function] = entry
     return NoiseReading(
-        small=small, ranks=[int(r["rank"]) for r in records], seen=seen, host=host, calls=calls, p2p=p2p,
-        compute=compute, waits=waits, roles=role_codes(records) if roles is None else roles,
+        small=small, ranks=ranks, every_rank=every_rank, entries=entries, seen=seen if small else {}, host=host,
+        calls=calls, p2p=p2p, compute=compute, waits=waits, roles=role_codes(records) if roles is None else roles,
     )  # fmt: skip
 
 

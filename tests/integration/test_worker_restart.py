@@ -71,3 +71,15 @@ def test_a_worker_killed_mid_run_with_its_state_records_in_chunks_stores_what_a_
     _killed_and_restarted(
         run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **chunks), one_worker_run
     )
+
+
+def test_a_worker_scoring_in_processes_killed_mid_run_stores_what_a_clean_run_stores(
+    tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome
+) -> None:
+    """With ``streams.scoring_processes`` the job's iterations are decoded and scored by a pool beside the
+    worker and tracked in order; its state records cover only iterations tracked, so the iterations the
+    pool had when the worker died are replayed, and the run stores what the one-process run stores."""
+    pooled = {"streams.scoring_processes": 2}
+    _killed_and_restarted(
+        run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **pooled), one_worker_run
+    )

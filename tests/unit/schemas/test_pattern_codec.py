@@ -207,3 +207,52 @@ def test_records_of_few_functions_are_left_to_fastavro_and_large_ones_are_not(mo
     assert message == encode("patterns", large, fast=False) and len(message) >= codec.COLUMNS_FROM_BYTES
     assert isinstance(decode(message)[1]["calls"], np.ndarray)
     assert outcome(message, fast=True) == outcome(message, fast=False)
+
+
+def head_of(message: bytes) -> tuple[Any, ...]:
+    """``decode_head``'s outcome beside ``decode``'s: the head's fields, or an error."""
+    try:
+        writer, head = codec.decode_head(message)
+    except SchemaError:
+        return ("error",)
+    return ("head", writer.subject, head)
+
+
+@EXAMPLES
+@given(pattern_records())
+def test_a_pattern_records_head_is_what_decoding_it_whole_gives(record: dict[str, Any]) -> None:
+    message = encode("patterns", record)
+    writer, head = codec.decode_head(message)
+    _, whole = decode(message)
+    assert writer.subject == "patterns" and head == {name: whole[name] for name, _ in codec.PATTERN_HEAD}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated([encode("patterns", p) for p in PATTERNS[:8]]))
+def test_a_damaged_message_has_no_head_or_the_one_its_whole_decoding_has(message: bytes) -> None:
+    """The head is no check of the rest (that is decoded where it is scored), but it never differs from it."""
+    got = head_of(message)
+    whole = outcome(message, fast=False)
+    if whole[0] == "record" and got[0] == "head" and got[2] is not None:
+        assert got[2] == {name: whole[2][name] for name, _ in codec.PATTERN_HEAD}
+    if got[0] == "error":
+        assert whole[0] == "error"
+
+
+def test_older_pattern_schemas_have_the_head_other_subjects_none_and_a_cut_head_is_an_error() -> None:
+    for schema_id in (601, 602):
+        writer = CATALOG.by_id(schema_id)
+        buf = io.BytesIO()
+        buf.write(struct.pack(">bI", 0, schema_id))
+        schemaless_writer(
+            buf, writer.parsed, {k: list(v) if isinstance(v, np.ndarray) else v for k, v in PATTERNS[0].items()}
+        )
+        _, whole = decode(buf.getvalue())
+        assert codec.decode_head(buf.getvalue())[1] == {name: whole[name] for name, _ in codec.PATTERN_HEAD}
+    progress = {"job": "j", "rank": 0, "host": "h", "world_size": 1, "last_step": 1, "last_progress_ns": 1,
+                "clock_ns": 2, "stalled_ns": 1, "mean_iteration_ns": 1, "stalled": True}  # fmt: skip
+    assert codec.decode_head(encode("progress", progress, fast=False))[1] is None
+    message = encode("patterns", PATTERNS[0])
+    for cut in (5, 8, 12, 30):
+        with pytest.raises(SchemaError, match="ends inside its head|out of bounds"):
+            codec.decode_head(message[:cut])
