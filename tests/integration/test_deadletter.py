@@ -15,10 +15,20 @@ from harness import isolated_config, read_topic, wait_until
 
 from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, simulate
-from fleetscope.schemas import EventKind, IntakeLimits, SchemaError, Topics, decode_event_batch, encode_event_batch
+from fleetscope.schemas import (
+    EventKind,
+    IntakeLimits,
+    SchemaError,
+    Topics,
+    decode_event_batch,
+    encode,
+    encode_event_batch,
+)
+from fleetscope.schemas.topics import job_key
 from fleetscope.sinks import connect
 from fleetscope.stack import EmbeddedStack
 from fleetscope.streams.analysis.validation import check_batch
+from fleetscope.streams.offline import OfflinePipeline
 
 pytestmark = pytest.mark.integration
 
@@ -134,3 +144,33 @@ def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
         assert stack.worker is not None and stack.worker.alive()
         log = stack.worker.log_path.read_text(errors="replace")
         assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_pattern_message_the_scoring_processes_cannot_decode_is_dead_lettered_and_its_job_goes_on(
+    broker: str, tmp_path: Path, chdb_path: Path, database: str
+) -> None:
+    """With ``streams.scoring_processes`` the differential reads a pattern message's head only and leaves the
+    rest to the process that scores its iteration: a message whose head reads and whose rest does not comes
+    back from that process and goes to the dead-letter topic all the same, and its job is scored without it."""
+    config = isolated_config("dlpool", tmp_path, chdb_path, database, broker, {"streams.scoring_processes": 2})
+    topics = Topics(prefix=config.kafka.topic_prefix)
+    pipeline = OfflinePipeline(keep_patterns=True).add_all(
+        simulate(SimulatorConfig(job="dl-pool", ranks=4, iterations=6, start_ns=time.time_ns() - 3_600 * 10**9))
+    )
+    pipeline.finish()
+    messages = [encode("patterns", p) for p in pipeline.patterns]
+    damaged = len(messages) // 2
+    messages[damaged] = messages[damaged][:-30]  # its head whole, its arrays cut
+    with EmbeddedStack(config, with_worker=True) as stack:
+        producer = Producer({"bootstrap.servers": broker, "linger.ms": 5})
+        for message in messages:
+            producer.produce(topics.patterns, value=message, key=job_key("dl-pool"))
+        assert producer.flush(10) == 0
+        # the store's sink reads the patterns topic too, and refuses it as well ("decode: ...")
+        letters = read_topic(broker, [topics.deadletter], until=lambda got: len(got) >= 2, timeout_s=90)
+        reasons = sorted({k: v.decode() for k, v in m.headers() or []}["reason"].split(":", 1)[0] for m in letters)
+        assert reasons == ["decode", "schema"], reasons
+        assert all(m.value() == messages[damaged] for m in letters)
+        assert stack.worker is not None and stack.worker.alive()
+        log = stack.worker.log_path.read_text(errors="replace")
+        assert "scores its iterations in 2 processes" in log and "Traceback" not in log, log[-3000:]

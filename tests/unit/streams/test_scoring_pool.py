@@ -5,7 +5,6 @@ reason, and the job's state covers only the iterations tracked."""
 from __future__ import annotations
 
 import pickle
-import time
 from collections.abc import Iterator
 from typing import Any
 
