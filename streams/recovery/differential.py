@@ -110,7 +110,7 @@ class DifferentialRecovery:
         self._partition: dict[str, int] = {}
         self._progress_offset: dict[str, int] = {}
         self._flushed: dict[str, bool] = {}
-        self._written: dict[str, tuple[int, int, bool, int]] = {}
+        self._written: dict[str, tuple[int, int, int, bool, int]] = {}
         self._loaded: set[int] = set()
 
     async def load(self, partitions: Collection[int]) -> list[str]:
@@ -185,10 +185,10 @@ class DifferentialRecovery:
                 out += self.holds.release(job, jd.scored_upto + 1)
                 continue
             since = self._large_written_at.get(job)
-            if since is not None and written is not None and mark[1:] == written[1:]:
+            if since is not None and written is not None and mark[2:] == written[2:]:
                 if time.monotonic() - since < self.large_interval_s:
                     continue  # only iterations scored since: they wait for the next record, and so do their messages
-            value = dump_job_state(JobState(job=jd, progress_offset=mark[1], flushed=mark[2]))
+            value = dump_job_state(JobState(job=jd, progress_offset=mark[2], flushed=mark[3]))
             await self.log.write(self._partition[job], job_key(job), value)
             self._written[job] = mark
             if len(value) > self.log.chunk_bytes:
@@ -209,11 +209,13 @@ class DifferentialRecovery:
         self._loaded -= set(partitions)
         return jobs
 
-    def _mark(self, job: str) -> tuple[int, int, bool, int]:
-        """What a state record must follow: scored iterations, stall reports, flushes and open findings (a
-        hang opened from heartbeats, findings closed when the job ended)."""
+    def _mark(self, job: str) -> tuple[int, int, int, bool, int]:
+        """What a state record must follow: iterations taken to score and tracked (apart with scoring
+        processes, which track an iteration later), stall reports, flushes and open findings (a hang opened
+        from heartbeats, findings closed when the job ended)."""
         return (
             self.jobs[job].iterations_scored,
+            self.jobs[job].scored_upto,
             self._progress_offset.get(job, -1),
             self._flushed.get(job, False),
             self.jobs[job].open_findings(),

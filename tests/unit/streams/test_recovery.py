@@ -14,7 +14,7 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventKind
-from fleetscope.streams.analysis.differential import JobDifferential
+from fleetscope.streams.analysis.differential import JobDifferential, score_records
 from fleetscope.streams.analysis.windowing import ClosedIteration
 from fleetscope.streams.intake import horizon_ns
 from fleetscope.streams.offline import OfflinePipeline
@@ -311,3 +311,33 @@ def test_a_large_job_state_is_written_at_most_every_interval_while_it_only_score
     now[0] += 1.0
     assert step(6) == of(6) and log.writes == 6
     assert jobs[SIM.job].open_findings() == 1
+
+
+def test_an_iteration_tracked_after_it_was_taken_to_score_is_written_before_its_messages_are_released() -> None:
+    """With scoring processes an iteration is taken to score (gathered) at one checkpoint and tracked at a
+    later one: the record written at the first does not cover it, so its messages wait for the second."""
+
+    class Log:
+        chunk_bytes = 10**9
+
+        def __init__(self) -> None:
+            self.records: list[bytes] = []
+
+        async def write(self, partition: int, key: bytes, value: bytes) -> None:
+            self.records.append(value)
+
+    log = Log()
+    jobs: dict[str, JobDifferential] = {SIM.job: JobDifferential(SIM.job)}
+    rec = DifferentialRecovery(cast(StateLog, log), jobs, large_interval_s=10.0)
+    rec.place(SIM.job, 0)
+    jd = jobs[SIM.job]
+    ready: list[tuple[int, list[dict[str, Any]]]] = []
+    for r in [p for p in _patterns() if int(p["iteration"]) == 0]:
+        ready += jd.gather(r)
+        rec.took(SIM.job, _message(f"0/{r['rank']}"), 0)
+    assert [it for it, _ in ready] == [0] and jd.scored_upto < 0
+    assert asyncio.run(rec.checkpoint([SIM.job])) == [] and len(log.records) == 1  # taken, not tracked: held
+    jd.apply(0, score_records(ready[0][1], jd.config))
+    released = asyncio.run(rec.checkpoint([SIM.job]))
+    assert released == [_message(f"0/{r}") for r in range(4)] and len(log.records) == 2
+    assert load_job_state(log.records[-1]).job.scored_upto == 0
