@@ -15,12 +15,14 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
 
 from fleetscope.schemas import SchemaError, decode, encode
+from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.schemas.codec import decode_head
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
@@ -59,10 +61,13 @@ class Taken:
 
 @dataclass(slots=True)
 class _Scoring:
-    """An iteration a scoring process has: its messages' sources, in the order sent."""
+    """An iteration a scoring process has: what was sent (sent again should the process die), and its messages'
+    sources, in the order sent."""
 
     iteration: int
     future: Future[PoolScore]
+    payloads: list[bytes | dict[str, Any]]
+    writers: dict[int, SchemaEntry]
     sources: list[Any]
 
 
@@ -193,13 +198,17 @@ class DifferentialStage:
         writers = {r[_WRITER].schema_id: r[_WRITER] for r in records if _WRITER in r}
         sources = [r.get(_SOURCE) for r in records]
         future = self.pool.submit(job, payloads, writers)
-        self.scoring.setdefault(job, deque()).append(_Scoring(it, future, sources))
+        self.scoring.setdefault(job, deque()).append(_Scoring(it, future, payloads, writers, sources))
 
     def _track(self, job: str, scoring: _Scoring) -> list[dict[str, Any]]:
+        assert self.pool is not None
         jd = self.jobs[job]
         try:
-            result = scoring.future.result()
-        except Exception as exc:  # the pool itself failed (a process died): the iteration is lost, logged
+            try:
+                result = scoring.future.result()
+            except BrokenProcessPool:  # a process died (killed, out of memory): its pool's iterations again
+                result = self.pool.submit(job, scoring.payloads, scoring.writers).result()
+        except Exception as exc:  # the pool failed twice: the iteration is lost, logged
             log.error("the scoring pool lost iteration %d of job %r: %r", scoring.iteration, job, exc)
             jd.skip(scoring.iteration)
             return []

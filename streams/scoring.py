@@ -16,6 +16,7 @@ import multiprocessing
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -50,10 +51,13 @@ class ScoringPool:
         self.processes = processes
         # forkserver: the worker's threads (Kafka clients) must not be forked with it; its processes start with
         # this module imported, not the worker's main module
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])
-        self._executor = ProcessPoolExecutor(processes, mp_context=context, initializer=_start, initargs=(config,))
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload([__name__])
+        self._config = config
+        self._executor = self._start()
         self.submitted = 0
+        self.restarts = 0
+        """How often a process died (killed, out of memory) and the pool was started afresh."""
         self._blocks: list[SharedMemory] = []
         """Shared memory blocks free for the next iteration: a fresh block's pages cost more to fault in than
         the copy (48 MB: 41 ms, against 6 ms into pages already mapped)."""
@@ -84,12 +88,30 @@ class ScoringPool:
                 if isinstance(span, tuple) and isinstance(payload, bytes):
                     view[span[0] : span[1]] = payload
             view.release()
-            future = self._executor.submit(score_shared, job, block.name, spans, writers)
+            try:
+                future = self._executor.submit(score_shared, job, block.name, spans, writers)
+            except BrokenProcessPool:  # a process died since the last iteration: a fresh pool takes this one
+                self._restart()
+                future = self._executor.submit(score_shared, job, block.name, spans, writers)
         except BaseException:
             self._free(block)
             raise
         future.add_done_callback(lambda _: self._free(block))
         return future
+
+    def _start(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            self.processes, mp_context=self._context, initializer=_start, initargs=(self._config,)
+        )
+
+    def _restart(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise BrokenProcessPool("the scoring pool is closed")
+        log.warning("a scoring process died: the pool starts afresh")
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._start()
+        self.restarts += 1
 
     def _block(self, size: int) -> SharedMemory:
         with self._lock:

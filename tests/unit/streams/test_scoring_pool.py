@@ -4,7 +4,9 @@ reason, and the job's state covers only the iterations tracked."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,3 +117,28 @@ def _iteration(message: bytes) -> int:
 def test_a_pool_takes_no_scorer_of_its_own(pool: ScoringPool) -> None:
     with pytest.raises(ValueError, match="configured scorer"):
         DifferentialStage(scorer=lambda x, abs_scale_floor=0.0: None, pool=pool)  # type: ignore[arg-type, return-value]
+
+
+def test_a_scoring_process_killed_mid_run_costs_nothing_its_pools_iterations_are_scored_again() -> None:
+    """A process of the pool dies (the kernel's OOM killer, an operator): the pool is broken, every iteration
+    it had fails; the stage sends them again to a fresh pool, and the job's findings are unchanged."""
+    batch = messages("gpu+host, flat")
+    alone = run(DifferentialStage(), batch)
+    pool = ScoringPool(2, DifferentialConfig())
+    try:
+        stage = DifferentialStage(pool=pool)
+        out: list[dict[str, Any]] = []
+        killed = False
+        for i, message in enumerate(batch):
+            out += stage.take(message, None, source=i).findings
+            if not killed and len(stage.in_flight()) >= 3:
+                stage.in_flight()[-1].exception(timeout=60)  # the pool has started its processes
+                os.kill(next(iter(pool._executor._processes)), signal.SIGKILL)  # noqa: SLF001
+                killed = True
+            elif killed:
+                out += stage.collect()
+        out += stage.flush("pool")
+        assert killed and pool.restarts >= 1
+        assert [{k: v for k, v in u.items() if k != "emitted_ns"} for u in out] == alone
+    finally:
+        pool.close()
