@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fleetscope.config import load_config
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.producers.tracegen import TraceJob, write_traces
 from fleetscope.streams.offline import OfflinePipeline
@@ -205,13 +206,17 @@ def _opened_at(updates: list[dict[str, Any]]) -> dict[str, int]:
     return {u["finding_id"]: u["iteration_last"] for u in updates if u["status"] == "open"}
 
 
+_SCORING_PROCESSES = 0
+"""``--scoring-processes``: set before the scenario workers fork."""
+
+
 def run(scenario: Scenario | TraceScenario) -> Outcome:
     t0 = time.perf_counter()
     if isinstance(scenario, TraceScenario):
         out = _run_traces(scenario)
     else:
         cfg = scenario.config()
-        result = OfflinePipeline().add_all(simulate(cfg)).finish()
+        result = OfflinePipeline(scoring_processes=_SCORING_PROCESSES).add_all(simulate(cfg)).finish()
         opened = _opened_at(result.finding_updates)
         findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
         out = Outcome(scenario, findings, list(cfg.expected_findings()), len(result.iterations), 0.0)
@@ -239,7 +244,8 @@ def _run_traces(scenario: TraceScenario) -> Outcome:
     job = scenario.job
     with tempfile.TemporaryDirectory(prefix="fleetscope-quality-") as folder:
         write_traces(job, folder)
-        result = analyze_traces([folder])
+        pooled = {"streams.scoring_processes": _SCORING_PROCESSES}
+        result = analyze_traces([folder], load_config(env={}, overrides=pooled) if _SCORING_PROCESSES else None)
     opened = _opened_at(result.finding_updates)
     findings = [dict(f, opened_at=opened.get(f["finding_id"], f["iteration_first"])) for f in result.findings]
     expected = []
@@ -303,12 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", help="also write per-scenario outcomes to this file")
     ap.add_argument(
+        "--scoring-processes", type=int, default=0, help="score each job's iterations in this many processes"
+    )
+    ap.add_argument(
         "--flush-interval-ms",
         type=float,
         default=0.0,
         help="batches cut as the real producers flush (500 ms); 0: one batch per rank-iteration",
     )
     args = ap.parse_args(argv)
+    global _SCORING_PROCESSES
+    _SCORING_PROCESSES = args.scoring_processes
     scenarios: list[Scenario | TraceScenario] = [
         replace(sc, flush_interval_ms=args.flush_interval_ms) for sc in suite(args.quick)
     ]

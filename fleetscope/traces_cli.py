@@ -130,7 +130,12 @@ def analyze_traces(
     from fleetscope.streams.offline import OfflinePipeline
 
     s = config.streams if config is not None else None
-    pipeline = OfflinePipeline(s.windower if s else None, s.differential if s else None, keep_patterns=True)
+    pipeline = OfflinePipeline(
+        s.windower if s else None,
+        s.differential if s else None,
+        keep_patterns=True,
+        scoring_processes=s.scoring_processes if s else 0,
+    )
     lifecycle, scoring = pipeline.differential_config.lifecycle, pipeline.differential_config.scoring
     tallies: dict[str, JobTally] = {}
     options = options or LoadOptions()

@@ -143,7 +143,8 @@ class DifferentialStage:
             if subject == "progress":
                 if replayed is not None and replayed(job, offset):
                     return Taken([], job, subject, replayed=True)
-                return Taken(jd.add_progress(record), job, subject)
+                tracked = self.collect(wait={job})  # a stall report is rare: after the iterations before it
+                return Taken(tracked + jd.add_progress(record), job, subject)
             if self.pool is None:
                 return Taken(jd.add(record, now_ns), job, subject, iteration=int(record["iteration"]))
             for it, records in jd.gather(record, now_ns):

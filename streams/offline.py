@@ -17,6 +17,7 @@ from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
 from fleetscope.streams.differential import DifferentialStage
+from fleetscope.streams.scoring import ScoringPool
 from fleetscope.streams.windower import WindowerStage, stall_reports, summarized
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,10 @@ class OfflinePipeline:
         scorer: OutlierScorer | None = None,
         keep_patterns: bool = False,
         limits: IntakeLimits | None = None,
+        scoring_processes: int = 0,
     ) -> None:
+        """``scoring_processes``: iterations scored by a pool of that many processes (``streams.scoring``),
+        closed by ``finish``; the findings are the same."""
         # Offline input is complete and read in order: no backlog, so no processing-time silence to wait for.
         self.windower_config = replace(windower or WindowerConfig(), stall_silence_ms=0)
         self.windower = WindowerStage(self.windower_config, limits or IntakeLimits())
@@ -60,7 +64,8 @@ class OfflinePipeline:
         # is judged from its first iteration; only a live stream sees the warm-up itself.
         judged = differential or DifferentialConfig()
         judged = replace(judged, noise=replace(judged.noise, warmup_iterations=0))
-        self.differential = DifferentialStage(judged, scorer)
+        pool = ScoringPool(scoring_processes, judged) if scoring_processes else None
+        self.differential = DifferentialStage(judged, scorer, pool)
         self.differential_config = self.differential.config
         self.keep_patterns = keep_patterns
         self.patterns: list[dict[str, Any]] = []
@@ -89,17 +94,22 @@ class OfflinePipeline:
             self.result.late_events += w.counters.late_events
 
     def finish(self) -> OfflineResult:
-        for job, rank in list(self.windower.windowers):
-            self.close_rank(job, rank)
-        for job in list(self.differential.jobs):
-            self.result.finding_updates += self.differential.flush(job)
+        """Close every rank and flush every job; the pipeline's scoring processes end."""
+        try:
+            for job, rank in list(self.windower.windowers):
+                self.close_rank(job, rank)
+            for job in list(self.differential.jobs):
+                self.result.finding_updates += self.differential.flush(job)
+        finally:
+            if self.differential.pool is not None:
+                self.differential.pool.close()
         return self.result
 
     def _apply(self, subject: str, record: dict[str, Any]) -> None:
         taken = self.differential.apply(subject, record, None)
         if taken.reason is not None:
             self._refused(taken.reason, f"a {subject} record of {record['job']}")
-        self.result.finding_updates += taken.findings
+        self.result.finding_updates += taken.findings + self.differential.collect()
 
     def _refused(self, reason: str, what: str) -> None:
         """Note what the worker would dead-letter; the first of each kind of reason is logged."""
