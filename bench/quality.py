@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -326,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     scenarios += trace_suite(args.quick)
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
-    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
-        for i, o in enumerate(pool.imap_unordered(run, sorted(scenarios, key=lambda s: -s.ranks * s.iterations))):
+    # not a multiprocessing.Pool: its daemonic processes may not start scoring processes of their own
+    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        largest_first = sorted(scenarios, key=lambda s: -s.ranks * s.iterations)
+        for i, done in enumerate(as_completed([pool.submit(run, sc) for sc in largest_first])):
+            o = done.result()
             outcomes.append(o)
             got = ", ".join(f"{f['category']}@{f['ranks'][:4]}" for f in o.findings) or "-"
             print(

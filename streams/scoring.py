@@ -101,7 +101,7 @@ class ScoringPool:
 
     def _start(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
-            self.processes, mp_context=self._context, initializer=_start, initargs=(self._config,)
+            self.processes, mp_context=self._context, initializer=_configure, initargs=(self._config,)
         )
 
     def _restart(self) -> None:
@@ -158,7 +158,8 @@ _config = DifferentialConfig()
 _indexes: OrderedDict[str, FunctionIndex] = OrderedDict()
 
 
-def _start(config: DifferentialConfig) -> None:
+def _configure(config: DifferentialConfig) -> None:
+    """A scoring process's configuration, once at its start."""
     global _config
     _config = config
 
