@@ -1,0 +1,129 @@
+"""One large job's differential through the real stream worker (Faust, the embedded broker), CPU per
+rank-iteration, with and without scoring processes.
+
+    python bench/differential_worker.py [--ranks 512] [--iterations 8] [--functions 300] [--processes 0,1,2]
+
+``bench/scale.py`` times the differential stage in-process; the worker also pays Faust and its Kafka
+client for every message (fetching, unpacking, events). Here a worker running only the differential
+(``streams.stages = ["differential"]``) reads a job's pattern messages (``bench/scale.py``'s records, one
+slow rank) published to its topic at once. Measured: the CPU seconds of the worker process, and of it with
+its scoring processes, from the first message until its counters report every record taken and none held
+(less its idle rate), per rank-iteration. The worker's own figure bounds one job: its partition is one
+worker's. Not a test: figures depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from confluent_kafka import Producer
+
+from fleetscope.config import load_config
+from fleetscope.schemas import Topics, encode
+from fleetscope.schemas.topics import job_key
+from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scale import encodable, make_records  # noqa: E402 - the bench's records
+
+_COUNTERS = re.compile(r"pattern_records=(\d+),.*held_messages=(\d+)")
+
+
+def cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of ``pid`` with all its descendants, and of ``pid`` alone (Linux /proc)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    family, grew = {pid}, True
+    while grew:
+        kids = {p for p, (parent, _) in stats.items() if parent in family} - family
+        family |= kids
+        grew = bool(kids)
+    return sum(stats[p][1] for p in family if p in stats), stats.get(pid, (0, 0.0))[1]
+
+
+def run(ranks: int, functions: int, iterations: int, processes: int, store: str) -> tuple[float, float, float]:
+    """One fresh stack: (worker CPU s, with its scoring processes, seconds until done) for the job."""
+    messages = [
+        encode("patterns", encodable(r))
+        for i in range(iterations)
+        for r in make_records(ranks, functions, ranks // 3, iteration=i)
+    ]
+    with tempfile.TemporaryDirectory(prefix="fleetscope-dw-") as tmp:
+        config = load_config(
+            env={},
+            overrides={
+                "data_dir": tmp,
+                "store.url": f"chdb://{store}",  # one chDB path per process: a database per run
+                "store.database": f"dw{processes}",
+                "streams.stages": ["differential"],
+                "streams.scoring_processes": processes,
+            },
+        )
+        with EmbeddedStack(config, with_worker=False) as stack:
+            worker = StreamWorkerProcess(stack.config)
+            worker.start()
+            pid = worker.pid
+            assert pid is not None
+            time.sleep(5)
+            idle0, t_idle = cpu_s(pid)[0], time.perf_counter()
+            time.sleep(10)
+            idle = (cpu_s(pid)[0] - idle0) / (time.perf_counter() - t_idle)
+            topic = Topics(prefix=stack.config.kafka.topic_prefix).patterns
+            producer = Producer({"bootstrap.servers": stack.config.kafka.bootstrap_servers, "linger.ms": 20})
+            (all0, own0), t0 = cpu_s(pid), time.perf_counter()
+            for m in messages:
+                while True:
+                    try:
+                        producer.produce(topic, value=m, key=job_key("scale"))
+                        break
+                    except BufferError:
+                        producer.poll(0.1)
+            producer.flush(60)
+            while time.perf_counter() - t0 < 900:
+                counts = _COUNTERS.findall(worker.log_path.read_text(errors="replace"))
+                if counts and int(counts[-1][0]) >= len(messages) and int(counts[-1][1]) == 0:
+                    break
+                time.sleep(1)
+            (all1, own1), took = cpu_s(pid), time.perf_counter() - t0
+            worker.stop()
+    return own1 - own0 - idle * took, all1 - all0 - idle * took, took
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=512)
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--functions", type=int, default=300)
+    ap.add_argument("--processes", default="0,1,2", help="comma-separated scoring process counts")
+    args = ap.parse_args(argv)
+    n = args.ranks * args.iterations
+    print(f"one job through the worker: {args.ranks} ranks x {args.functions} functions, {args.iterations} iterations")
+    print(f"{'processes':>9} {'worker CPU s':>12} {'worker us/rank-it':>17} {'job rank-it/s (worker)':>22} "
+          f"{'with pool CPU s':>15} {'all us/rank-it':>14} {'done s':>7}")  # fmt: skip
+    store = tempfile.TemporaryDirectory(prefix="fleetscope-dw-chdb-")
+    for processes in (int(x) for x in args.processes.split(",")):
+        own, everything, took = run(args.ranks, args.functions, args.iterations, processes, store.name)
+        print(
+            f"{processes:>9} {own:>12.2f} {1e6 * own / n:>17.0f} {n / own:>22,.0f} {everything:>15.2f} "
+            f"{1e6 * everything / n:>14.0f} {took:>7.1f}"
+        )
+    print("(done s: until the worker's counters, reported every 10 s, show every record taken and none held)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
