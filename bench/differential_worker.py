@@ -30,29 +30,26 @@ from fleetscope.schemas.topics import job_key
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scale import encodable, make_records  # noqa: E402 - the bench's records
+from scale import encodable, make_records, process_cpu_s  # noqa: E402 - the bench's records and CPU clock
 
 _COUNTERS = re.compile(r"pattern_records=(\d+),.*held_messages=(\d+)")
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) of ``pid`` with all its descendants, and of ``pid`` alone (Linux /proc)."""
-    stats: dict[int, tuple[int, float]] = {}
+    """CPU seconds of ``pid`` with all its descendants (its scoring processes), and of ``pid`` alone."""
+    parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
             continue
-        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
     family, grew = {pid}, True
     while grew:
-        kids = {p for p, (parent, _) in stats.items() if parent in family} - family
+        kids = {p for p, parent in parents.items() if parent in family} - family
         family |= kids
         grew = bool(kids)
-    return sum(stats[p][1] for p in family if p in stats), stats.get(pid, (0, 0.0))[1]
+    return process_cpu_s(sorted(family)), process_cpu_s([pid])
 
 
 def run(ranks: int, functions: int, iterations: int, processes: int, store: str) -> tuple[float, float, float]:

@@ -404,12 +404,15 @@ def bench_messages(ranks: int, f: int, repeat: int, interleave: bool) -> bool:
 
 
 def process_cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes have used so far (Linux /proc)."""
+    """CPU seconds (user + system) the processes have used so far (Linux /proc; those that ended count none)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended: its time is no longer to be read
+            continue
         total += int(fields[11]) + int(fields[12])
     return total / tick
 
