@@ -18,7 +18,7 @@ import numpy as np
 from fastavro import schemaless_reader, schemaless_writer
 
 from fleetscope.schemas.catalog import CATALOG, SchemaCatalog, SchemaEntry
-from fleetscope.schemas.fastdecode import decode_columns, decode_many
+from fleetscope.schemas.fastdecode import decode_columns, decode_many, decode_scalars
 from fleetscope.schemas.fastencode import encode_columns
 from fleetscope.schemas.records import EventBatch, EventKind
 
@@ -138,30 +138,10 @@ def decode_head(
         starts = _HEADS[schema_id] = writer.subject in _COLUMN_SUBJECTS and named == list(PATTERN_HEAD)
     if not starts:
         return writer, None
-    head: dict[str, Any] = {}
-    at, end = _PREFIX.size, len(message)
     try:
-        for name, kind in PATTERN_HEAD:
-            value, shift, byte = 0, 0, 0x80
-            while byte & 0x80:
-                byte = message[at]
-                value |= (byte & 0x7F) << shift
-                shift += 7
-                at += 1
-                if shift > 70:
-                    raise SchemaError(f"malformed Avro for schema id {schema_id}: varint too long at {name}")
-            value = (value >> 1) ^ -(value & 1)
-            if kind == "string":
-                if value < 0 or at + value > end:
-                    raise SchemaError(f"malformed Avro for schema id {schema_id}: string {name} out of bounds")
-                head[name] = message[at : at + value].decode()
-                at += value
-            else:
-                head[name] = value
-    except IndexError:
-        raise SchemaError(f"malformed Avro for schema id {schema_id}: message ends inside its head") from None
-    except UnicodeDecodeError as exc:
-        raise SchemaError(f"malformed Avro for schema id {schema_id}: {exc!r}") from exc
+        head = decode_scalars(message, _PREFIX.size, PATTERN_HEAD)
+    except ValueError as exc:
+        raise SchemaError(f"malformed Avro for schema id {schema_id}: its head: {exc}") from exc
     return writer, head
 
 

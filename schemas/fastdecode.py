@@ -90,6 +90,9 @@ class _Malformed(Exception):
     """Input this decoder will not vouch for."""
 
 
+_NO_STOPS = np.zeros(0, dtype=np.intp)
+
+
 class _Message:
     """One message being decoded: the scalar walk's position and the varints it left for the bulk step."""
 
@@ -336,6 +339,16 @@ def _swar_pack(w: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     w = w + (w & _LANE32) * _THREE
     w = w + (w & _LANE64) * _FIFTEEN
     return w >> _SEVEN
+
+
+def decode_scalars(message: bytes, offset: int, fields: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The leading ``fields`` (name, ``"string"``, ``"int"`` or ``"long"``) of the record at ``offset``, by the
+    scalar walk alone; ``ValueError`` where the message ends inside them or they are malformed."""
+    msg = _Message(message, offset, len(message), _NO_STOPS, 0)
+    try:
+        return {name: msg.string() if kind == "string" else msg.long() for name, kind in fields}
+    except (_Malformed, IndexError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def decode_columns(message: bytes, offset: int, writer: Any, reader: Any) -> dict[str, Any] | None:

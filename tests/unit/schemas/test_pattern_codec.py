@@ -254,5 +254,5 @@ def test_older_pattern_schemas_have_the_head_other_subjects_none_and_a_cut_head_
     assert codec.decode_head(encode("progress", progress, fast=False))[1] is None
     message = encode("patterns", PATTERNS[0])
     for cut in (5, 8, 12, 30):
-        with pytest.raises(SchemaError, match="ends inside its head|out of bounds"):
+        with pytest.raises(SchemaError, match="its head"):
             codec.decode_head(message[:cut])
