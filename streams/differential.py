@@ -25,6 +25,7 @@ from fleetscope.schemas import SchemaError, decode, encode
 from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.schemas.codec import decode_head
 from fleetscope.schemas.topics import job_key
+from fleetscope.streams import reasons
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
 from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.counters import StageCounters
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 
 SUBJECTS = ("patterns", "progress", "heartbeat")
 """What the differential reads: windowers' pattern records and stall reports, producers' heartbeats."""
-_MAX_REASON_CHARS = 500
 _PAYLOAD, _WRITER, _SOURCE = "_payload", "_writer", "_source"
 """A record placed by its head (``decode_head``): its message, the message's writer schema, and its source."""
 
@@ -152,8 +152,7 @@ class DifferentialStage:
             return Taken([], job, subject, iteration=int(record["iteration"]))
         except Exception as exc:  # an analysis bug must cost one message, not the stream
             log.warning("the differential of job %r rejected a %s record: %r", job, subject, exc)
-            text = " ".join(str(exc).split()) or type(exc).__name__
-            return Taken([], job, subject, reason=f"differential: {text}"[:_MAX_REASON_CHARS])
+            return Taken([], job, subject, reason=reasons.reason("differential", exc))
 
     def flush(self, job: str) -> list[dict[str, Any]]:
         """Score what the idle job has pending (``JobDifferential.flush``); an analysis failure is logged."""
@@ -222,9 +221,8 @@ class DifferentialStage:
             return jd.apply(scoring.iteration, result.score)
         except Exception as exc:  # an analysis bug must cost one iteration, not the stream
             log.warning("the differential of job %r failed to track iteration %d: %r", job, scoring.iteration, exc)
-            text = " ".join(str(exc).split()) or type(exc).__name__
-            reason = f"differential: {text}"[:_MAX_REASON_CHARS]
-            self.rejected.append(Taken([], job, "patterns", scoring.iteration, reason, source=scoring.sources[-1]))
+            refused = reasons.reason("differential", exc)
+            self.rejected.append(Taken([], job, "patterns", scoring.iteration, refused, source=scoring.sources[-1]))
             return []
 
     @staticmethod

@@ -10,12 +10,12 @@ import logging
 from dataclasses import dataclass, field
 
 from fleetscope.schemas import EventBatch, EventKind, IntakeLimits, SchemaError, decode_event_batch
+from fleetscope.streams import reasons
 from fleetscope.streams.analysis.validation import check_batch
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
 
 log = logging.getLogger(__name__)
 
-_MAX_REASON_CHARS = 500
 _DEFAULT_LIMITS = IntakeLimits()
 
 
@@ -55,7 +55,7 @@ def intake(
     try:
         batch = decode_event_batch(message or b"")
     except SchemaError as exc:
-        return IntakeResult(reason=_reason("schema", exc))
+        return IntakeResult(reason=reasons.reason("schema", exc))
     return intake_batch(batch, windowers, now_ns, config, wall_ns=wall_ns, limits=limits)
 
 
@@ -71,7 +71,7 @@ def intake_batch(
     """``intake`` of a batch already decoded (trace files read in-process): the same rules from validation on."""
     reason = check_batch(batch, wall_ns, limits)
     if reason is not None:
-        return IntakeResult(reason=reason[:_MAX_REASON_CHARS])
+        return IntakeResult(reason=reason[: reasons.MAX_REASON_CHARS])
     key = (batch.header.job, batch.header.rank)
     w = windowers.get(key)
     if w is None:
@@ -80,7 +80,7 @@ def intake_batch(
         closed = w.add(batch, now_ns)
     except Exception as exc:  # a windower bug must cost one message, not the stream
         log.warning("windower rejected a %s batch of %s rank %d: %r", batch.kind.value, *key, exc)
-        return IntakeResult(windower=w, key=key, reason=_reason("windower", exc))
+        return IntakeResult(windower=w, key=key, reason=reasons.reason("windower", exc))
     return IntakeResult(closed=closed, windower=w, key=key, events=len(batch), horizon_ns=horizon_ns(batch))
 
 
@@ -96,8 +96,3 @@ def horizon_ns(batch: EventBatch) -> int:
     else:
         times = batch["t_ns"]
     return int(times.max())
-
-
-def _reason(prefix: str, exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{prefix}: {text}"[:_MAX_REASON_CHARS]

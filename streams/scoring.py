@@ -25,12 +25,12 @@ from fleetscope.schemas import SchemaError, decode
 from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.streams.analysis.differential import DifferentialConfig, IterationScore, score_records
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.reasons import reason
 
 log = logging.getLogger(__name__)
 
 _MAX_JOBS = 64
 """Jobs whose function index a scoring process keeps (a cache: a job not in it is indexed afresh)."""
-_MAX_REASON_CHARS = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +203,7 @@ def score_payloads(job: str, payloads: list[bytes | dict[str, Any]], writers: di
         try:
             subject, record = decode(payload, resolver=resolver)
         except SchemaError as exc:
-            rejected.append((i, f"schema: {exc}"[:_MAX_REASON_CHARS]))
+            rejected.append((i, reason("schema", exc)))
             continue
         records.append(record)
     if not records:
@@ -216,5 +216,4 @@ def score_payloads(job: str, payloads: list[bytes | dict[str, Any]], writers: di
         return PoolScore(score_records(records, _config, None, index), rejected)
     except Exception as exc:  # an analysis bug must cost one iteration, not the pool
         log.warning("scoring an iteration of job %r failed: %r", job, exc)
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        return PoolScore(None, [*rejected, (len(payloads) - 1, f"differential: {text}"[:_MAX_REASON_CHARS])])
+        return PoolScore(None, [*rejected, (len(payloads) - 1, reason("differential", exc))])
