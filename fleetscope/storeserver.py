@@ -18,16 +18,16 @@ cannot lift), and only once the engine's parser and AST show one read statement 
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
 import re
+import socket
+import sys
 import tempfile
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +36,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from fleetscope.endpoint import Tokens
 from fleetscope.sinks.clickhouse.user_sql import CHDB_LOCKDOWN, vet_canonical
+from fleetscope.storehttp import BodyRefused, ClientWatch, StoreServerBounds, inflate, raw_body
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,25 @@ _STATUS_OF_CODE = {
 }
 
 
+_LINGER_S = 1.0
+_LINGER_BYTES = 1 << 20
+_BUSY_TEXT = b"Code: 202. DB::Exception: too many connections. (TOO_MANY_SIMULTANEOUS_QUERIES)\n"
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=UTF-8\r\nConnection: close\r\n"
+    b"X-ClickHouse-Exception-Code: 202\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT)
+)
+
+
 class QueryRefused(Exception):
     """A request the server will not run; ``code`` is the ClickHouse error code it answers with."""
 
     def __init__(self, code: int, name: str, message: str) -> None:
         super().__init__(f"Code: {code}. DB::Exception: {message}. ({name})")
         self.code = code
+
+
+def _wrong_token() -> QueryRefused:
+    return QueryRefused(516, "AUTHENTICATION_FAILED", "fleetscope: authentication failed: wrong token")
 
 
 def split_request(query_param: str, body: bytes) -> tuple[str, bytes]:
@@ -97,38 +111,6 @@ def infile_insert(statement: str, data_path: str) -> str:
     return f"{head} FROM INFILE '{quoted}'{settings} FORMAT {fmt}"
 
 
-def decompress(data: bytes, encoding: str) -> bytes:
-    """A request body in the Content-Encoding the client chose (concatenated frames included)."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity", "none"):
-        return data
-    if encoding == "gzip":
-        return gzip.decompress(data)
-    if encoding == "deflate":
-        return zlib.decompress(data)
-    if encoding == "lz4":
-        import lz4.frame
-
-        out = bytearray()
-        rest = data
-        while rest:
-            d = lz4.frame.LZ4FrameDecompressor()
-            out += d.decompress(rest)
-            rest = d.unused_data if d.eof else b""
-        return bytes(out)
-    if encoding == "zstd":
-        from backports import zstd  # clickhouse-connect's own zstd (the stdlib's compression.zstd in 3.14)
-
-        return bytes(zstd.decompress(data))
-    if encoding == "br":
-        try:
-            import brotli
-        except ImportError:
-            raise QueryRefused(1, "UNSUPPORTED_METHOD", "br bodies need the brotli package; use lz4") from None
-        return bytes(brotli.decompress(data))
-    raise QueryRefused(1, "UNSUPPORTED_METHOD", f"unknown Content-Encoding {encoding!r}")
-
-
 def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
@@ -154,8 +136,9 @@ class ChdbExecutor:
         params: Mapping[str, str],
         output_format: str,
         readonly: bool,
+        query_id: str = "",
     ) -> tuple[bytes, dict[str, str]]:
-        """(output, summary) of one statement."""
+        """(output, summary) of one statement; ``query_id`` tags it (``log_comment``) for ``cancel``."""
         conn = self._connect()
         tmp_name = ""
         try:
@@ -167,6 +150,8 @@ class ChdbExecutor:
                 if readonly and name == "readonly":
                     continue
                 conn.query(f"SET {name} = {_quote(value)}", "TabSeparated")
+            if query_id:  # after the client's settings, which cannot then untag the query
+                conn.query(f"SET log_comment = {_quote(query_id)}", "TabSeparated")
             if readonly:  # after the client's settings: the lockdown overrides them, readonly=1 freezes all
                 for name, value in CHDB_LOCKDOWN:
                     conn.query(f"SET {name} = {value}", "TabSeparated")
@@ -184,6 +169,15 @@ class ChdbExecutor:
             conn.close()
             if tmp_name:
                 os.unlink(tmp_name)
+
+    def cancel(self, query_id: str) -> None:
+        """Stop the statement ``run`` tagged ``query_id`` in the engine (``KILL QUERY`` from a connection of
+        its own: the engine checks for it between blocks and gives the cores back within milliseconds)."""
+        conn = self._connect()
+        try:
+            conn.query(f"KILL QUERY WHERE Settings['log_comment'] = {_quote(query_id)} ASYNC", "TabSeparated")
+        finally:
+            conn.close()
 
 
 def _vetted(conn: Any, statement: str, params: Mapping[str, str]) -> str:
@@ -215,6 +209,10 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms delayed-ACK stall
     server: StoreHTTPServer
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.bounds.idle_timeout_s)  # every read and write of it
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         log.debug("%s " + format, self.client_address[0], *args)
 
@@ -223,24 +221,36 @@ class _Handler(BaseHTTPRequestHandler):
         if parts.path == "/ping" or (parts.path == "/" and "query" not in dict(parse_qsl(parts.query))):
             self._reply(HTTPStatus.OK, b"Ok.\n", {})  # liveness, as ClickHouse answers it
             return
-        self._serve(b"")
+        self._serve(b"", self._access())
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
-        self._serve(self._body())
+        """The token first, then the body under that token's caps: a stranger's body is never read."""
+        access = self._access()
+        if access is None:
+            self._refuse(HTTPStatus.UNAUTHORIZED, _wrong_token())
+            return
+        raw_cap, decoded_cap = self.server.bounds.caps(access)
+        try:
+            chunks = raw_body(
+                self.rfile, self.headers.get("Transfer-Encoding", ""), self.headers.get("Content-Length"), raw_cap
+            )
+            body = inflate(chunks, self.headers.get("Content-Encoding", ""), decoded_cap)
+        except BodyRefused as exc:
+            log.warning("store server: %d for %s: %s", exc.status, self.client_address[0], exc.args[0])
+            self._refuse(exc.status, exc)
+            return
+        except TimeoutError:
+            idle = self.server.bounds.idle_timeout_s
+            log.warning("store server: closed %s: no body byte for %.0f s", self.client_address[0], idle)
+            self.close_connection = True
+            return
+        self._serve(body, access)
 
-    def _body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            out = bytearray()
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
-                    return bytes(out)
-                out += self.rfile.read(size)
-                self.rfile.readline()
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
+    def _params(self) -> dict[str, str]:
+        return dict(parse_qsl(urlsplit(self.path).query, keep_blank_values=True))
+
+    def _access(self) -> str | None:
+        return self.server.tokens.access(self._token(self._params()))
 
     def _token(self, params: Mapping[str, str]) -> str:
         auth = self.headers.get("Authorization", "")
@@ -255,15 +265,13 @@ class _Handler(BaseHTTPRequestHandler):
             return auth[7:].strip()
         return self.headers.get("X-ClickHouse-Key") or params.get("password", "")
 
-    def _serve(self, raw_body: bytes) -> None:
+    def _serve(self, body: bytes, access: str | None) -> None:
         query_id = str(uuid.uuid4())
-        params = dict(parse_qsl(urlsplit(self.path).query, keep_blank_values=True))
+        params = self._params()
         headers = {"X-ClickHouse-Query-Id": query_id, "X-ClickHouse-Timezone": "UTC"}
         try:
-            access = self.server.tokens.access(self._token(params))
             if access is None:
-                raise QueryRefused(516, "AUTHENTICATION_FAILED", "fleetscope: authentication failed: wrong token")
-            body = decompress(raw_body, self.headers.get("Content-Encoding", ""))
+                raise _wrong_token()
             statement, data = split_request(params.get("query", ""), body)
             if not statement.strip():
                 raise QueryRefused(62, "SYNTAX_ERROR", "empty query")
@@ -271,15 +279,29 @@ class _Handler(BaseHTTPRequestHandler):
             query_params = {k[len("param_") :]: v for k, v in params.items() if k.startswith("param_")}
             fmt = params.get("default_format") or self.headers.get("X-ClickHouse-Format") or "TabSeparated"
             t0 = time.perf_counter()
-            out, summary = self.server.executor.run(
-                statement,
-                data,
-                database=params.get("database") or self.headers.get("X-ClickHouse-Database") or self.server.database,
-                settings=settings,
-                params=query_params,
-                output_format=fmt,
-                readonly=access != "write" or self.command == "GET",
-            )
+            executor = self.server.executor
+            with ClientWatch(self.connection, lambda: executor.cancel(query_id)) as watch:
+                try:
+                    out, summary = executor.run(
+                        statement,
+                        data,
+                        database=params.get("database")
+                        or self.headers.get("X-ClickHouse-Database")
+                        or self.server.database,
+                        settings=settings,
+                        params=query_params,
+                        output_format=fmt,
+                        readonly=access != "write" or self.command == "GET",
+                        query_id=query_id,
+                    )
+                except Exception:
+                    if not watch.gone:
+                        raise
+            if watch.gone:
+                log.info("store server: query %s cancelled after %.1f s: its client went away", query_id,
+                         time.perf_counter() - t0)  # fmt: skip
+                self.close_connection = True
+                return
             summary["elapsed_ns"] = str(int((time.perf_counter() - t0) * 1e9))
             headers["X-ClickHouse-Summary"] = json.dumps(summary)
             headers["X-ClickHouse-Format"] = fmt
@@ -294,6 +316,27 @@ class _Handler(BaseHTTPRequestHandler):
             status = _STATUS_OF_CODE.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
             self._reply(status, (message + "\n").encode(), headers)
 
+    def _refuse(self, status: HTTPStatus, exc: Exception) -> None:
+        """Answer a request whose body stays unread, then close the connection: what is left of the body is
+        discarded for at most a second and a MiB (so the client reads the answer, not a reset), never kept."""
+        code = getattr(exc, "code", 1002)
+        self.close_connection = True
+        try:
+            self._reply(
+                status, (str(exc) + "\n").encode(), {"X-ClickHouse-Exception-Code": str(code), "Connection": "close"}
+            )
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(_LINGER_S)
+            deadline, left = time.monotonic() + _LINGER_S, _LINGER_BYTES
+            while left > 0 and time.monotonic() < deadline:
+                piece = self.connection.recv(min(left, 65536))
+                if not piece:
+                    break
+                left -= len(piece)
+        except OSError:
+            pass  # the client is gone: nothing to tell it
+
     def _reply(self, status: HTTPStatus, body: bytes, headers: Mapping[str, str]) -> None:
         self.send_response(status)
         kind = "application/octet-stream" if status == HTTPStatus.OK else "text/plain; charset=UTF-8"
@@ -306,20 +349,77 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class StoreHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``bounds.max_connections`` of them: one more is answered 503 by the
+    accepting thread and closed, so a flood of half-open connections costs sockets, not threads."""
+
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], executor: ChdbExecutor, tokens: Tokens, database: str) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        executor: ChdbExecutor,
+        tokens: Tokens,
+        database: str,
+        bounds: StoreServerBounds | None = None,
+    ) -> None:
         super().__init__(address, _Handler)
         self.executor = executor
         self.tokens = tokens
         self.database = database
+        self.bounds = bounds or StoreServerBounds()
+        self._slots = threading.BoundedSemaphore(self.bounds.max_connections)
+        self._refused = 0
+        self._refused_logged = 0.0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse_busy(self, request: socket.socket) -> None:
+        self._refused += 1
+        if time.monotonic() - self._refused_logged > 10:  # one line per 10 s of a flood, not one per socket
+            self._refused_logged = time.monotonic()
+            log.warning(
+                "store server: %d connections open: refused %d with 503", self.bounds.max_connections, self._refused
+            )
+        try:
+            request.settimeout(0.2)
+            request.sendall(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line, no traceback: a client's failure is the client's (the stdlib prints a traceback)."""
+        exc = sys.exc_info()[1]
+        log.warning("store server: request from %s failed: %s: %s", client_address[0], type(exc).__name__, exc)
 
 
 class StoreServer:
     """The HTTP interface of a chDB store on 127.0.0.1, served by a background thread."""
 
-    def __init__(self, chdb_path: str, tokens: Tokens, *, database: str = "default", port: int = 0) -> None:
-        self._httpd = StoreHTTPServer(("127.0.0.1", port), ChdbExecutor(chdb_path), tokens, database)
+    def __init__(
+        self,
+        chdb_path: str,
+        tokens: Tokens,
+        *,
+        database: str = "default",
+        port: int = 0,
+        bounds: StoreServerBounds | None = None,
+    ) -> None:
+        self._httpd = StoreHTTPServer(("127.0.0.1", port), ChdbExecutor(chdb_path), tokens, database, bounds)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="store-server", daemon=True)
 
     @property
