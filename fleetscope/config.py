@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fleetscope.producers.publisher.config import PublisherConfig
 from fleetscope.schemas.limits import IntakeLimits
 from fleetscope.sinks.store_config import ClickHouseConfig
+from fleetscope.storehttp import StoreServerBounds
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig
@@ -193,6 +194,8 @@ class EmbeddedSettings:
     store_port: int = 18123
     """The store's ClickHouse-compatible HTTP interface (token-protected, see ``endpoint.json``)."""
     serve_store: bool = True
+    store_server: StoreServerBounds = field(default_factory=StoreServerBounds)
+    """Bounds of the served store's HTTP interface: body caps per token, idle timeout, connections."""
 
     def __post_init__(self) -> None:
         for name in ("broker_port", "store_port"):

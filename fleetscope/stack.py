@@ -195,10 +195,11 @@ class EmbeddedStack:
             return
         tokens = store_tokens(self.config.data_dir)
         port = preferred_port(self.config.embedded.store_port)
+        bounds = self.config.embedded.store_server
         try:
-            server = StoreServer(path, tokens, database=ch.database, port=port)
+            server = StoreServer(path, tokens, database=ch.database, port=port, bounds=bounds)
         except OSError:  # another process took the port since it was found free
-            server = StoreServer(path, tokens, database=ch.database, port=0)
+            server = StoreServer(path, tokens, database=ch.database, port=0, bounds=bounds)
         self.store_server = server.start()
         endpoint = Endpoint(
             pid=os.getpid(),

@@ -353,6 +353,7 @@ class StoreHTTPServer(ThreadingHTTPServer):
     accepting thread and closed, so a flood of half-open connections costs sockets, not threads."""
 
     daemon_threads = True
+    request_queue_size = 128  # connections beyond the limit are answered 503 at once, not left to SYN retries
 
     def __init__(
         self,
