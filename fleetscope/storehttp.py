@@ -36,8 +36,9 @@ class StoreServerBounds:
     """What one request and the server as a whole may cost. A read token's body is a statement, of which the
     engine parses at most ``max_query_size`` (256 KiB), so 1 MiB raw and decompressed is room enough (a 200 MB
     statement took ``up`` to 4.6 GB before the engine refused it); the write token's bodies may be insert
-    batches: 64 MiB raw, 256 MiB decompressed. 30 s of silence closes a connection; 64 connections at once
-    (more are answered 503 at once, never a thread each). Defaults that keep ``up`` alive on a laptop."""
+    batches: 64 MiB raw, 256 MiB decompressed, their statement still under the read cap. 30 s of silence
+    closes a connection; 64 connections at once (more are answered 503 at once, never a thread each).
+    Defaults that keep ``up`` alive on a laptop."""
 
     read_body_bytes: int = 1 * MiB
     read_decoded_bytes: int = 1 * MiB

@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from fleetscope.endpoint import Tokens
 from fleetscope.sinks.clickhouse.user_sql import CHDB_LOCKDOWN, vet_canonical
-from fleetscope.storehttp import BodyRefused, ClientWatch, StoreServerBounds, inflate, raw_body
+from fleetscope.storehttp import BodyRefused, BodyTooLarge, ClientWatch, StoreServerBounds, inflate, raw_body
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ _INSERT_PARTS = re.compile(r"^(.*?)(\s+SETTINGS\s+.*?)?\s+FORMAT\s+([A-Za-z0-9_]
 _ERROR_CODE = re.compile(r"Code: (\d+)\.")
 _STATUS_OF_CODE = {
     62: HTTPStatus.BAD_REQUEST,  # SYNTAX_ERROR
+    307: HTTPStatus.REQUEST_ENTITY_TOO_LARGE,  # TOO_MANY_BYTES
     47: HTTPStatus.NOT_FOUND,  # UNKNOWN_IDENTIFIER
     60: HTTPStatus.NOT_FOUND,  # UNKNOWN_TABLE
     81: HTTPStatus.NOT_FOUND,  # UNKNOWN_DATABASE
@@ -273,6 +274,8 @@ class _Handler(BaseHTTPRequestHandler):
             if access is None:
                 raise _wrong_token()
             statement, data = split_request(params.get("query", ""), body)
+            if len(statement) > self.server.bounds.read_decoded_bytes:  # the write token's cap is for insert data
+                raise BodyTooLarge(f"statement of {len(statement)} bytes exceeds the cap of a statement")
             if not statement.strip():
                 raise QueryRefused(62, "SYNTAX_ERROR", "empty query")
             settings = {k: v for k, v in params.items() if k not in _TRANSPORT_PARAMS and not k.startswith("param_")}
