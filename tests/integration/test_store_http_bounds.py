@@ -19,6 +19,7 @@ import lz4.frame
 import pytest
 from backports import zstd
 
+from fleetscope.config import ConfigError, load_config
 from fleetscope.sinks import ClickHouseConfig, connect, migrate
 from fleetscope.storehttp import StoreServerBounds
 from fleetscope.storeserver import StoreServer, Tokens
@@ -203,3 +204,17 @@ def test_a_query_is_cancelled_when_its_client_goes_away(
     assert running > 0.5  # it was running: a core's worth while the client waited
     assert after < 0.3, f"{after:.2f} CPU s in the second after the client went away"
     assert any("cancelled" in r.getMessage() for r in caplog.records)
+
+
+def test_the_bounds_are_configured_and_validated() -> None:
+    """``embedded.store_server`` in the one configuration: set by the environment, refused when not a bound
+    (NaN, infinity, zero), every problem reported at once."""
+    env = {"FLEETSCOPE__EMBEDDED__STORE_SERVER__MAX_CONNECTIONS": "8",
+           "FLEETSCOPE__EMBEDDED__STORE_SERVER__WRITE_DECODED_BYTES": "1_073_741_824"}  # fmt: skip
+    bounds = load_config(env=env).embedded.store_server
+    assert (bounds.max_connections, bounds.write_decoded_bytes, bounds.read_body_bytes) == (8, 1 << 30, 1 << 20)
+    for bad in ("nan", "inf", "0"):
+        with pytest.raises(ConfigError, match="idle_timeout_s"):
+            load_config(env={"FLEETSCOPE__EMBEDDED__STORE_SERVER__IDLE_TIMEOUT_S": bad})
+    with pytest.raises(ConfigError, match="read_body_bytes.*max_connections"):
+        load_config(overrides={"embedded.store_server.read_body_bytes": 0, "embedded.store_server.max_connections": 0})
