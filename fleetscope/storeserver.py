@@ -5,8 +5,14 @@ serves the store so that ``fleetscope sql/findings/report``, clickhouse-connect'
 Grafana's ClickHouse datasource can query it meanwhile. Implemented: ``/ping``, queries in the URL
 (``query=``) or the body, ``database``, ``param_<name>`` server-side parameters, settings as URL
 parameters, any output format chDB writes (Native, RowBinary, JSON...), request bodies compressed as
-the client negotiates (lz4, zstd, gzip, deflate, br) or chunked, and inserts (``INSERT ... FORMAT X``
+the client negotiates (lz4, zstd, gzip, deflate) or chunked, and inserts (``INSERT ... FORMAT X``
 followed by the data).
+
+Bounded by construction (``fleetscope.storehttp``, ``embedded.store_server``): the token is checked before
+a body is read; a body is read and inflated incrementally under its token's caps (413 once over); malformed
+framing is 400 and one log line; a silent connection is closed after the idle timeout, and connections over
+the limit are answered 503 by the accepting thread. While the engine runs a statement its client's socket is
+watched: once the client goes away the query is killed in the engine (``ChdbExecutor.cancel``).
 
 Two tokens (HTTP basic password, ``X-ClickHouse-Key`` or ``password=``): the write token may do
 anything; the read token runs every statement on a chDB connection locked down as ``run_sql``'s read-only
