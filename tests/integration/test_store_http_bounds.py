@@ -201,8 +201,8 @@ def test_a_query_is_cancelled_when_its_client_goes_away(
     c0 = time.process_time()
     time.sleep(1.0)
     after = time.process_time() - c0
-    assert running > 0.5  # it was running: a core's worth while the client waited
-    assert after < 0.3, f"{after:.2f} CPU s in the second after the client went away"
+    assert running > 0.1  # it was running (a core's worth on an idle machine) while the client waited
+    assert after < min(0.3, running / 4), f"{after:.2f} CPU s in the second after, {running:.2f} in the one before"
     assert any("cancelled" in r.getMessage() for r in caplog.records)
 
 
