@@ -196,9 +196,9 @@ class EmbeddedStack:
         tokens = store_tokens(self.config.data_dir)
         port = preferred_port(self.config.embedded.store_port)
         try:
-            server = StoreServer(path, tokens, database=ch.database, port=port)
+            server = StoreServer(path, tokens, database=ch.database, port=port, config=ch)
         except OSError:  # another process took the port since it was found free
-            server = StoreServer(path, tokens, database=ch.database, port=0)
+            server = StoreServer(path, tokens, database=ch.database, port=0, config=ch)
         self.store_server = server.start()
         endpoint = Endpoint(
             pid=os.getpid(),
