@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +105,7 @@ class FunctionCatalog:
     combinators: tuple[str, ...]
 
     @classmethod
-    def from_rows(cls, rows: Iterable[tuple[Any, ...]]) -> FunctionCatalog:
+    def from_rows(cls, rows: Iterable[Sequence[Any]]) -> FunctionCatalog:
         """From ``FUNCTION_CATALOG_QUERY``'s rows: a function is allowed when its category (or that of the
         function it is an alias of) is in ``SAFE_FUNCTION_CATEGORIES`` or it is in ``PURE_OTHER_FUNCTIONS``."""
         listed = [(str(r[0]), int(r[1]), str(r[3]), str(r[4])) for r in rows]
@@ -240,7 +240,7 @@ def readonly_session(
     return session, None
 
 
-def function_catalog(run: Callable[[str], Iterable[tuple[Any, ...]]], key: object) -> FunctionCatalog:
+def function_catalog(run: Callable[[str], Iterable[Sequence[Any]]], key: object) -> FunctionCatalog:
     """The engine's ``FunctionCatalog`` (``run`` returns a query's rows), read once per ``key`` (an engine)."""
     with _READONLY_LOCK:
         catalog = _CATALOGS.get(key)
