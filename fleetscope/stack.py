@@ -197,9 +197,9 @@ class EmbeddedStack:
         port = preferred_port(self.config.embedded.store_port)
         bounds = self.config.embedded.store_server
         try:
-            server = StoreServer(path, tokens, database=ch.database, port=port, bounds=bounds)
+            server = StoreServer(path, tokens, database=ch.database, port=port, bounds=bounds, config=ch)
         except OSError:  # another process took the port since it was found free
-            server = StoreServer(path, tokens, database=ch.database, port=0, bounds=bounds)
+            server = StoreServer(path, tokens, database=ch.database, port=0, bounds=bounds, config=ch)
         self.store_server = server.start()
         endpoint = Endpoint(
             pid=os.getpid(),

@@ -16,10 +16,10 @@ watched: once the client goes away the query is killed in the engine (``ChdbExec
 
 Two tokens (HTTP basic password, ``X-ClickHouse-Key`` or ``password=``): the write token may do
 anything; the read token runs every statement on a chDB connection locked down as ``run_sql``'s read-only
-session is (no ``Python()``, no introspection, then ``readonly=1``, which the engine enforces and the client
-cannot lift), and only once the engine's parser and AST show one read statement without ``INTO OUTFILE``
-(which chDB writes in-process even read-only) and without table functions outside the store
-(``sinks.clickhouse.user_sql.vet_canonical``).
+session is (``user_sql.lockdown_settings``: only allowlisted client settings, the ``read_*`` bounds, no
+``Python()``, no introspection, then ``readonly=1``, which the engine enforces and the client cannot lift),
+and only once the engine's parser and AST show one read statement without ``INTO OUTFILE`` (which chDB
+writes in-process even read-only) calling only pure functions (``sinks.clickhouse.user_sql.vet_canonical``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,14 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from fleetscope.endpoint import Tokens
-from fleetscope.sinks.clickhouse.user_sql import CHDB_LOCKDOWN, vet_canonical
+from fleetscope.sinks.clickhouse.user_sql import (
+    FUNCTION_CATALOG_QUERY,
+    FunctionCatalog,
+    lockdown_settings,
+    set_statement,
+    vet_canonical,
+)
+from fleetscope.sinks.store_config import ClickHouseConfig
 from fleetscope.storehttp import BodyRefused, BodyTooLarge, ClientWatch, StoreServerBounds, inflate, raw_body
 
 log = logging.getLogger(__name__)
@@ -124,14 +131,20 @@ def _quote(value: str) -> str:
 
 class ChdbExecutor:
     """Runs one request on a fresh chDB connection to the process's engine (0.1 ms to open), so the
-    settings it SETs, read-only mode included, die with it."""
+    settings it SETs, read-only mode included, die with it. ``config`` bounds the read-only requests."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, config: ClickHouseConfig | None = None) -> None:
         import chdb
 
         connect: Callable[[str], Any] = chdb.connect
         self._connect: Callable[[], Any] = lambda: connect(path)
-        self._connect().close()  # fail now, not on the first request
+        self._config = config or ClickHouseConfig()
+        conn = self._connect()  # fail now, not on the first request
+        try:
+            rows = (conn.query(FUNCTION_CATALOG_QUERY, "TabSeparated").bytes() or b"").decode().splitlines()
+            self._catalog = FunctionCatalog.from_rows(tuple(line.split("\t")) for line in rows)
+        finally:
+            conn.close()
 
     def run(
         self,
@@ -145,24 +158,24 @@ class ChdbExecutor:
         readonly: bool,
         query_id: str = "",
     ) -> tuple[bytes, dict[str, str]]:
-        """(output, summary) of one statement; ``query_id`` tags it (``log_comment``) for ``cancel``."""
+        """(output, summary) of one statement; ``query_id`` tags it (``log_comment``) for ``cancel``. Read-only:
+        the client's settings reach the session only through ``lockdown_settings`` (allowlisted, before the
+        bounds and ``readonly=1``)."""
         conn = self._connect()
         tmp_name = ""
         try:
             if database:
                 conn.query(f"USE `{database.replace('`', '')}`", "TabSeparated")
-            for name, value in settings.items():
+            for name in settings:
                 if not _SETTING_NAME.match(name):
                     raise QueryRefused(115, "UNKNOWN_SETTING", f"setting name {name!r} is not an identifier")
-                if readonly and name == "readonly":
-                    continue
-                conn.query(f"SET {name} = {_quote(value)}", "TabSeparated")
-            if query_id:  # after the client's settings, which cannot then untag the query
-                conn.query(f"SET log_comment = {_quote(query_id)}", "TabSeparated")
-            if readonly:  # after the client's settings: the lockdown overrides them, readonly=1 freezes all
-                for name, value in CHDB_LOCKDOWN:
-                    conn.query(f"SET {name} = {value}", "TabSeparated")
-                statement = _vetted(conn, statement, params)
+            if query_id:  # first: no read client may set log_comment (not allowlisted), so none untags it
+                conn.query(set_statement("log_comment", query_id), "TabSeparated")
+            chosen = lockdown_settings(self._config, settings) if readonly else list(settings.items())
+            for name, value in chosen:
+                conn.query(set_statement(name, value), "TabSeparated")
+            if readonly:
+                statement = _vetted(conn, statement, params, self._catalog)
             if data:
                 with tempfile.NamedTemporaryFile(prefix="fleetscope-insert-", delete=False) as tmp:
                     tmp.write(data)
@@ -187,9 +200,9 @@ class ChdbExecutor:
             conn.close()
 
 
-def _vetted(conn: Any, statement: str, params: Mapping[str, str]) -> str:
+def _vetted(conn: Any, statement: str, params: Mapping[str, str], catalog: FunctionCatalog) -> str:
     """The engine's canonical text of a read-only client's statement, once the engine's parser and AST show it
-    is one read statement without files or table functions outside the store (``vet_canonical``)."""
+    is one read statement calling only functions that compute on their arguments (``vet_canonical``)."""
     # query parameters are read in the escaped (TSV) form: backslashes, tabs and newlines escaped
     escaped = statement.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
     rendered = conn.query("SELECT formatQuerySingleLine({q:String})", "TabSeparatedRaw", params={"q": escaped})
@@ -199,7 +212,7 @@ def _vetted(conn: Any, statement: str, params: Mapping[str, str]) -> str:
         return (conn.query(f"EXPLAIN AST {text}", "TabSeparatedRaw", params=dict(params)).bytes() or b"").decode()
 
     try:
-        return vet_canonical(canonical, explain_ast)
+        return vet_canonical(canonical, explain_ast, catalog)
     except PermissionError as exc:
         raise QueryRefused(164, "READONLY", str(exc)) from exc
 
@@ -428,8 +441,10 @@ class StoreServer:
         database: str = "default",
         port: int = 0,
         bounds: StoreServerBounds | None = None,
+        config: ClickHouseConfig | None = None,
     ) -> None:
-        self._httpd = StoreHTTPServer(("127.0.0.1", port), ChdbExecutor(chdb_path), tokens, database, bounds)
+        executor = ChdbExecutor(chdb_path, config)
+        self._httpd = StoreHTTPServer(("127.0.0.1", port), executor, tokens, database, bounds)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="store-server", daemon=True)
 
     @property

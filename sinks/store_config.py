@@ -7,6 +7,7 @@ scheme names the store's kind (``sinks/store.py::open_store``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ class ClickHouseConfig:
     """Where the store lives. ``chdb://<path>`` (relative to the working directory or absolute) or
     ``chdb://memory`` runs ClickHouse in-process; ``http(s)://host:port`` reaches a server.
 
-    ``flush_rows``/``flush_interval_ms`` are the batching hints for whoever drives a writer."""
+    ``flush_rows``/``flush_interval_ms`` are the batching hints for whoever drives a writer. The ``read_*``
+    fields bound every read-only session (``fleetscope sql``, the report, the served store's read token), so
+    that no read query can hold ``up``'s memory or a core past them: the engine stops the query and says why."""
 
     url: str = "chdb://.fleetscope/store"
     database: str = "fleetscope"
@@ -28,6 +31,11 @@ class ClickHouseConfig:
     password: str = field(default="", repr=False)
     flush_rows: int = 50_000
     flush_interval_ms: int = 500
+    read_max_execution_time_s: float = 30.0
+    read_max_memory_bytes: int = 1 << 30
+    read_max_result_rows: int = 1_000_000
+    read_max_result_bytes: int = 256 << 20
+    read_max_threads: int = 4
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -44,6 +52,12 @@ class ClickHouseConfig:
             errors.append(f"flush_rows: must be > 0, got {self.flush_rows}")
         if self.flush_interval_ms <= 0:
             errors.append(f"flush_interval_ms: must be > 0, got {self.flush_interval_ms}")
+        if not (math.isfinite(self.read_max_execution_time_s) and self.read_max_execution_time_s > 0):
+            errors.append(f"read_max_execution_time_s: must be finite and > 0, got {self.read_max_execution_time_s}")
+        for name in ("read_max_memory_bytes", "read_max_result_rows", "read_max_result_bytes", "read_max_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                errors.append(f"{name}: must be an integer > 0, got {value!r}")
         if errors:
             raise ValueError("invalid ClickHouseConfig: " + "; ".join(errors))
 

@@ -25,6 +25,7 @@ class ClickHouseStore:
         self.client = client
         self._database = config.database
         self._url = config.url
+        self._config = config
 
     @property
     def database(self) -> str:
@@ -60,7 +61,8 @@ class ClickHouseStore:
     def query(
         self, sql: str, params: Mapping[str, Any] | None = None, *, readonly: bool = True
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        return run_sql(self.client, self._database, sql, dict(params) if params else None, readonly=readonly)
+        return run_sql(self.client, self._database, sql, dict(params) if params else None, readonly=readonly,
+                       config=self._config)  # fmt: skip
 
     def counts(self) -> dict[str, int]:
         return table_counts(self.client, self._database)

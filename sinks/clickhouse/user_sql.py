@@ -1,25 +1,31 @@
-"""User SQL (``fleetscope sql``, the report, Grafana panels): read-only enforced by ClickHouse itself.
+"""User SQL (``fleetscope sql``, the report, Grafana panels): one read-only lockdown, enforced by ClickHouse.
 
-A read-only query runs on a session that is read-only as a whole: on chDB a connection handle of its own
-where ``readonly=1`` (and no Python or introspection functions) was set before any user text arrived, on a
-server the ``readonly=1`` setting sent with every request (the HTTP interface also refuses multi-statements
-and ``INTO OUTFILE``). Before running, the engine's own parser renders the text as one statement
-(``formatQuerySingleLine`` refuses multi-statements) and its AST (``EXPLAIN AST``) names the table
-functions; only that canonical text runs. The regular expressions below only give a friendlier error first.
+A read-only query runs on a session that is read-only as a whole: on chDB a connection of its own whose
+settings were set by ``lockdown_settings`` before any user text arrived (a client's own settings only from
+``READ_CLIENT_SETTINGS``, then the bounds of ``ClickHouseConfig.read_*``, then no Python or introspection,
+then ``readonly=1``, which freezes them all); on a server the same settings sent with every request. Before
+running, the engine's own parser renders the text as one statement (``formatQuerySingleLine`` refuses
+multi-statements) and its AST (``EXPLAIN AST``) names every function: a table function must be one of
+``IN_STORE_TABLE_FUNCTIONS`` and every other function one the engine files under a category of pure
+computation (``SAFE_FUNCTION_CATEGORIES``, read from ``system.functions`` itself) or one of
+``PURE_OTHER_FUNCTIONS``. An allowlist, because chDB (clickhouse-local) does not confine the scalar
+``file()`` to ``user_files_path`` nor check grants for it: a function the engine adds later is refused
+until someone files it as pure. The regular expressions below only give a friendlier error first.
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import clickhouse_connect
 from clickhouse_connect.driver import Client
 
 from fleetscope.sinks.clickhouse.client import bound as _bound
-from fleetscope.sinks.store_config import check_database
+from fleetscope.sinks.store_config import ClickHouseConfig, check_database
 
 READONLY_SETTINGS: dict[str, str] = {"readonly": "1"}
 """Per-request settings that make a server session read-only: writes, DDL, setting changes (so a query's
@@ -32,6 +38,131 @@ CHDB_LOCKDOWN: tuple[tuple[str, str], ...] = (
 )
 """Session settings of chDB's read-only handle, in order: ``Python()`` reads the host process's objects and
 readonly=1 does not stop it; ``readonly`` comes last since it freezes every setting."""
+
+READ_CLIENT_SETTINGS = frozenset(
+    {
+        "output_format_json_quote_64bit_integers", "output_format_json_quote_64bit_floats",
+        "output_format_json_quote_denormals", "output_format_json_quote_decimals",
+        "output_format_json_named_tuples_as_objects", "output_format_json_array_of_rows",
+        "output_format_json_validate_utf8", "output_format_json_escape_forward_slashes",
+        "output_format_decimal_trailing_zeros", "output_format_arrow_string_as_string",
+        "output_format_arrow_low_cardinality_as_dictionary", "output_format_native_encode_types_in_binary_format",
+        "output_format_pretty_max_rows", "output_format_pretty_color", "output_format_write_statistics",
+        "output_format_csv_crlf_end_of_line", "format_csv_delimiter", "date_time_output_format",
+        "session_timezone", "extremes", "join_use_nulls", "max_block_size",
+    }
+)  # fmt: skip
+"""Settings a read-only client may pass (Grafana and clickhouse-connect send some of these): how results are
+written, nothing that names a file, a path, a host or a limit. An allowlist: every other setting a read
+client sends is dropped before the lockdown, since several read files (``format_template_resultset``,
+``format_schema``) or lift bounds."""
+
+SAFE_FUNCTION_CATEGORIES = frozenset(
+    {
+        "Aggregate Functions", "Arithmetic", "Arrays", "Bit", "Bitmap", "Comparison", "Conditional",
+        "Dates and Times", "Distance", "Encoding", "Encryption", "Financial", "Geo", "Geo Polygon", "Hash",
+        "IP Address", "JSON", "Logical", "Map", "Mathematical", "Null", "NumericIndexedVector", "QBit",
+        "Random Number", "Rounding", "String", "String Replacement", "String Search", "String Splitting",
+        "Time Series", "Time Window", "Tuple", "Type Conversion", "URL", "UUID",
+    }
+)  # fmt: skip
+"""Categories of ``system.functions`` whose functions compute on their arguments only. Left out: Other
+(``file``, ``hostName``, ``getServerSetting``...), Dictionary (a dictionary may be a file or a URL), AI
+(network), Machine Learning (model files), Introspection, Embedded Dictionary, Internal."""
+
+PURE_OTHER_FUNCTIONS = frozenset(
+    {
+        "bar", "blocksize", "bytesize", "countdigits", "currentdatabase", "finalizeaggregation",
+        "formatquery", "formatquerysingleline", "formatreadabledecimalsize", "formatreadablequantity",
+        "formatreadablesize", "formatreadabletimedelta", "identity", "ignore", "initializeaggregation",
+        "isconstant", "isdecimaloverflow", "materialize", "neighbor", "parsereadablesize", "parsetimedelta",
+        "rownumberinallblocks", "rownumberinblock", "runningaccumulate", "runningdifference",
+        "runningdifferencestartingwithfirstvalue", "throwif", "totypename", "tocolumntypename", "transform",
+        "version", "visiblewidth",
+    }
+)  # fmt: skip
+"""Functions of the Other category (lower case) that read nothing but their arguments, the query or the
+engine's version: what the report, Grafana and ``run_sql``'s own checks (``formatQuerySingleLine``) use."""
+
+AST_CONSTRUCTS = frozenset({"lambda", "exists", "grouping", "untuple", "_cast"})
+"""``Function`` nodes of ``EXPLAIN AST`` that are syntax, not entries of ``system.functions`` (``_CAST``: a
+query parameter, substituted)."""
+
+FUNCTION_CATALOG_QUERY = (
+    "SELECT name, is_aggregate, case_insensitive, alias_to, categories FROM system.functions "
+    "UNION ALL SELECT name, 2, 0, '', '' FROM system.aggregate_function_combinators"
+)
+"""The engine's own list of its functions and aggregate combinators (is_aggregate 2), for ``FunctionCatalog``."""
+
+
+@dataclass(frozen=True)
+class FunctionCatalog:
+    """Which functions a read-only query may call, as the engine lists them: ``allowed`` (lower-case names
+    of pure functions and their aliases), ``aggregates`` and ``combinators`` (``sumIf`` is ``sum`` + ``If``)."""
+
+    allowed: frozenset[str]
+    aggregates: frozenset[str]
+    combinators: tuple[str, ...]
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Sequence[Any]]) -> FunctionCatalog:
+        """From ``FUNCTION_CATALOG_QUERY``'s rows: a function is allowed when its category (or that of the
+        function it is an alias of) is in ``SAFE_FUNCTION_CATEGORIES`` or it is in ``PURE_OTHER_FUNCTIONS``."""
+        listed = [(str(r[0]), int(r[1]), str(r[3]), str(r[4])) for r in rows]
+        category = {name: cat for name, kind, _, cat in listed if kind < 2}
+        allowed: set[str] = set(PURE_OTHER_FUNCTIONS) | set(AST_CONSTRUCTS)
+        aggregates: set[str] = set()
+        for name, kind, alias_to, cat in listed:
+            if kind == 2:
+                continue
+            resolved = category.get(alias_to, cat) if alias_to else cat
+            if resolved in SAFE_FUNCTION_CATEGORIES or (alias_to or name).lower() in PURE_OTHER_FUNCTIONS:
+                allowed.add(name.lower())
+                if kind == 1 or resolved == "Aggregate Functions":
+                    aggregates.add(name.lower())
+        combinators = tuple(sorted((name.lower() for name, kind, _, _ in listed if kind == 2), key=len, reverse=True))
+        return cls(frozenset(allowed), frozenset(aggregates), combinators)
+
+    def permits(self, name: str) -> bool:
+        """Whether a read-only query may call ``name``: an allowed function, or an aggregate of them followed
+        by combinators (``quantilesExactIfOrNull``)."""
+        lowered = name.lower()
+        if lowered in self.allowed:
+            return True
+        stripped = True
+        while stripped:
+            stripped = False
+            for suffix in self.combinators:
+                if lowered.endswith(suffix) and len(lowered) > len(suffix):
+                    lowered = lowered[: -len(suffix)]
+                    stripped = True
+                    if lowered in self.aggregates:
+                        return True
+                    break
+        return False
+
+
+def read_bounds(config: ClickHouseConfig) -> tuple[tuple[str, str], ...]:
+    """The engine settings that bound one read-only query (time, memory, result size, threads), from the
+    configuration's ``read_*`` fields; a query past one is stopped by the engine with an error (``throw``)."""
+    return (
+        ("max_execution_time", repr(float(config.read_max_execution_time_s))),
+        ("timeout_overflow_mode", "throw"),
+        ("max_memory_usage", str(config.read_max_memory_bytes)),
+        ("max_result_rows", str(config.read_max_result_rows)),
+        ("max_result_bytes", str(config.read_max_result_bytes)),
+        ("result_overflow_mode", "throw"),
+        ("max_threads", str(config.read_max_threads)),
+    )
+
+
+def lockdown_settings(config: ClickHouseConfig, client: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """The one lockdown of a read-only session, as ordered ``SET``s: the client's settings that
+    ``READ_CLIENT_SETTINGS`` lists (any other is dropped), then ``read_bounds``, then ``CHDB_LOCKDOWN``
+    (``readonly=1`` last: it freezes every setting, so nothing the client sends precedes or lifts it)."""
+    chosen = [(k, v) for k, v in (client or {}).items() if k in READ_CLIENT_SETTINGS]
+    return [*chosen, *read_bounds(config), *CHDB_LOCKDOWN]
+
 
 IN_STORE_TABLE_FUNCTIONS = frozenset(
     {
@@ -58,47 +189,71 @@ _SQL_TOKENS = re.compile(
     r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`(?:[^`\\]|\\.)*`|(?:--|#)[^\n]*|/\*.*?\*/|;", re.DOTALL
 )
 _INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
+_SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _AST_LINE = re.compile(r"^( *)(\S+)(?: (\S+))?")
 
-_READONLY_CHDB: dict[tuple[str, str], Client] = {}
+_READONLY_CHDB: dict[tuple[str, str, tuple[tuple[str, str], ...]], Client] = {}
 _READONLY_LOCK = threading.Lock()
+_CATALOGS: dict[object, FunctionCatalog] = {}
 
 
 def readonly_settings() -> dict[str, str]:
-    """The settings a read-only request to a ClickHouse server carries (a copy: callers may add theirs)."""
+    """The settings a read-only request to a ClickHouse server carries (a copy: callers may add theirs). The
+    bounds are the server's: a ClickHouse server's own profile, the served store's ``read_*`` fields."""
     return dict(READONLY_SETTINGS)
 
 
-def readonly_session(client: Client, database: str) -> tuple[Client, dict[str, str] | None]:
+def set_statement(name: str, value: str) -> str:
+    """``SET name = 'value'``: the value a string literal (the engine parses it as the setting's type)."""
+    if not _SETTING_NAME.match(name):
+        raise ValueError(f"setting name {name!r} is not an identifier")
+    return "SET " + name + " = '" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def readonly_session(
+    client: Client, database: str, config: ClickHouseConfig | None = None
+) -> tuple[Client, dict[str, str] | None]:
     """A client whose session is read-only as a whole, and the settings each of its queries must carry.
 
-    chDB: a dedicated connection handle on the same engine (cached per path and database), locked down with
-    ``SET`` before it is handed out, so every statement of any text run on it is read-only and nothing it
-    runs can lift that; no per-query settings. Server: ``client`` itself with ``READONLY_SETTINGS`` on
-    every request (HTTP settings reach the one statement a request may hold)."""
+    chDB: a dedicated connection handle on the same engine (cached per path, database and bounds), locked
+    down by ``lockdown_settings`` before it is handed out, so every statement of any text run on it is
+    read-only and bounded and nothing it runs can lift that; no per-query settings. Server: ``client`` itself
+    with ``readonly_settings`` on every request (HTTP settings reach the one statement a request may hold)."""
     database = check_database(database)
+    config = config or ClickHouseConfig()
     path = getattr(client, "path", None)
     if not isinstance(path, str):
         return _bound(client, database), readonly_settings()
     _bound(client, database)  # creates the database's writable twin, and checks the path is this process's
-    key = (path, database)
+    key = (path, database, read_bounds(config))
     with _READONLY_LOCK:
         session = _READONLY_CHDB.get(key)
         if session is None:
             session = clickhouse_connect.get_client(
                 interface="chdb", path=None if path == ":memory:" else path, database=database
             )
-            for name, value in CHDB_LOCKDOWN:
-                session.command(f"SET {name} = {value}")
+            for name, value in lockdown_settings(config):
+                session.command(set_statement(name, value))
             if session.command("SELECT getSetting('readonly')") != 1:
                 raise RuntimeError("chDB did not take readonly=1 on the read-only session")
             _READONLY_CHDB[key] = session
     return session, None
 
 
+def function_catalog(run: Callable[[str], Iterable[Sequence[Any]]], key: object) -> FunctionCatalog:
+    """The engine's ``FunctionCatalog`` (``run`` returns a query's rows), read once per ``key`` (an engine)."""
+    with _READONLY_LOCK:
+        catalog = _CATALOGS.get(key)
+    if catalog is None:
+        catalog = FunctionCatalog.from_rows(run(FUNCTION_CATALOG_QUERY))
+        with _READONLY_LOCK:
+            _CATALOGS[key] = catalog
+    return catalog
+
+
 def check_read_query(session: Client, query: str, parameters: dict[str, Any] | None, settings: Any) -> str:
     """The engine's canonical one-line text of ``query`` once the engine parsed it as a single read
-    statement without ``INTO OUTFILE`` and without table functions reaching outside the store.
+    statement without ``INTO OUTFILE`` and calling only functions the read-only session may call.
 
     PermissionError for what needs ``--write``; ValueError (from the engine's parser) for several statements
     or bad syntax."""
@@ -117,22 +272,46 @@ def check_read_query(session: Client, query: str, parameters: dict[str, Any] | N
             session.raw_query(f"EXPLAIN AST {text}", parameters=parameters, settings=settings, fmt="TSVRaw")
         ).decode()
 
-    return vet_canonical(str(canonical), explain_ast)
+    key = getattr(session, "path", None) or (getattr(session, "url", None), id(session))
+    catalog = function_catalog(lambda sql: session.query(sql, settings=settings).result_rows, key)
+    return vet_canonical(str(canonical), explain_ast, catalog)
 
 
-def vet_canonical(canonical: str, explain_ast: Callable[[str], str]) -> str:
+def vet_canonical(canonical: str, explain_ast: Callable[[str], str], catalog: FunctionCatalog) -> str:
     """``canonical`` (the engine's one-line rendering of one statement) when a read-only session may run it:
-    a read statement, no ``INTO OUTFILE``, no table function reaching outside the store (by the engine's
-    ``EXPLAIN AST``, which ``explain_ast`` runs). PermissionError otherwise. Shared by ``run_sql`` and the
-    embedded store's HTTP server, so both refuse exactly the same."""
+    a read statement, no ``INTO OUTFILE``, no table function reaching outside the store and no other
+    function outside ``catalog`` (by the engine's ``EXPLAIN AST``, which ``explain_ast`` runs).
+    PermissionError otherwise. Shared by ``run_sql`` and the embedded store's HTTP server, so both refuse
+    exactly the same."""
     if not _READ_STATEMENT.match(canonical):
         raise PermissionError(f"read-only SQL accepts {_read_statement_names()} statements only")
     if _INTO_OUTFILE.search(_SQL_TOKENS.sub(" ", canonical)):
         raise PermissionError("read-only SQL cannot write files (INTO OUTFILE)")
-    outside = sorted(set(table_functions(explain_ast(canonical).splitlines())) - IN_STORE_TABLE_FUNCTIONS)
+    lines = explain_ast(canonical).splitlines()
+    outside = sorted(set(table_functions(lines)) - IN_STORE_TABLE_FUNCTIONS)
     if outside:
         raise PermissionError(f"read-only SQL cannot call table functions reaching outside the store: {outside}")
+    refused = sorted({name for name in functions(lines) if not catalog.permits(name)})
+    if refused:
+        raise PermissionError(f"read-only SQL calls only functions that compute on their arguments; refused: {refused}")
     return canonical
+
+
+def functions(ast_lines: Iterable[str]) -> list[str]:
+    """Names of the functions an ``EXPLAIN AST`` dump calls outside table expressions (``Function NAME``
+    nodes whose parent is not a ``TableExpression``)."""
+    names: list[str] = []
+    parents: list[str] = []
+    for line in ast_lines:
+        match = _AST_LINE.match(line)
+        if not match:
+            continue
+        depth, node, name = len(match.group(1)), match.group(2), match.group(3)
+        del parents[depth:]
+        if node == "Function" and name and not (parents and len(parents) == depth and parents[-1] == "TableExpression"):
+            names.append(name)
+        parents.append(node)
+    return names
 
 
 def table_functions(ast_lines: Any) -> list[str]:
@@ -162,11 +341,13 @@ def run_sql(
     query: str,
     parameters: dict[str, Any] | None = None,
     readonly: bool = True,
+    config: ClickHouseConfig | None = None,
 ) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run user SQL with ``database`` as the default database; (column names, rows).
 
     Read-only (the default): checked by the engine (``check_read_query``) and run on a read-only session
-    (``readonly_session``), the same on chDB and on a server. ``readonly=False`` runs one statement as given."""
+    (``readonly_session``, bounded by ``config``'s ``read_*``), the same on chDB and on a server.
+    ``readonly=False`` runs one statement as given."""
     database = check_database(database)
     query = _single_statement(query)
     is_read = bool(_READ_STATEMENT.match(_LEADING_NOISE.sub("", query)))
@@ -175,7 +356,7 @@ def run_sql(
             raise PermissionError(f"read-only SQL accepts {_read_statement_names()} statements only")
         if _INTO_OUTFILE.search(_SQL_TOKENS.sub(" ", query)):
             raise PermissionError("read-only SQL cannot write files (INTO OUTFILE)")
-        session, settings = readonly_session(client, database)
+        session, settings = readonly_session(client, database, config)
         canonical = check_read_query(session, query, parameters, settings)
         result = session.query(canonical, parameters=parameters, settings=settings)
         return list(result.column_names), [tuple(row) for row in result.result_rows]

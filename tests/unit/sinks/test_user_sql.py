@@ -291,3 +291,45 @@ def test_server_requests_carry_readonly_settings() -> None:
     assert settings == {"readonly": "1"}
     settings["max_execution_time"] = "5"
     assert readonly_settings() == {"readonly": "1"}
+
+
+def test_the_function_catalog_allows_pure_categories_aliases_and_combinators_only() -> None:
+    from fleetscope.sinks.clickhouse.user_sql import FunctionCatalog
+
+    rows = [
+        ("sum", 1, 1, "", "Aggregate Functions"),
+        ("plus", 0, 0, "", "Arithmetic"),
+        ("file", 0, 0, "", "Other"),
+        ("fileAlias", 0, 0, "file", ""),
+        ("add", 0, 0, "plus", ""),
+        ("dictGet", 0, 0, "", "Dictionary"),
+        ("version", 0, 0, "", "Other"),
+        ("If", 2, 0, "", ""),
+        ("OrNull", 2, 0, "", ""),
+    ]
+    catalog = FunctionCatalog.from_rows(rows)
+    assert [n for n in ("SUM", "plus", "add", "version", "sumIfOrNull", "lambda") if not catalog.permits(n)] == []
+    assert [n for n in ("file", "FILE", "fileAlias", "dictGet", "fileIf", "If", "unknown") if catalog.permits(n)] == []
+
+
+def test_the_lockdown_drops_unlisted_client_settings_and_freezes_last() -> None:
+    from fleetscope.sinks import ClickHouseConfig
+    from fleetscope.sinks.clickhouse.user_sql import lockdown_settings
+
+    config = ClickHouseConfig(read_max_execution_time_s=2.5, read_max_result_rows=7)
+    client = {"format_template_resultset": "/etc/passwd", "readonly": "0", "max_execution_time": "0",
+              "output_format_json_quote_64bit_integers": "0"}  # fmt: skip
+    steps = lockdown_settings(config, client)
+    assert steps[0] == ("output_format_json_quote_64bit_integers", "0")
+    assert steps[-1] == ("readonly", "1")
+    assert dict(steps)["max_execution_time"] == "2.5" and dict(steps)["max_result_rows"] == "7"
+    assert "format_template_resultset" not in dict(steps) and dict(steps)["readonly"] == "1"
+
+
+@pytest.mark.parametrize("field", ["read_max_execution_time_s", "read_max_memory_bytes", "read_max_result_rows"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf")])
+def test_read_bounds_must_be_finite_and_positive(field: str, value: float) -> None:
+    from fleetscope.sinks import ClickHouseConfig
+
+    with pytest.raises(ValueError, match=field):
+        ClickHouseConfig(**{field: value})  # type: ignore[arg-type]
