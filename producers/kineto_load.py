@@ -147,11 +147,11 @@ def read_trace_bytes(path: Path, limits: TraceLimits) -> bytes | bytearray:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without blocking, then is refused
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as f:
-        try:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise TraceError(f"{path}: not a regular file")
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TraceError(f"{path}: not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
             prefix = f.read(PREFIX_BYTES)
             f.seek(0)
             if prefix[:2] == GZIP_MAGIC:
@@ -160,8 +160,10 @@ def read_trace_bytes(path: Path, limits: TraceLimits) -> bytes | bytearray:
                 raise TraceError(f"{path}: {info.st_size} bytes, over the {limits.max_trace_bytes}-byte limit")
             check_prefix(path, prefix, complete=len(prefix) < PREFIX_BYTES)
             data = f.read(limits.max_trace_bytes + 1)
-        except OSError as exc:
-            raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
     if len(data) > limits.max_trace_bytes:  # it grew while it was read
         raise TraceError(f"{path}: over the {limits.max_trace_bytes}-byte limit")
     return data
