@@ -139,15 +139,15 @@ def test_analyze_loses_only_the_bad_files(tmp_path: Path) -> None:
     )
     paths[4].write_text(json.dumps(doc))
     paths[0].write_bytes(paths[0].read_bytes().replace(b'"flash_fwd_kernel"', b'"flash\xff\xfe_fwd_kernel"'))
-    (job / "bomb.json.gz").write_bytes(gzip.compress(b"{" + b" " * (2**20), 9) * 32)  # 32 MiB from 33 KB
+    (job / "bomb.json.gz").write_bytes(gzip.compress(b"{" + b" " * (2**20), 9) * 128)  # 128 MiB from 130 KB
     with open(job / "sparse.json", "wb") as f:
-        f.truncate(4 * 2**20)  # under --max-trace-mib: refused by its first bytes
+        f.truncate(256 * 2**20)
     with tarfile.open(job / "more.tgz", "w:gz") as tar:
         for name, size in (("more/core", 2**24), ("more/rank-7.json", 2**20)):
             info = tarfile.TarInfo(name)
             info.size = size
             tar.addfile(info, io.BytesIO(bytes(size)))
-    res = fleetscope("analyze", str(job), "--json", "--quiet", "--workers", "2", "--max-trace-mib", "8", cwd=tmp_path)
+    res = fleetscope("analyze", str(job), "--json", "--quiet", "--workers", "2", cwd=tmp_path)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     out = json.loads(res.stdout)
     analysed = {r["rank"] for r in out["ranks"]}
