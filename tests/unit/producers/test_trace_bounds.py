@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from fleetscope.producers import TraceError, parse_trace
-from fleetscope.producers.kineto_load import TraceLimits, load_trace
+from fleetscope.producers.kineto_load import load_trace
 from fleetscope.producers.tracegen import TraceJob, write_traces
 from fleetscope.traces_cli import LoadOptions, analyze_traces, find_traces
 
@@ -62,6 +62,8 @@ def test_a_file_is_refused_by_its_first_bytes_or_its_size_before_it_is_read(tmp_
     with open(huge, "wb") as f:
         f.write(b'{"traceEvents": [')
         f.truncate(2 * MIB)
+    from fleetscope.producers.kineto_load import TraceLimits
+
     with pytest.raises(TraceError, match="over the 1048576-byte limit"):
         load_trace(huge, TraceLimits(max_trace_bytes=MIB))
     with pytest.raises(TraceError, match="not a regular file"):
@@ -101,6 +103,8 @@ def test_a_tar_archive_writes_only_its_traces(tmp_path: Path) -> None:
     assert [(Path(s["path"]).name, s["reason"]) for s in whole.skipped] == [
         ("rank-9.json", "not JSON (its first non-blank byte is not { or [)")
     ]
+    from fleetscope.producers.kineto_load import TraceLimits
+
     budget = 5 * (tmp_path / "src" / "myjob" / "rank-0.pt.trace.json").stat().st_size // 2
     part = analyze_traces(
         [archive], None, LoadOptions(on_skip=lambda _p, _e: None, limits=TraceLimits(max_unpacked_bytes=budget))
