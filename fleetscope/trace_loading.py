@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 from fleetscope.producers.kineto import TraceError, TraceLimits, TraceRank, parse_trace
 from fleetscope.producers.kineto_load import GZIP_MAGIC, PREFIX_BYTES, check_prefix
@@ -114,7 +114,7 @@ def _unpacked(archive: Path, dest: Path, unpacking: _Unpacking) -> list[Path]:
     return out
 
 
-def _write_member(target: Path, src: BinaryIO, dest: Path) -> None:
+def _write_member(target: Path, src: IO[bytes], dest: Path) -> None:
     """Write one member whose first bytes start a JSON document (or a gzip stream); else refuse it."""
     import shutil
 
