@@ -1,7 +1,9 @@
 """The one configuration object: defaults < file (TOML/JSON) < environment < command line.
 
 Every error is reported at once with its key path; unknown keys are rejected with a suggestion.
-Secrets (passwords) never appear in ``repr`` or logs.
+Secrets (passwords) never appear in ``repr`` or logs. Every float setting is finite (``finite_float``):
+NaN compares false with every threshold, so a NaN threshold would silently pass or silence everything.
+The file is read only if it is a regular file, and at most ``MAX_CONFIG_BYTES`` of it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
+import stat
 import tomllib
 import types
 import typing
@@ -31,6 +35,8 @@ if TYPE_CHECKING:  # faust is imported only where a worker runs (not in training
     from fleetscope.streams.appconfig import BrokerCredentials
 
 ENV_PREFIX = "FLEETSCOPE__"
+MAX_CONFIG_BYTES = 2**20
+"""A configuration file larger than this is refused, not read until memory runs out."""
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 """The SASL mechanisms both client libraries (librdkafka and aiokafka) speak with a user and password."""
 
@@ -232,6 +238,25 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def finite_float(value: float) -> bool:
+    """The one rule for a float setting: finite. NaN passes no comparison (``z >= nan`` is false), so a
+    NaN threshold silences every finding; an infinite one, the same."""
+    return math.isfinite(value)
+
+
+def _nonfinite_floats(obj: Any, prefix: str = "") -> list[str]:
+    """Every float field of a built configuration (defaults and given instances included) that breaks
+    ``finite_float``, as 'key.path: message'."""
+    out: list[str] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out += _nonfinite_floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not finite_float(value):
+            out.append(f"{prefix}{f.name}: expected a finite number, got {value!r}")
+    return out
+
+
 def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
@@ -263,13 +288,19 @@ def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
             except ValueError:
                 pass
     elif tp is float:
+        number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and finite_float(number):
+            return number
+        if number is not None:
+            errors.append(f"{path}: expected a finite number, got {value!r}")
+            return None
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -373,7 +404,7 @@ def load_config(
     if path:
         p = Path(path)
         try:
-            text = p.read_text()
+            text = _read_config_file(p)
             data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except (OSError, ValueError) as exc:
             raise ConfigError([f"{p}: {exc}"]) from exc
@@ -383,6 +414,24 @@ def load_config(
     if not store.get("url"):  # the embedded store lives in the data directory unless a URL is given
         store["url"] = f"chdb://{Path(str(data.get('data_dir', Config.data_dir))).resolve() / 'store'}"
     config = _build(Config, data, "", errors)
+    if config is not None:
+        errors += _nonfinite_floats(config)
     if errors:
         raise ConfigError(errors)
     return typing.cast(Config, config)
+
+
+def _read_config_file(p: Path) -> str:
+    """A configuration file's text: a regular file of at most ``MAX_CONFIG_BYTES`` (``/dev/zero``, a
+    FIFO or a huge file is refused before it is read)."""
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting for a writer
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes: not a configuration file")
+    return data.decode()

@@ -4,7 +4,12 @@ Why apart from the commands: both read files the same way (one ``LoadOptions``).
 file order, several at once in worker processes when there is enough data for it (each worker holds
 one decoded file and sends back its compact batches); tar archives are unpacked into a temporary folder
 for the run; then each job's layout is derived once from all its ranks and written into their headers.
-A file that is not a trace costs one ``skipped`` line, not the run.
+
+One file's failure is that file's: whatever goes wrong while one file is read or parsed (not a trace, a
+bound of ``TraceLimits`` passed, an error no check foresaw, memory running out) costs one ``skipped`` line
+with its reason, and the other files are analysed. Archives are unpacked member by member: only members
+named like traces whose first bytes are JSON (or gzip) are written, within ``max_unpacked_bytes`` for the
+run; links, devices and paths leaving the folder are never written.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
-from fleetscope.producers.kineto import TraceError, TraceRank, parse_trace
+from fleetscope.producers.kineto import TraceError, TraceLimits, TraceRank, parse_trace
+from fleetscope.producers.kineto_load import GZIP_MAGIC, PREFIX_BYTES, check_prefix
 from fleetscope.progress import Progress
 from fleetscope.schemas.layout import JobLayout
 
@@ -35,35 +42,91 @@ def find_traces(paths: Iterable[str | Path], unpack_into: Path | None = None) ->
     """Files named on the command line as they are; directories expanded (recursively) to their
     ``*.json``/``*.json.gz`` files, sorted, so a rank set is always read in the same order. With
     ``unpack_into``, tar archives (named or in a directory) are unpacked there and their traces found."""
+    return _find(paths, _Unpacking(unpack_into, TraceLimits()) if unpack_into is not None else None)
+
+
+@dataclass
+class _Unpacking:
+    """Where archives are unpacked in one run, how many bytes may still be written there, and the
+    members refused (each with its reason, reported as a skipped file)."""
+
+    root: Path
+    limits: TraceLimits
+    left: int = -1
+    refused: list[tuple[Path, TraceError]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.left < 0:
+            self.left = self.limits.max_unpacked_bytes
+
+
+def _find(paths: Iterable[str | Path], unpacking: _Unpacking | None) -> list[Path]:
     out: list[Path] = []
     for item in paths:
         p = Path(item)
         if p.is_dir():
-            suffixes = TRACE_SUFFIXES + (ARCHIVE_SUFFIXES if unpack_into is not None else ())
+            suffixes = TRACE_SUFFIXES + (ARCHIVE_SUFFIXES if unpacking is not None else ())
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
-            out += find_traces(found, unpack_into)
-        elif unpack_into is not None and p.name.endswith(ARCHIVE_SUFFIXES):
+            out += _find(found, unpacking)
+        elif unpacking is not None and p.name.endswith(ARCHIVE_SUFFIXES):
             # named after the archive, so a skipped member's line says where it came from
-            dest = unpack_into / p.name
-            out += _unpacked(
-                p, dest if not dest.exists() else unpack_into / f"{len(list(unpack_into.iterdir()))}-{p.name}"
-            )
+            root = unpacking.root
+            dest = root / p.name if not (root / p.name).exists() else root / f"{len(list(root.iterdir()))}-{p.name}"
+            out += _unpacked(p, dest, unpacking)
         else:
             out.append(p)
     return out
 
 
-def _unpacked(archive: Path, dest: Path) -> list[Path]:
-    """The traces of a tar archive, unpacked into ``dest`` (members keep their folders: the job names)."""
+def _unpacked(archive: Path, dest: Path, unpacking: _Unpacking) -> list[Path]:
+    """The trace members of a tar archive, written into ``dest`` one by one (members keep their
+    folders: the job names). A member is written only if it is a regular file named like a trace,
+    inside ``dest``, starting like JSON or gzip, and within the bytes the run may still unpack."""
     import tarfile
 
+    out: list[Path] = []
     try:
         with tarfile.open(archive) as tar:
-            tar.extractall(dest, filter="data")
-    except (OSError, tarfile.TarError) as exc:
-        log.warning("%s: not a readable tar archive (%s)", archive, exc)
-        return [archive]  # parsed as a file: skipped with its reason
-    return find_traces([dest])
+            for member in tar:
+                if not member.isfile() or not member.name.endswith(TRACE_SUFFIXES):
+                    continue  # as in a folder: only files named like traces are read
+                where = dest / member.name
+                try:
+                    tarfile.data_filter(member, str(dest))
+                    if member.size > unpacking.left:
+                        cap = unpacking.limits.max_unpacked_bytes
+                        raise TraceError(f"{where}: {member.size} bytes, past the {unpacking.left} bytes left "
+                                         f"of max_unpacked_bytes ({cap})")  # fmt: skip
+                    src = tar.extractfile(member)
+                    if src is None:
+                        continue
+                    _write_member(where, src, dest)
+                except tarfile.FilterError as exc:
+                    unpacking.refused.append((where, TraceError(f"{where}: refused ({exc})")))
+                    continue
+                except TraceError as exc:
+                    unpacking.refused.append((where, exc))
+                    continue
+                unpacking.left -= member.size
+                out.append(where)
+    except (OSError, tarfile.TarError, EOFError) as exc:
+        unpacking.refused.append((archive, TraceError(f"{archive}: not a readable tar archive ({exc})")))
+    return out
+
+
+def _write_member(target: Path, src: IO[bytes], dest: Path) -> None:
+    """Write one member whose first bytes start a JSON document (or a gzip stream); else refuse it."""
+    import shutil
+
+    head = src.read(PREFIX_BYTES)
+    if head[:2] != GZIP_MAGIC:
+        check_prefix(target, head, complete=len(head) < PREFIX_BYTES)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.resolve().is_relative_to(dest.resolve()):  # the folders are ours: no link can lead out
+        raise TraceError(f"{target}: refused (outside the unpack folder)")
+    with open(target, "wb") as f:
+        f.write(head)
+        shutil.copyfileobj(src, f, 4 * 2**20)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,16 +144,30 @@ class LoadOptions:
     ``POOL_MIN_BYTES``, else one (never more than files)."""
     progress: Progress | None = None
     on_skip: SkipHandler | None = None
+    limits: TraceLimits = field(default_factory=TraceLimits)
+    """What one file, and all archives' members together, may cost (memory, disk)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoadOptions:
+        """The options of ``replay``/``analyze``'s command line (``ValueError`` for a bad limit)."""
+        defaults = TraceLimits()
         return cls(
             job=args.job,
             tp=getattr(args, "tp", 0),
             pp=getattr(args, "pp", 0),
             workers=getattr(args, "workers", 0),
             progress=Progress(enabled=not args.quiet),
+            limits=TraceLimits(
+                max_trace_bytes=_mib(getattr(args, "max_trace_mib", None), defaults.max_trace_bytes),
+                max_gzip_ratio=getattr(args, "max_gzip_ratio", None) or defaults.max_gzip_ratio,
+                max_unpacked_bytes=_mib(getattr(args, "max_unpacked_mib", None), defaults.max_unpacked_bytes),
+            ),
         )
+
+
+def _mib(value: int | None, default: int) -> int:
+    """A size given in MiB on the command line, in bytes (``default`` when not given)."""
+    return default if value is None else value * 2**20
 
 
 def parsed_traces(
@@ -108,13 +185,23 @@ def parsed_traces(
         del trace
 
 
-def _parse_one(task: tuple[Path, str | None, int]) -> TraceRank | TraceError:
-    """One file in a worker process: its compact trace, or why it is not one (sent back, not raised)."""
-    path, job, world_size = task
+REASON_CHARS = 300
+"""A skipped file's reason is one line of at most this many characters, whatever the error said."""
+
+
+def _parse_one(task: tuple[Path, str | None, int, TraceLimits]) -> TraceRank | TraceError:
+    """One file in a worker process: its compact trace, or why it is not one (sent back, not raised).
+    Any error on one file is that file's: a check that foresaw it says why, any other error is named."""
+    path, job, world_size, limits = task
     try:
-        return parse_trace(path, job=job, world_size=world_size)
+        return parse_trace(path, job=job, world_size=world_size, limits=limits)
     except TraceError as exc:
         return exc
+    except MemoryError:
+        return TraceError(f"{path}: out of memory while parsing it")
+    except Exception as exc:  # noqa: BLE001 - one file's failure, whatever it is, costs only that file
+        text = (str(exc).strip().splitlines() or [repr(exc)])[0]
+        return TraceError(f"{path}: cannot be parsed ({type(exc).__name__}: {text})"[:REASON_CHARS])
 
 
 def _parsed_files(paths: Iterable[str | Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
@@ -123,8 +210,12 @@ def _parsed_files(paths: Iterable[str | Path], options: LoadOptions, verb: str) 
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="fleetscope-traces-") as scratch:
-        files = find_traces(paths, unpack_into=Path(scratch))
-        if not files:
+        unpacking = _Unpacking(Path(scratch), options.limits)
+        files = _find(paths, unpacking)
+        on_skip = options.on_skip or stderr_skip(verb)
+        for where, exc in unpacking.refused:
+            on_skip(where, exc)
+        if not files and not unpacking.refused:
             raise ValueError(f"no trace files (*.json, *.json.gz, tar archives) in {', '.join(map(str, paths))}")
         yield from _parsed_found(files, options, verb)
 
@@ -144,9 +235,9 @@ def _auto_workers(files: Sequence[Path]) -> int:
 
 def _parsed_found(files: list[Path], options: LoadOptions, verb: str) -> Iterable[TraceRank]:
     progress = options.progress or Progress(enabled=False)
-    on_skip = options.on_skip or _stderr_skip(verb)
+    on_skip = options.on_skip or stderr_skip(verb)
     # A trace without distributedInfo or rank-N in its name gets no rank; the file count is its world size.
-    tasks = [(path, options.job, len(files)) for path in files]
+    tasks = [(path, options.job, len(files), options.limits) for path in files]
     import multiprocessing
 
     workers = min(options.workers or _auto_workers(files), len(files))
@@ -170,7 +261,9 @@ def _parsed_found(files: list[Path], options: LoadOptions, verb: str) -> Iterabl
             del trace
 
 
-def _stderr_skip(command: str) -> SkipHandler:
+def stderr_skip(command: str) -> SkipHandler:
+    """The default: one line on stderr per skipped file, its reason included."""
+
     def skip(_path: Path, exc: TraceError) -> None:
         print(f"fleetscope {command}: skipped {exc}", file=sys.stderr)
 

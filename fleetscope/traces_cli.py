@@ -3,7 +3,11 @@
 ``replay`` publishes every rank's batches to the raw topics, for a running stack (``fleetscope up``) to
 analyse. ``analyze`` runs the same windower and differential in-process (``OfflinePipeline``), no Kafka.
 Both read files through ``trace_loading`` (one ``LoadOptions``) and keep only compact batches and small
-per-rank summaries; a file that is not a trace costs one ``skipped`` line on stderr, not the run.
+per-rank summaries; a file that cannot be read or parsed costs one ``skipped`` line on stderr (and an
+entry of ``skipped`` in ``--json``), not the run.
+
+Exit status: 0 when at least one file was analysed (or replayed), skipped files listed; 1 when none was,
+as a run that analysed nothing answered nothing. A script that must have every file checks ``skipped``.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from fleetscope.config import Config, ConfigError
-from fleetscope.producers.kineto import TraceRank
+from fleetscope.producers.kineto import TraceError, TraceLimits, TraceRank
 from fleetscope.progress import Progress
 from fleetscope.schemas import EventKind
 from fleetscope.schemas.layout import JobLayout
-from fleetscope.trace_loading import LoadOptions, find_traces, parsed_traces
+from fleetscope.trace_loading import LoadOptions, find_traces, parsed_traces, stderr_skip
 
 __all__ = ["AnalyzeResult", "LoadOptions", "RankSummary", "analyze_traces", "find_traces", "replay_traces"]
 
@@ -118,6 +122,8 @@ class AnalyzeResult:
     persist, and why no finding could open (``streams.analysis.explain``)."""
     finding_updates: list[dict[str, Any]] = field(default_factory=list)
     """Every open/update/closed record, in emission order (when each finding opened)."""
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    """Each file not analysed: ``{"path": ..., "reason": ...}`` (the reason is one line)."""
 
 
 def analyze_traces(
@@ -140,6 +146,14 @@ def analyze_traces(
     tallies: dict[str, JobTally] = {}
     options = options or LoadOptions()
     progress = options.progress or Progress(enabled=False)
+    skipped: list[dict[str, str]] = []
+    report = options.on_skip or stderr_skip("analyze")
+
+    def skip(path: Path, exc: TraceError) -> None:
+        skipped.append({"path": str(path), "reason": str(exc).removeprefix(f"{path}: ")})
+        report(path, exc)
+
+    options = replace(options, on_skip=skip)
     summaries: list[RankSummary] = []
     seen = 0
     layouts: dict[str, JobLayout] = {}
@@ -183,7 +197,7 @@ def analyze_traces(
         }
         for job, t in sorted(tallies.items())
     }
-    return AnalyzeResult(result.findings, summaries, explanations, result.finding_updates)
+    return AnalyzeResult(result.findings, summaries, explanations, result.finding_updates, skipped)
 
 
 _RANK_COLUMNS = (
@@ -205,13 +219,14 @@ def layout_summary(layout: JobLayout | None) -> dict[str, Any]:
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import findings_json, print_findings, print_table
 
-    result = analyze_traces(args.paths, config, LoadOptions.from_args(args))
+    result = analyze_traces(args.paths, config, _load_options(args))
     if not result.ranks:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
     if args.json:
         findings = findings_json(result.findings)
-        doc = {"findings": findings, "ranks": [asdict(r) for r in result.ranks], "explanations": result.explanations}
+        ranks = [asdict(r) for r in result.ranks]
+        doc = {"findings": findings, "ranks": ranks, "explanations": result.explanations, "skipped": result.skipped}
         print(json.dumps(doc, indent=2, default=str))
     else:
         print_findings(result.findings, as_json=False)
@@ -223,7 +238,17 @@ def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
         for job, ex in result.explanations.items():
             print()
             print("\n".join(explanation_lines(job, ex)))
+        if result.skipped:
+            print(f"\n{len(result.skipped)} file(s) skipped (listed on stderr), {len(result.ranks)} analysed")
     return 0
+
+
+def _load_options(args: argparse.Namespace) -> LoadOptions:
+    """The command line's options; a bad limit is a configuration error (no traceback)."""
+    try:
+        return LoadOptions.from_args(args)
+    except ValueError as exc:
+        raise ConfigError([f"trace limits: {exc}"]) from None
 
 
 def _short(name: str, width: int = 60) -> str:
@@ -259,7 +284,7 @@ def explanation_lines(job: str, ex: dict[str, Any]) -> list[str]:
 def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.tables import print_table
 
-    ranks = replay_traces(args.paths, config, LoadOptions.from_args(args))
+    ranks = replay_traces(args.paths, config, _load_options(args))
     if args.json:
         print(json.dumps({"bootstrap_servers": config.kafka.bootstrap_servers, "ranks": [asdict(r) for r in ranks]}))
         return 0 if ranks else 1
@@ -287,7 +312,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="analyse Kineto trace files in-process (no broker)",
         description="Cut each rank's trace into iterations and compare ranks, with the stream worker's "
         "code but in this process, one file at a time. Prints findings and a per-rank summary. "
-        "Files that are not traces are skipped with one line on stderr.",
+        "A file that cannot be read or parsed is skipped with one line on stderr (and listed in "
+        "--json's skipped); the exit status is 0 when at least one file was analysed, 1 when none was.",
     )
     _trace_options(p)
     p.add_argument("--json", action="store_true", help='print {"findings": [...], "ranks": [...]}')
@@ -305,4 +331,20 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="files parsed at once (default: one per core from 16 MiB of traces, else 1)",
+    )
+    limits = TraceLimits()
+    p.add_argument(
+        "--max-trace-mib",
+        type=int,
+        help=f"largest trace, in MiB of JSON (a gzip file's expanded size; default {limits.max_trace_bytes >> 20})",
+    )
+    p.add_argument(
+        "--max-gzip-ratio",
+        type=int,
+        help=f"a gzip trace expands to at most this many times its size (default {limits.max_gzip_ratio})",
+    )
+    p.add_argument(
+        "--max-unpacked-mib",
+        type=int,
+        help=f"MiB of traces written out of tar archives, all together (default {limits.max_unpacked_bytes >> 20})",
     )

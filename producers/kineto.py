@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from fleetscope.producers.kineto_comms import CommMeta, canonical_op, meta_from_args, nbytes_of, op_from_kernel
 from fleetscope.producers.kineto_comms import int_or_none as _int
-from fleetscope.producers.kineto_load import NO_ARGS, Args, Event, TraceDoc, TraceError, load_trace
+from fleetscope.producers.kineto_load import NO_ARGS, Args, Event, TraceDoc, TraceError, TraceLimits, load_trace
 from fleetscope.producers.kineto_threads import THREAD_BUSY_NAME, busy_outside_spans, depths
 from fleetscope.producers.trace_layout import P2P_OPS, GroupNotes, groups_from_pg_config
 from fleetscope.schemas import (
@@ -54,7 +54,7 @@ _USED_CATS = _GPU_CATS | _LAUNCH_CATS | _HOST_CATS
 _CPU_OP_PREFIXES = ("record_param_comms", "nccl:", "ProfilerStep#")
 _RANK_RE = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
-__all__ = ["DEFAULT_BATCH_EVENTS", "TraceError", "TraceRank", "parse_trace"]
+__all__ = ["DEFAULT_BATCH_EVENTS", "TraceError", "TraceLimits", "TraceRank", "parse_trace"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -430,17 +430,19 @@ def parse_trace(
     rank: int | None = None,
     world_size: int | None = None,
     batch_events: int = DEFAULT_BATCH_EVENTS,
+    limits: TraceLimits | None = None,
 ) -> TraceRank:
     """Parse one Kineto trace file into a ``TraceRank``; raise ``TraceError`` if it is not one.
 
     ``job`` defaults to the parent directory's name; ``rank``/``world_size`` are used only when the
-    trace has no ``distributedInfo`` (and, for the rank, no ``rank-N`` in its file name).
+    trace has no ``distributedInfo`` (and, for the rank, no ``rank-N`` in its file name); ``limits``
+    bound what the file may cost (``kineto_load.TraceLimits``).
     """
     if batch_events < 1:
         raise ValueError(f"batch_events must be >= 1, got {batch_events}")
     p = Path(path)
     t0 = time.perf_counter()
-    doc = load_trace(p)
+    doc = load_trace(p, limits)
     header, pg_sizes, configured = _identity(doc, p, job, rank, world_size)
     base = doc.baseTimeNanoseconds
     base_ns = base if type(base) is int and 0 <= base < _LIMIT_NS else None

@@ -121,13 +121,14 @@ class NoiseConfig:
     def __post_init__(self) -> None:
         if not 2 <= self.min_history <= self.history_iterations or self.level_iterations < 1:
             raise ValueError("need 2 <= min_history <= history_iterations and level_iterations >= 1")
-        if self.z <= 0 or self.level_z <= 0 or self.last_z <= 0:
+        # each bound written so that NaN fails it: NaN compares false, so a NaN z would never flag anything
+        if not (self.z > 0 and self.level_z > 0 and self.last_z > 0):
             raise ValueError("z, level_z and last_z must be > 0")
         if not 0 <= self.last_misses < self.level_iterations:
             raise ValueError("need 0 <= last_misses < level_iterations")
         if not 0 <= self.sign_misses < self.sign_iterations // 4 or self.sign_iterations > self.history_iterations:
             raise ValueError("need 0 <= sign_misses < sign_iterations / 4 and sign_iterations <= history_iterations")
-        if not 0 < self.lead_allowance < self.lead_cap or self.lead_alarm <= 0:
+        if not (0 < self.lead_allowance < self.lead_cap and self.lead_alarm > 0):
             raise ValueError("need 0 < lead_allowance < lead_cap and lead_alarm > 0")
 
 

@@ -48,8 +48,8 @@ class ScoringConfig:
     signals for any number. In process here; a deployment would run each shard in a worker of its own."""
 
     def __post_init__(self) -> None:
-        errors = []
-        if self.z_threshold <= 0:
+        errors = []  # each bound written so that NaN fails it (NaN compares false): a NaN z silences every flag
+        if not self.z_threshold > 0:
             errors.append("z_threshold must be > 0")
         if not 0 <= self.min_relative_gap < 1:
             errors.append("min_relative_gap must be in [0, 1)")
@@ -59,7 +59,7 @@ class ScoringConfig:
             errors.append("min_peers must be >= 3 (a median of fewer is no peer group)")
         if self.shards < 1:
             errors.append("shards must be >= 1")
-        if self.transfer_min_relative_gap <= 0:
+        if not self.transfer_min_relative_gap > 0:
             errors.append("transfer_min_relative_gap must be > 0")
         if not 0 < self.host_group_min_share <= 1:
             errors.append("host_group_min_share must be in (0, 1]")

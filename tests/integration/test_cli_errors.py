@@ -73,6 +73,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "missing parameter": (["sql", "SELECT {a:Int32}"], "the store refused"),
     "unknown job": (["report", "--job", "no-such-job", "-o", "r.html"], "no-such-job"),
     "bad config file": (["findings", "--config", "bad.toml"], "bootstrap_server"),
+    "config is a device": (["findings", "--config", "/dev/zero"], "not a regular file"),
+    "bad trace limit": (["analyze", "trace.json", "--max-gzip-ratio", "-1"], "max_gzip_ratio"),
     "missing config file": (["findings", "--config", "missing.toml"], "missing.toml"),
     "bad fault": (["simulate", "--fault", "bogus:1", "--bootstrap", DEAD], "bogus"),
     "broker unreachable: simulate": (["simulate", "--bootstrap", DEAD], "no Kafka broker answers"),
@@ -116,3 +118,46 @@ def test_debug_adds_the_traceback(folder: Path) -> None:
     res = fleetscope("sql", "SELECT * FROM no_such_table", "--debug", cwd=folder)
     assert res.returncode != 0 and "Traceback" in res.stderr
     assert res.stderr.strip().splitlines()[-2].startswith("fleetscope sql: the store refused")
+
+
+def test_analyze_loses_only_the_bad_files(tmp_path: Path) -> None:
+    """Good traces mixed with a 5,000-digit step, a gzip bomb, a sparse file, bad UTF-8 and an archive
+    holding a core dump and a fake trace: every good file is analysed, each bad one skipped with its
+    one-line reason (stderr and --json), exit 0; nothing analysable at all is exit 1."""
+    import gzip
+    import io
+    import json
+    import tarfile
+
+    from fleetscope.producers.tracegen import TraceJob, write_traces
+
+    job = tmp_path / "job"
+    paths = write_traces(TraceJob(dp=5, steps=3, seed=5), job)
+    doc = json.loads(paths[4].read_text())
+    next(e for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))["name"] = (
+        "ProfilerStep#" + "7" * 5000
+    )
+    paths[4].write_text(json.dumps(doc))
+    paths[0].write_bytes(paths[0].read_bytes().replace(b'"flash_fwd_kernel"', b'"flash\xff\xfe_fwd_kernel"'))
+    (job / "bomb.json.gz").write_bytes(gzip.compress(b"{" + b" " * (2**20), 9) * 128)  # 128 MiB from 130 KB
+    with open(job / "sparse.json", "wb") as f:
+        f.truncate(256 * 2**20)
+    with tarfile.open(job / "more.tgz", "w:gz") as tar:
+        for name, size in (("more/core", 2**24), ("more/rank-7.json", 2**20)):
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, io.BytesIO(bytes(size)))
+    res = fleetscope("analyze", str(job), "--json", "--quiet", "--workers", "2", cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    out = json.loads(res.stdout)
+    analysed = {r["rank"] for r in out["ranks"]}
+    assert {0, 1, 2, 3} <= analysed  # rank 4: analysed once its step is bounded, else skipped
+    skipped = {Path(s["path"]).name: s["reason"] for s in out["skipped"]}
+    assert {"bomb.json.gz", "sparse.json", "rank-7.json"} <= set(skipped) <= {
+        "bomb.json.gz", "sparse.json", "rank-7.json", "rank-4.pt.trace.json"}  # fmt: skip
+    assert "gzip expands past" in skipped["bomb.json.gz"] and "not JSON" in skipped["sparse.json"]
+    assert all("\n" not in r for r in skipped.values())
+    lines = [line for line in res.stderr.splitlines() if line.startswith("fleetscope analyze: skipped ")]
+    assert len(lines) == len(skipped)
+    none = fleetscope("analyze", str(job / "sparse.json"), "--quiet", cwd=tmp_path)
+    assert none.returncode == 1 and "no trace could be parsed" in none.stderr
