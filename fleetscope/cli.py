@@ -5,16 +5,20 @@ The commands themselves live in ``fleetscope/commands/``, one module per family.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from fleetscope import lifetime, redaction
 from fleetscope.commands import register_all
 from fleetscope.commands.deployment import configure_process
 from fleetscope.commands.options import common
-from fleetscope.config import Config, load_config
+from fleetscope.config import Config, load_config, split_secrets
+from fleetscope.tables import TerminalText
 
 
 def _version() -> str:
@@ -65,23 +69,55 @@ def _config(args: argparse.Namespace) -> Config:
     return config
 
 
+PRIVATE_COMMANDS = frozenset({"up", "demo", "sink", "worker"})
+"""Commands that write the data folder (store, broker and worker logs, Faust's files): they run with umask
+0o077, so every file they (and chDB, Tansu, their children) create is the user's alone (0600, folders 0700)."""
+
+PRIVATE_UMASK = 0o077
+
+RAW_STDOUT_COMMANDS = frozenset({"worker"})
+"""Commands whose standard output is not the command's own: the worker's is Faust's (its spinner's cursor
+codes on a terminal), and it prints nothing of the store's."""
+
+
+@contextlib.contextmanager
+def _terminal_stdout(command: str) -> Iterator[None]:
+    """``sys.stdout`` through ``TerminalText`` while the command runs (restored after: ``main`` is also
+    called in-process)."""
+    if command in RAW_STDOUT_COMMANDS or isinstance(sys.stdout, TerminalText):
+        yield
+        return
+    raw, sys.stdout = sys.stdout, TerminalText(sys.stdout)
+    try:
+        yield
+    finally:
+        sys.stdout = raw
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        config = _config(args)
-        logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        configure_process(config, args.command)
-        return int(args.handler(args, config))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:  # every failure: a few lines a person reads; the traceback with --debug
-        from fleetscope.errors import describe
+    redaction.install()  # before any record: every log line of the process, every library's, is redacted
+    if args.command in PRIVATE_COMMANDS:
+        os.umask(PRIVATE_UMASK)
+    lifetime.watch_parent_from_env()  # a child of `up` (its worker) stops when `up` ends, even by SIGKILL
+    with _terminal_stdout(args.command):
+        try:
+            config = _config(args)
+            for secret in split_secrets(config)[1].values():
+                redaction.register_secret(secret)
+            logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            configure_process(config, args.command)
+            return int(args.handler(args, config))
+        except KeyboardInterrupt:
+            return 130
+        except Exception as exc:  # every failure: a few lines a person reads; the traceback with --debug
+            from fleetscope.errors import describe
 
-        if args.debug:
-            traceback.print_exc()
-        lines, status = describe(exc, args.command)
-        print("\n".join(lines), file=sys.stderr)
-        return status
+            if args.debug:
+                traceback.print_exc()
+            lines, status = describe(exc, args.command)
+            print(redaction.printable("\n".join(lines), keep="\n"), file=sys.stderr)
+            return status
 
 
 if __name__ == "__main__":

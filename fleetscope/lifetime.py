@@ -1,0 +1,145 @@
+"""Child processes die with their parent, by construction.
+
+A process that is SIGKILLed (or crashes) runs no ``finally``: without this, its broker kept its port and its
+scoring processes their memory for hours. Linux delivers a signal to a child when its parent dies if the
+child asked for it (``prctl(PR_SET_PDEATHSIG)``); the child asks before it runs anything else:
+
+- a program started with ``subprocess.Popen`` (the Tansu broker): ``preexec_fn=
+  child_preexec(...)`` asks between fork and exec;
+- a ``fleetscope`` child (the stream worker of ``up``): ``child_env`` names its parent, and the child's
+  ``watch_parent_from_env`` stops it (SIGTERM, then SIGKILL) when that process ends;
+- a ``multiprocessing`` child (a scoring process, whose parent is the forkserver, which itself exits when
+  the worker that owns it goes): ``die_with_parent()`` in the pool's initializer.
+
+Each checks afterwards that the parent is still the one it was forked from: a parent that died between
+the fork and the request would otherwise never signal. Where there is no ``prctl`` (not Linux), a
+``multiprocessing`` child watches its parent's sentinel in a thread instead; a ``Popen`` child has no such
+fallback (its program is not ours) and is stopped by its owner's ``stop()`` only.
+
+PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not only its process: start a broker
+from a thread that lives as long as it should (the main thread). A ``fleetscope`` child watches the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+"""``<linux/prctl.h>``: the signal a process gets when its parent dies."""
+
+
+def _find_prctl() -> Any:
+    """libc's ``prctl``, resolved once here (a child between fork and exec must not load libraries)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _find_prctl()
+
+
+def parent_death_signal(sig: int) -> bool:
+    """Ask for ``sig`` when this process's parent dies; False where the system cannot (not Linux)."""
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+def child_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``Popen`` ``preexec_fn`` that makes the child get ``sig`` when the calling process dies (None where
+    the system has no way: pass it as it is)."""
+    if _PRCTL is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        parent_death_signal(sig)
+        if os.getppid() != parent:  # the parent died before the request: nobody would signal
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a ``multiprocessing`` child: end with ``sig`` when the process that started it dies.
+
+    The forkserver's children have the forkserver as their parent, which exits when its owner does; the
+    owner itself is ``multiprocessing.parent_process()``, whose sentinel says when it is gone."""
+    parent_death_signal(sig)
+    owner = multiprocessing.parent_process()
+    sentinel = getattr(owner, "sentinel", None)
+    if sentinel is None:
+        return
+    if multiprocessing.connection.wait([sentinel], timeout=0):  # gone before the request: now, not never
+        os.kill(os.getpid(), sig)
+    if _PRCTL is None:
+        threading.Thread(target=_watch, args=(sentinel, sig), name="parent-watch", daemon=True).start()
+
+
+def _watch(sentinel: int, sig: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os.kill(os.getpid(), sig)
+
+
+PARENT_ENV = "FLEETSCOPE_PARENT_PID"
+"""The environment variable that tells a ``fleetscope`` child which process it lives for."""
+
+STOP_GRACE_S = 20.0
+"""How long a child whose parent died has to stop cleanly (SIGTERM: drain, commit) before it is killed."""
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a ``fleetscope`` child process that must end with this one (``watch_parent`` reads it).
+
+    For our own Python children this beats ``child_preexec``: the child watches the parent *process*
+    (a pidfd), so it outlives the thread that started it (a restart from a helper thread), and it stops
+    cleanly (SIGTERM) rather than being killed."""
+    return {**env, PARENT_ENV: str(os.getpid())}
+
+
+def watch_parent_from_env(sig: int = signal.SIGTERM) -> None:
+    """In a ``fleetscope`` process started with ``child_env``: ``sig`` to itself when that parent dies,
+    SIGKILL ``STOP_GRACE_S`` later if it has not stopped. Nothing when the variable is not set."""
+    value = os.environ.pop(PARENT_ENV, "")
+    if not value.isdigit():
+        return
+    parent = int(value)
+    fd: int | None = None
+    try:
+        fd = os.pidfd_open(parent)  # Linux 5.3+: readable when the process ends, whichever thread forked
+    except (AttributeError, OSError):
+        fd = None
+    if os.getppid() != parent:  # gone already (this process was re-parented)
+        _stop(sig)
+        return
+    threading.Thread(target=_await_parent, args=(parent, fd, sig), name="parent-watch", daemon=True).start()
+
+
+def _await_parent(parent: int, fd: int | None, sig: int) -> None:
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+    _stop(sig)
+
+
+def _stop(sig: int) -> None:
+    os.kill(os.getpid(), sig)
+    if sig != signal.SIGKILL:
+        time.sleep(STOP_GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
