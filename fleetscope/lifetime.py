@@ -8,13 +8,15 @@ child asked for it (``prctl(PR_SET_PDEATHSIG)``); the child asks before it runs 
   child_preexec(...)`` asks between fork and exec;
 - a ``fleetscope`` child (the stream worker of ``up``): ``child_env`` names its parent, and the child's
   ``watch_parent_from_env`` stops it (SIGTERM, then SIGKILL) when that process ends;
-- a ``multiprocessing`` child (a scoring process, whose parent is the forkserver, which itself exits when
-  the worker that owns it goes): ``die_with_parent()`` in the pool's initializer.
+- a ``multiprocessing`` child (a scoring process): ``die_with_parent()`` in the pool's initializer. Its
+  parent is the forkserver, which exits only when its owner *and every child* have closed the "alive" pipe
+  (each child holds its write end): the forkserver and its children outlived a SIGKILLed worker for
+  hours, each waiting on the other. So the child watches its owner (``multiprocessing.parent_process()``'s
+  sentinel) in a thread, and asks for PR_SET_PDEATHSIG against the forkserver besides.
 
-Each checks afterwards that the parent is still the one it was forked from: a parent that died between
-the fork and the request would otherwise never signal. Where there is no ``prctl`` (not Linux), a
-``multiprocessing`` child watches its parent's sentinel in a thread instead; a ``Popen`` child has no such
-fallback (its program is not ours) and is stopped by its owner's ``stop()`` only.
+Each checks afterwards that the parent is still there: one that died between the fork and the request
+would otherwise never signal. A ``Popen`` program that is not ours has no fallback where there is no
+``prctl`` (not Linux): its owner's ``stop()`` stops it.
 
 PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not only its process: start a broker
 from a thread that lives as long as it should (the main thread). A ``fleetscope`` child watches the process.
@@ -75,10 +77,8 @@ def child_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """In a ``multiprocessing`` child: end with ``sig`` when the process that started it dies.
-
-    The forkserver's children have the forkserver as their parent, which exits when its owner does; the
-    owner itself is ``multiprocessing.parent_process()``, whose sentinel says when it is gone."""
+    """In a ``multiprocessing`` child: end with ``sig`` when the process that started it dies (its owner,
+    ``multiprocessing.parent_process()``, whose sentinel is readable once it is gone), or its parent."""
     parent_death_signal(sig)
     owner = multiprocessing.parent_process()
     sentinel = getattr(owner, "sentinel", None)
@@ -86,8 +86,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         return
     if multiprocessing.connection.wait([sentinel], timeout=0):  # gone before the request: now, not never
         os.kill(os.getpid(), sig)
-    if _PRCTL is None:
-        threading.Thread(target=_watch, args=(sentinel, sig), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_watch, args=(sentinel, sig), name="parent-watch", daemon=True).start()
 
 
 def _watch(sentinel: int, sig: int) -> None:
@@ -98,8 +97,10 @@ def _watch(sentinel: int, sig: int) -> None:
 PARENT_ENV = "FLEETSCOPE_PARENT_PID"
 """The environment variable that tells a ``fleetscope`` child which process it lives for."""
 
-STOP_GRACE_S = 20.0
-"""How long a child whose parent died has to stop cleanly (SIGTERM: drain, commit) before it is killed."""
+STOP_GRACE_S = 5.0
+"""How long a child whose parent died has to stop cleanly (SIGTERM: drain, commit) before it is killed. A
+worker whose embedded broker died with ``up`` never finishes stopping (its consumer retries the fetch), and
+what it did not commit is read again by the next worker: a few seconds, not Faust's shutdown timeout."""
 
 
 def child_env(env: dict[str, str]) -> dict[str, str]:
