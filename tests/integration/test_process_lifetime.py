@@ -114,6 +114,8 @@ def test_up_keeps_its_data_folder_private_and_a_sigkilled_up_leaves_no_process(t
             assert up.poll() is None, out.read_text()
             assert time.monotonic() < deadline, "up did not start"
             time.sleep(0.2)
+        children = _children(up.pid)
+        assert {"tansu", "python"} <= children.keys(), children
         opened = {
             f"{path.relative_to(data_dir)} {path.stat().st_mode & 0o777:o}"
             for path in [data_dir, *data_dir.rglob("*")]
@@ -123,8 +125,6 @@ def test_up_keeps_its_data_folder_private_and_a_sigkilled_up_leaves_no_process(t
         print(f"{files} paths under the data folder, open to others: {sorted(opened)[:8]}")
         assert opened == set(), "every file 0600 (or 0700), every folder 0700: the store, logs, tokens"
         assert {"broker.log", "worker.log", "store-tokens.json"} <= {p.name for p in data_dir.iterdir()}
-        children = _children(up.pid)
-        assert {"tansu", "python"} <= children.keys(), children
         broker = json.loads((data_dir / "endpoint.json").read_text())["bootstrap_servers"]
         gone, left = _gone_after_kill(up, children)
         print(f"seconds from up's SIGKILL to each child's end: {gone}; left: {left}")
