@@ -153,3 +153,30 @@ def test_a_sigkilled_owner_of_a_scoring_pool_leaves_no_scoring_process() -> None
         assert left == {}
     finally:
         _reap(owner, children)
+
+
+class _StuckWorker:
+    """A worker whose stop is interrupted (a second Ctrl-C while it drains)."""
+
+    def stop(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_stack_whose_worker_fails_to_stop_still_stops_its_broker(tmp_path: Path) -> None:
+    """The brokers of stopped stacks that kept their ports: stop() went no further than the part that
+    failed, and start() stopped nothing on a failure it did not list (Ctrl-C while the worker starts)."""
+    from fleetscope.broker import TansuBroker
+    from fleetscope.config import load_config
+    from fleetscope.stack import EmbeddedStack
+
+    stack = EmbeddedStack(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    broker = TansuBroker()
+    port = int(broker.start().rsplit(":", 1)[1])
+    stack.broker, stack.worker = broker, _StuckWorker()  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stack.stop()
+        assert not _listening(port), "the broker stopped although the worker's stop failed"
+        assert stack.broker is None and stack.worker is None
+    finally:
+        broker.stop()
