@@ -114,7 +114,9 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
 
 def watch_parent_from_env(sig: int = signal.SIGTERM) -> None:
     """In a ``fleetscope`` process started with ``child_env``: ``sig`` to itself when that parent dies,
-    SIGKILL ``STOP_GRACE_S`` later if it has not stopped. Nothing when the variable is not set."""
+    SIGKILL ``STOP_GRACE_S`` later if it has not stopped. Nothing when the variable is not set.
+
+    The parent is watched by its pid, not as ``getppid()``: a launcher between them changes nothing."""
     value = os.environ.pop(PARENT_ENV, "")
     if not value.isdigit():
         return
@@ -122,19 +124,29 @@ def watch_parent_from_env(sig: int = signal.SIGTERM) -> None:
     fd: int | None = None
     try:
         fd = os.pidfd_open(parent)  # Linux 5.3+: readable when the process ends, whichever thread forked
-    except (AttributeError, OSError):
-        fd = None
-    if os.getppid() != parent:  # gone already (this process was re-parented)
+    except ProcessLookupError:  # gone already
         _stop(sig)
         return
+    except (AttributeError, OSError):
+        fd = None
     threading.Thread(target=_await_parent, args=(parent, fd, sig), name="parent-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _await_parent(parent: int, fd: int | None, sig: int) -> None:
     if fd is not None:
         select.select([fd], [], [])
     else:
-        while os.getppid() == parent:
+        while _exists(parent):
             time.sleep(0.5)
     _stop(sig)
 
