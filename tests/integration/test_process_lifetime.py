@@ -122,7 +122,7 @@ def test_up_keeps_its_data_folder_private_and_a_sigkilled_up_leaves_no_process(t
             if not path.is_symlink() and path.stat().st_mode & 0o077
         }
         files = sum(1 for _ in data_dir.rglob("*"))
-        print(f"{files} paths under the data folder, open to others: {sorted(opened)[:8]}")
+        print(f"{files} paths under the data folder, {len(opened)} open to others: {sorted(opened)[:8]}")
         assert opened == set(), "every file 0600 (or 0700), every folder 0700: the store, logs, tokens"
         assert {"broker.log", "worker.log", "store-tokens.json"} <= {p.name for p in data_dir.iterdir()}
         broker = json.loads((data_dir / "endpoint.json").read_text())["bootstrap_servers"]
