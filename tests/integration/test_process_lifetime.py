@@ -176,7 +176,7 @@ def test_a_stack_whose_worker_fails_to_stop_still_stops_its_broker(tmp_path: Pat
     try:
         with pytest.raises(KeyboardInterrupt):
             stack.stop()
-        assert not _listening(port), "the broker stopped although the worker's stop failed"
+        assert not _listening(port), "the broker must stop although the worker failed to"
         assert stack.broker is None and stack.worker is None
     finally:
         broker.stop()

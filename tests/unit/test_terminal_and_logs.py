@@ -7,11 +7,12 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from fleetscope import redaction
-from fleetscope.tables import TerminalText, print_findings, print_table
+from fleetscope.cli import main
+from fleetscope.tables import print_findings, print_table
 
 HOSTILE = "flash_fwd\x1b]0;owned\x07\x1b[2J\x1b[H\x9b31m\x7f\u202e\r\nkernel"
 """A kernel name that retitles (OSC 0), clears (ED 2) and homes the terminal, with a C1 CSI, DEL, a
@@ -46,6 +47,8 @@ def test_json_output_stays_json_with_every_control_escaped(capsys: pytest.Captur
 
 
 def test_terminal_text_passes_newlines_and_escapes_the_rest() -> None:
+    from fleetscope.tables import TerminalText
+
     raw = io.StringIO()
     stream = TerminalText(raw)  # what the CLI puts on sys.stdout: `alerts`, `sql`, `report`, `analyze`
     print_table(["a\x1b[2J"], [["x\ty"], [HOSTILE]], out=stream)
@@ -64,6 +67,8 @@ def test_terminal_text_passes_newlines_and_escapes_the_rest() -> None:
     ],
 )  # fmt: skip
 def test_redact_keeps_where_a_url_leads_and_hides_its_secrets(text: str, secrets: list[str], kept: str) -> None:
+    from fleetscope import redaction
+
     shown = redaction.redact(text)
     assert [s for s in secrets if s in shown] == []
     assert kept in shown and redaction.HIDDEN in shown
@@ -71,6 +76,8 @@ def test_redact_keeps_where_a_url_leads_and_hides_its_secrets(text: str, secrets
 
 @pytest.fixture
 def redacting_log() -> Iterator[io.StringIO]:
+    from fleetscope import redaction
+
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     log = logging.getLogger("fleetscope.test.redaction")
@@ -86,6 +93,8 @@ def redacting_log() -> Iterator[io.StringIO]:
 
 def test_every_log_record_is_redacted_and_printable(redacting_log: io.StringIO) -> None:
     """Whatever logger, whatever arguments or traceback: the one rule applies before any handler."""
+    from fleetscope import redaction
+
     log = logging.getLogger("fleetscope.test.redaction")
     redaction.register_secret("store-token-Zq8Kx")
     log.warning("webhook %s: not delivered", "https://hooks.slack.com/services/T0/B0/XyZsecret")
@@ -96,6 +105,17 @@ def test_every_log_record_is_redacted_and_printable(redacting_log: io.StringIO) 
         log.exception("failed")
     text = redacting_log.getvalue()
     assert [s for s in ("XyZsecret", "Zq8Kx", "hunter2") if s in text] == []
-    assert "hooks.slack.com/…" in text and "127.0.0.1:9/…" in text
+    assert f"hooks.slack.com/{redaction.HIDDEN}" in text and "127.0.0.1:9/…" in text
     assert [ch for ch in text if not ch.isprintable() and ch not in "\n\t"] == []
     assert "\\r\\nkernel" in text, "the name's newline is shown, not obeyed: it cannot forge a log line"
+
+
+def test_a_trace_files_name_cannot_drive_the_terminal_from_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``analyze``'s progress and skipped-file lines name the file: shown, not obeyed, on stderr too."""
+    (tmp_path / "rank0\x1b]0;owned\x07\x1b[2J.json").write_text('{"traceEvents": [')
+    main(["analyze", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert "rank0\\x1b]0;owned\\x07\\x1b[2J.json" in captured.err
+    assert controls(captured.err + captured.out) == []
