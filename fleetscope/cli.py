@@ -75,23 +75,25 @@ PRIVATE_COMMANDS = frozenset({"up", "demo", "sink", "worker"})
 
 PRIVATE_UMASK = 0o077
 
-RAW_STDOUT_COMMANDS = frozenset({"worker"})
-"""Commands whose standard output is not the command's own: the worker's is Faust's (its spinner's cursor
-codes on a terminal), and it prints nothing of the store's."""
+RAW_OUTPUT_COMMANDS = frozenset({"worker"})
+"""Commands whose terminal output is not the command's own: the worker's is Faust's (its spinner's cursor
+codes, its coloured log levels), and it prints nothing of the store's (its log records pass
+``redaction.install``'s rule)."""
 
 
 @contextlib.contextmanager
-def _terminal_stdout(command: str) -> Iterator[None]:
-    """``sys.stdout`` through ``TerminalText`` while the command runs (restored after: ``main`` is also
-    called in-process)."""
-    if command in RAW_STDOUT_COMMANDS or isinstance(sys.stdout, TerminalText):
+def _terminal_output(command: str) -> Iterator[None]:
+    """``sys.stdout`` and ``sys.stderr`` through ``TerminalText`` while the command runs (restored after:
+    ``main`` is also called in-process): results, errors, skipped files, progress lines."""
+    if command in RAW_OUTPUT_COMMANDS or isinstance(sys.stdout, TerminalText):
         yield
         return
-    raw, sys.stdout = sys.stdout, TerminalText(sys.stdout)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = TerminalText(out), TerminalText(err)
     try:
         yield
     finally:
-        sys.stdout = raw
+        sys.stdout, sys.stderr = out, err
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in PRIVATE_COMMANDS:
         os.umask(PRIVATE_UMASK)
     lifetime.watch_parent_from_env()  # a child of `up` (its worker) stops when `up` ends, even by SIGKILL
-    with _terminal_stdout(args.command):
+    with _terminal_output(args.command):
         try:
             config = _config(args)
             for secret in split_secrets(config)[1].values():
@@ -116,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.debug:
                 traceback.print_exc()
             lines, status = describe(exc, args.command)
-            print(redaction.printable("\n".join(lines), keep="\n"), file=sys.stderr)
+            print("\n".join(lines), file=sys.stderr)
             return status
 
 
