@@ -69,11 +69,26 @@ def _config(args: argparse.Namespace) -> Config:
     return config
 
 
-PRIVATE_COMMANDS = frozenset({"up", "demo", "sink", "worker"})
-"""Commands that write the data folder (store, broker and worker logs, Faust's files): they run with umask
-0o077, so every file they (and chDB, Tansu, their children) create is the user's alone (0600, folders 0700)."""
-
 PRIVATE_UMASK = 0o077
+"""Every command runs with this umask, so every file it (and chDB, Tansu, its workers) creates is the user's
+alone (0600, folders 0700): the store, the logs, Faust's tables, the outage spool, a report."""
+
+USER_UMASK_COMMANDS = frozenset({"run"})
+"""Commands that keep the user's umask: ``run``'s children are the training job, whose files are its own."""
+
+
+@contextlib.contextmanager
+def _private_files(command: str) -> Iterator[None]:
+    """``PRIVATE_UMASK`` while the command runs (restored after: ``main`` is also called in-process)."""
+    if command in USER_UMASK_COMMANDS:
+        yield
+        return
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
 
 RAW_OUTPUT_COMMANDS = frozenset({"worker"})
 """Commands whose terminal output is not the command's own: the worker's is Faust's (its spinner's cursor
@@ -99,10 +114,8 @@ def _terminal_output(command: str) -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     redaction.install()  # before any record: every log line of the process, every library's, is redacted
-    if args.command in PRIVATE_COMMANDS:
-        os.umask(PRIVATE_UMASK)
     lifetime.watch_parent_from_env()  # a child of `up` (its worker) stops when `up` ends, even by SIGKILL
-    with _terminal_output(args.command):
+    with _private_files(args.command), _terminal_output(args.command):
         try:
             config = _config(args)
             for secret in split_secrets(config)[1].values():
