@@ -21,6 +21,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from fleetscope.errors import BrokerUnreachable
+from fleetscope.lifetime import child_preexec
 from fleetscope.schemas import Topics
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ class TansuBroker:
             ],
             stdout=out,
             stderr=out,
-            start_new_session=True,
+            start_new_session=True,  # Ctrl-C on the terminal reaches `up`, which stops it in order
+            preexec_fn=child_preexec(),  # and a SIGKILLed `up` takes it along: no broker left holding its port
         )
         deadline = time.monotonic() + timeout_s
         while not _port_open(self.port):

@@ -6,10 +6,14 @@ import sys
 import time
 from typing import TextIO
 
+from fleetscope.redaction import printable
+
 
 class Progress:
     def __init__(self, stream: TextIO | None = None, enabled: bool = True, every_s: float = 2.0) -> None:
         self.stream = stream or sys.stderr
+        self._raw: TextIO = getattr(self.stream, "raw", self.stream)
+        """Where the redraw's carriage return goes: past ``TerminalText``, which would show it as text."""
         self.enabled = enabled
         self.tty = self.stream.isatty()
         self.every_s = every_s if not self.tty else 0.1
@@ -23,20 +27,22 @@ class Progress:
         if not force and now - self._last < self.every_s:
             return
         self._last = now
+        text = printable(text)  # a file's name cannot move the cursor: only the redraw's own "\r" does
         if self.tty:
             pad = max(self._width - len(text), 0)
-            self.stream.write("\r" + text + " " * pad)
+            self._raw.write("\r" + text + " " * pad)
             self._width = len(text)
         else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+            self._raw.write(text + "\n")
+        self._raw.flush()
 
     def done(self, text: str) -> None:
         if not self.enabled:
             return
+        text = printable(text)
         if self.tty:
-            self.stream.write("\r" + text + " " * max(self._width - len(text), 0) + "\n")
+            self._raw.write("\r" + text + " " * max(self._width - len(text), 0) + "\n")
         else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+            self._raw.write(text + "\n")
+        self._raw.flush()
         self._width = 0

@@ -6,6 +6,7 @@ Start downstream first (broker -> topics -> sink -> worker), stop upstream first
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,6 +21,7 @@ from typing import Any
 from fleetscope.broker import BrokerError, TansuBroker, ensure_topics, free_port, preferred_port, stop_process
 from fleetscope.config import Config, split_secrets
 from fleetscope.endpoint import Endpoint, ensure_unlocked, remove_endpoint, store_tokens, write_endpoint
+from fleetscope.lifetime import child_env
 from fleetscope.schemas import Topics
 from fleetscope.sinks import Sink, SinkConfig, Store, open_store
 from fleetscope.storeserver import StoreServer
@@ -29,6 +31,25 @@ log = logging.getLogger(__name__)
 
 
 SINK_GROUP_PREFIX = "fleetscope-sink-"
+
+
+def private_dir(path: str | Path) -> Path:
+    """The data folder, created 0700 when it is not there (its parents as the umask says): it holds the
+    store, the logs and the tokens. A folder that exists keeps its mode (it may be one the user chose for
+    more than fleetscope), with a warning when others may read it. The files inside are private through
+    the umask of the commands that write them (``fleetscope.cli.PRIVATE_UMASK``)."""
+    folder = Path(path)
+    if not folder.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # another process made it first
+            pass
+        else:
+            folder.chmod(0o700)  # mkdir's mode is cut by the umask; this one is exact
+    elif (mode := folder.stat().st_mode & 0o777) & 0o077:
+        log.warning("data folder %s is open to other users (mode %o): chmod 700 it", folder, mode)
+    return folder
 
 
 def sink_group(config: Config) -> str:
@@ -85,7 +106,7 @@ class StreamWorkerProcess:
 
     def start(self, ready_timeout_s: float = 60.0) -> None:
         """Start the worker and wait for it to be ready; after a ``kill()`` this is the restart."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         settings, secrets = split_secrets(self.config)
         fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -108,7 +129,7 @@ class StreamWorkerProcess:
             cmd,
             stdout=subprocess.DEVNULL,
             stderr=open(self.log_path, "ab"),
-            env={**os.environ, **secrets},  # noqa: SIM115
+            env=child_env({**os.environ, **secrets}),  # it stops when this process ends, however  # noqa: SIM115
         )
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
@@ -155,8 +176,7 @@ class EmbeddedStack:
         self.store_server: StoreServer | None = None
 
     def start(self) -> Config:
-        data_dir = Path(self.config.data_dir)
-        data_dir.mkdir(parents=True, exist_ok=True)
+        data_dir = private_dir(self.config.data_dir)
         ensure_unlocked(self.config)
         try:
             if not self.config.kafka.bootstrap_servers:
@@ -178,7 +198,9 @@ class EmbeddedStack:
             if self.with_worker:
                 self.worker = StreamWorkerProcess(self.config)
                 self.worker.start()
-        except (BrokerError, RuntimeError, OSError):
+        except BaseException:
+            # Any failure, Ctrl-C while the worker starts included: `with` runs no __exit__ for a failed
+            # __enter__, so what started must stop here (a broker left behind holds its port for good).
             self.stop()
             raise
         return self.config
@@ -212,19 +234,19 @@ class EmbeddedStack:
         write_endpoint(self.config.data_dir, endpoint)
 
     def stop(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
-            self.worker = None
-        if self.sink is not None:
-            self.sink.stop()
-            self.sink = None
-        if self.store_server is not None:
-            remove_endpoint(self.config.data_dir)
-            self.store_server.stop()
-            self.store_server = None
-        if self.broker is not None:
-            self.broker.stop()
-            self.broker = None
+        """Stop worker, sink, store server, broker, in that order; one that fails to stop does not keep the
+        later ones running (the broker stops whatever happened before), and its error is raised after."""
+        with contextlib.ExitStack() as stops:  # callbacks run last-in first-out, each despite the others
+            if self.broker is not None:
+                stops.callback(self.broker.stop)
+            if self.store_server is not None:
+                stops.callback(self.store_server.stop)
+                stops.callback(remove_endpoint, self.config.data_dir)
+            if self.sink is not None:
+                stops.callback(self.sink.stop)
+            if self.worker is not None:
+                stops.callback(self.worker.stop)
+            self.worker = self.sink = self.store_server = self.broker = None
 
     def __enter__(self) -> EmbeddedStack:
         self.start()

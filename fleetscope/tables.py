@@ -1,13 +1,35 @@
-"""How the CLI prints rows: aligned tables, findings as a person reads them (units, subject) or as JSON."""
+"""How the CLI prints rows: aligned tables, findings as a person reads them (units, subject) or as JSON.
+
+Everything a command prints to the terminal goes through ``TerminalText`` (installed by ``fleetscope.cli``):
+a kernel name, job id or error text from the store or a trace is shown, its control characters escaped by
+``fleetscope.redaction.printable``, never obeyed. JSON output is JSON already: ``json.dumps`` escapes every
+control character (``\u001b``), so it passes unchanged."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
+from fleetscope.redaction import printable
 from fleetscope.schemas import units
+
+
+class TerminalText:
+    """A text stream that writes ``printable`` of everything to ``raw``, newlines kept: a cell cannot move
+    the cursor, retitle or clear the terminal. Anything else (``isatty``, ``fileno``) is ``raw``'s."""
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        self.raw.write(printable(text, keep="\n"))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
 
 FINDING_FIELDS = (
     "job", "subject", "rank", "ranks", "host", "local_rank", "gpu_uuid", "pci_bus_id", "category", "function",
@@ -18,15 +40,17 @@ FINDING_FIELDS = (
 
 
 def format_cell(value: Any) -> str:
+    """One cell on one line: a newline in a value would break the table's rows."""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value)
+        return ",".join(format_cell(v) for v in value)
+    return printable(str(value))
 
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
     out = out or sys.stdout
+    columns = [format_cell(c) for c in columns]
     cells = [[format_cell(v) for v in row] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+from fleetscope.lifetime import die_with_parent
 from fleetscope.schemas import SchemaError, decode
 from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.streams.analysis.differential import DifferentialConfig, IterationScore, score_records
@@ -159,8 +160,9 @@ _indexes: OrderedDict[str, FunctionIndex] = OrderedDict()
 
 
 def _configure(config: DifferentialConfig) -> None:
-    """A scoring process's configuration, once at its start."""
+    """A scoring process's configuration, once at its start; it dies with the worker that owns it."""
     global _config
+    die_with_parent()
     _config = config
 
 

@@ -102,12 +102,12 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, config: Config) -> int:
-    from fleetscope.stack import stream_app_config
+    from fleetscope.stack import private_dir, stream_app_config
     from fleetscope.streams.app import run_worker
 
     if not config.kafka.bootstrap_servers:
         raise ConfigError(["kafka.bootstrap_servers: a worker needs a broker (--bootstrap or configuration)"])
-    Path(config.data_dir).mkdir(parents=True, exist_ok=True)  # Faust keeps its files under <data_dir>/faust
+    private_dir(config.data_dir)  # Faust keeps its files under <data_dir>/faust
     app = stream_app_config(config, args.web_port)
     print(
         f"fleetscope worker: app {app.app_id}, stages {'+'.join(app.stages)}, broker {app.bootstrap_servers}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -98,3 +99,38 @@ def test_a_finding_of_the_pipeline_reaches_the_follower_within_5_s(slow_gpu_demo
     print(f"alert delays after finding creation: {[f'{d:.3f}' for d in delays_s]} s")
     assert max(delays_s) < MAX_DELAY_S
     assert {a["finding_id"] for _, a in received} == {f["finding_id"] for f in result.findings}
+
+
+def test_alerts_show_a_kernel_names_escapes_as_text_and_log_no_webhook_secret(broker: str, tmp_path: Path) -> None:
+    """A finding's kernel name cannot retitle or clear the operator's terminal; the webhook's secret path and
+    query (a Slack-style URL) never reach the log, only where it leads."""
+    prefix = f"al{uuid.uuid4().hex[:6]}"
+    ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
+    config = tmp_path / "alerts.json"
+    config.write_text(json.dumps({"kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}))
+    with socket.socket() as s:  # a port nobody listens on: every POST fails, and is logged
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    webhook = f"http://127.0.0.1:{dead}/services/T0AAA/B0BBB/XyZsecretPath?password=hunter2"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE__")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetscope", "alerts", "--bootstrap", broker, "--config", str(config),
+         "--job", "esc", "--webhook", webhook, "--webhook-attempts", "1", "--log-level", "INFO"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        assert "following" in proc.stderr.readline()
+        rec = finding("esc") | {"function": "flash\x1b]0;owned\x07\x1b[2J\x1b[Hfwd"}
+        producer = Producer({"bootstrap.servers": broker})
+        producer.produce(Topics(prefix=prefix).findings, key=job_key("esc"), value=encode("findings", rec))
+        producer.flush(5)
+        line = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, log = proc.communicate(timeout=15)
+    assert "flash\\x1b]0;owned\\x07\\x1b[2J\\x1b[Hfwd" in line, line
+    assert [ch for ch in line if not ch.isprintable() and ch != "\n"] == []
+    assert "not delivered" in log, log
+    assert [s for s in ("T0AAA", "XyZsecretPath", "hunter2") if s in log] == [], log
+    assert f"127.0.0.1:{dead}/…" in log
