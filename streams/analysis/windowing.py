@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
-from fleetscope.schemas.vocabulary import host_phase, is_cpu_wait, is_profiling_window
+from fleetscope.schemas.vocabulary import host_phase, is_cpu_wait, is_profiling_window, is_step_marker_name
 from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
@@ -47,8 +47,6 @@ __all__ = ["ClosedIteration", "RankWindower", "WindowerConfig", "identity", "sum
 
 _MAX_HELD_EVENTS = 2_000_000
 """Events a rank may hold in open steps past ``max_open_steps`` (about 80 MB) while a lagging stream arrives."""
-_MAX_STEP = 2**62
-"""Step markers beyond this are ignored: their number would not fit the records' Avro long."""
 _MAX_WINDOWS = 16
 """Profiler windows a rank remembers (the latest): enough to mark the steps still open and judge stalls."""
 _WINDOW, _WAIT = 1, 2
@@ -309,7 +307,8 @@ class RankWindower:
         if len(steps) < len(self._names):
             new = [parse_step_marker(n) for n in self._names[len(steps) :]]
             steps += new
-            self._is_marker = np.concatenate((self._is_marker, np.array([s is not None for s in new], dtype=bool)))
+            fresh = [is_step_marker_name(n) for n in self._names[len(self._is_marker) :]]  # broken ones too
+            self._is_marker = np.concatenate((self._is_marker, np.array(fresh, dtype=bool)))
         if self._own_span.size < len(self._names):
             kinds = [_own_span_kind(n) for n in self._names[self._own_span.size :]]
             self._own_span = np.concatenate((self._own_span, np.array(kinds, dtype=np.int8)))
@@ -320,12 +319,14 @@ class RankWindower:
         is_marker = self._is_marker[ids]
         if not is_marker.any():
             return cols
-        if self._mode != "step_marker":  # explicit markers beat every inferred boundary
-            self._mode = "step_marker"
-            self._steps.clear()
         for i in np.flatnonzero(is_marker):
             step = steps[int(ids[i])]
-            if step is not None and self._closed_step < step < _MAX_STEP:
+            if step is None:
+                continue
+            if self._mode != "step_marker":  # explicit markers beat every inferred boundary
+                self._mode = "step_marker"
+                self._steps.clear()
+            if self._closed_step < step:
                 start = int(cols["start_ns"][i])
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
         return {k: v[~is_marker] for k, v in cols.items()}

@@ -1,0 +1,66 @@
+"""Producer messages that must cost only themselves (issue 38 items 5-7): pure intake and windower, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from fleetscope.producers import SimulatorConfig, simulate
+from fleetscope.schemas import EventBatch, EventKind, parse_step_marker
+from fleetscope.streams.windower import WindowerStage
+
+WALL = 1_767_225_600 * 10**9 + 3_600 * 10**9
+"""An hour after the simulator's clock starts (2026-01-01)."""
+
+
+def job_batches(iterations: int = 12, ranks: int = 2) -> list[EventBatch]:
+    return list(simulate(SimulatorConfig(ranks=ranks, iterations=iterations)))
+
+
+def host_batch(rank: int, names: list[str], start_ns: int, dur_ns: int, like: EventBatch) -> EventBatch:
+    """A host batch keyed as ``rank`` of ``like``'s job: one span per name at ``start_ns``."""
+    n = len(names)
+    return EventBatch(
+        kind=EventKind.PYTHON,
+        header=replace(like.header, rank=rank, seq=like.header.seq + 10_000),
+        names=names,
+        columns={
+            "start_ns": np.full(n, start_ns, dtype=np.int64),
+            "dur_ns": np.full(n, dur_ns, dtype=np.int64),
+            "name_id": np.arange(n, dtype=np.int32),
+            "depth": np.zeros(n, dtype=np.int32),
+        },
+    )
+
+
+def closed_steps(stage: WindowerStage, batches: list[EventBatch], rank: int) -> tuple[list[int], list[str]]:
+    """Feed the batches in order, then flush; the steps of ``rank`` that closed and every refusal's reason."""
+    steps, reasons = [], []
+    for b in batches:
+        r = stage.take_batch(b, now_ns=0, wall_ns=WALL)
+        if r.reason is not None:
+            reasons.append(r.reason)
+        steps += [c.iteration["iteration"] for c in r.closed if c.iteration["rank"] == rank]
+    for key in list(stage.windowers):
+        closed, _ = stage.close_rank(key)
+        steps += [c.iteration["iteration"] for c in closed if c.iteration["rank"] == rank]
+    return sorted(steps), reasons
+
+
+def test_a_step_marker_of_5000_digits_is_no_step_and_never_raises():
+    assert parse_step_marker("ProfilerStep#" + "9" * 5000) is None
+    assert parse_step_marker("ProfilerStep#" + "9" * 18) == 10**18 - 1
+    assert parse_step_marker("ProfilerStep#" + "9" * 19) is None
+    assert parse_step_marker("ProfilerStep#12\n") is None
+
+
+def test_a_5000_digit_step_marker_costs_its_event_not_the_ranks_later_batches():
+    batches = job_batches()
+    healthy, _ = closed_steps(WindowerStage(), batches, rank=1)
+    host = [i for i, b in enumerate(batches) if b.kind is EventKind.PYTHON and b.header.rank == 1]
+    at = host[2]
+    bad = host_batch(1, ["ProfilerStep#" + "7" * 5000], int(batches[at]["start_ns"].min()), 1_000, batches[at])
+    steps, reasons = closed_steps(WindowerStage(), [*batches[:at], bad, *batches[at:]], rank=1)
+    assert reasons == []
+    assert steps == healthy
