@@ -211,6 +211,16 @@ class RankWindower:
             self._buffers[kind] = cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
         return self._close(force=False, now_ns=now_ns)
 
+    @property
+    def clock_ns(self) -> int | None:
+        """The latest time the rank's events reached (span end, sample time); None before any event."""
+        return self._clock_ns if self._clock_ns > -(2**62) else None
+
+    @property
+    def mean_iteration_ns(self) -> float:
+        """Mean duration of the rank's recent closed iterations (0.0 before the first)."""
+        return self._mean_ns
+
     def take_progress(self) -> list[dict[str, Any]]:
         """Stall/resume reports produced since the last call (for the job's hang check)."""
         out, self._progress = self._progress, []

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
-from fleetscope.schemas import EventBatch, EventKind, parse_step_marker
+from fleetscope.schemas import EventBatch, EventKind, encode_event_batch, parse_step_marker
 from fleetscope.streams.windower import WindowerStage
 
 WALL = 1_767_225_600 * 10**9 + 3_600 * 10**9
@@ -34,11 +34,14 @@ def host_batch(rank: int, names: list[str], start_ns: int, dur_ns: int, like: Ev
     )
 
 
-def closed_steps(stage: WindowerStage, batches: list[EventBatch], rank: int) -> tuple[list[int], list[str]]:
-    """Feed the batches in order, then flush; the steps of ``rank`` that closed and every refusal's reason."""
+def closed_steps(
+    stage: WindowerStage, batches: list[EventBatch], rank: int, now_ns: list[int] | None = None
+) -> tuple[list[int], list[str]]:
+    """Feed the batches as broker messages in order (at input-clock times ``now_ns``, default 0), then
+    flush; the steps of ``rank`` that closed and every refusal's reason."""
     steps, reasons = [], []
-    for b in batches:
-        r = stage.take_batch(b, now_ns=0, wall_ns=WALL)
+    for b, now in zip(batches, now_ns or [0] * len(batches), strict=True):
+        r = stage.take(encode_event_batch(b), now_ns=now, wall_ns=WALL)
         if r.reason is not None:
             reasons.append(r.reason)
         steps += [c.iteration["iteration"] for c in r.closed if c.iteration["rank"] == rank]
@@ -64,3 +67,34 @@ def test_a_5000_digit_step_marker_costs_its_event_not_the_ranks_later_batches():
     steps, reasons = closed_steps(WindowerStage(), [*batches[:at], bad, *batches[at:]], rank=1)
     assert reasons == []
     assert steps == healthy
+
+
+def test_a_marker_stamped_23_hours_ahead_is_refused_and_the_rank_keeps_every_step():
+    batches = job_batches()
+    healthy, _ = closed_steps(WindowerStage(), batches, rank=1)
+    host = [i for i, b in enumerate(batches) if b.kind is EventKind.PYTHON and b.header.rank == 1]
+    at = host[3]
+    ahead = int(batches[at]["start_ns"].max()) + 23 * 3_600 * 10**9
+    forged = [host_batch(1, [f"ProfilerStep#{900 + i}"], ahead + i * 10**9, 10**6, batches[at]) for i in range(4)]
+    steps, reasons = closed_steps(WindowerStage(), [*batches[:at], *forged, *batches[at:]], rank=1)
+    assert steps == healthy
+    assert len(reasons) == 4
+    assert all("past the rank's clock and its peers'" in r for r in reasons)
+
+
+def test_a_real_clock_step_blinds_its_rank_only_until_it_was_quiet_for_clock_step_accept_ms():
+    batches = job_batches(iterations=16)
+    ten_min = 600 * 10**9
+    times = {"start_ns", "t_ns", "launch_ns"}
+    rank1 = [i for i, b in enumerate(batches) if b.header.rank == 1]
+    cut = rank1[len(rank1) // 2]
+    stepped = [
+        b if b.header.rank != 1 or i < cut else replace(b, columns={k: v + ten_min if k in times and v.size else v
+                                                                   for k, v in b.columns.items()})
+        for i, b in enumerate(batches)
+    ]  # fmt: skip
+    now = [0 if i < cut or b.header.rank != 1 else 61 * 10**9 for i, b in enumerate(batches)]
+    now[cut] = 0  # the first stepped batch comes at once: refused; the later ones after a minute of quiet
+    steps, reasons = closed_steps(WindowerStage(), stepped, rank=1, now_ns=now)
+    assert len(reasons) == 1
+    assert max(steps) == 15  # the rank's steps after the jump are windowed
