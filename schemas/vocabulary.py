@@ -156,6 +156,11 @@ after the GPU went idle). A launch-bound rank (its CPU slower than its GPU: Pyth
 its GPU this way; a rank whose GPU is slow never does (its host runs ahead), and waiting ranks wait inside
 their collectives' kernels, not in gaps. Compared like any host function, so it is ``host_slow``."""
 
+OTHER_FUNCTIONS = "fleetscope#other"
+"""The one pattern row that sums a rank-iteration's functions past its caps (``max_functions``, their
+names' characters): its calls and times, under kind ``MEMORY``, which no peer comparison scores. Also the
+name a rank's windower files names under once its name table is full."""
+
 ITERATION_LESS_CPU_WAIT = "iteration_less_cpu_wait_ns"
 """``job_regression``'s metric where every rank measured its run-queue wait: the steps' time less it."""
 

@@ -27,7 +27,13 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
-from fleetscope.schemas.vocabulary import host_phase, is_cpu_wait, is_profiling_window, is_step_marker_name
+from fleetscope.schemas.vocabulary import (
+    OTHER_FUNCTIONS,
+    host_phase,
+    is_cpu_wait,
+    is_profiling_window,
+    is_step_marker_name,
+)
 from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
@@ -39,7 +45,7 @@ from fleetscope.streams.analysis.eventbuffers import (
 )
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
-from fleetscope.streams.analysis.patterns import IterationEvents, NameTable
+from fleetscope.streams.analysis.patterns import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, IterationEvents, NameTable
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,14 @@ class WindowerConfig:
     stall_silence_ms: int = 1500
     """...and no kernel, collective or host batch of it arrived for this long (processing time): batches
     still arriving are a backlog. 0 where processing time means nothing (offline input, complete)."""
+    max_functions: int = MAX_FUNCTIONS
+    """Pattern rows of one rank-iteration: the longest by time are kept, the rest summed in one row."""
+    max_function_chars: int = MAX_FUNCTION_CHARS
+    """Characters of one rank-iteration's function names (with ``max_functions``: a message under 1 MB)."""
+    max_names: int = 65_536
+    """Distinct names a rank's windower holds (kernels, host functions, metrics; well-formed step markers
+    apart: one per step). Later new names are filed as ``OTHER_FUNCTIONS``: a rank's memory is bounded
+    whatever its producer sends (a name is at most ``max_name_chars``)."""
 
     def __post_init__(self) -> None:
         if self.idle_close_ms <= 0:
@@ -81,6 +95,8 @@ class WindowerConfig:
             raise ValueError("max_open_steps must be >= 1")
         if self.stall_silence_ms < 0:
             raise ValueError("stall_silence_ms must be >= 0")
+        if self.max_functions < 2 or self.max_function_chars < 1024 or self.max_names < 16:
+            raise ValueError("max_functions must be >= 2, max_function_chars >= 1024, max_names >= 16")
 
 
 @dataclass(slots=True)
@@ -296,6 +312,9 @@ class RankWindower:
 
     def _intern(self, name: str) -> int:
         gid = self._name_ids.get(name)
+        if gid is None and len(self._names) >= self.config.max_names and parse_step_marker(name) is None:
+            name = OTHER_FUNCTIONS  # the table is full: bounded memory, one row of everything past it
+            gid = self._name_ids.get(name)
         if gid is None:
             gid = self._name_ids[name] = len(self._names)
             self._names.append(name)
@@ -488,6 +507,8 @@ class RankWindower:
             python=parts.get(EventKind.PYTHON, {}),
             samples=parts.get(EventKind.THROUGHPUT, {}),
             table=self._table,
+            max_functions=self.config.max_functions,
+            max_function_chars=self.config.max_function_chars,
         )
         self._durations = (self._durations + [max(end - start, 1)])[-20:]
         self._mean_ns = float(np.add.reduce(np.asarray(self._durations), dtype=np.float64) / len(self._durations))

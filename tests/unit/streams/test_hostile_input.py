@@ -7,7 +7,18 @@ from dataclasses import replace
 import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
-from fleetscope.schemas import EventBatch, EventKind, encode_event_batch, parse_step_marker
+from fleetscope.schemas import (
+    EventBatch,
+    EventKind,
+    FunctionKind,
+    IntakeLimits,
+    encode,
+    encode_event_batch,
+    parse_step_marker,
+)
+from fleetscope.schemas.vocabulary import OTHER_FUNCTIONS
+from fleetscope.streams.analysis.patterns import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
+from fleetscope.streams.analysis.windowing import WindowerConfig
 from fleetscope.streams.windower import WindowerStage
 
 WALL = 1_767_225_600 * 10**9 + 3_600 * 10**9
@@ -98,3 +109,73 @@ def test_a_real_clock_step_blinds_its_rank_only_until_it_was_quiet_for_clock_ste
     steps, reasons = closed_steps(WindowerStage(), stepped, rank=1, now_ns=now)
     assert len(reasons) == 1
     assert max(steps) == 15  # the rank's steps after the jump are windowed
+
+
+def kernel_flood(like: EventBatch, names: int, start_ns: int, first: int = 0) -> EventBatch:
+    """One kernels batch of ``like``'s rank: ``names`` distinct 100-char kernel names, 1 us each."""
+    ids = np.arange(names, dtype=np.int32)
+    return EventBatch(
+        kind=EventKind.KERNELS,
+        header=replace(like.header, seq=like.header.seq + 20_000),
+        names=[f"flood_{first + i:094d}" for i in range(names)],
+        columns={
+            "start_ns": start_ns + ids.astype(np.int64),
+            "dur_ns": np.full(names, 1_000, dtype=np.int64),
+            "name_id": ids,
+            "stream": np.zeros(names, dtype=np.int32),
+            "launch_ns": start_ns + ids.astype(np.int64),
+        },
+    )
+
+
+def test_20000_kernel_names_in_one_rank_iteration_make_a_pattern_message_under_the_topics_size():
+    batches = job_batches(iterations=6)
+    kernels = [i for i, b in enumerate(batches) if b.kind is EventKind.KERNELS and b.header.rank == 1]
+    at = kernels[2]
+    start = int(batches[at]["start_ns"].min())
+    floods = [kernel_flood(batches[at], 5_000, start, first=i * 5_000) for i in range(4)]  # each under 1 MB
+    stage = WindowerStage()
+    patterns = []
+    for b in [*batches[:at], *floods, *batches[at:]]:
+        r = stage.take(encode_event_batch(b), 0, WALL)
+        assert r.reason is None
+        patterns += [c.patterns for c in r.closed if c.iteration["rank"] == 1]
+    patterns += [c.patterns for c in stage.close_rank(("demo", 1))[0]]
+    flooded = max(patterns, key=lambda p: len(p["function"]))
+    sizes = [len(encode("patterns", p)) for p in patterns]
+    assert max(sizes) <= IntakeLimits().max_message_bytes
+    assert len(flooded["function"]) <= MAX_FUNCTIONS and flooded["function"][-1] == OTHER_FUNCTIONS
+    assert sum(map(len, flooded["function"])) <= MAX_FUNCTION_CHARS
+    other = flooded["function"].index(OTHER_FUNCTIONS)
+    assert flooded["kind"][other] == FunctionKind.MEMORY  # summed, never scored
+    assert int(np.sum(flooded["calls"])) >= 20_000  # every flooded call still counted
+
+
+def test_a_ranks_name_table_stops_growing_at_max_names():
+    batches = job_batches(iterations=6)
+    kernels = [i for i, b in enumerate(batches) if b.kind is EventKind.KERNELS and b.header.rank == 1]
+    at = kernels[2]
+    start = int(batches[at]["start_ns"].min())
+    floods = [kernel_flood(batches[at], 5_000, start, first=i * 5_000) for i in range(8)]
+    stage = WindowerStage(WindowerConfig(max_names=4_096))
+    for b in [*batches[:at], *floods, *batches[at:]]:
+        assert stage.take(encode_event_batch(b), 0, WALL).reason is None
+    names = stage.windowers[("demo", 1)]._names
+    markers = sum(parse_step_marker(n) is not None for n in names)
+    assert len(names) - markers <= 4_096 and OTHER_FUNCTIONS in names
+
+
+def test_capped_functions_keep_the_longest_and_sum_the_rest_into_one_row():
+    n = 10_000
+    total = np.arange(n, dtype=np.int64)[::-1] * 10  # function i took (n - 1 - i) x 10 ns
+    columns = {
+        "kind": np.zeros(n, dtype=np.int64), "calls": np.ones(n, dtype=np.int64), "total_ns": total,
+        "self_ns": total, "mean_ns": total.astype(np.float64), "max_ns": total, "p99_ns": total.astype(np.float64),
+        "share": np.full(n, 1e-4), "nvlink_cv": np.zeros(n),
+    }  # fmt: skip
+    names, out = capped_functions([f"k{i}" for i in range(n)], columns, max_functions=64, max_chars=10**6)
+    assert names == [*(f"k{i}" for i in range(63)), OTHER_FUNCTIONS]
+    assert {len(col) for col in out.values()} == {64}
+    assert int(out["total_ns"].sum()) == int(total.sum()) and int(out["calls"][-1]) == n - 63
+    assert out["kind"][-1] == FunctionKind.MEMORY and out["max_ns"][-1] == total[63] and out["p99_ns"][-1] == 0
+    assert np.isnan(out["nvlink_cv"][-1])
