@@ -1,6 +1,7 @@
 """Alert follower: the findings topic -> one alert per finding state change, printed and/or POSTed.
 
-In: Avro ``Finding`` records on ``<prefix>.findings`` (key ``job``), decoded with ``fleetscope.schemas``.
+In: Avro ``Finding`` records on ``<prefix>.findings`` (key ``job``), decoded with ``fleetscope.schemas``; with a
+key (``fleetscope alerts`` always has one) only those the differential signed (``schemas.signing``).
 Out: ``alert_payload`` dicts (the findings JSON plus status, version, time) handed to a callback, and
 optionally POSTed as JSON to a webhook: a finding's opening, its close and its significant changes only
 (``AlertFilter``), not every periodic update.
