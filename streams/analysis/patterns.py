@@ -12,7 +12,8 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
-from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, OTHER_FUNCTIONS, is_sync_call
+from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, is_sync_call
+from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
 from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
     GroupStats,
@@ -29,11 +30,6 @@ I64 = npt.NDArray[np.int64]
 LINK_FAMILIES = ("nvlink", "pcie")
 THROUGHPUT_SUFFIX = "_bytes_per_s"
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
-MAX_FUNCTIONS = 4_096
-"""Pattern rows of one rank-iteration at most, ``OTHER_FUNCTIONS`` included (``capped_functions``)."""
-MAX_FUNCTION_CHARS = 262_144
-"""Characters of one rank-iteration's function names at most: with ``MAX_FUNCTIONS`` rows of fixed columns
-(about 190 bytes each, measured) a pattern message stays under 1 MB, the topics' message size."""
 ACTIVE_SHARE = 0.05
 """A link sample counts as active (moving data) above this share of the rank's peak in the iteration."""
 
@@ -511,42 +507,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         }
         out.append((figures, patterns))
     return out
-
-
-_SUMMED = ("calls", "total_ns", "self_ns", "share")
-
-
-def capped_functions(
-    names: list[str], columns: dict[str, npt.NDArray[Any]], max_functions: int, max_chars: int
-) -> tuple[list[str], dict[str, npt.NDArray[Any]]]:
-    """One rank-iteration's functions within its caps: at most ``max_functions`` rows and ``max_chars``
-    characters of names, so its pattern message fits the topic whatever a producer sends. The longest by
-    total time are kept, in their order; the rest become one ``OTHER_FUNCTIONS`` row at the end that sums
-    their calls, times and shares (its longest call is theirs; its mean their total over their calls), with
-    no statistics of a single function (p50, p99, CV, bandwidths: 0; links: NaN, no samples). Rows of
-    names a full name table filed as ``OTHER_FUNCTIONS`` join that row."""
-    lengths = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
-    filed = np.fromiter((n == OTHER_FUNCTIONS for n in names), dtype=bool, count=len(names))
-    if len(names) <= max_functions and int(lengths.sum()) <= max_chars and not filed.any():
-        return names, columns
-    order = np.argsort(-columns["total_ns"], kind="stable")
-    order = np.concatenate((order[~filed[order]], order[filed[order]]))  # rows filed as other stay other
-    lengths[filed] = max_chars + 1
-    fits = np.cumsum(lengths[order]) <= max_chars - len(OTHER_FUNCTIONS)
-    n_kept = min(max_functions - 1, int(np.argmin(fits)) if not fits.all() else fits.size)
-    kept, rest = np.sort(order[:n_kept]), order[n_kept:]
-    other: dict[str, Any] = {key: np.sum(columns[key][rest]) for key in _SUMMED}
-    other["max_ns"] = np.max(columns["max_ns"][rest])
-    other["mean_ns"] = other["total_ns"] / max(int(other["calls"]), 1)
-    other["kind"] = int(FunctionKind.MEMORY)
-    out = {}
-    for key, col in columns.items():
-        value = other.get(key, np.nan if key.endswith(_LINK_SUFFIXES) else 0)
-        out[key] = np.concatenate((col[kept], np.asarray([value], dtype=col.dtype)))
-    return [names[j] for j in kept.tolist()] + [OTHER_FUNCTIONS], out
-
-
-_LINK_SUFFIXES = ("_mean_bps", "_cv", "_peak_bps")
 
 
 def _with_launch_waits(

@@ -34,6 +34,7 @@ from fleetscope.schemas.vocabulary import (
     is_profiling_window,
     is_step_marker_name,
 )
+from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS
 from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
@@ -45,7 +46,7 @@ from fleetscope.streams.analysis.eventbuffers import (
 )
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
 from fleetscope.streams.analysis.joblevel import stall_record
-from fleetscope.streams.analysis.patterns import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, IterationEvents, NameTable
+from fleetscope.streams.analysis.patterns import IterationEvents, NameTable
 
 log = logging.getLogger(__name__)
 

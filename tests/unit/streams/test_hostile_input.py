@@ -17,7 +17,7 @@ from fleetscope.schemas import (
     parse_step_marker,
 )
 from fleetscope.schemas.vocabulary import OTHER_FUNCTIONS
-from fleetscope.streams.analysis.patterns import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
+from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
 from fleetscope.streams.analysis.windowing import WindowerConfig
 from fleetscope.streams.windower import WindowerStage
 
