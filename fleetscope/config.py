@@ -69,6 +69,9 @@ class KafkaSettings:
     """Confluent-compatible schema registry; empty: schema ids come from the embedded catalog."""
     registry_username: str = ""
     registry_password: str = field(default="", repr=False)
+    findings_key: str = field(default="", repr=False)
+    """Secret the differential signs findings with and the sink and ``alerts`` verify them by (at least 16
+    characters; the same on every machine of a deployment). Empty: the data directory's own key."""
 
     def __post_init__(self) -> None:
         errors = []

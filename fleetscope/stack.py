@@ -25,6 +25,7 @@ from fleetscope.lifetime import child_env
 from fleetscope.schemas import Topics
 from fleetscope.sinks import Sink, SinkConfig, Store, open_store
 from fleetscope.storeserver import StoreServer
+from fleetscope.wiring import findings_key
 from fleetscope.wiring import stream_app_config as stream_app_config  # the CLI and tests find it here
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ def sink_config(config: Config) -> SinkConfig:
         flush_rows=config.store.flush_rows,
         flush_interval_ms=config.store.flush_interval_ms,
         extra=k.client_settings(),
+        findings_key=findings_key(config),
     )
 
 

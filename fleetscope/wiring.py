@@ -6,8 +6,47 @@ component can be run (tests, the offline path) without the rest of the program's
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
 from fleetscope.config import Config
+from fleetscope.schemas.signing import MIN_KEY_BYTES
 from fleetscope.streams.appconfig import StreamAppConfig
+
+FINDINGS_KEY_FILE = "findings.key"
+
+
+def findings_key(config: Config) -> bytes:
+    """The key findings are signed with (``schemas.signing``): the differential's worker and the findings'
+    readers (sink, alert follower) must hold the same one. ``kafka.findings_key`` where configured (a
+    deployment's secret, handed on to child processes in their environment, never written to a file);
+    otherwise the data directory's own, made on first use (0600): the processes of one machine share it."""
+    if config.kafka.findings_key:
+        return config.kafka.findings_key.encode()
+    path = Path(config.data_dir) / FINDINGS_KEY_FILE
+    with contextlib.suppress(FileNotFoundError):
+        return _read_key(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    try:
+        os.link(tmp, path)  # whole or absent, and the first process to make one wins
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> bytes:
+    key = path.read_bytes().strip()
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"{path}: a findings key of {len(key)} bytes (at least {MIN_KEY_BYTES})")
+    return key
 
 
 def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
@@ -34,4 +73,5 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         profiling=s.profiling,
         limits=config.limits,
         broker_credentials=k.faust_credentials(),
+        findings_key=findings_key(config),
     )

@@ -22,6 +22,17 @@ class IntakeLimits:
     max_world_size: int = 1_048_576
     max_label_chars: int = 256
     max_name_chars: int = 8_192
+    max_clock_jump_ms: int = 60_000
+    """How far one message's events may reach past its rank's clock (the latest event end the rank sent)
+    at the least; more where the rank's iterations are long (``clock_jump_iterations``) or where the rank
+    was quiet (its clock may move as far as the time it was silent). A clock's real jump is rarer than a
+    forged one: refused too, until ``clock_step_accept_ms``."""
+    clock_jump_iterations: int = 20
+    """A message may reach this many of the rank's recent mean iterations past its clock."""
+    clock_step_accept_ms: int = 60_000
+    """A rank that had no message accepted for this long (input clock) gets its jump accepted: every batch
+    of a host whose clock really stepped is ahead, while a forger's batches leave the real ones in pace.
+    The longest a real clock step blinds a rank."""
 
     def __post_init__(self) -> None:
         errors = [
@@ -32,6 +43,9 @@ class IntakeLimits:
                 ("max_world_size", 1),
                 ("max_label_chars", 16),
                 ("max_name_chars", 64),
+                ("max_clock_jump_ms", 1_000),
+                ("clock_jump_iterations", 1),
+                ("clock_step_accept_ms", 1_000),
             )
             if getattr(self, name) < low
         ]

@@ -27,7 +27,12 @@ class Category(enum.StrEnum):
 
 CATEGORIES: tuple[str, ...] = tuple(c.value for c in Category)
 
-_STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
+STEP_MARKER_PREFIX = "ProfilerStep#"
+"""Names starting with it are the profiler's step markers, never host functions."""
+MAX_STEP_DIGITS = 18
+"""A step number has at most 18 digits: it fits an int64 (the records' Avro long) and parsing it is cheap;
+``int()`` of 5,000 digits raises, and a name that raises on every parse poisons every later batch."""
+_STEP_RE = re.compile(rf"ProfilerStep#([0-9]{{1,{MAX_STEP_DIGITS}}})")
 _NCCL_RE = re.compile(r"^(nccl(Dev)?Kernel_|ncclKernel|nccl:)", re.IGNORECASE)
 _MEMORY_RE = re.compile(r"^(Memcpy|Memset|memcpy|memset|\[memory\])|^cudaMemcpy|^cudaMemset")
 
@@ -41,9 +46,16 @@ def step_marker_name(step: int) -> str:
 
 
 def parse_step_marker(name: str) -> int | None:
-    """``ProfilerStep#12`` -> 12; any other name -> None."""
-    m = _STEP_RE.match(name)
+    """``ProfilerStep#12`` -> 12; any other name -> None, never an exception: the digits are bounded
+    (``MAX_STEP_DIGITS``) before ``int`` sees them, so a name costs only its own event."""
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def is_step_marker_name(name: str) -> bool:
+    """A name in the profiler's step-marker space (``STEP_MARKER_PREFIX``), well formed or not: one that
+    does not parse is a broken marker, dropped, never a host function of its own."""
+    return name.startswith(STEP_MARKER_PREFIX)
 
 
 def classify_kernel(name: str) -> FunctionKind:
@@ -143,6 +155,11 @@ its GPU sat idle, after the step's first kernel, until a kernel its host had not
 after the GPU went idle). A launch-bound rank (its CPU slower than its GPU: Python, CPU contention) starves
 its GPU this way; a rank whose GPU is slow never does (its host runs ahead), and waiting ranks wait inside
 their collectives' kernels, not in gaps. Compared like any host function, so it is ``host_slow``."""
+
+OTHER_FUNCTIONS = "fleetscope#other"
+"""The one pattern row that sums a rank-iteration's functions past its caps (``max_functions``, their
+names' characters): its calls and times, under kind ``MEMORY``, which no peer comparison scores. Also the
+name a rank's windower files names under once its name table is full."""
 
 ITERATION_LESS_CPU_WAIT = "iteration_less_cpu_wait_ns"
 """``job_regression``'s metric where every rank measured its run-queue wait: the steps' time less it."""

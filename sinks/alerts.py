@@ -1,6 +1,7 @@
 """Alert follower: the findings topic -> one alert per finding state change, printed and/or POSTed.
 
-In: Avro ``Finding`` records on ``<prefix>.findings`` (key ``job``), decoded with ``fleetscope.schemas``.
+In: Avro ``Finding`` records on ``<prefix>.findings`` (key ``job``), decoded with ``fleetscope.schemas``; with a
+key (``fleetscope alerts`` always has one) only those the differential signed (``schemas.signing``).
 Out: ``alert_payload`` dicts (the findings JSON plus status, version, time) handed to a callback, and
 optionally POSTed as JSON to a webhook: a finding's opening, its close and its significant changes only
 (``AlertFilter``), not every periodic update.
@@ -30,6 +31,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from fleetscope.schemas import SchemaError, Topics, decode, units
+from fleetscope.schemas.signing import signature_reason
 from fleetscope.sinks.retry import RetryPolicy, with_retries
 
 logger = logging.getLogger(__name__)
@@ -276,6 +278,9 @@ class AlertsConfig:
     """Off: only openings, closes and significant updates (``AlertFilter``)."""
     loss_change: float = 0.5
     extra: Mapping[str, str] = field(default_factory=dict, repr=False)
+    findings_key: bytes | None = field(default=None, repr=False)
+    """Key of the findings' signatures (``schemas.signing``): a finding that does not verify raises no alert.
+    ``fleetscope alerts`` always has one; None, a follower built by hand trusts the topic."""
 
     def __post_init__(self) -> None:
         if self.loss_change < 0:
@@ -301,7 +306,7 @@ class AlertFollower:
         self._on_ready = on_ready
         self.ready = threading.Event()
         """Set once the follower reads from fixed positions: anything published later is seen."""
-        self.stats = {"alerts": 0, "other_jobs": 0, "bad_messages": 0, "insignificant": 0}
+        self.stats = {"alerts": 0, "other_jobs": 0, "bad_messages": 0, "insignificant": 0, "unsigned": 0}
         self._filter = AlertFilter(config.loss_change)
         self._logged: set[str] = set()
 
@@ -374,13 +379,19 @@ class AlertFollower:
         if job is not None and msg.key() is not None and msg.key() != job.encode():
             self.stats["other_jobs"] += 1
         else:
+            key = self.config.findings_key
+            value = msg.value() or b""
+            untrusted = signature_reason(key, self.topic, msg.key(), value, msg.headers()) if key else None
             try:
-                subject, record = decode(msg.value() or b"")
+                if untrusted is not None:
+                    self.stats["unsigned"] += 1
+                    raise SchemaError(untrusted)
+                subject, record = decode(value)
                 if subject != "findings":
                     raise SchemaError(f"subject {subject!r} on the findings topic")
             except SchemaError as exc:
-                self.stats["bad_messages"] += 1
-                self._log_once("bad", f"skipping undecodable message at offset {msg.offset()}: {exc}")
+                self.stats["bad_messages"] += untrusted is None
+                self._log_once("bad", f"skipping a message at offset {msg.offset()}: {exc}")
             else:
                 if job is not None and record["job"] != job:
                     self.stats["other_jobs"] += 1

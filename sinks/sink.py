@@ -3,7 +3,8 @@
 Offsets are committed only after every buffered row is inserted and every dead letter delivered, so a
 crash replays the uncommitted tail; the writer skips records whose natural key is stored already, so
 that replay (or a whole-topic replay by a new group) adds no row. Undecodable
-messages go to the dead-letter topic with (reason, topic, partition, offset) headers and are skipped.
+messages go to the dead-letter topic with (reason, topic, partition, offset) headers and are skipped; so do
+findings whose signature does not verify (``schemas.signing``): only the differential's findings are stored.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from fleetscope import telemetry
 from fleetscope.schemas import SchemaError, Topics, decode
+from fleetscope.schemas.signing import signature_reason
 from fleetscope.sinks.records import pattern_rows
 from fleetscope.sinks.retry import MAX_PAUSE_S as _MAX_PAUSE_S
 from fleetscope.sinks.retry import backoff_s
@@ -209,6 +211,11 @@ class Sink:
         except (SchemaError, ValueError, KeyError, TypeError) as exc:
             self._dead_letter(msg, f"decode: {exc}")
         else:
+            untrusted = self._untrusted(msg, subject, value)
+            if untrusted is not None:
+                self._dead_letter(msg, untrusted)
+                self._mark(msg)
+                return
             buffer = self._buffers[subject]
             buffer.records.append(record)
             buffer.messages.append(msg)
@@ -216,6 +223,14 @@ class Sink:
             if self._oldest_s is None:
                 self._oldest_s = time.monotonic()
         self._mark(msg)
+
+    def _untrusted(self, msg: Message, subject: str, value: bytes) -> str | None:
+        """Why a finding is not the differential's (``signature_reason``), or None: the store keeps only
+        findings the differential signed, whatever topic they came by."""
+        key = self._config.findings_key
+        if subject != "findings" or key is None:
+            return None
+        return signature_reason(key, msg.topic() or "", msg.key(), value, msg.headers())
 
     def _mark(self, msg: Message) -> None:
         topic, partition, offset = msg.topic(), msg.partition(), msg.offset()

@@ -12,6 +12,7 @@ from typing import Any
 from confluent_kafka import KafkaError, Message, Producer
 
 from fleetscope import telemetry
+from fleetscope.schemas.signing import MIN_KEY_BYTES
 
 ACCESS_ERRORS = frozenset(
     {
@@ -42,6 +43,9 @@ class SinkConfig:
     flush_rows: int = 50_000
     flush_interval_ms: int = 500
     extra: Mapping[str, str] = field(default_factory=dict, repr=False)
+    findings_key: bytes | None = field(default=None, repr=False)
+    """Key of the findings' signatures (``schemas.signing``): a finding that does not verify is dead-lettered.
+    Every configured sink has one (``stack.sink_config``); None, a sink built by hand trusts the topic."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -54,6 +58,8 @@ class SinkConfig:
         for name in ("session_timeout_ms", "flush_rows", "flush_interval_ms"):
             if getattr(self, name) <= 0:
                 errors.append(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.findings_key is not None and len(self.findings_key) < MIN_KEY_BYTES:
+            errors.append(f"findings_key: at least {MIN_KEY_BYTES} bytes")
         if errors:
             raise ValueError("invalid SinkConfig: " + "; ".join(errors))
 

@@ -84,6 +84,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         app, differential_stage, DifferentialRecovery(differential_state, differential_stage.jobs),
         findings=raw(topics.findings), control=raw(topics.control), profiles=profiles, counters=counters,
         dead=dead, gate=gate, clock=clock, job_idle_ms=cfg.job_idle_ms, job_end_ms=cfg.job_end_ms,
+        findings_key=cfg.findings_key,
     )  # fmt: skip
 
     async def on_revoked(_sender: object, revoked: set[faust.types.TP], **_kw: object) -> None:

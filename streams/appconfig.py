@@ -41,3 +41,5 @@ class StreamAppConfig:
     limits: IntakeLimits = field(default_factory=IntakeLimits)
     broker_credentials: BrokerCredentials = None
     """Faust credentials (SASL/TLS) from ``KafkaSettings.faust_credentials``; None: PLAINTEXT."""
+    findings_key: bytes = field(default=b"", repr=False)
+    """Key the differential signs its findings with (``stack.findings_key``); empty: unsigned."""

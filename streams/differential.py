@@ -24,6 +24,7 @@ import faust
 from fleetscope.schemas import SchemaError, decode, encode
 from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.schemas.codec import decode_head
+from fleetscope.schemas.signing import MAC_HEADER, findings_mac
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams import reasons
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
@@ -253,8 +254,11 @@ class DifferentialAgent:
         clock: InputClock,
         job_idle_ms: int,
         job_end_ms: int,
+        findings_key: bytes = b"",
     ) -> None:
         self.app, self.stage, self.recovery = app, stage, recovery
+        self.findings_key = findings_key
+        """Signs each finding message (``schemas.signing``): the sink and the alert follower trust no other."""
         self.findings, self.control, self.profiles = findings, control, profiles
         self.counters, self.dead, self.gate, self.clock = counters, dead, gate, clock
         self.job_idle_ns, self.job_end_ns = job_idle_ms * 1_000_000, job_end_ms * 1_000_000
@@ -439,12 +443,19 @@ class DifferentialAgent:
                 "finding %s %s v%d, iterations %d-%d",
                 rec["finding_id"], rec["status"], rec["version"], rec["iteration_first"], rec["iteration_last"],
             )  # fmt: skip
-            sent.append(await self.findings.send(key=job_key(rec["job"]), value=encode("findings", rec)))
+            key, value = job_key(rec["job"]), encode("findings", rec)
+            sent.append(await self.findings.send(key=key, value=value, headers=self.signed(key, value)))
             self.counters.findings += 1
             request = self.profiles.request(rec, time.monotonic_ns())
             if request is not None:
                 sent.append(await self.control.send(key=job_key(rec["job"]), value=encode("control", request)))
         await asyncio.gather(*sent)
+
+    def signed(self, key: bytes, value: bytes) -> list[tuple[str, bytes]]:
+        """The headers of a finding message: its signature, when the worker has a key."""
+        if not self.findings_key:
+            return []
+        return [(MAC_HEADER, findings_mac(self.findings_key, self.findings.get_topic_name(), key, value))]
 
     def revoke(self, partitions: Collection[int]) -> None:
         """Forget the jobs of revoked partitions (their next owner restores them)."""

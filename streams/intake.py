@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from fleetscope.schemas import EventBatch, EventKind, IntakeLimits, SchemaError, decode_event_batch
 from fleetscope.streams import reasons
-from fleetscope.streams.analysis.validation import check_batch
+from fleetscope.streams.analysis.validation import batch_reach_ns, check_batch, check_clock_jump
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def intake(
         batch = decode_event_batch(message or b"")
     except SchemaError as exc:
         return IntakeResult(reason=reasons.reason("schema", exc))
-    return intake_batch(batch, windowers, now_ns, config, wall_ns=wall_ns, limits=limits)
+    return intake_batch(batch, windowers, now_ns, config, wall_ns=wall_ns, limits=limits, paced=True)
 
 
 def intake_batch(
@@ -67,13 +67,19 @@ def intake_batch(
     *,
     wall_ns: int,
     limits: IntakeLimits = _DEFAULT_LIMITS,
+    paced: bool = False,
 ) -> IntakeResult:
-    """``intake`` of a batch already decoded (trace files read in-process): the same rules from validation on."""
+    """``intake`` of a batch already decoded (trace files read in-process): the same rules from validation on.
+
+    ``paced``: a message from the broker, which anyone may write claiming any rank, also keeps its rank's
+    pace (``pace_reason``); a trace file the operator hands in is whole and may span gaps of any length."""
     reason = check_batch(batch, wall_ns, limits)
-    if reason is not None:
-        return IntakeResult(reason=reason[: reasons.MAX_REASON_CHARS])
     key = (batch.header.job, batch.header.rank)
     w = windowers.get(key)
+    if reason is None and paced and w is not None:
+        reason = pace_reason(batch, w, windowers, now_ns, limits)
+    if reason is not None:
+        return IntakeResult(reason=reason[: reasons.MAX_REASON_CHARS])
     if w is None:
         w = windowers[key] = RankWindower(config) if config is not None else RankWindower()
     try:
@@ -82,6 +88,27 @@ def intake_batch(
         log.warning("windower rejected a %s batch of %s rank %d: %r", batch.kind.value, *key, exc)
         return IntakeResult(windower=w, key=key, reason=reasons.reason("windower", exc))
     return IntakeResult(closed=closed, windower=w, key=key, events=len(batch), horizon_ns=horizon_ns(batch))
+
+
+def pace_reason(
+    batch: EventBatch,
+    w: RankWindower,
+    windowers: dict[tuple[str, int], RankWindower],
+    now_ns: int,
+    limits: IntakeLimits,
+) -> str | None:
+    """Why ``batch`` would jump its rank's clock (``check_clock_jump``), or None. The job's peers held here
+    are looked at only for a batch ahead of its own rank: the common case costs no scan."""
+    reach = batch_reach_ns(batch)
+    if reach is None:
+        return None
+    quiet = now_ns - w.last_arrival_ns
+    reason = check_clock_jump(reach, w.clock_ns, w.mean_iteration_ns, quiet, None, limits)
+    if reason is None:
+        return None
+    job, rank = batch.header.job, batch.header.rank
+    clocks = [c for (j, r), p in windowers.items() if j == job and r != rank and (c := p.clock_ns) is not None]
+    return check_clock_jump(reach, w.clock_ns, w.mean_iteration_ns, quiet, max(clocks, default=None), limits)
 
 
 def horizon_ns(batch: EventBatch) -> int:

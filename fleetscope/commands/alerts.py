@@ -44,6 +44,7 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
         format_alert,
     )
     from fleetscope.sinks.retry import RetryPolicy
+    from fleetscope.wiring import findings_key
 
     k = config.kafka
     if not k.bootstrap_servers:
@@ -76,6 +77,7 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
             group_id=args.group,
             session_timeout_ms=k.session_timeout_ms,
             extra=extra,
+            findings_key=findings_key(config),
         ),
         on_alert,
         on_ready=lambda: print(

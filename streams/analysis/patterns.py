@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
 from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, is_sync_call
+from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
 from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
     GroupStats,
@@ -78,6 +79,8 @@ class IterationEvents:
     samples: Cols = field(default_factory=dict)
     table: NameTable | None = None
     """Facts about ``names``, kept by the caller across iterations; built here when None."""
+    max_functions: int = MAX_FUNCTIONS
+    max_function_chars: int = MAX_FUNCTION_CHARS
 
 
 def size_bucket_label(nbytes: int) -> str:
@@ -493,11 +496,14 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
             "kernels": kernels[i],
         }
         lo_f, hi_f = first_l[i], first_l[i] + n_l[i]
+        fn_names, fn_columns = capped_functions(
+            fn_names, {key: col[lo_f:hi_f] for key, col in columns.items()}, ev.max_functions, ev.max_function_chars
+        )
         patterns: dict[str, Any] = {
             "iteration_start_ns": ev.start_ns,
             "iteration_ns": duration[i],
             "function": fn_names,
-            **{key: col[lo_f:hi_f] for key, col in columns.items()},
+            **fn_columns,
         }
         out.append((figures, patterns))
     return out

@@ -27,7 +27,14 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import BatchHeader, EventBatch, EventKind, parse_step_marker
-from fleetscope.schemas.vocabulary import host_phase, is_cpu_wait, is_profiling_window
+from fleetscope.schemas.vocabulary import (
+    OTHER_FUNCTIONS,
+    host_phase,
+    is_cpu_wait,
+    is_profiling_window,
+    is_step_marker_name,
+)
+from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS
 from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
@@ -47,8 +54,6 @@ __all__ = ["ClosedIteration", "RankWindower", "WindowerConfig", "identity", "sum
 
 _MAX_HELD_EVENTS = 2_000_000
 """Events a rank may hold in open steps past ``max_open_steps`` (about 80 MB) while a lagging stream arrives."""
-_MAX_STEP = 2**62
-"""Step markers beyond this are ignored: their number would not fit the records' Avro long."""
 _MAX_WINDOWS = 16
 """Profiler windows a rank remembers (the latest): enough to mark the steps still open and judge stalls."""
 _WINDOW, _WAIT = 1, 2
@@ -73,6 +78,14 @@ class WindowerConfig:
     stall_silence_ms: int = 1500
     """...and no kernel, collective or host batch of it arrived for this long (processing time): batches
     still arriving are a backlog. 0 where processing time means nothing (offline input, complete)."""
+    max_functions: int = MAX_FUNCTIONS
+    """Pattern rows of one rank-iteration: the longest by time are kept, the rest summed in one row."""
+    max_function_chars: int = MAX_FUNCTION_CHARS
+    """Characters of one rank-iteration's function names (with ``max_functions``: a message under 1 MB)."""
+    max_names: int = 65_536
+    """Distinct names a rank's windower holds (kernels, host functions, metrics; well-formed step markers
+    apart: one per step). Later new names are filed as ``OTHER_FUNCTIONS``: a rank's memory is bounded
+    whatever its producer sends (a name is at most ``max_name_chars``)."""
 
     def __post_init__(self) -> None:
         if self.idle_close_ms <= 0:
@@ -83,6 +96,8 @@ class WindowerConfig:
             raise ValueError("max_open_steps must be >= 1")
         if self.stall_silence_ms < 0:
             raise ValueError("stall_silence_ms must be >= 0")
+        if self.max_functions < 2 or self.max_function_chars < 1024 or self.max_names < 16:
+            raise ValueError("max_functions must be >= 2, max_function_chars >= 1024, max_names >= 16")
 
 
 @dataclass(slots=True)
@@ -213,6 +228,16 @@ class RankWindower:
             self._buffers[kind] = cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
         return self._close(force=False, now_ns=now_ns)
 
+    @property
+    def clock_ns(self) -> int | None:
+        """The latest time the rank's events reached (span end, sample time); None before any event."""
+        return self._clock_ns if self._clock_ns > -(2**62) else None
+
+    @property
+    def mean_iteration_ns(self) -> float:
+        """Mean duration of the rank's recent closed iterations (0.0 before the first)."""
+        return self._mean_ns
+
     def take_progress(self) -> list[dict[str, Any]]:
         """Stall/resume reports produced since the last call (for the job's hang check)."""
         out, self._progress = self._progress, []
@@ -288,6 +313,9 @@ class RankWindower:
 
     def _intern(self, name: str) -> int:
         gid = self._name_ids.get(name)
+        if gid is None and len(self._names) >= self.config.max_names and parse_step_marker(name) is None:
+            name = OTHER_FUNCTIONS  # the table is full: bounded memory, one row of everything past it
+            gid = self._name_ids.get(name)
         if gid is None:
             gid = self._name_ids[name] = len(self._names)
             self._names.append(name)
@@ -309,7 +337,8 @@ class RankWindower:
         if len(steps) < len(self._names):
             new = [parse_step_marker(n) for n in self._names[len(steps) :]]
             steps += new
-            self._is_marker = np.concatenate((self._is_marker, np.array([s is not None for s in new], dtype=bool)))
+            fresh = [is_step_marker_name(n) for n in self._names[len(self._is_marker) :]]  # broken ones too
+            self._is_marker = np.concatenate((self._is_marker, np.array(fresh, dtype=bool)))
         if self._own_span.size < len(self._names):
             kinds = [_own_span_kind(n) for n in self._names[self._own_span.size :]]
             self._own_span = np.concatenate((self._own_span, np.array(kinds, dtype=np.int8)))
@@ -320,12 +349,14 @@ class RankWindower:
         is_marker = self._is_marker[ids]
         if not is_marker.any():
             return cols
-        if self._mode != "step_marker":  # explicit markers beat every inferred boundary
-            self._mode = "step_marker"
-            self._steps.clear()
         for i in np.flatnonzero(is_marker):
             step = steps[int(ids[i])]
-            if step is not None and self._closed_step < step < _MAX_STEP:
+            if step is None:
+                continue
+            if self._mode != "step_marker":  # explicit markers beat every inferred boundary
+                self._mode = "step_marker"
+                self._steps.clear()
+            if self._closed_step < step:
                 start = int(cols["start_ns"][i])
                 self._steps[step] = (start, start + int(cols["dur_ns"][i]))
         return {k: v[~is_marker] for k, v in cols.items()}
@@ -477,6 +508,8 @@ class RankWindower:
             python=parts.get(EventKind.PYTHON, {}),
             samples=parts.get(EventKind.THROUGHPUT, {}),
             table=self._table,
+            max_functions=self.config.max_functions,
+            max_function_chars=self.config.max_function_chars,
         )
         self._durations = (self._durations + [max(end - start, 1)])[-20:]
         self._mean_ns = float(np.add.reduce(np.asarray(self._durations), dtype=np.float64) / len(self._durations))

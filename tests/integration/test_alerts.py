@@ -19,8 +19,11 @@ from confluent_kafka import Producer
 from harness import SLOW_GPU_RANK, SlowGpuRun
 
 from fleetscope.broker import ensure_topics
+from fleetscope.config import load_config
 from fleetscope.schemas import Topics, encode
+from fleetscope.schemas.signing import MAC_HEADER, findings_mac
 from fleetscope.schemas.topics import job_key
+from fleetscope.wiring import findings_key
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +57,9 @@ def test_the_cli_prints_each_state_change_of_its_job_within_5_s(broker: str, tmp
     prefix = f"al{uuid.uuid4().hex[:6]}"
     ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
     config = tmp_path / "alerts.json"
-    config.write_text(json.dumps({"kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}))
+    settings = {"data_dir": str(tmp_path), "kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}
+    config.write_text(json.dumps(settings))
+    key = findings_key(load_config(env={}, overrides={"data_dir": str(tmp_path)}))  # the differential's key
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE__")}
     cmd = [sys.executable, "-m", "fleetscope", "alerts", "--bootstrap", broker, "--config", str(config)]
     proc = subprocess.Popen(
@@ -72,7 +77,9 @@ def test_the_cli_prints_each_state_change_of_its_job_within_5_s(broker: str, tmp
         producer = Producer({"bootstrap.servers": broker})
         topic = Topics(prefix=prefix).findings
         for rec in (finding("other"), finding("watched"), finding("watched", 2, "closed")):
-            producer.produce(topic, key=job_key(rec["job"]), value=encode("findings", rec))
+            value = encode("findings", rec)
+            mac = findings_mac(key, topic, job_key(rec["job"]), value)
+            producer.produce(topic, key=job_key(rec["job"]), value=value, headers=[(MAC_HEADER, mac)])
             producer.flush(5)
             time.sleep(0.05)
         got = [lines.get(timeout=MAX_DELAY_S + 5) for _ in range(2)]

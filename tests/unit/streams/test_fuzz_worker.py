@@ -22,7 +22,7 @@ from fleetscope.schemas import (
     encode_event_batch,
 )
 from fleetscope.schemas.limits import CLOCKS, IntakeLimits
-from fleetscope.streams.analysis.validation import MAX_FUTURE_NS, MIN_TIMESTAMP_NS, check_batch
+from fleetscope.streams.analysis.validation import MAX_FUTURE_NS, MIN_TIMESTAMP_NS, batch_reach_ns, check_batch
 from fleetscope.streams.analysis.windowing import RankWindower, WindowerConfig
 from fleetscope.streams.intake import intake
 
@@ -140,6 +140,17 @@ def within_bounds(message: bytes, limits: IntakeLimits) -> bool:
     )
 
 
+def clock_jump(message: bytes, windowers: dict[tuple[str, int], RankWindower]) -> int:
+    """How far a plausible message reaches past its rank's clock and every peer's (0: no clock yet)."""
+    batch = decode_event_batch(message)
+    own = windowers.get((batch.header.job, batch.header.rank))
+    reach = batch_reach_ns(batch)
+    if own is None or own.clock_ns is None or reach is None:
+        return 0
+    clocks = [w.clock_ns for (job, _), w in windowers.items() if job == batch.header.job and w.clock_ns is not None]
+    return reach - max(clocks)
+
+
 @FUZZ
 @given(st.one_of(st.binary(max_size=512), mutated()))
 def test_the_decoder_returns_a_batch_or_raises_schema_error_only(message: bytes) -> None:
@@ -155,9 +166,15 @@ def test_the_decoder_returns_a_batch_or_raises_schema_error_only(message: bytes)
 def test_the_worker_step_never_raises_and_gives_every_bad_message_a_reason(messages: list[bytes]) -> None:
     windowers: dict[tuple[str, int], RankWindower] = {}
     for i, message in enumerate(messages):
-        result = intake(message, windowers, i * 10**9, CONFIG, wall_ns=WALL_NS)
         expected = expected_reason(message)
-        if expected is None:
+        jump = clock_jump(message, windowers) if expected is None else 0
+        result = intake(message, windowers, i * 10**9, CONFIG, wall_ns=WALL_NS)
+        floor = DEFAULT_LIMITS.max_clock_jump_ms * 10**6
+        if expected is None and jump > floor + len(messages) * 10**9:  # beyond the floor plus any quiet here
+            assert result.reason is not None and "a clock jump" in result.reason
+        elif expected is None and jump > floor:
+            assert result.reason is None or "a clock jump" in result.reason
+        elif expected is None:
             assert result.reason is None, result.reason  # plausible input never trips the windower
         else:
             assert result.reason and result.reason.startswith(PREFIXES) and result.closed == []
