@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.errors import StoreLocked
+from fleetscope.lifetime import process_exists
 from fleetscope.sinks.store_config import ClickHouseConfig
 
 if TYPE_CHECKING:
@@ -103,21 +104,11 @@ def _read(path: Path) -> Endpoint | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_endpoint(data_dir: str | Path) -> Endpoint | None:
     """The endpoint of the ``up`` running on ``data_dir``, or None (a file left by a dead process is
     ignored: a crash cannot leave the CLI pointing at nothing)."""
     endpoint = _read(Path(data_dir) / ENDPOINT_FILE)
-    if endpoint is None or not _alive(endpoint.pid):
+    if endpoint is None or not process_exists(endpoint.pid):
         return None
     return endpoint
 

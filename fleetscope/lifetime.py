@@ -18,8 +18,9 @@ Each checks afterwards that the parent is still there: one that died between the
 would otherwise never signal. A ``Popen`` program that is not ours has no fallback where there is no
 ``prctl`` (not Linux): its owner's ``stop()`` stops it.
 
-PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not only its process: start a broker
-from a thread that lives as long as it should (the main thread). A ``fleetscope`` child watches the process.
+PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not only its process: ``child_preexec``
+asks for it on the main thread only (a broker restarted from a helper thread is stopped by its owner's
+``stop()``, as elsewhere). A ``fleetscope`` child watches the process.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def parent_death_signal(sig: int) -> bool:
 
 def child_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A ``Popen`` ``preexec_fn`` that makes the child get ``sig`` when the calling process dies (None where
-    the system has no way: pass it as it is)."""
-    if _PRCTL is None:
-        return None
+    the system has no way, or off the main thread, whose end alone would signal: pass it as it is)."""
+    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+        return None  # the signal would come when the calling thread ends: a restart from a helper thread
     parent = os.getpid()
 
     def preexec() -> None:
@@ -132,7 +133,8 @@ def watch_parent_from_env(sig: int = signal.SIGTERM) -> None:
     threading.Thread(target=_await_parent, args=(parent, fd, sig), name="parent-watch", daemon=True).start()
 
 
-def _exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` is alive (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -146,7 +148,7 @@ def _await_parent(parent: int, fd: int | None, sig: int) -> None:
     if fd is not None:
         select.select([fd], [], [])
     else:
-        while _exists(parent):
+        while process_exists(parent):
             time.sleep(0.5)
     _stop(sig)
 

@@ -46,6 +46,7 @@ from fleetscope.sinks.clickhouse.user_sql import (
     FunctionCatalog,
     lockdown_settings,
     set_statement,
+    sql_string,
     vet_canonical,
 )
 from fleetscope.sinks.store_config import ClickHouseConfig
@@ -121,12 +122,7 @@ def infile_insert(statement: str, data_path: str) -> str:
     if match is None:
         raise QueryRefused(62, "SYNTAX_ERROR", f"cannot read the INSERT statement {statement[:200]!r}")
     head, settings, fmt = match.group(1), match.group(2) or "", match.group(3)
-    quoted = data_path.replace("\\", "\\\\").replace("'", "\\'")
-    return f"{head} FROM INFILE '{quoted}'{settings} FORMAT {fmt}"
-
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return f"{head} FROM INFILE {sql_string(data_path)}{settings} FORMAT {fmt}"
 
 
 class ChdbExecutor:
@@ -195,7 +191,7 @@ class ChdbExecutor:
         its own: the engine checks for it between blocks and gives the cores back within milliseconds)."""
         conn = self._connect()
         try:
-            conn.query(f"KILL QUERY WHERE Settings['log_comment'] = {_quote(query_id)} ASYNC", "TabSeparated")
+            conn.query(f"KILL QUERY WHERE Settings['log_comment'] = {sql_string(query_id)} ASYNC", "TabSeparated")
         finally:
             conn.close()
 

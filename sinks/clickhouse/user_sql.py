@@ -203,11 +203,16 @@ def readonly_settings() -> dict[str, str]:
     return dict(READONLY_SETTINGS)
 
 
+def sql_string(value: str) -> str:
+    """``value`` as a ClickHouse string literal (backslashes and quotes escaped)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def set_statement(name: str, value: str) -> str:
     """``SET name = 'value'``: the value a string literal (the engine parses it as the setting's type)."""
     if not _SETTING_NAME.match(name):
         raise ValueError(f"setting name {name!r} is not an identifier")
-    return "SET " + name + " = '" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return f"SET {name} = {sql_string(value)}"
 
 
 def readonly_session(
@@ -297,38 +302,31 @@ def vet_canonical(canonical: str, explain_ast: Callable[[str], str], catalog: Fu
     return canonical
 
 
+def _function_calls(ast_lines: Iterable[str]) -> list[tuple[str, bool]]:
+    """(name, is a table function) of every ``Function NAME`` node of an ``EXPLAIN AST`` dump: a table function
+    is one whose parent is a ``TableExpression``."""
+    calls: list[tuple[str, bool]] = []
+    parents: list[str] = []
+    for line in ast_lines:
+        match = _AST_LINE.match(line)
+        if not match:
+            continue
+        depth, node, name = len(match.group(1)), match.group(2), match.group(3)
+        del parents[depth:]
+        if node == "Function" and name:
+            calls.append((name, bool(parents) and len(parents) == depth and parents[-1] == "TableExpression"))
+        parents.append(node)
+    return calls
+
+
 def functions(ast_lines: Iterable[str]) -> list[str]:
-    """Names of the functions an ``EXPLAIN AST`` dump calls outside table expressions (``Function NAME``
-    nodes whose parent is not a ``TableExpression``)."""
-    names: list[str] = []
-    parents: list[str] = []
-    for line in ast_lines:
-        match = _AST_LINE.match(line)
-        if not match:
-            continue
-        depth, node, name = len(match.group(1)), match.group(2), match.group(3)
-        del parents[depth:]
-        if node == "Function" and name and not (parents and len(parents) == depth and parents[-1] == "TableExpression"):
-            names.append(name)
-        parents.append(node)
-    return names
+    """Names of the functions an ``EXPLAIN AST`` dump calls outside table expressions."""
+    return [name for name, in_table in _function_calls(ast_lines) if not in_table]
 
 
-def table_functions(ast_lines: Any) -> list[str]:
-    """Names (lower case) of the table functions in an ``EXPLAIN AST`` dump: ``Function NAME`` nodes whose
-    parent is a ``TableExpression``."""
-    names: list[str] = []
-    parents: list[str] = []
-    for line in ast_lines:
-        match = _AST_LINE.match(line)
-        if not match:
-            continue
-        depth, node, name = len(match.group(1)), match.group(2), match.group(3)
-        del parents[depth:]
-        if node == "Function" and name and depth > 0 and len(parents) == depth and parents[-1] == "TableExpression":
-            names.append(name.lower())
-        parents.append(node)
-    return names
+def table_functions(ast_lines: Iterable[str]) -> list[str]:
+    """Names (lower case) of the table functions an ``EXPLAIN AST`` dump calls."""
+    return [name.lower() for name, in_table in _function_calls(ast_lines) if in_table]
 
 
 def _read_statement_names() -> str:

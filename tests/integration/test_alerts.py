@@ -53,6 +53,14 @@ def finding(job: str, version: int = 1, status: str = "open") -> dict[str, Any]:
     }
 
 
+def produce_signed(producer: Producer, key: bytes, topic: str, rec: dict[str, Any]) -> None:
+    """Publish a finding as the differential does: signed with its key (``schemas.signing``)."""
+    value = encode("findings", rec)
+    mac = findings_mac(key, topic, job_key(rec["job"]), value)
+    producer.produce(topic, key=job_key(rec["job"]), value=value, headers=[(MAC_HEADER, mac)])
+    producer.flush(5)
+
+
 def test_the_cli_prints_each_state_change_of_its_job_within_5_s(broker: str, tmp_path: Path) -> None:
     prefix = f"al{uuid.uuid4().hex[:6]}"
     ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
@@ -77,10 +85,7 @@ def test_the_cli_prints_each_state_change_of_its_job_within_5_s(broker: str, tmp
         producer = Producer({"bootstrap.servers": broker})
         topic = Topics(prefix=prefix).findings
         for rec in (finding("other"), finding("watched"), finding("watched", 2, "closed")):
-            value = encode("findings", rec)
-            mac = findings_mac(key, topic, job_key(rec["job"]), value)
-            producer.produce(topic, key=job_key(rec["job"]), value=value, headers=[(MAC_HEADER, mac)])
-            producer.flush(5)
+            produce_signed(producer, key, topic, rec)
             time.sleep(0.05)
         got = [lines.get(timeout=MAX_DELAY_S + 5) for _ in range(2)]
     finally:
@@ -114,7 +119,9 @@ def test_alerts_show_a_kernel_names_escapes_as_text_and_log_no_webhook_secret(br
     prefix = f"al{uuid.uuid4().hex[:6]}"
     ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
     config = tmp_path / "alerts.json"
-    config.write_text(json.dumps({"kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}))
+    settings = {"data_dir": str(tmp_path), "kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}
+    config.write_text(json.dumps(settings))
+    key = findings_key(load_config(env={}, overrides={"data_dir": str(tmp_path)}))  # the differential's key
     with socket.socket() as s:  # a port nobody listens on: every POST fails, and is logged
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
@@ -128,11 +135,11 @@ def test_alerts_show_a_kernel_names_escapes_as_text_and_log_no_webhook_secret(br
     try:
         assert proc.stderr is not None and proc.stdout is not None
         assert "following" in proc.stderr.readline()
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
         rec = finding("esc") | {"function": "flash\x1b]0;owned\x07\x1b[2J\x1b[Hfwd"}
-        producer = Producer({"bootstrap.servers": broker})
-        producer.produce(Topics(prefix=prefix).findings, key=job_key("esc"), value=encode("findings", rec))
-        producer.flush(5)
-        line = proc.stdout.readline()
+        produce_signed(Producer({"bootstrap.servers": broker}), key, Topics(prefix=prefix).findings, rec)
+        line = lines.get(timeout=MAX_DELAY_S + 10)
     finally:
         proc.terminate()
         _, log = proc.communicate(timeout=15)
