@@ -77,7 +77,7 @@ def intake_batch(
     key = (batch.header.job, batch.header.rank)
     w = windowers.get(key)
     if reason is None and paced and w is not None:
-        reason = pace_reason(batch, w, windowers, now_ns, limits)
+        reason = pace_reason(batch, w, windowers, now_ns, limits, wall_ns=wall_ns)
     if reason is not None:
         return IntakeResult(reason=reason[: reasons.MAX_REASON_CHARS])
     if w is None:
@@ -96,6 +96,8 @@ def pace_reason(
     windowers: dict[tuple[str, int], RankWindower],
     now_ns: int,
     limits: IntakeLimits,
+    *,
+    wall_ns: int | None = None,
 ) -> str | None:
     """Why ``batch`` would jump its rank's clock (``check_clock_jump``), or None. The job's peers held here
     are looked at only for a batch ahead of its own rank: the common case costs no scan."""
@@ -103,12 +105,13 @@ def pace_reason(
     if reach is None:
         return None
     quiet = now_ns - w.last_arrival_ns
-    reason = check_clock_jump(reach, w.clock_ns, w.mean_iteration_ns, quiet, None, limits)
+    reason = check_clock_jump(reach, w.clock_ns, w.mean_iteration_ns, quiet, None, limits, wall_ns)
     if reason is None:
         return None
     job, rank = batch.header.job, batch.header.rank
     clocks = [c for (j, r), p in windowers.items() if j == job and r != rank and (c := p.clock_ns) is not None]
-    return check_clock_jump(reach, w.clock_ns, w.mean_iteration_ns, quiet, max(clocks, default=None), limits)
+    peer = max(clocks, default=None)
+    return check_clock_jump(reach, w.clock_ns, w.mean_iteration_ns, quiet, peer, limits, wall_ns)
 
 
 def horizon_ns(batch: EventBatch) -> int:

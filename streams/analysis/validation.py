@@ -104,23 +104,31 @@ def check_clock_jump(
     quiet_ns: int,
     peer_clock_ns: int | None,
     limits: IntakeLimits = _DEFAULT_LIMITS,
+    wall_ns: int | None = None,
 ) -> str | None:
     """Why a batch reaching ``reach_ns`` would jump its rank's clock (``clock_ns``, None: no clock yet),
     or None. A rank's clock moves at the pace of its work: a batch may reach past it by at most
     ``clock_jump_iterations`` mean iterations or ``max_clock_jump_ms``, whichever is more, plus the time the
     rank was quiet (``quiet_ns``, input clock: a rank back from silence has moved on). A batch within that
     of the job's furthest peer (``peer_clock_ns``) is in pace too (a backlog of a job-wide pause read fast).
-    A rank quiet for ``clock_step_accept_ms`` takes any jump: a real clock step moves all its batches."""
+    A batch no further past the checker's wall clock (``wall_ns``) than a rank may run ahead of its own clock
+    is in pace as well: events cannot come from the future, and a backlog read after a job-wide pause (every
+    rank's clock behind by the pause) is real. A rank quiet for ``clock_step_accept_ms`` takes any jump: a
+    real clock step moves all its batches."""
     quiet_ns = max(quiet_ns, 0)  # a clock restored from another process's state may read ahead
     if clock_ns is None or quiet_ns >= limits.clock_step_accept_ms * 1_000_000:
         return None
-    allowed = max(limits.clock_jump_iterations * mean_iteration_ns, limits.max_clock_jump_ms * 1e6) + quiet_ns
+    ahead = max(limits.clock_jump_iterations * mean_iteration_ns, limits.max_clock_jump_ms * 1e6)
+    allowed = ahead + quiet_ns
     jump = reach_ns - clock_ns
     if jump <= allowed or (peer_clock_ns is not None and reach_ns - peer_clock_ns <= allowed):
         return None
+    if wall_ns is not None and reach_ns - wall_ns <= ahead:
+        return None
     peers = " and its peers'" if peer_clock_ns is not None else ""
     return (
-        f"value: events reach {jump / 1e9:.1f} s past the rank's clock{peers} (allowed {allowed / 1e9:.1f} s:"
+        f"value: events reach {jump / 1e9:.1f} s past the rank's clock{peers} and the wall clock"
+        f" (allowed {allowed / 1e9:.1f} s:"
         f" {limits.clock_jump_iterations} iterations of {mean_iteration_ns / 1e6:.0f} ms, at least"
         f" {limits.max_clock_jump_ms / 1e3:g} s, plus {quiet_ns / 1e9:.1f} s quiet): a clock jump, refused until"
         f" the rank is quiet for {limits.clock_step_accept_ms / 1e3:g} s"

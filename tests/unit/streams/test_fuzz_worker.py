@@ -141,14 +141,15 @@ def within_bounds(message: bytes, limits: IntakeLimits) -> bool:
 
 
 def clock_jump(message: bytes, windowers: dict[tuple[str, int], RankWindower]) -> int:
-    """How far a plausible message reaches past its rank's clock and every peer's (0: no clock yet)."""
+    """How far a plausible message reaches past its rank's clock and every peer's, and past the wall clock
+    (0: no clock yet)."""
     batch = decode_event_batch(message)
     own = windowers.get((batch.header.job, batch.header.rank))
     reach = batch_reach_ns(batch)
     if own is None or own.clock_ns is None or reach is None:
         return 0
     clocks = [w.clock_ns for (job, _), w in windowers.items() if job == batch.header.job and w.clock_ns is not None]
-    return reach - max(clocks)
+    return min(reach - max(clocks), reach - WALL_NS)
 
 
 @FUZZ

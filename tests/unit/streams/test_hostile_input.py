@@ -45,14 +45,19 @@ def host_batch(rank: int, names: list[str], start_ns: int, dur_ns: int, like: Ev
     )
 
 
+def event_times(b: EventBatch) -> np.ndarray:
+    """A batch's event times: span starts, or sample times."""
+    return b["start_ns"] if "start_ns" in b.columns else b["t_ns"]
+
+
 def closed_steps(
-    stage: WindowerStage, batches: list[EventBatch], rank: int, now_ns: list[int] | None = None
+    stage: WindowerStage, batches: list[EventBatch], rank: int, now_ns: list[int] | None = None, wall_ns: int = WALL
 ) -> tuple[list[int], list[str]]:
-    """Feed the batches as broker messages in order (at input-clock times ``now_ns``, default 0), then
-    flush; the steps of ``rank`` that closed and every refusal's reason."""
+    """Feed the batches as broker messages in order (at input-clock times ``now_ns``, default 0, and wall
+    clock ``wall_ns``), then flush; the steps of ``rank`` that closed and every refusal's reason."""
     steps, reasons = [], []
     for b, now in zip(batches, now_ns or [0] * len(batches), strict=True):
-        r = stage.take(encode_event_batch(b), now_ns=now, wall_ns=WALL)
+        r = stage.take(encode_event_batch(b), now_ns=now, wall_ns=wall_ns)
         if r.reason is not None:
             reasons.append(r.reason)
         steps += [c.iteration["iteration"] for c in r.closed if c.iteration["rank"] == rank]
@@ -90,7 +95,7 @@ def test_a_marker_stamped_23_hours_ahead_is_refused_and_the_rank_keeps_every_ste
     steps, reasons = closed_steps(WindowerStage(), [*batches[:at], *forged, *batches[at:]], rank=1)
     assert steps == healthy
     assert len(reasons) == 4
-    assert all("past the rank's clock and its peers'" in r for r in reasons)
+    assert all("past the rank's clock and its peers' and the wall clock" in r for r in reasons)
 
 
 def test_a_real_clock_step_blinds_its_rank_only_until_it_was_quiet_for_clock_step_accept_ms():
@@ -106,9 +111,31 @@ def test_a_real_clock_step_blinds_its_rank_only_until_it_was_quiet_for_clock_ste
     ]  # fmt: skip
     now = [0 if i < cut or b.header.rank != 1 else 61 * 10**9 for i, b in enumerate(batches)]
     now[cut] = 0  # the first stepped batch comes at once: refused; the later ones after a minute of quiet
-    steps, reasons = closed_steps(WindowerStage(), stepped, rank=1, now_ns=now)
+    live = max(int(event_times(b).max()) for b in batches if len(b)) + 10**9  # read live: the wall just past the events
+    steps, reasons = closed_steps(WindowerStage(), stepped, rank=1, now_ns=now, wall_ns=live)
     assert len(reasons) == 1
     assert max(steps) == 15  # the rank's steps after the jump are windowed
+
+
+def test_a_backlog_read_after_a_job_wide_pause_is_in_pace_and_a_live_jump_is_not():
+    """Every rank paused ten minutes (a checkpoint): read from a backlog at once, after the fact, the batches
+    after the pause lie behind the wall clock and are real; the same events read live would lie ten minutes
+    in the future of the wall clock."""
+    batches = job_batches(iterations=16)
+    ten_min = 600 * 10**9
+    times = {"start_ns", "t_ns", "launch_ns"}
+    first = min(int(event_times(b).min()) for b in batches if len(b))
+    middle = first + (max(int(event_times(b).max()) for b in batches if len(b)) - first) // 2
+    paused = [
+        replace(b, columns={k: v + ten_min if k in times and v.size else v for k, v in b.columns.items()})
+        if len(b) and int(event_times(b).min()) > middle else b
+        for b in batches
+    ]  # fmt: skip
+    healthy, _ = closed_steps(WindowerStage(), batches, rank=1)
+    steps, reasons = closed_steps(WindowerStage(), paused, rank=1, wall_ns=WALL)
+    assert (steps, reasons) == (healthy, [])
+    _, live = closed_steps(WindowerStage(), paused, rank=1, wall_ns=middle + 10**9)
+    assert live and all("a clock jump" in r for r in live)
 
 
 def kernel_flood(like: EventBatch, names: int, start_ns: int, first: int = 0) -> EventBatch:
