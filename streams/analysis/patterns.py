@@ -141,7 +141,7 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     m = lo.size
     hi = lo + np.asarray(width, dtype=np.int64)
     span = hi - lo + 1
-    base = np.cumsum(3 * span) - 3 * span
+    base = (3 * span).cumsum() - 3 * span
     edges = base[:, None] + np.arange(3) * span[:, None]
     shift = edges - lo[:, None]
 
@@ -152,21 +152,21 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     parts = [clipped(comp, 0), clipped(comm, 1), clipped(comp, 2), clipped(comm, 2)]
     seg_s, seg_e = merge_intervals(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     cuts = edges.ravel()
-    at = seg_s.searchsorted(np.append(cuts, base[-1] + 3 * span[-1]))
-    covered = np.concatenate(([0], np.cumsum(seg_e - seg_s)))
+    at = seg_s.searchsorted(np.concatenate((cuts, [base[-1] + 3 * span[-1]])))
+    covered = np.concatenate(([0], (seg_e - seg_s).cumsum()))
     per_class = (covered[at[1:]] - covered[at[:-1]]).reshape(m, 3)
     # The idle gaps of the all-intervals class: between its segments and to the range's two ends.
     first, stop = at[2::3], at[3::3]
     some = stop > first
     open_at = edges[:, 2]
-    prev_end = np.roll(seg_e, 1)
+    prev_end = np.concatenate((seg_e[-1:], seg_e[:-1]))  # np.roll(seg_e, 1), without its overhead
     prev_end[first[some]] = open_at[some]
-    last_end = np.where(some, np.append(seg_e, 0)[np.maximum(stop - 1, 0)], open_at)
+    last_end = np.where(some, np.concatenate((seg_e, [0]))[np.maximum(stop - 1, 0)], open_at)
     max_gap = open_at + (hi - lo) - last_end
     block = cuts.searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
-    return np.column_stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap))
+    return np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
 
 
 _REL_BITS = 41
@@ -201,7 +201,7 @@ def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, 
     start, end, launch, it = start[order], end[order], launch[order], it[order]
     base = lo[it]
     top = (1 << _REL_BITS) - 1
-    key = (it << _REL_BITS) + np.clip(end - base, 0, top)
+    key = (it << _REL_BITS) + clip(end - base, 0, top)
     prev_end = np.empty_like(start)
     prev_end[0] = start[0]
     prev_end[1:] = (np.maximum.accumulate(key)[:-1] - (it[1:] << _REL_BITS)) + base[1:]
@@ -238,7 +238,7 @@ def _unique(keys: I64) -> tuple[I64, I64]:
     first = np.ones(ordered.size, dtype=bool)
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
     inverse = np.empty(keys.size, dtype=np.int64)
-    inverse[order] = np.cumsum(first) - 1
+    inverse[order] = first.cumsum() - 1
     return ordered[first], inverse
 
 
@@ -246,7 +246,7 @@ def _by_iteration(ufunc: np.ufunc, values: I64, counts: I64, out: I64) -> None:
     """``out[i] = ufunc(out[i], ufunc.reduce(block i of values))`` where the blocks are consecutive."""
     some = counts > 0
     if values.size:
-        starts = (np.cumsum(counts) - counts)[some]
+        starts = (counts.cumsum() - counts)[some]
         out[some] = ufunc(out[some], ufunc.reduceat(values, starts))
 
 
@@ -377,10 +377,10 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     npy = np.bincount(p_it, minlength=m)
     n_fn = nk + nc + npy
     n = int(n_fn.sum())
-    first_fn = np.cumsum(n_fn) - n_fn
+    first_fn = n_fn.cumsum() - n_fn
 
     def numbered(it: I64, before: I64, count: I64) -> I64:
-        ids: I64 = first_fn[it] + before[it] + np.arange(it.size) - (np.cumsum(count) - count)[it]
+        ids: I64 = first_fn[it] + before[it] + np.arange(it.size) - (count.cumsum() - count)[it]
         return ids
 
     k_fn = numbered(k_it, np.zeros(m, dtype=np.int64), nk)
@@ -434,7 +434,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         block = family.astype(np.int64) * m + t_it
         starts = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
         peak = np.maximum.reduceat(value, starts)
-        active = value >= np.repeat(ACTIVE_SHARE * peak, np.diff(np.append(starts, value.size)))
+        active = value >= np.repeat(ACTIVE_SHARE * peak, np.diff(np.concatenate((starts, [value.size]))))
     ev_it = np.concatenate([k.it, c.it, p.it])
     end = start + dur
     if shift is not None:
@@ -464,11 +464,11 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     if launch_known.any():  # one more host function closes each such iteration's block
         columns = _with_launch_waits(columns, launch_waits, launch_known, first_fn + n_fn, duration)
         n_fn = n_fn + launch_known
-        first_fn = np.cumsum(n_fn) - n_fn
+        first_fn = n_fn.cumsum() - n_fn
     known_l = launch_known.tolist()
 
     k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
-    k_at, c_at, p_at = ([0, *np.cumsum(x).tolist()] for x in (nk, nc, npy))
+    k_at, c_at, p_at = ([0, *x.cumsum().tolist()] for x in (nk, nc, npy))
     gpu_l, first_l, n_l = gpu.tolist(), first_fn.tolist(), n_fn.tolist()
     out: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for i, ev in enumerate(evs):
@@ -524,11 +524,20 @@ def _with_launch_waits(
         "share": gaps.total / np.asarray(duration, dtype=np.float64), "nbytes": np.zeros(known.size, np.int64),
         "algbw_gbps": np.zeros(known.size), "busbw_gbps": np.zeros(known.size),
     }  # fmt: skip
+    # One placement for every column (``np.insert`` redoes it per column): the i-th insertion, before old
+    # row ``at[i]``, lands at ``at[i] + i``; the old rows fill the other places in order.
     at = ends[known]
-    return {
-        key: np.insert(col, at, values[key][known] if key in values else _NO_VALUE.get(col.dtype.kind, 0))
-        for key, col in columns.items()
-    }
+    n = next(iter(columns.values())).size
+    placed = at + np.arange(at.size)
+    old = np.ones(n + at.size, dtype=bool)
+    old[placed] = False
+    out: dict[str, npt.NDArray[Any]] = {}
+    for key, col in columns.items():
+        merged = np.empty(n + at.size, dtype=col.dtype)
+        merged[old] = col
+        merged[placed] = values[key][known] if key in values else _NO_VALUE.get(col.dtype.kind, 0)
+        out[key] = merged
+    return out
 
 
 _NO_VALUE = {"f": np.nan}
