@@ -16,7 +16,6 @@ from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, is_sync_call
 from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
 from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
-    GroupStats,
     clip,
     covered_ns,
     group_duration_stats,
@@ -174,9 +173,9 @@ _REL_BITS = 41
 (iteration, time) orders and prefix-maxes every iteration of a batch at once."""
 
 
-def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, npt.NDArray[np.bool_]]:
-    """Per iteration: the statistics of the gaps in which the GPU waited for its host to launch
-    (``LAUNCH_WAIT_FUNCTION``), and whether the iteration's kernels carry launch times at all.
+def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
+    """The gaps in which the GPU waited for its host to launch (``LAUNCH_WAIT_FUNCTION``): each gap's
+    iteration and length, and per iteration whether its kernels carry launch times at all.
 
     A gap between the end of all GPU work so far (every stream, collectives included) and the next
     kernel's start is the host's when that kernel was launched after the gap began: the GPU had nothing
@@ -191,7 +190,7 @@ def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, 
         if cols and "assign_ns" in cols and cols["start_ns"].size
     ]
     if not parts:
-        return group_duration_stats(_empty(), _empty(), m), np.zeros(m, bool)
+        return _empty(), _empty(), np.zeros(m, bool)
     start = np.concatenate([p[0] for p in parts]).astype(np.int64)
     end = start + np.concatenate([p[1] for p in parts]).astype(np.int64)
     launch = np.concatenate([p[2] for p in parts]).astype(np.int64)
@@ -208,7 +207,7 @@ def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, 
     first = np.ones(start.size, dtype=bool)
     first[1:] = it[1:] != it[:-1]
     starved = ~first & (start > prev_end) & (launch > prev_end) & known[it]
-    return group_duration_stats(it[starved], (start - prev_end)[starved], m), known
+    return it[starved], (start - prev_end)[starved], known
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +361,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     else:
         gpu = _gpu_times(comp, comm, lo, width)
     kernels = (k.counts + c.counts).tolist()
-    launch_waits, launch_known = _launch_waits(evs, lo)
+    wait_it, wait_ns, launch_known = _launch_waits(evs, lo)
 
     # 2. Functions, numbered iteration by iteration: its kernels, collectives, then host functions.
     k_uniq, k_inv = _distinct(k.it * n_names + k["name_id"], m * n_names)
@@ -375,7 +374,9 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     nk = np.bincount(k_it, minlength=m)
     nc = np.bincount(c_rows[:, 0], minlength=m)
     npy = np.bincount(p_it, minlength=m)
-    n_fn = nk + nc + npy
+    # An iteration whose kernels carry launch times has one more host function, its launch wait, last in its
+    # block: every such rank has it (zero where its GPU never waited), so its peers compare it.
+    n_fn = nk + nc + npy + launch_known
     n = int(n_fn.sum())
     first_fn = n_fn.cumsum() - n_fn
 
@@ -390,24 +391,29 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     fn_kind[k_fn] = kind_of[k_id + name_base[k_it]]
     fn_kind[c_fn] = _COLLECTIVE
     fn_kind[p_fn] = int(FunctionKind.PYTHON)
+    wait_fn = (first_fn + nk + nc + npy)[launch_known]
+    fn_kind[wait_fn] = int(FunctionKind.PYTHON)
     group = np.concatenate([k_fn[k_inv], c_fn[c_inv], p_fn[p_inv]])
     start = np.concatenate([k_start, c_start, p["start_ns"]])
     dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
     fn_it = np.repeat(np.arange(m), n_fn)
 
     # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
-    st = group_duration_stats(group, dur, n)
+    all_group = np.concatenate([group, (first_fn + nk + nc + npy)[wait_it]])  # the events', then the gaps'
+    st = group_duration_stats(all_group, np.concatenate([dur, wait_ns]), n)
+    empty_wait = wait_fn[st.calls[wait_fn] == 0]  # a launch wait without gaps: 0, not NaN (no calls)
+    st.mean[empty_wait], st.p50[empty_wait], st.p99[empty_wait] = 0.0, 0.0, 0.0
     p_name = p_all["name_id"] + name_base[p_all.it]
     p_sync = sync_of[p_name]
     p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync, p_name)[p_fns]
-    self_total = np.bincount(group, weights=np.concatenate([k["dur_ns"], c["dur_ns"], p_self]), minlength=n)
+    self_ns = np.concatenate([k["dur_ns"], c["dur_ns"], p_self, wait_ns])  # a gap is all own time
+    self_total = np.bincount(all_group, weights=self_ns, minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).
     c_group = c_fn[c_inv]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        nb = np.bincount(c_group, weights=nbytes, minlength=n)
-        nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
-        algbw = np.where(st.mean > 0, nbytes_mean / st.mean, 0.0)
+    nb = np.bincount(c_group, weights=nbytes, minlength=n)
+    nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
+    algbw = np.divide(nbytes_mean, st.mean, out=np.zeros(n), where=st.mean > 0)  # 0 where no time (or NaN)
     busbw = np.zeros(n)
     if c_rows.size:
         gsize = np.bincount(c_group, weights=c["group_size"], minlength=n)[c_fn].tolist()
@@ -461,10 +467,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         columns[f"{name}_cv"] = ls.cv[f]
         columns[f"{name}_peak_bps"] = ls.peak[f]
 
-    if launch_known.any():  # one more host function closes each such iteration's block
-        columns = _with_launch_waits(columns, launch_waits, launch_known, first_fn + n_fn, duration)
-        n_fn = n_fn + launch_known
-        first_fn = n_fn.cumsum() - n_fn
     known_l = launch_known.tolist()
 
     k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
@@ -507,41 +509,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         }
         out.append((figures, patterns))
     return out
-
-
-def _with_launch_waits(
-    columns: dict[str, npt.NDArray[Any]], gaps: GroupStats, known: npt.NDArray[np.bool_], ends: I64, duration: list[int]
-) -> dict[str, npt.NDArray[Any]]:
-    """The batch's function columns with each known iteration's launch wait (``_launch_waits``) inserted at
-    the end of its block (``ends``) as one more host function: every rank whose kernels carry launch times
-    has it (zero where its GPU never waited), so its peers compare it. Like any host function it moves no
-    bytes and has no link statistics."""
-    some = gaps.calls > 0
-    values = {
-        "kind": np.full(known.size, int(FunctionKind.PYTHON)), "calls": gaps.calls, "total_ns": gaps.total,
-        "self_ns": gaps.total, "mean_ns": np.where(some, gaps.mean, 0.0), "p50_ns": np.where(some, gaps.p50, 0.0),
-        "p99_ns": np.where(some, gaps.p99, 0.0), "max_ns": gaps.max, "cv": gaps.cv,
-        "share": gaps.total / np.asarray(duration, dtype=np.float64), "nbytes": np.zeros(known.size, np.int64),
-        "algbw_gbps": np.zeros(known.size), "busbw_gbps": np.zeros(known.size),
-    }  # fmt: skip
-    # One placement for every column (``np.insert`` redoes it per column): the i-th insertion, before old
-    # row ``at[i]``, lands at ``at[i] + i``; the old rows fill the other places in order.
-    at = ends[known]
-    n = next(iter(columns.values())).size
-    placed = at + np.arange(at.size)
-    old = np.ones(n + at.size, dtype=bool)
-    old[placed] = False
-    out: dict[str, npt.NDArray[Any]] = {}
-    for key, col in columns.items():
-        merged = np.empty(n + at.size, dtype=col.dtype)
-        merged[old] = col
-        merged[placed] = values[key][known] if key in values else _NO_VALUE.get(col.dtype.kind, 0)
-        out[key] = merged
-    return out
-
-
-_NO_VALUE = {"f": np.nan}
-"""A launch wait's value in the columns it has none of: NaN where a float says "no samples" (links), else 0."""
 
 
 def _collective_keys(

@@ -71,7 +71,7 @@ def group_duration_stats(group: npt.NDArray[np.integer], dur: I64, n_groups: int
     )
 
 
-def _sorted_by_group(group: I64, dur: I64, calls: I64) -> I64:
+def _sorted_by_group(group: npt.NDArray[np.integer], dur: I64, calls: I64) -> I64:
     """``dur[np.lexsort((dur, group))]``: one sort of a (group, duration) int64 key when it fits (a
     lexsort of unordered keys costs ~15x more), else the lexsort."""
     if dur.size == 0:
