@@ -144,11 +144,14 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     edges = base[:, None] + np.arange(3) * span[:, None]
     shift = edges - lo[:, None]
 
-    def clipped(iv: _Intervals, cls: int) -> tuple[I64, I64]:
-        a, b, sh = lo[iv.it], hi[iv.it], shift[iv.it, cls]
-        return clip(iv.start, a, b) + sh, clip(iv.end, a, b) + sh
+    def clipped(iv: _Intervals, cls: int) -> tuple[I64, I64, I64, I64]:
+        """The intervals clipped to their iteration, shifted into its class range and into its all range."""
+        a, b, own, every = lo[iv.it], hi[iv.it], shift[iv.it, cls], shift[iv.it, 2]
+        s, e = clip(iv.start, a, b), clip(iv.end, a, b)
+        return s + own, e + own, s + every, e + every
 
-    parts = [clipped(comp, 0), clipped(comm, 1), clipped(comp, 2), clipped(comm, 2)]
+    (s0, e0, s2, e2), (s1, e1, t2, f2) = clipped(comp, 0), clipped(comm, 1)
+    parts = [(s0, e0), (s1, e1), (s2, e2), (t2, f2)]
     seg_s, seg_e = merge_intervals(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     cuts = edges.ravel()
     at = seg_s.searchsorted(np.concatenate((cuts, [base[-1] + 3 * span[-1]])))
@@ -255,13 +258,18 @@ class _Batch:
     def __init__(self, parts: list[Cols], columns: dict[str, type[np.generic]]) -> None:
         self.counts = np.array([p[next(iter(columns))].size if p else 0 for p in parts], dtype=np.int64)
         self.it = np.repeat(np.arange(len(parts)), self.counts)
-        self.cols = {
-            name: np.concatenate([p[name] for p in parts if p] or [np.zeros(0, dtype)]).astype(dtype, copy=False)
-            for name, dtype in columns.items()
-        }
+        present = [p for p in parts if p]
+        self.cols = {name: _joined([p[name] for p in present], dtype) for name, dtype in columns.items()}
 
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
         return self.cols[name]
+
+
+def _joined(arrays: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """``np.concatenate(arrays).astype(dtype, copy=False)``, a new array; one copy where one array."""
+    if len(arrays) == 1 and arrays[0].ndim == 1:
+        return np.array(arrays[0], dtype=dtype)
+    return np.concatenate(arrays or [np.zeros(0, dtype)]).astype(dtype, copy=False)
 
 
 def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 | None:
@@ -526,7 +534,7 @@ def _collective_keys(
         key = ((it.astype(np.int64) * n_names + op) * n_names + pg) * 64 + exp
         uniq, inv = _unique(key)
         pair = uniq // 64
-        rows = np.column_stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64))
+        rows = np.stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64), axis=1)
         return rows, inv
     rows = np.stack([it.astype(np.int64), op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
     uniq_rows, inv = np.unique(rows, axis=0, return_inverse=True)
