@@ -244,14 +244,6 @@ def _unique(keys: I64) -> tuple[I64, I64]:
     return ordered[first], inverse
 
 
-def _by_iteration(ufunc: np.ufunc, values: I64, counts: I64, out: I64) -> None:
-    """``out[i] = ufunc(out[i], ufunc.reduce(block i of values))`` where the blocks are consecutive."""
-    some = counts > 0
-    if values.size:
-        starts = (counts.cumsum() - counts)[some]
-        out[some] = ufunc(out[some], ufunc.reduceat(values, starts))
-
-
 class _Batch:
     """One kind of events of every iteration of a batch, concatenated in iteration order."""
 
@@ -278,11 +270,10 @@ def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 
     are too wide for that, or for ``_gpu_times``'s shifts (they then go one by one)."""
     k, c, p, s = batches
     t_lo, t_hi = lo.copy(), lo + np.maximum(np.asarray(width), 0)
-    for batch in (k, c, p):
-        _by_iteration(np.minimum, batch["start_ns"], batch.counts, t_lo)
-        _by_iteration(np.maximum, batch["start_ns"] + batch["dur_ns"], batch.counts, t_hi)
-    _by_iteration(np.minimum, s["t_ns"], s.counts, t_lo)
-    _by_iteration(np.maximum, s["t_ns"], s.counts, t_hi)
+    spans = (k, c, p)
+    it = np.concatenate([b.it for b in spans] + [s.it])
+    np.minimum.at(t_lo, it, np.concatenate([b["start_ns"] for b in spans] + [s["t_ns"]]))
+    np.maximum.at(t_hi, it, np.concatenate([b["start_ns"] + b["dur_ns"] for b in spans] + [s["t_ns"]]))
     low = t_lo.tolist()
     ranges = [b - a for a, b in zip(low, t_hi.tolist(), strict=True)]
     if min(low) < -_MAX_SHIFTED or not all(0 <= w < _MAX_SHIFTED for w in width + ranges):
