@@ -342,9 +342,12 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     offsets, size = {}, 0
     for key, table in tables.items():
         offsets[key], size = size, size + table.kind.size
-    kind_of = np.concatenate([t.kind for t in tables.values()])
-    family_of = np.concatenate([t.family for t in tables.values()])
-    sync_of = np.concatenate([t.sync for t in tables.values()])
+    if len(tables) == 1:  # read only: one rank's own table needs no copy
+        kind_of, family_of, sync_of = ev_tables[0].kind, ev_tables[0].family, ev_tables[0].sync
+    else:
+        kind_of = np.concatenate([t.kind for t in tables.values()])
+        family_of = np.concatenate([t.family for t in tables.values()])
+        sync_of = np.concatenate([t.sync for t in tables.values()])
     name_base = np.array([offsets[id(table)] for table in ev_tables], dtype=np.int64)
     n_names = max(max(len(ev.names) for ev in evs), 1)
 

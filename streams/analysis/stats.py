@@ -81,7 +81,7 @@ def _sorted_by_group(group: npt.NDArray[np.integer], dur: I64, calls: I64) -> I6
     if stride * calls.size >= 2**63:
         return dur[np.lexsort((dur, group))]
     key = group * stride + (dur - low)  # below 2**63; dur - low may wrap, its value does not
-    out: I64 = np.sort(key) - np.repeat(np.arange(calls.size, dtype=np.int64) * stride, calls) + low
+    out: I64 = np.sort(key) % stride + low
     return out
 
 
