@@ -30,10 +30,10 @@ def capped_functions(
     their calls, times and shares (its longest call is theirs; its mean their total over their calls), with
     no statistics of a single function (p50, p99, CV, bandwidths: 0; links: NaN, no samples). Rows of
     names a full name table filed as ``OTHER_FUNCTIONS`` join that row."""
+    if len(names) <= max_functions and sum(map(len, names)) <= max_chars and OTHER_FUNCTIONS not in names:
+        return names, columns
     lengths = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
     filed = np.fromiter((n == OTHER_FUNCTIONS for n in names), dtype=bool, count=len(names))
-    if len(names) <= max_functions and int(lengths.sum()) <= max_chars and not filed.any():
-        return names, columns
     order = np.argsort(-columns["total_ns"], kind="stable")
     order = np.concatenate((order[~filed[order]], order[filed[order]]))  # rows filed as other stay other
     lengths[filed] = max_chars + 1

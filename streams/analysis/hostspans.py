@@ -54,15 +54,15 @@ def host_self_ns(
     if n == 0:
         return own
     d = depth.astype(np.int64)
-    order = np.lexsort((d, start))  # a parent that starts with its child ranks first
-    srank = np.empty(n, dtype=np.int64)
-    srank[order] = np.arange(n)
-    levels = int(d.max()) + 2
-    key = (it.astype(np.int64) * levels + d) * n + srank
-    by_key = np.argsort(key, kind="stable")
-    sorted_key = key[by_key]
     child = np.flatnonzero(d > 0)
-    if child.size:
+    if child.size:  # the parents' search, only where some span has one
+        order = np.lexsort((d, start))  # a parent that starts with its child ranks first
+        srank = np.empty(n, dtype=np.int64)
+        srank[order] = np.arange(n)
+        levels = int(d.max()) + 2
+        key = (it.astype(np.int64) * levels + d) * n + srank
+        by_key = np.argsort(key, kind="stable")
+        sorted_key = key[by_key]
         want_group = it[child].astype(np.int64) * levels + d[child] - 1
         pos = sorted_key.searchsorted(want_group * n + srank[child], side="right") - 1
         ok = pos >= 0

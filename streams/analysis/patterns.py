@@ -16,7 +16,6 @@ from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, is_sync_call
 from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
 from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
-    GroupStats,
     clip,
     covered_ns,
     group_duration_stats,
@@ -141,32 +140,35 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     m = lo.size
     hi = lo + np.asarray(width, dtype=np.int64)
     span = hi - lo + 1
-    base = np.cumsum(3 * span) - 3 * span
+    base = (3 * span).cumsum() - 3 * span
     edges = base[:, None] + np.arange(3) * span[:, None]
     shift = edges - lo[:, None]
 
-    def clipped(iv: _Intervals, cls: int) -> tuple[I64, I64]:
-        a, b, sh = lo[iv.it], hi[iv.it], shift[iv.it, cls]
-        return clip(iv.start, a, b) + sh, clip(iv.end, a, b) + sh
+    def clipped(iv: _Intervals, cls: int) -> tuple[I64, I64, I64, I64]:
+        """The intervals clipped to their iteration, shifted into its class range and into its all range."""
+        a, b, own, every = lo[iv.it], hi[iv.it], shift[iv.it, cls], shift[iv.it, 2]
+        s, e = clip(iv.start, a, b), clip(iv.end, a, b)
+        return s + own, e + own, s + every, e + every
 
-    parts = [clipped(comp, 0), clipped(comm, 1), clipped(comp, 2), clipped(comm, 2)]
+    (s0, e0, s2, e2), (s1, e1, t2, f2) = clipped(comp, 0), clipped(comm, 1)
+    parts = [(s0, e0), (s1, e1), (s2, e2), (t2, f2)]
     seg_s, seg_e = merge_intervals(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     cuts = edges.ravel()
-    at = seg_s.searchsorted(np.append(cuts, base[-1] + 3 * span[-1]))
-    covered = np.concatenate(([0], np.cumsum(seg_e - seg_s)))
+    at = seg_s.searchsorted(np.concatenate((cuts, [base[-1] + 3 * span[-1]])))
+    covered = np.concatenate(([0], (seg_e - seg_s).cumsum()))
     per_class = (covered[at[1:]] - covered[at[:-1]]).reshape(m, 3)
     # The idle gaps of the all-intervals class: between its segments and to the range's two ends.
     first, stop = at[2::3], at[3::3]
     some = stop > first
     open_at = edges[:, 2]
-    prev_end = np.roll(seg_e, 1)
+    prev_end = np.concatenate((seg_e[-1:], seg_e[:-1]))  # np.roll(seg_e, 1), without its overhead
     prev_end[first[some]] = open_at[some]
-    last_end = np.where(some, np.append(seg_e, 0)[np.maximum(stop - 1, 0)], open_at)
+    last_end = np.where(some, np.concatenate((seg_e, [0]))[np.maximum(stop - 1, 0)], open_at)
     max_gap = open_at + (hi - lo) - last_end
     block = cuts.searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
-    return np.column_stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap))
+    return np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
 
 
 _REL_BITS = 41
@@ -174,9 +176,9 @@ _REL_BITS = 41
 (iteration, time) orders and prefix-maxes every iteration of a batch at once."""
 
 
-def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, npt.NDArray[np.bool_]]:
-    """Per iteration: the statistics of the gaps in which the GPU waited for its host to launch
-    (``LAUNCH_WAIT_FUNCTION``), and whether the iteration's kernels carry launch times at all.
+def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
+    """The gaps in which the GPU waited for its host to launch (``LAUNCH_WAIT_FUNCTION``): each gap's
+    iteration and length, and per iteration whether its kernels carry launch times at all.
 
     A gap between the end of all GPU work so far (every stream, collectives included) and the next
     kernel's start is the host's when that kernel was launched after the gap began: the GPU had nothing
@@ -191,7 +193,7 @@ def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, 
         if cols and "assign_ns" in cols and cols["start_ns"].size
     ]
     if not parts:
-        return group_duration_stats(_empty(), _empty(), m), np.zeros(m, bool)
+        return _empty(), _empty(), np.zeros(m, bool)
     start = np.concatenate([p[0] for p in parts]).astype(np.int64)
     end = start + np.concatenate([p[1] for p in parts]).astype(np.int64)
     launch = np.concatenate([p[2] for p in parts]).astype(np.int64)
@@ -201,14 +203,14 @@ def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[GroupStats, 
     start, end, launch, it = start[order], end[order], launch[order], it[order]
     base = lo[it]
     top = (1 << _REL_BITS) - 1
-    key = (it << _REL_BITS) + np.clip(end - base, 0, top)
+    key = (it << _REL_BITS) + clip(end - base, 0, top)
     prev_end = np.empty_like(start)
     prev_end[0] = start[0]
     prev_end[1:] = (np.maximum.accumulate(key)[:-1] - (it[1:] << _REL_BITS)) + base[1:]
     first = np.ones(start.size, dtype=bool)
     first[1:] = it[1:] != it[:-1]
     starved = ~first & (start > prev_end) & (launch > prev_end) & known[it]
-    return group_duration_stats(it[starved], (start - prev_end)[starved], m), known
+    return it[starved], (start - prev_end)[starved], known
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,16 +240,8 @@ def _unique(keys: I64) -> tuple[I64, I64]:
     first = np.ones(ordered.size, dtype=bool)
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
     inverse = np.empty(keys.size, dtype=np.int64)
-    inverse[order] = np.cumsum(first) - 1
+    inverse[order] = first.cumsum() - 1
     return ordered[first], inverse
-
-
-def _by_iteration(ufunc: np.ufunc, values: I64, counts: I64, out: I64) -> None:
-    """``out[i] = ufunc(out[i], ufunc.reduce(block i of values))`` where the blocks are consecutive."""
-    some = counts > 0
-    if values.size:
-        starts = (np.cumsum(counts) - counts)[some]
-        out[some] = ufunc(out[some], ufunc.reduceat(values, starts))
 
 
 class _Batch:
@@ -256,13 +250,18 @@ class _Batch:
     def __init__(self, parts: list[Cols], columns: dict[str, type[np.generic]]) -> None:
         self.counts = np.array([p[next(iter(columns))].size if p else 0 for p in parts], dtype=np.int64)
         self.it = np.repeat(np.arange(len(parts)), self.counts)
-        self.cols = {
-            name: np.concatenate([p[name] for p in parts if p] or [np.zeros(0, dtype)]).astype(dtype, copy=False)
-            for name, dtype in columns.items()
-        }
+        present = [p for p in parts if p]
+        self.cols = {name: _joined([p[name] for p in present], dtype) for name, dtype in columns.items()}
 
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
         return self.cols[name]
+
+
+def _joined(arrays: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """``np.concatenate(arrays).astype(dtype, copy=False)``, a new array; one copy where one array."""
+    if len(arrays) == 1 and arrays[0].ndim == 1:
+        return np.array(arrays[0], dtype=dtype)
+    return np.concatenate(arrays or [np.zeros(0, dtype)]).astype(dtype, copy=False)
 
 
 def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 | None:
@@ -271,11 +270,10 @@ def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 
     are too wide for that, or for ``_gpu_times``'s shifts (they then go one by one)."""
     k, c, p, s = batches
     t_lo, t_hi = lo.copy(), lo + np.maximum(np.asarray(width), 0)
-    for batch in (k, c, p):
-        _by_iteration(np.minimum, batch["start_ns"], batch.counts, t_lo)
-        _by_iteration(np.maximum, batch["start_ns"] + batch["dur_ns"], batch.counts, t_hi)
-    _by_iteration(np.minimum, s["t_ns"], s.counts, t_lo)
-    _by_iteration(np.maximum, s["t_ns"], s.counts, t_hi)
+    spans = (k, c, p)
+    it = np.concatenate([b.it for b in spans] + [s.it])
+    np.minimum.at(t_lo, it, np.concatenate([b["start_ns"] for b in spans] + [s["t_ns"]]))
+    np.maximum.at(t_hi, it, np.concatenate([b["start_ns"] + b["dur_ns"] for b in spans] + [s["t_ns"]]))
     low = t_lo.tolist()
     ranges = [b - a for a, b in zip(low, t_hi.tolist(), strict=True)]
     if min(low) < -_MAX_SHIFTED or not all(0 <= w < _MAX_SHIFTED for w in width + ranges):
@@ -344,9 +342,12 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     offsets, size = {}, 0
     for key, table in tables.items():
         offsets[key], size = size, size + table.kind.size
-    kind_of = np.concatenate([t.kind for t in tables.values()])
-    family_of = np.concatenate([t.family for t in tables.values()])
-    sync_of = np.concatenate([t.sync for t in tables.values()])
+    if len(tables) == 1:  # read only: one rank's own table needs no copy
+        kind_of, family_of, sync_of = ev_tables[0].kind, ev_tables[0].family, ev_tables[0].sync
+    else:
+        kind_of = np.concatenate([t.kind for t in tables.values()])
+        family_of = np.concatenate([t.family for t in tables.values()])
+        sync_of = np.concatenate([t.sync for t in tables.values()])
     name_base = np.array([offsets[id(table)] for table in ev_tables], dtype=np.int64)
     n_names = max(max(len(ev.names) for ev in evs), 1)
 
@@ -362,7 +363,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     else:
         gpu = _gpu_times(comp, comm, lo, width)
     kernels = (k.counts + c.counts).tolist()
-    launch_waits, launch_known = _launch_waits(evs, lo)
+    wait_it, wait_ns, launch_known = _launch_waits(evs, lo)
 
     # 2. Functions, numbered iteration by iteration: its kernels, collectives, then host functions.
     k_uniq, k_inv = _distinct(k.it * n_names + k["name_id"], m * n_names)
@@ -375,12 +376,14 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     nk = np.bincount(k_it, minlength=m)
     nc = np.bincount(c_rows[:, 0], minlength=m)
     npy = np.bincount(p_it, minlength=m)
-    n_fn = nk + nc + npy
+    # An iteration whose kernels carry launch times has one more host function, its launch wait, last in its
+    # block: every such rank has it (zero where its GPU never waited), so its peers compare it.
+    n_fn = nk + nc + npy + launch_known
     n = int(n_fn.sum())
-    first_fn = np.cumsum(n_fn) - n_fn
+    first_fn = n_fn.cumsum() - n_fn
 
     def numbered(it: I64, before: I64, count: I64) -> I64:
-        ids: I64 = first_fn[it] + before[it] + np.arange(it.size) - (np.cumsum(count) - count)[it]
+        ids: I64 = first_fn[it] + before[it] + np.arange(it.size) - (count.cumsum() - count)[it]
         return ids
 
     k_fn = numbered(k_it, np.zeros(m, dtype=np.int64), nk)
@@ -390,24 +393,29 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     fn_kind[k_fn] = kind_of[k_id + name_base[k_it]]
     fn_kind[c_fn] = _COLLECTIVE
     fn_kind[p_fn] = int(FunctionKind.PYTHON)
+    wait_fn = (first_fn + nk + nc + npy)[launch_known]
+    fn_kind[wait_fn] = int(FunctionKind.PYTHON)
     group = np.concatenate([k_fn[k_inv], c_fn[c_inv], p_fn[p_inv]])
     start = np.concatenate([k_start, c_start, p["start_ns"]])
     dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
     fn_it = np.repeat(np.arange(m), n_fn)
 
     # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
-    st = group_duration_stats(group, dur, n)
+    all_group = np.concatenate([group, (first_fn + nk + nc + npy)[wait_it]])  # the events', then the gaps'
+    st = group_duration_stats(all_group, np.concatenate([dur, wait_ns]), n)
+    empty_wait = wait_fn[st.calls[wait_fn] == 0]  # a launch wait without gaps: 0, not NaN (no calls)
+    st.mean[empty_wait], st.p50[empty_wait], st.p99[empty_wait] = 0.0, 0.0, 0.0
     p_name = p_all["name_id"] + name_base[p_all.it]
     p_sync = sync_of[p_name]
     p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync, p_name)[p_fns]
-    self_total = np.bincount(group, weights=np.concatenate([k["dur_ns"], c["dur_ns"], p_self]), minlength=n)
+    self_ns = np.concatenate([k["dur_ns"], c["dur_ns"], p_self, wait_ns])  # a gap is all own time
+    self_total = np.bincount(all_group, weights=self_ns, minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s).
     c_group = c_fn[c_inv]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        nb = np.bincount(c_group, weights=nbytes, minlength=n)
-        nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
-        algbw = np.where(st.mean > 0, nbytes_mean / st.mean, 0.0)
+    nb = np.bincount(c_group, weights=nbytes, minlength=n)
+    nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
+    algbw = np.divide(nbytes_mean, st.mean, out=np.zeros(n), where=st.mean > 0)  # 0 where no time (or NaN)
     busbw = np.zeros(n)
     if c_rows.size:
         gsize = np.bincount(c_group, weights=c["group_size"], minlength=n)[c_fn].tolist()
@@ -434,7 +442,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         block = family.astype(np.int64) * m + t_it
         starts = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
         peak = np.maximum.reduceat(value, starts)
-        active = value >= np.repeat(ACTIVE_SHARE * peak, np.diff(np.append(starts, value.size)))
+        active = value >= np.repeat(ACTIVE_SHARE * peak, np.diff(np.concatenate((starts, [value.size]))))
     ev_it = np.concatenate([k.it, c.it, p.it])
     end = start + dur
     if shift is not None:
@@ -461,14 +469,10 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         columns[f"{name}_cv"] = ls.cv[f]
         columns[f"{name}_peak_bps"] = ls.peak[f]
 
-    if launch_known.any():  # one more host function closes each such iteration's block
-        columns = _with_launch_waits(columns, launch_waits, launch_known, first_fn + n_fn, duration)
-        n_fn = n_fn + launch_known
-        first_fn = np.cumsum(n_fn) - n_fn
     known_l = launch_known.tolist()
 
     k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
-    k_at, c_at, p_at = ([0, *np.cumsum(x).tolist()] for x in (nk, nc, npy))
+    k_at, c_at, p_at = ([0, *x.cumsum().tolist()] for x in (nk, nc, npy))
     gpu_l, first_l, n_l = gpu.tolist(), first_fn.tolist(), n_fn.tolist()
     out: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for i, ev in enumerate(evs):
@@ -509,32 +513,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     return out
 
 
-def _with_launch_waits(
-    columns: dict[str, npt.NDArray[Any]], gaps: GroupStats, known: npt.NDArray[np.bool_], ends: I64, duration: list[int]
-) -> dict[str, npt.NDArray[Any]]:
-    """The batch's function columns with each known iteration's launch wait (``_launch_waits``) inserted at
-    the end of its block (``ends``) as one more host function: every rank whose kernels carry launch times
-    has it (zero where its GPU never waited), so its peers compare it. Like any host function it moves no
-    bytes and has no link statistics."""
-    some = gaps.calls > 0
-    values = {
-        "kind": np.full(known.size, int(FunctionKind.PYTHON)), "calls": gaps.calls, "total_ns": gaps.total,
-        "self_ns": gaps.total, "mean_ns": np.where(some, gaps.mean, 0.0), "p50_ns": np.where(some, gaps.p50, 0.0),
-        "p99_ns": np.where(some, gaps.p99, 0.0), "max_ns": gaps.max, "cv": gaps.cv,
-        "share": gaps.total / np.asarray(duration, dtype=np.float64), "nbytes": np.zeros(known.size, np.int64),
-        "algbw_gbps": np.zeros(known.size), "busbw_gbps": np.zeros(known.size),
-    }  # fmt: skip
-    at = ends[known]
-    return {
-        key: np.insert(col, at, values[key][known] if key in values else _NO_VALUE.get(col.dtype.kind, 0))
-        for key, col in columns.items()
-    }
-
-
-_NO_VALUE = {"f": np.nan}
-"""A launch wait's value in the columns it has none of: NaN where a float says "no samples" (links), else 0."""
-
-
 def _collective_keys(
     it: npt.NDArray[np.integer],
     op: npt.NDArray[np.integer],
@@ -550,7 +528,7 @@ def _collective_keys(
         key = ((it.astype(np.int64) * n_names + op) * n_names + pg) * 64 + exp
         uniq, inv = _unique(key)
         pair = uniq // 64
-        rows = np.column_stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64))
+        rows = np.stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64), axis=1)
         return rows, inv
     rows = np.stack([it.astype(np.int64), op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
     uniq_rows, inv = np.unique(rows, axis=0, return_inverse=True)

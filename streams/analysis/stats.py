@@ -42,8 +42,8 @@ def group_duration_stats(group: npt.NDArray[np.integer], dur: I64, n_groups: int
     calls = np.bincount(group, minlength=n_groups).astype(np.int64, copy=False)
     total = np.bincount(group, weights=dur, minlength=n_groups)
     sq = np.bincount(group, weights=dur.astype(np.float64) ** 2, minlength=n_groups)
-    sorted_int = dur[np.lexsort((dur, group))]
-    last = np.cumsum(calls) - 1
+    sorted_int = _sorted_by_group(group, dur, calls)
+    last = calls.cumsum() - 1
     ok = calls > 0
     calls_1 = np.maximum(calls, 1)  # empty groups divide by 1 and are masked after: no warnings to silence
     mean = total / calls_1
@@ -69,6 +69,20 @@ def group_duration_stats(group: npt.NDArray[np.integer], dur: I64, n_groups: int
         max=np.where(ok, np.maximum(sorted_int[np.maximum(last, 0)], 0) if dur.size else 0, 0),
         cv=cv,
     )
+
+
+def _sorted_by_group(group: npt.NDArray[np.integer], dur: I64, calls: I64) -> I64:
+    """``dur[np.lexsort((dur, group))]``: one sort of a (group, duration) int64 key when it fits (a
+    lexsort of unordered keys costs ~15x more), else the lexsort."""
+    if dur.size == 0:
+        return dur
+    low, high = int(dur.min()), int(dur.max())
+    stride = high - low + 1
+    if stride * calls.size >= 2**63:
+        return dur[np.lexsort((dur, group))]
+    key = group * stride + (dur - low)  # below 2**63; dur - low may wrap, its value does not
+    out: I64 = np.sort(key) % stride + low
+    return out
 
 
 def merge_intervals(start: I64, end: I64) -> tuple[I64, I64]:

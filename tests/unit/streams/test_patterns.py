@@ -203,6 +203,38 @@ def test_the_summary_matches_the_definition_on_random_iterations(ev: IterationEv
     check(ev)
 
 
+@st.composite
+def launched_iterations(draw: st.DrawFn) -> IterationEvents:
+    """``iterations()`` whose GPU work carries launch times: before its start, at it, or (odd clocks) after.
+    The work starts inside the step: the summary counts the GPU's reach from the step's start on, so a gap
+    between work that ended before the step and work at its start is none of its waits (``reference`` and
+    ``launch_waits`` read every gap)."""
+    ev = draw(iterations())
+
+    def launched(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = cols["start_ns"].size
+        lead = draw(st.lists(st.integers(-50, 300) | st.just(0), min_size=n, max_size=n))
+        start = np.maximum(cols["start_ns"], ev.start_ns)
+        return {**cols, "start_ns": start, "assign_ns": start - np.array(lead, dtype=np.int64)}
+
+    return dataclasses.replace(ev, kernels=launched(ev.kernels), collectives=launched(ev.collectives))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(launched_iterations())
+def test_the_summary_with_launch_times_matches_the_definition(ev: IterationEvents) -> None:
+    check(ev)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(launched_iterations() | iterations(), st.integers(-(2**50), 2**50)), min_size=1, max_size=6))
+def test_iterations_with_and_without_launch_waits_summarized_together_equal_each_alone(drawn: list[Any]) -> None:
+    """A launch wait is one more function at the end of its iteration's block, wherever it sits in the batch."""
+    evs = [_shifted(ev, by, step) for step, (ev, by) in enumerate(drawn)]
+    for ev, summary in zip(evs, summarize_iterations(evs), strict=True):
+        assert_same_summary(summary, summarize_iteration(ev))
+
+
 def windowed(config: SimulatorConfig, ranks: set[int]) -> list[IterationEvents]:
     """The iterations the windower cut from ``ranks`` of a simulated job, as it hands them to the summary."""
     windowers = {rank: RankWindower() for rank in ranks}

@@ -3,6 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetscope.streams.analysis.stats import (
+    _sorted_by_group,
     covered_ns,
     group_duration_stats,
     merge_intervals,
@@ -29,6 +30,19 @@ def test_group_stats_match_numpy_per_group(pairs):
         assert np.isclose(stats.mean[g], d.mean())
         assert np.isclose(stats.p50[g], np.percentile(d, 50))
         assert np.isclose(stats.p99[g], np.percentile(d, 99))
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(-(2**63), 2**63 - 1) | st.integers(-5, 5)), max_size=80),
+    st.integers(0, 3),
+)
+def test_durations_sorted_within_groups_are_the_lexsorts(pairs, extra_groups):
+    """One key sort where (group, duration) fits in an int64, the lexsort where it does not: the same order."""
+    group = np.array([g for g, _ in pairs], dtype=np.int64)
+    dur = np.array([d for _, d in pairs], dtype=np.int64)
+    calls = np.bincount(group, minlength=int(group.max(initial=-1)) + 1 + extra_groups)
+    got = _sorted_by_group(group, dur, calls)
+    assert got.dtype == np.int64 and np.array_equal(got, dur[np.lexsort((dur, group))])
 
 
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 100)), max_size=50))
