@@ -53,6 +53,17 @@ def finding(job: str, version: int = 1, status: str = "open") -> dict[str, Any]:
     }
 
 
+def follower_setup(broker: str, tmp_path: Path) -> tuple[str, Path, bytes]:
+    """A fresh topic prefix with its topics, a follower's configuration file in ``tmp_path`` (its data folder),
+    and the findings key the differential of that folder signs with."""
+    prefix = f"al{uuid.uuid4().hex[:6]}"
+    ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
+    config = tmp_path / "alerts.json"
+    settings = {"data_dir": str(tmp_path), "kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}
+    config.write_text(json.dumps(settings))
+    return prefix, config, findings_key(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+
+
 def produce_signed(producer: Producer, key: bytes, topic: str, rec: dict[str, Any]) -> None:
     """Publish a finding as the differential does: signed with its key (``schemas.signing``)."""
     value = encode("findings", rec)
@@ -62,12 +73,7 @@ def produce_signed(producer: Producer, key: bytes, topic: str, rec: dict[str, An
 
 
 def test_the_cli_prints_each_state_change_of_its_job_within_5_s(broker: str, tmp_path: Path) -> None:
-    prefix = f"al{uuid.uuid4().hex[:6]}"
-    ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
-    config = tmp_path / "alerts.json"
-    settings = {"data_dir": str(tmp_path), "kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}
-    config.write_text(json.dumps(settings))
-    key = findings_key(load_config(env={}, overrides={"data_dir": str(tmp_path)}))  # the differential's key
+    prefix, config, key = follower_setup(broker, tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE__")}
     cmd = [sys.executable, "-m", "fleetscope", "alerts", "--bootstrap", broker, "--config", str(config)]
     proc = subprocess.Popen(
@@ -116,12 +122,7 @@ def test_a_finding_of_the_pipeline_reaches_the_follower_within_5_s(slow_gpu_demo
 def test_alerts_show_a_kernel_names_escapes_as_text_and_log_no_webhook_secret(broker: str, tmp_path: Path) -> None:
     """A finding's kernel name cannot retitle or clear the operator's terminal; the webhook's secret path and
     query (a Slack-style URL) never reach the log, only where it leads."""
-    prefix = f"al{uuid.uuid4().hex[:6]}"
-    ensure_topics({"bootstrap.servers": broker}, Topics(prefix=prefix), 2, 2)
-    config = tmp_path / "alerts.json"
-    settings = {"data_dir": str(tmp_path), "kafka": {"topic_prefix": prefix, "session_timeout_ms": 2000}}
-    config.write_text(json.dumps(settings))
-    key = findings_key(load_config(env={}, overrides={"data_dir": str(tmp_path)}))  # the differential's key
+    prefix, config, key = follower_setup(broker, tmp_path)
     with socket.socket() as s:  # a port nobody listens on: every POST fails, and is logged
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
