@@ -28,13 +28,14 @@ from fleetscope.schemas.signing import MAC_HEADER, findings_mac
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams import reasons
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
+from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.counters import StageCounters
 from fleetscope.streams.deadletter import DeadLetters
 from fleetscope.streams.profiling import ProfilePolicy
 from fleetscope.streams.rebalance import Gate, InputClock, ack, take_over
 from fleetscope.streams.recovery import DifferentialRecovery
-from fleetscope.streams.scoring import PoolScore, ScoringPool
+from fleetscope.streams.scoring import InlineScoring, IterationScoring, PoolScore
 
 log = logging.getLogger(__name__)
 
@@ -75,33 +76,35 @@ class _Scoring:
 class DifferentialStage:
     """Every job's differential; messages in, finding records out (no I/O but the scoring pool's).
 
-    With a ``pool`` (``streams.scoring``), a pattern message is placed by its head and each complete
-    iteration scored by a pool process; ``collect`` tracks the scores that are back, in each job's iteration
-    order, and ``flush`` and ``end`` wait for the job's. Without, an iteration is scored as it completes."""
+    A pattern message is placed by its head, and each complete iteration is handed to the ``pool``
+    (``streams.scoring``): its processes, or the worker itself (``InlineScoring``, a pool of none, the
+    default). ``collect`` tracks the scores that are back, in each job's iteration order, and ``flush`` and
+    ``end`` wait for the job's: one path, whoever scores."""
 
     def __init__(
         self,
         config: DifferentialConfig | None = None,
         scorer: OutlierScorer | None = None,
-        pool: ScoringPool | None = None,
+        pool: IterationScoring | None = None,
     ) -> None:
         if pool is not None and scorer is not None:
             raise ValueError("a scoring pool scores with the configured scorer: pass no scorer with it")
         self.config = config or DifferentialConfig()
-        self.scorer = scorer
-        """Overrides the scorer the configuration names (tests, experiments); None: the configured one."""
-        self.pool = pool
         self.jobs: dict[str, JobDifferential] = {}
+        self.pool: IterationScoring = pool or InlineScoring(self.config, scorer, self._function_index)
         self.scoring: dict[str, deque[_Scoring]] = {}
-        """Per job, the iterations its pool processes have, oldest first."""
+        """Per job, the iterations handed to the pool and not yet tracked, oldest first."""
         self.rejected: list[Taken] = []
         """Messages the pool could not use (``Taken.source``): for the dead-letter topic."""
 
     def job(self, name: str) -> JobDifferential:
         jd = self.jobs.get(name)
         if jd is None:
-            jd = self.jobs[name] = JobDifferential(name, self.config, self.scorer)
+            jd = self.jobs[name] = JobDifferential(name, self.config)
         return jd
+
+    def _function_index(self, job: str) -> FunctionIndex:
+        return self.job(job).function_index
 
     def take(
         self,
@@ -114,11 +117,10 @@ class DifferentialStage:
         """Decode one message and apply it (``apply``); ``offset`` is the message's, for ``replayed``;
         ``source``: what names the message to the caller, should the pool refuse it later (``rejected``)."""
         try:
-            if self.pool is not None:
-                writer, head = decode_head(message or b"")
-                if head is not None:  # the rest is decoded where the iteration is scored
-                    record = {**head, _PAYLOAD: message, _WRITER: writer, _SOURCE: source}
-                    return self.apply(writer.subject, record, now_ns, replayed, offset)
+            writer, head = decode_head(message or b"")
+            if head is not None:  # the rest is decoded where the iteration is scored
+                record = {**head, _PAYLOAD: message, _WRITER: writer, _SOURCE: source}
+                return self.apply(writer.subject, record, now_ns, replayed, offset)
             subject, record = decode(message or b"")
         except SchemaError as exc:
             return Taken(reason=f"schema: {exc}")
@@ -146,11 +148,9 @@ class DifferentialStage:
                     return Taken([], job, subject, replayed=True)
                 tracked = self.collect(wait={job})  # a stall report is rare: after the iterations before it
                 return Taken(tracked + jd.add_progress(record), job, subject)
-            if self.pool is None:
-                return Taken(jd.add(record, now_ns), job, subject, iteration=int(record["iteration"]))
             for it, records in jd.gather(record, now_ns):
                 self._send(job, it, records)
-            return Taken([], job, subject, iteration=int(record["iteration"]))
+            return Taken(self.collect(), job, subject, iteration=int(record["iteration"]))
         except Exception as exc:  # an analysis bug must cost one message, not the stream
             log.warning("the differential of job %r rejected a %s record: %r", job, subject, exc)
             return Taken([], job, subject, reason=reasons.reason("differential", exc))
@@ -166,9 +166,9 @@ class DifferentialStage:
         return self.collect(wait={job}) + self._guarded(job, "end", self.jobs[job].end)
 
     def send_pending(self, job: str) -> None:
-        """With a pool: send it the job's pending iterations, with the ranks they have (a flush, the job's end)."""
+        """Hand the pool the job's pending iterations, with the ranks they have (a flush, the job's end)."""
         jd = self.jobs.get(job)
-        if self.pool is not None and jd is not None:
+        if jd is not None:
             for it, records in jd.take_pending():
                 self._send(job, it, records)
 
@@ -194,7 +194,6 @@ class DifferentialStage:
                 scoring.future.cancel()
 
     def _send(self, job: str, it: int, records: list[dict[str, Any]]) -> None:
-        assert self.pool is not None
         payloads = [r[_PAYLOAD] if _PAYLOAD in r else r for r in records]
         writers = {r[_WRITER].schema_id: r[_WRITER] for r in records if _WRITER in r}
         sources = [r.get(_SOURCE) for r in records]
@@ -202,7 +201,6 @@ class DifferentialStage:
         self.scoring.setdefault(job, deque()).append(_Scoring(it, future, payloads, writers, sources))
 
     def _track(self, job: str, scoring: _Scoring) -> list[dict[str, Any]]:
-        assert self.pool is not None
         jd = self.jobs[job]
         try:
             try:
@@ -319,10 +317,9 @@ class DifferentialAgent:
                 else:
                     self.counters.pattern_records += 1
                     self.recovery.took(job, msg, taken.iteration)
-            if self.stage.pool is not None:
-                await self._backpressure()
-                touched |= self.stage.scoring.keys()
-                out += self.stage.collect()
+            await self._backpressure()
+            touched |= self.stage.scoring.keys()
+            out += self.stage.collect()
             await self.emit(out)
             released = await self.recovery.checkpoint(touched) if epoch == self.gate.epoch else []
         for event, reason in rejected:
@@ -333,7 +330,6 @@ class DifferentialAgent:
 
     async def _backpressure(self) -> None:
         """Wait for the pool's oldest iterations while it has more than two per process: the input waits."""
-        assert self.stage.pool is not None
         futures = self.stage.in_flight()
         excess = len(futures) - 2 * self.stage.pool.processes
         if excess > 0:
@@ -341,11 +337,10 @@ class DifferentialAgent:
 
     async def _scores_of(self, job: str) -> None:
         """Send the pool the job's pending iterations and wait for all its iterations there (before a flush)."""
-        if self.stage.pool is not None:
-            self.stage.send_pending(job)
-            futures = self.stage.in_flight({job})
-            if futures:
-                await asyncio.wait([asyncio.wrap_future(f) for f in futures])
+        self.stage.send_pending(job)
+        futures = self.stage.in_flight({job})
+        if futures:
+            await asyncio.wait([asyncio.wrap_future(f) for f in futures])
 
     async def _dead_letter_refused(self) -> None:
         """Messages the pool could not decode (held by their jobs like the others: acked once covered)."""
@@ -355,7 +350,7 @@ class DifferentialAgent:
 
     async def collect_scores(self) -> None:
         """Track the scores the pool has returned since the last batch (the input may have stopped)."""
-        if self.stage.pool is None or not self.stage.scoring or self.gate.paused:
+        if not self.stage.scoring or self.gate.paused:
             return
         epoch = self.gate.epoch
         async with self.lock:

@@ -101,8 +101,7 @@ class OfflinePipeline:
             for job in list(self.differential.jobs):
                 self.result.finding_updates += self.differential.flush(job)
         finally:
-            if self.differential.pool is not None:
-                self.differential.pool.close()
+            self.differential.pool.close()
         return self.result
 
     def _apply(self, subject: str, record: dict[str, Any]) -> None:
@@ -110,6 +109,9 @@ class OfflinePipeline:
         if taken.reason is not None:
             self._refused(taken.reason, f"a {subject} record of {record['job']}")
         self.result.finding_updates += taken.findings + self.differential.collect()
+        refused, self.differential.rejected = self.differential.rejected, []
+        for r in refused:
+            self._refused(r.reason or "", f"a patterns record of {r.job}, iteration {r.iteration}")
 
     def _refused(self, reason: str, what: str) -> None:
         """Note what the worker would dead-letter; the first of each kind of reason is logged."""

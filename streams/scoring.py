@@ -15,17 +15,19 @@ import logging
 import multiprocessing
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any
+from typing import Any, Protocol
 
 from fleetscope.lifetime import die_with_parent
 from fleetscope.schemas import SchemaError, decode
 from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.streams.analysis.differential import DifferentialConfig, IterationScore, score_records
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.reasons import reason
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,52 @@ class PoolScore:
 
     score: IterationScore | None
     rejected: list[tuple[int, str]] = field(default_factory=list)
+
+
+class IterationScoring(Protocol):
+    """Where the differential has its complete iterations scored: ``submit`` one, get its score's future."""
+
+    processes: int
+    """How many processes score besides the worker (0: the worker itself)."""
+
+    def submit(
+        self, job: str, payloads: list[bytes | dict[str, Any]], writers: dict[int, SchemaEntry]
+    ) -> Future[PoolScore]: ...
+
+    def close(self) -> None: ...
+
+
+class InlineScoring:
+    """A pool of none (``streams.scoring_processes = 0``): each iteration scored in the worker when it is
+    handed over, by the same ``score_payloads`` a pool process runs, so the worker has one path."""
+
+    processes = 0
+
+    def __init__(
+        self,
+        config: DifferentialConfig,
+        scorer: OutlierScorer | None = None,
+        index_of: Callable[[str], FunctionIndex] | None = None,
+    ) -> None:
+        self._config = config
+        self._scorer = scorer
+        """Overrides the scorer ``config`` names (tests, experiments); None: the configured one."""
+        self._index_of = index_of
+        """Each job's function index (its differential's: kept with its state); None: this process's cache."""
+        self.submitted = 0
+
+    def submit(
+        self, job: str, payloads: list[bytes | dict[str, Any]], writers: dict[int, SchemaEntry]
+    ) -> Future[PoolScore]:
+        """Score one iteration now; its future is done."""
+        self.submitted += 1
+        future: Future[PoolScore] = Future()
+        index = self._index_of(job) if self._index_of is not None else None
+        future.set_result(score_payloads(job, payloads, writers, self._config, self._scorer, index))
+        return future
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
 
 class ScoringPool:
@@ -191,10 +239,18 @@ def score_shared(
     return score_payloads(job, payloads, writers)
 
 
-def score_payloads(job: str, payloads: list[bytes | dict[str, Any]], writers: dict[int, SchemaEntry]) -> PoolScore:
-    """Decode and score one iteration (in a scoring process). A message that does not decode is left out and
-    returned with its reason; a failure of the analysis costs the iteration, reported on its last message
-    (as scoring in the worker does)."""
+def score_payloads(
+    job: str,
+    payloads: list[bytes | dict[str, Any]],
+    writers: dict[int, SchemaEntry],
+    config: DifferentialConfig | None = None,
+    scorer: OutlierScorer | None = None,
+    index: FunctionIndex | None = None,
+) -> PoolScore:
+    """Decode and score one iteration (in a scoring process, or the worker: ``InlineScoring``). A message that
+    does not decode is left out and returned with its reason; a failure of the analysis costs the iteration,
+    reported on its last message. ``config``: None, the process's (``_configure``); ``index``: None, the
+    process's cache of each job's function index."""
     resolver = _Writers(writers)
     records: list[dict[str, Any]] = []
     rejected: list[tuple[int, str]] = []
@@ -210,12 +266,13 @@ def score_payloads(job: str, payloads: list[bytes | dict[str, Any]], writers: di
         records.append(record)
     if not records:
         return PoolScore(None, rejected)
-    index = _indexes.pop(job, None) or FunctionIndex()
-    _indexes[job] = index
-    while len(_indexes) > _MAX_JOBS:
-        _indexes.popitem(last=False)
+    if index is None:
+        index = _indexes.pop(job, None) or FunctionIndex()
+        _indexes[job] = index
+        while len(_indexes) > _MAX_JOBS:
+            _indexes.popitem(last=False)
     try:
-        return PoolScore(score_records(records, _config, None, index), rejected)
+        return PoolScore(score_records(records, config or _config, scorer, index), rejected)
     except Exception as exc:  # an analysis bug must cost one iteration, not the pool
         log.warning("scoring an iteration of job %r failed: %r", job, exc)
         return PoolScore(None, [*rejected, (len(payloads) - 1, reason("differential", exc))])

@@ -98,6 +98,11 @@ class JobDifferential:
         self._noise = JobNoise(self.config.noise)
 
     @property
+    def function_index(self) -> FunctionIndex:
+        """The job's function names as the scoring's matrices number them (a cache, kept with the state)."""
+        return self._functions
+
+    @property
     def scored_upto(self) -> int:
         """The last iteration tracked (``apply``); records for it or earlier are late and ignored."""
         return self._scored_upto

@@ -80,9 +80,13 @@ def test_an_analysis_failure_costs_one_message_not_the_stage() -> None:
         raise RuntimeError("scorer bug")
 
     stage = DifferentialStage(scorer=failing)
-    reasons = [t.reason for rec in _patterns() if (t := stage.take(encode("patterns", rec), None)).reason]
-    assert calls["n"] > 0 and reasons and all(r == "differential: scorer bug" for r in reasons)
-    assert len(reasons) == SLOW_GPU.iterations  # one per iteration: the record that completed it
+    records = _patterns()
+    assert all(stage.take(encode("patterns", rec), None, source=i).reason is None for i, rec in enumerate(records))
+    refused = stage.rejected
+    assert calls["n"] > 0 and refused and all(t.reason == "differential: scorer bug" for t in refused)
+    assert len(refused) == SLOW_GPU.iterations  # one per iteration, on the record that completed it
+    completing = [max(i for i, r in enumerate(records) if r["iteration"] == t.iteration) for t in refused]
+    assert [t.source for t in refused] == completing
     assert stage.jobs[SLOW_GPU.job].iterations_scored == SLOW_GPU.iterations
 
     idle = DifferentialStage(scorer=failing)  # a timer's flush of an incomplete iteration: logged, no raise
