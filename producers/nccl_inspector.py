@@ -46,6 +46,10 @@ _PER_RANK_SIZE_OPS = frozenset({"allgather", "reduce_scatter"})
 """Ops whose ``msg_size_bytes`` is one rank's share: the Inspector's traffic is it times ``n_ranks``."""
 
 
+TRUNCATED = "no newline at the end (truncated): "
+"""How the reason for a file's last line starts when that line lacks its newline and does not parse."""
+
+
 class LineProblem(ValueError):
     """A line that is no Inspector record: ``str(exc)`` is the one-line reason."""
 
@@ -362,7 +366,7 @@ def read_inspector_file(path: Path, max_bytes: int) -> InspectorFile:
         try:
             ops.append(parse_line(line))
         except LineProblem as exc:
-            refused.append((n, str(exc)))
+            refused.append((n, f"{TRUNCATED}{exc}" if n == len(lines) else str(exc)))
     return InspectorFile(path=path, ops=ops, refused=refused, lines=sum(1 for line in lines if line.strip()))
 
 
