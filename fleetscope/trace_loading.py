@@ -66,7 +66,7 @@ def _find(paths: Iterable[str | Path], unpacking: _Unpacking | None) -> list[Pat
         p = Path(item)
         if p.is_dir():
             suffixes = TRACE_SUFFIXES + (ARCHIVE_SUFFIXES if unpacking is not None else ())
-            found = sorted(f for f in p.rglob("*") if f.is_file() and (f.name.endswith(suffixes) or is_inspector(f)))
+            found = sorted(f for f in p.rglob("*") if f.is_file() and (f.name.endswith(suffixes) or _inspector_log(f)))
             out += _find(found, unpacking)
         elif unpacking is not None and p.name.endswith(ARCHIVE_SUFFIXES):
             # named after the archive, so a skipped member's line says where it came from
@@ -78,10 +78,17 @@ def _find(paths: Iterable[str | Path], unpacking: _Unpacking | None) -> list[Pat
     return out
 
 
+def _inspector_log(path: Path) -> bool:
+    """A folder's ``*.log`` file in the Inspector's format (the plugin names them ``<host>-pid<pid>.log``)."""
+    return path.name.endswith(".log") and is_inspector(path)
+
+
 def is_inspector(path: Path) -> bool:
-    """Whether a file is an NCCL Inspector log, by its first line (its name is ``<host>-pid<pid>.log``)."""
+    """Whether a file is an NCCL Inspector log, by its first line; a file named like a Kineto trace is none."""
     from fleetscope.producers.nccl_inspector import looks_like_inspector
 
+    if path.name.endswith(TRACE_SUFFIXES + ARCHIVE_SUFFIXES):
+        return False
     try:
         with open(path, "rb") as f:
             return looks_like_inspector(f.readline(PREFIX_BYTES))
