@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 BROKER_CLIENT_COMMANDS = frozenset(
-    {"simulate", "replay", "alerts", "run", "profile", "agent", "worker", "sink", "init"}
+    {"simulate", "replay", "alerts", "run", "profile", "agent", "worker", "sink", "init", "inspector"}
 )
 """Commands that publish to or read from a broker: without one configured, they use the broker of the
 ``up`` running on the data directory."""

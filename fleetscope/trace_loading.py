@@ -66,7 +66,7 @@ def _find(paths: Iterable[str | Path], unpacking: _Unpacking | None) -> list[Pat
         p = Path(item)
         if p.is_dir():
             suffixes = TRACE_SUFFIXES + (ARCHIVE_SUFFIXES if unpacking is not None else ())
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+            found = sorted(f for f in p.rglob("*") if f.is_file() and (f.name.endswith(suffixes) or _inspector_log(f)))
             out += _find(found, unpacking)
         elif unpacking is not None and p.name.endswith(ARCHIVE_SUFFIXES):
             # named after the archive, so a skipped member's line says where it came from
@@ -76,6 +76,24 @@ def _find(paths: Iterable[str | Path], unpacking: _Unpacking | None) -> list[Pat
         else:
             out.append(p)
     return out
+
+
+def _inspector_log(path: Path) -> bool:
+    """A folder's ``*.log`` file in the Inspector's format (the plugin names them ``<host>-pid<pid>.log``)."""
+    return path.name.endswith(".log") and is_inspector(path)
+
+
+def is_inspector(path: Path) -> bool:
+    """Whether a file is an NCCL Inspector log, by its first line; a file named like a Kineto trace is none."""
+    from fleetscope.producers.nccl_inspector import looks_like_inspector
+
+    if path.name.endswith(TRACE_SUFFIXES + ARCHIVE_SUFFIXES):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return looks_like_inspector(f.readline(PREFIX_BYTES))
+    except OSError:
+        return False
 
 
 def _unpacked(archive: Path, dest: Path, unpacking: _Unpacking) -> list[Path]:
@@ -217,7 +235,15 @@ def _parsed_files(paths: Iterable[str | Path], options: LoadOptions, verb: str) 
             on_skip(where, exc)
         if not files and not unpacking.refused:
             raise ValueError(f"no trace files (*.json, *.json.gz, tar archives) in {', '.join(map(str, paths))}")
-        yield from _parsed_found(files, options, verb)
+        inspector = [f for f in files if is_inspector(f)]
+        yield from _parsed_found([f for f in files if f not in inspector], options, verb)
+        if inspector:  # a job's Inspector files are read together: a communicator's members span them
+            from fleetscope.producers.nccl_inspector import inspector_traces
+
+            traces, refused = inspector_traces(inspector, options.job, options.limits.max_trace_bytes)
+            for where, reason in refused:
+                on_skip(where, TraceError(reason[:REASON_CHARS]))
+            yield from traces
 
 
 POOL_MIN_BYTES = 16 * 2**20
