@@ -9,9 +9,9 @@ import argparse
 from typing import Any
 
 from fleetscope import traces_cli
-from fleetscope.commands import alerts, deployment, live, pipeline, queries
+from fleetscope.commands import alerts, deployment, diff, live, pipeline, queries
 
-FAMILIES = (pipeline, queries, traces_cli, live, deployment, alerts)
+FAMILIES = (pipeline, queries, traces_cli, diff, live, deployment, alerts)
 """In the order ``fleetscope --help`` lists them."""
 
 
