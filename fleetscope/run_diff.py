@@ -119,10 +119,10 @@ def diff_lines(diff: RunDiff, limit: int = 20) -> list[str]:
     out.append(f"{len(diff.changes)} change(s) per iteration, per rank of each role, largest first:")
     width = max(len(role_label(c.role, dims)) for c in diff.changes[:limit])
     for c in diff.changes[:limit]:
-        sign = "+" if c.delta_ns >= 0 else "-"
+        delta = ("+" if c.delta_ns >= 0 else "-") + units.duration(abs(c.delta_ns))
         calls = f", calls {c.a_calls:g} -> {c.b_calls:g}" if round(c.a_calls, 2) != round(c.b_calls, 2) else ""
         out.append(
-            f"  {role_label(c.role, dims):<{width}}  {sign}{units.duration(abs(c.delta_ns)):>9} {_relative(c):>7}  "
+            f"  {role_label(c.role, dims):<{width}}  {delta:>10} {_relative(c):>7}  "
             f"{c.function} ({c.kind}): {units.duration(c.a_ns)} -> {units.duration(c.b_ns)}{calls}"
         )
     if len(diff.changes) > limit:
