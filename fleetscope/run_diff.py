@@ -112,6 +112,10 @@ def diff_lines(diff: RunDiff, limit: int = 20) -> list[str]:
         f"{f', {b.skipped_warmup} warm-up skipped' if b.skipped_warmup else ''})",
         iteration_line(diff),
     ]
+    if diff.unmatched_roles:
+        dims = varying_dims(diff)
+        only = ", ".join(f"{role_label(r, dims)} (only in {run.upper()})" for run, r in diff.unmatched_roles)
+        out.append(f"roles not compared, the layouts differ: {only}")
     if not diff.changes:
         out.append("no function or kernel changed beyond both runs' iteration-to-iteration noise")
         return out

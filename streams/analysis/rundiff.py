@@ -35,14 +35,20 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.schemas.records import FunctionKind
 from fleetscope.streams.analysis.stats import MAD_TO_SIGMA
 
 F64 = npt.NDArray[np.float64]
 Role = tuple[int, int]
 """(pp_rank, tp_rank): the pipeline stage and tensor slot; -1 where the dimension is unknown."""
 
-KIND_NAMES = ("compute", "memory", "collective", "python")
-"""``FunctionKind`` by its number in the pattern records (as the store's ``kind_name`` column names it)."""
+
+def kind_name(kind: int) -> str:
+    """A pattern's ``FunctionKind`` number as the store's ``kind_name`` column writes it."""
+    try:
+        return FunctionKind(kind).name.lower()
+    except ValueError:
+        return "unknown"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +169,9 @@ class RunDiff:
     b: RunSteps
     iteration: Change
     changes: list[Change] = field(default_factory=list)
+    unmatched_roles: list[tuple[str, Role]] = field(default_factory=list)
+    """("a" or "b", role) of each role only one run has steady iterations of: the layouts differ there, and
+    its functions are not compared."""
 
     def as_dict(self) -> dict[str, Any]:
         def run(r: RunSteps) -> dict[str, Any]:
@@ -182,6 +191,7 @@ class RunDiff:
             "b": run(self.b),
             "iteration": {**top, "significant": it.significant},
             "changes": [c.as_dict() for c in self.changes],
+            "unmatched_roles": [{"run": run, "pp_rank": r[0], "tp_rank": r[1]} for run, r in self.unmatched_roles],
         }
 
 
@@ -263,7 +273,10 @@ def diff_runs(a: RunSteps, b: RunSteps, config: DiffConfig | None = None) -> Run
         changes.append(Change(role, key[1], kind, sa[0], sb[0], math.hypot(sa[1], sb[1]),
                               ma.calls / na if ma else 0.0, mb.calls / nb if mb else 0.0, True))  # fmt: skip
     changes.sort(key=lambda c: (-abs(c.delta_ns), c.role, c.function))
-    return RunDiff(a=a, b=b, iteration=top, changes=changes)
+    steady_a = {r for r, n in a.role_iterations.items() if n >= cfg.min_iterations}
+    steady_b = {r for r, n in b.role_iterations.items() if n >= cfg.min_iterations}
+    unmatched = [("a", r) for r in sorted(steady_a - steady_b)] + [("b", r) for r in sorted(steady_b - steady_a)]
+    return RunDiff(a=a, b=b, iteration=top, changes=changes, unmatched_roles=unmatched)
 
 
 class StepTable:
@@ -295,7 +308,7 @@ class StepTable:
             t = self._time.setdefault((role, function, it), [0.0, 0.0])
             t[0] += float(total)
             t[1] += float(calls)
-            self._kinds.setdefault(function, KIND_NAMES[kind] if 0 <= kind < len(KIND_NAMES) else str(kind))
+            self._kinds.setdefault(function, kind_name(int(kind)))
 
     def role_iterations(self) -> list[RoleIterations]:
         return [RoleIterations(role, it, int(n), total / n) for (role, it), (n, total) in sorted(self._ranks.items())]

@@ -79,14 +79,19 @@ def test_one_function_slowed_by_30_percent_is_the_first_change_of_every_role() -
     assert [c.function for c in rerun.changes] == [SLOWED] * 4
 
 
-def _steps(name: str, values: dict[str, list[float]], iteration_ns: list[float], first: int = 0) -> RunSteps:
-    """A one-role run from per-iteration function times (NaN: the function did not run that iteration)."""
+def _steps(
+    name: str, values: dict[str, list[float]], iteration_ns: list[float], first: int = 0, stages: int = 1
+) -> RunSteps:
+    """A run of one rank per stage from per-iteration function times (NaN: the function did not run that
+    iteration), every stage alike."""
     table = StepTable()
     for i, it_ns in enumerate(iteration_ns):
         present = [(f, v[i]) for f, v in values.items() if not math.isnan(v[i])]
-        table.add({"rank": 0, "iteration": first + i, "iteration_ns": it_ns, "pp_rank": -1, "tp_rank": -1,
-                   "function": [f for f, _ in present], "kind": [0] * len(present),
-                   "total_ns": [v for _, v in present], "calls": [1] * len(present)})  # fmt: skip
+        for stage in range(stages):
+            pp = stage if stages > 1 else -1
+            table.add({"rank": stage, "iteration": first + i, "iteration_ns": it_ns, "pp_rank": pp, "tp_rank": -1,
+                       "function": [f for f, _ in present], "kind": [0] * len(present),
+                       "total_ns": [v for _, v in present], "calls": [1] * len(present)})  # fmt: skip
     return run_steps(name, table.role_iterations(), table.moments)
 
 
@@ -103,6 +108,8 @@ def test_warm_up_is_skipped_and_a_new_or_sparse_function_counts_zero_where_absen
     diff = diff_runs(a, b)
     assert [(c.function, round(c.a_ns), round(c.b_ns)) for c in diff.changes] == [("ckpt", 0, 4_000_000)]
     assert not diff.iteration.significant and math.isinf(diff.changes[0].relative)
+    two_stages = diff_runs(a, _steps("c", {"gemm": gemm}, noise, stages=2))
+    assert two_stages.changes == [] and two_stages.unmatched_roles == [("a", (-1, -1)), ("b", (0, -1)), ("b", (1, -1))]
     assert steady_window(noise, DiffConfig()) == 0, "a steady run has no warm-up"
     assert steady_window(noise, DiffConfig(warmup_iterations=3)) == 3
 
