@@ -70,7 +70,8 @@ class Store(RecordWriter, Protocol):
 
     def run_iterations(self, job: str) -> list[tuple[int, int, int, int, float]]:
         """``diff``'s first read of a run: per role and iteration in order, (pp_rank, tp_rank, iteration,
-        ranks that reported, their mean iteration time in ns)."""
+        ranks that reported, their mean iteration time in ns). Rank-iterations recorded under a profiler
+        window (``profiled``) are left out of both reads: profiling slows what it watches."""
         ...
 
     def function_moments(

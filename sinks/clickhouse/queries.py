@@ -50,12 +50,13 @@ def forget_job(client: Client, database: str, job: str) -> None:
 
 def run_iterations(client: Client, database: str, job: str) -> list[tuple[int, int, int, int, float]]:
     """``Store.run_iterations``: (pp_rank, tp_rank, iteration, ranks, mean iteration ns) per role and
-    iteration, from the pattern rows (one per rank and iteration counted, replays included once)."""
+    iteration, from the pattern rows (one per rank and iteration counted, replays included once; a rank's
+    iteration under a profiler window is left out, as the diff compares unprofiled work only)."""
     db = check_database(database)
     query = (
         "SELECT r_pp, r_tp, r_it, count(), avg(r_ns) FROM ("
         " SELECT pp_rank AS r_pp, tp_rank AS r_tp, iteration AS r_it, rank AS r_rank, any(iteration_ns) AS r_ns"
-        f" FROM `{db}`.{FUNCTION_PATTERNS} WHERE job = {{job:String}}"
+        f" FROM `{db}`.{FUNCTION_PATTERNS} WHERE job = {{job:String}} AND NOT profiled"
         " GROUP BY r_pp, r_tp, r_it, r_rank"
         ") GROUP BY r_pp, r_tp, r_it ORDER BY r_pp, r_tp, r_it"
     )
@@ -78,7 +79,7 @@ def function_moments(
         "   SELECT pp_rank AS p_pp, tp_rank AS p_tp, iteration AS p_it, function AS p_fn, kind_name AS p_kind,"
         "    total_ns AS p_total, calls AS p_calls,"
         "    uniqExact(rank) OVER (PARTITION BY pp_rank, tp_rank, iteration) AS p_ranks"
-        f"   FROM `{db}`.{FUNCTION_PATTERNS} FINAL WHERE job = {{job:String}}"
+        f"   FROM `{db}`.{FUNCTION_PATTERNS} FINAL WHERE job = {{job:String}} AND NOT profiled"
         "    AND iteration BETWEEN {first:Int64} AND {last:Int64}"
         "  ) GROUP BY m_pp, m_tp, m_fn, p_it"
         ") GROUP BY m_pp, m_tp, m_fn ORDER BY m_pp, m_tp, m_fn"

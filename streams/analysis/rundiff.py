@@ -293,9 +293,10 @@ class StepTable:
 
     def add(self, record: Mapping[str, Any]) -> None:
         """One rank's pattern record of one iteration; a second record of the same rank and iteration
-        (a replay) adds nothing, as the store keeps one per natural key."""
+        (a replay) adds nothing, as the store keeps one per natural key, and one recorded under a profiler
+        window is left out (profiling slows what it watches), as the store's reads leave it out."""
         key = (int(record["rank"]), int(record["iteration"]))
-        if key in self._seen:
+        if key in self._seen or record.get("profiled", False):
             return
         self._seen.add(key)
         role: Role = (int(record.get("pp_rank", -1)), int(record.get("tp_rank", -1)))

@@ -1,8 +1,9 @@
 """``fleetscope diff`` on the real store (chDB): three simulated runs of one tp2 x pp2 job written by the
-sink's writer (a baseline, a rerun with other noise and length, and one with ``forward`` 30 % slower on every
-rank); the store's two aggregate reads equal the offline fold of the same records, a job against itself and
-against its rerun lists nothing, the slowed function is ranked first, directly, through the HTTP interface
-``up`` serves with the read token, and in ``report --against``."""
+sink's writer (a baseline, with 5 more iterations under a profiler window; a rerun with other noise and
+length; one with ``forward`` 30 % slower on every rank). The store's two aggregate reads equal the offline
+fold of the same records, a job against itself and against its rerun lists nothing, the slowed function is
+ranked first, directly, through the HTTP interface ``up`` serves with the read token, and in
+``report --against``."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def runs(chdb_path: Path) -> Iterator[tuple[Config, Store, dict[str, StepTable]]
     tables = {}
     for job, seed, iterations, slowed in (("base", 0, 20, False), ("rerun", 1, 26, False), ("slow", 0, 20, True)):
         records, tables[job] = _run(job, seed, iterations, slowed)
+        if job == "base":  # then 5 iterations under a profiler window, every function twice as slow: left out
+            profiled = [{**r, "iteration": r["iteration"] + 5, "profiled": True,
+                         "total_ns": [2 * t for t in r["total_ns"]]} for r in records["patterns"][-40:]]  # fmt: skip
+            records["patterns"] = [*records["patterns"], *profiled]
+            for r in profiled:
+                tables[job].add(r)
         store.write_iterations(records["iterations"])
         assert store.write_patterns(records["patterns"]) > 0
         assert store.write_patterns(records["patterns"][:8]) == 0, "a replay adds no row"
@@ -60,6 +67,7 @@ def runs(chdb_path: Path) -> Iterator[tuple[Config, Store, dict[str, StepTable]]
 
 def test_the_stores_reads_equal_the_offline_fold_of_the_same_records(runs: Any) -> None:
     _, store, tables = runs
+    assert max(r[2] for r in store.run_iterations("base")) == 19, "profiled iterations 20-24 are left out"
     stored = store_steps(store, "slow")
     offline = run_steps("slow", tables["slow"].role_iterations(), tables["slow"].moments)
     assert (stored.first_iteration, stored.last_iteration, stored.skipped_warmup) == (1, 19, 1)
