@@ -3,8 +3,8 @@
 It answers, in order: which findings are open (table and timeline), which rank deviates from its peers in
 which function (heatmap of each rank's mean duration against the peer median per function), whether the
 job's iterations are steady (iteration and compute time per rank), and what the collectives achieve (bus
-bandwidth and link throughput per rank). Everything is inline SVG and CSS: the file can be mailed or
-attached to a ticket and opened offline.
+bandwidth and link throughput per rank); with a baseline job, what changed per iteration against it.
+Everything is inline SVG and CSS: the file can be mailed or attached to a ticket and opened offline.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy.typing as npt
 from fleetscope import svgcharts, verdict
 from fleetscope.schemas import units
 from fleetscope.sinks.store import Store
+from fleetscope.streams.analysis.rundiff import RunDiff
 
 Array = npt.NDArray[np.float64]
 MAX_FUNCTIONS = 40
@@ -73,6 +74,8 @@ class ReportData:
     findings: list[dict[str, Any]]
     generated_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    diff: RunDiff | None = None
+    """What changed per iteration against the baseline job (``collect``'s ``baseline``), if one was given."""
 
     @property
     def median_iteration_ns(self) -> float | None:
@@ -141,11 +144,18 @@ def _heatmap(store: Store, job: str, notes: list[str]) -> Heatmap:
     )
 
 
-def collect(store: Store, job: str) -> ReportData:
-    """Query everything the report shows (a few aggregate queries; no raw rows leave ClickHouse)."""
+def collect(store: Store, job: str, baseline: str | None = None) -> ReportData:
+    """Query everything the report shows (a few aggregate queries; no raw rows leave ClickHouse); with
+    ``baseline``, the run-to-run diff of ``job`` against that job too."""
     t0 = time.monotonic()
     notes: list[str] = []
     heat = _heatmap(store, job, notes)
+    diff = None
+    if baseline is not None:
+        from fleetscope.run_diff import store_steps
+        from fleetscope.streams.analysis.rundiff import diff_runs
+
+        diff = diff_runs(store_steps(store, baseline), store_steps(store, job))
     (lo, hi, n, started), *_ = _rows(
         store,
         "SELECT min(iteration), max(iteration), uniqExact((rank, iteration)), min(start_at) FROM iterations "
@@ -203,6 +213,7 @@ def collect(store: Store, job: str) -> ReportData:
         findings=store.findings(job=job),
         generated_s=time.monotonic() - t0,
         notes=notes,
+        diff=diff,
     )
 
 
@@ -289,6 +300,36 @@ def _findings_table(data: ReportData) -> str:
     return f"<table>{head}{''.join(rows)}</table>"
 
 
+def _diff_section(diff: RunDiff | None) -> str:
+    """The run-to-run diff against the baseline job: the iteration time, then the listed changes."""
+    if diff is None:
+        return ""
+    from fleetscope.run_diff import iteration_line, role_label, varying_dims
+
+    head, rows = iteration_line(diff), []
+    dims = varying_dims(diff)
+    for c in diff.changes[:MAX_FUNCTIONS]:
+        rel = f"{c.relative:+.1%}" if math.isfinite(c.relative) else "new"
+        rows.append(
+            f"<tr><td>{escape(role_label(c.role, dims))}</td><td class='fn'>{escape(c.function)}</td>"
+            f"<td>{escape(c.kind)}</td><td>{escape(units.duration(c.a_ns))}</td>"
+            f"<td>{escape(units.duration(c.b_ns))}</td><td>{escape(units.duration(c.delta_ns))}</td>"
+            f"<td>{escape(rel)}</td></tr>"
+        )
+    table = (
+        "<table><tr><th>role</th><th>function</th><th>kind</th><th>baseline / iteration</th>"
+        f"<th>this job / iteration</th><th>change</th><th>relative</th></tr>{''.join(rows)}</table>"
+        if rows
+        else "<p class='ok'>No function or kernel changed beyond both runs' iteration-to-iteration noise.</p>"
+    )
+    return (
+        f"<h2>Changes against job {escape(diff.a.name)}</h2>"
+        "<p class='cap'>Time per iteration of one rank of each role (pipeline stage, tensor slot) over each "
+        "run's steady iterations; listed only when the change stands out of both runs' own noise.</p>"
+        f"<p>{escape(head)}</p>{table}"
+    )
+
+
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1d232b;margin:24px 32px;
 max-width:1180px}h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 4px}
@@ -344,6 +385,7 @@ def render_html(data: ReportData) -> str:
         "<h2>Findings timeline</h2>",
         "<p class='cap'>When each finding was flagged, by iteration; faded bars are closed findings.</p>",
         _timeline(data),
+        _diff_section(data.diff),
         "<h2>Rank x function deviation</h2>",
         "<p class='cap'>Each cell: a rank's mean duration of a function against the median over all "
         "ranks (red slower, blue faster, clipped at &plusmn;50 %). In synchronous training a slow GPU shows "
@@ -376,8 +418,8 @@ def render_html(data: ReportData) -> str:
     )
 
 
-def write_report(store: Store, job: str, path: str | Path) -> ReportData:
+def write_report(store: Store, job: str, path: str | Path, baseline: str | None = None) -> ReportData:
     """Collect, render and write the report; returns the data behind it."""
-    data = collect(store, job)
+    data = collect(store, job, baseline)
     Path(path).write_text(render_html(data), encoding="utf-8")
     return data

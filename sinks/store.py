@@ -68,6 +68,21 @@ class Store(RecordWriter, Protocol):
         """Rows per table and distinct findings."""
         ...
 
+    def run_iterations(self, job: str) -> list[tuple[int, int, int, int, float]]:
+        """``diff``'s first read of a run: per role and iteration in order, (pp_rank, tp_rank, iteration,
+        ranks that reported, their mean iteration time in ns). Rank-iterations recorded under a profiler
+        window (``profiled``) are left out of both reads: profiling slows what it watches."""
+        ...
+
+    def function_moments(
+        self, job: str, first_iteration: int, last_iteration: int
+    ) -> list[tuple[int, int, str, str, int, float, float, float]]:
+        """``diff``'s second read: per role and function over iterations ``first..last``, (pp_rank, tp_rank,
+        function, kind, iterations it ran in, sum and sum of squares over those iterations of the time one
+        rank of the role spent in it per iteration, per-rank calls summed). Aggregated where the rows are:
+        one row per role and function leaves the store, however many ranks and iterations the job has."""
+        ...
+
     def forget_job(self, job: str) -> None:
         """Delete every stored row of ``job`` (a demo run again under the same name)."""
         ...

@@ -9,9 +9,9 @@ import argparse
 from typing import Any
 
 from fleetscope import traces_cli
-from fleetscope.commands import alerts, deployment, inspector, live, pipeline, queries
+from fleetscope.commands import alerts, deployment, diff, inspector, live, pipeline, queries
 
-FAMILIES = (pipeline, queries, traces_cli, inspector, live, deployment, alerts)
+FAMILIES = (pipeline, queries, traces_cli, diff, inspector, live, deployment, alerts)
 """In the order ``fleetscope --help`` lists them."""
 
 

@@ -46,6 +46,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--job", required=True, help="job id")
     p.add_argument("-o", "--output", default="report.html", help="output file (default: report.html)")
+    p.add_argument("--against", metavar="JOB", help="add what changed per iteration against this job (see diff)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a sentence")
     p.set_defaults(handler=cmd_report)
 
@@ -99,7 +100,7 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
 
     store = open_store(config)
     t0 = time.monotonic()
-    data = write_report(store, args.job, args.output)
+    data = write_report(store, args.job, args.output, args.against)
     seconds = time.monotonic() - t0
     rank, function, gap = data.heatmap.top_outlier()
     lead = verdict.headline(data.findings)
@@ -123,6 +124,8 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
         "top_deviation": {"rank": rank, "function": function, "gap": round(gap, 4)},
         "build_seconds": round(seconds, 3),
     }
+    if data.diff is not None:
+        summary["diff"] = data.diff.as_dict()
     if args.json:
         print(json.dumps(summary))
     else:

@@ -9,7 +9,13 @@ from typing import Any
 from clickhouse_connect.driver import Client
 
 from fleetscope.sinks.clickhouse.client import connect, is_chdb, is_transient, migrate, rejects_records
-from fleetscope.sinks.clickhouse.queries import current_findings, forget_job, table_counts
+from fleetscope.sinks.clickhouse.queries import (
+    current_findings,
+    forget_job,
+    function_moments,
+    run_iterations,
+    table_counts,
+)
 from fleetscope.sinks.clickhouse.user_sql import run_sql
 from fleetscope.sinks.clickhouse.writer import ClickHouseWriter
 from fleetscope.sinks.store import Records
@@ -66,6 +72,14 @@ class ClickHouseStore:
 
     def counts(self) -> dict[str, int]:
         return table_counts(self.client, self._database)
+
+    def run_iterations(self, job: str) -> list[tuple[int, int, int, int, float]]:
+        return run_iterations(self.client, self._database, job)
+
+    def function_moments(
+        self, job: str, first_iteration: int, last_iteration: int
+    ) -> list[tuple[int, int, str, str, int, float, float, float]]:
+        return function_moments(self.client, self._database, job, first_iteration, last_iteration)
 
     def forget_job(self, job: str) -> None:
         forget_job(self.client, self._database, job)
