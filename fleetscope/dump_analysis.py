@@ -46,7 +46,10 @@ def split_dumps(paths: Iterable[str | Path]) -> tuple[list[Path], list[str | Pat
     for item in paths:
         p = Path(item)
         if not p.is_dir():
-            (dumps if p.is_file() and is_dump(_head(p)) else rest).append(p if p.is_file() else item)
+            if p.is_file() and is_dump(_head(p)):
+                dumps.append(p)
+            else:
+                rest.append(item)
             continue
         files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.endswith((".gz", *ARCHIVE_SUFFIXES)))
         found = {f for f in files if is_dump(_head(f))}
@@ -107,7 +110,7 @@ def analyze_dumps(
             out.ranks.append({
                 "job": name, "rank": rank, "path": dump.path, "entries": len(dump.entries),
                 "in_collective": waiting is not None, "collective": _call(hb),
-                "waited_ms": (dump.as_of_ns - waiting.created_ns) / 1e6 if waiting else 0.0,
+                "waited_ms": round((dump.as_of_ns - waiting.created_ns) / 1e6) if waiting else 0,
             })  # fmt: skip
         sig = snapshot_hang(latest, threshold_ns)
         if sig is None:

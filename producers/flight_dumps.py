@@ -39,7 +39,9 @@ HEAD_BYTES = 4096
 """How much of a file tells a dump from a Kineto trace (``is_dump``)."""
 MAX_DUMP_BYTES = 256 * 2**20
 """A dump larger than this is refused: torch's default buffer (2000 entries, with stacks) is megabytes."""
-_JSON_MARKS = (b'"comm_lib_version"', b'"pg_config"', b'"collective_seq_id"')
+_JSON_MARKS = (b'"comm_lib_version"', b'"pg_status"', b'"nccl_comm_state"', b'"collective_seq_id"')
+"""Keys only a dump has (a Kineto trace's ``distributedInfo`` has a ``pg_config`` too)."""
+_TRACE_MARKS = (b'"traceEvents"', b'"schemaVersion"')
 _RANK_IN_NAME = re.compile(r"(\d+)(\.json|\.pkl|\.pickle|\.bin)?$")
 
 
@@ -97,7 +99,11 @@ def is_dump(head: bytes) -> bool:
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return True
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
-    return text.startswith(b"{") and any(mark in head for mark in _JSON_MARKS)
+    return (
+        text.startswith(b"{")
+        and any(mark in head for mark in _JSON_MARKS)
+        and not any(mark in head for mark in _TRACE_MARKS)
+    )
 
 
 def rank_of(name: str) -> int | None:
@@ -254,6 +260,7 @@ def dump_heartbeats(dumps: Sequence[RankDump], job: str) -> dict[int, dict[str, 
             "profiling": False,
         }  # fmt: skip
         if entry is not None:
+            ranks: tuple[int, ...]
             if entry.p2p:  # numbered per rank: matched with no other rank's
                 pg, ranks = f"{entry.pg}:p2p:{d.rank}", (d.rank,)
             elif entry.pg in listed:

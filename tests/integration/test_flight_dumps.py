@@ -44,6 +44,9 @@ def rank_main(rank, world, port, out):
     store.add("dumped", 1)
     while store.add("dumped", 0) < world:  # no rank leaves (and fails its peers' wait) before all dumped
         time.sleep(0.05)
+    store.add("left", 1)
+    while rank == 0 and store.add("left", 0) < world:  # rank 0 holds the store: it leaves last
+        time.sleep(0.05)
     os._exit(0)  # the job is hung: no rank waits for the others to leave
 
 if __name__ == "__main__":
