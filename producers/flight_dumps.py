@@ -203,11 +203,23 @@ def _entry(item: Any) -> DumpEntry:
         record_id=_int(item.get("record_id"), 0), pg=pg[0], pg_desc=pg[1],
         seq=_int(item["p2p_seq_id"] if p2p else item["collective_seq_id"]), p2p=p2p,
         op=op, profiling_name=name,
-        sizes="" if variable else json.dumps(sizes, separators=(",", ":")), dtypes=",".join(map(str, dtypes)),
+        sizes="" if variable else _shapes(sizes), dtypes=",".join(sorted(set(map(str, dtypes)))),
         nbytes=-1 if variable else _nbytes(sizes, dtypes),
         completed=state == "completed" or item.get("retired") is True, created_ns=_int(item["time_created_ns"]),
         timeout_ms=_int(item.get("timeout_ms"), 0),
     )  # fmt: skip
+
+
+SHAPES_CHARS = 120
+"""Shapes longer than this as JSON (a coalesced call of many tensors) are summed up: count and elements."""
+
+
+def _shapes(sizes: list[Any]) -> str:
+    text = json.dumps(sizes, separators=(",", ":"))
+    if len(text) <= SHAPES_CHARS:
+        return text
+    elements = sum(math.prod(s) for s in sizes if all(isinstance(d, int) for d in s))
+    return f"{len(sizes)} tensors of {elements} elements"
 
 
 def _nbytes(sizes: list[Any], dtypes: list[Any]) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from fleetscope.cli import main
 from fleetscope.dump_analysis import analyze_dumps, split_dumps
 from fleetscope.producers.flight_dumps import dump_heartbeats, is_dump, parse_dump, rank_of
 from fleetscope.producers.kineto_load import TraceError
@@ -114,6 +115,10 @@ def test_a_dtype_or_op_mismatch_is_named_as_such(tmp_path: Path) -> None:
     inside[1] = fr_entry(4, 5, state="started", created_s=1.0, name="nccl:_all_gather_base")
     v, _ = verdict(job(tmp_path / "b", {r: [*history(), e] for r, e in inside.items()}))
     assert v["mismatch"] == ["op"] and v["calls"]["allgather/4096/Float/[[1024]]"] == [1]
+    many = [[8]] * 40  # a coalesced call of 40 tensors: its shapes summed up, still compared
+    inside = {r: fr_entry(4, 5, state="started", created_s=1.0, sizes=many[: 40 - (r == 2)]) for r in range(WORLD)}
+    v, _ = verdict(job(tmp_path / "c", {r: [*history(), e] for r, e in inside.items()}))
+    assert v["mismatch"] == ["size"] and v["calls"]["allreduce/1248/Float/39 tensors of 312 elements"] == [2]
 
 
 def test_every_member_inside_the_same_call_is_stuck_inside(tmp_path: Path) -> None:
@@ -147,7 +152,9 @@ def test_a_truncated_or_garbled_dump_is_skipped_with_one_line_and_the_rest_is_re
     assert v["not_entered"] == [1, 2, 3] and v["unreported"] == [1, 3] and v["entered"] == [0]
 
 
-def test_real_gloo_dumps_of_a_hung_job_name_the_rank_and_its_healthy_dumps_nothing() -> None:
+def test_real_gloo_dumps_of_a_hung_job_name_the_rank_and_its_healthy_dumps_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """Captured from a 3-rank CPU gloo job (tests/integration/test_flight_dumps.py): gloo leaves every
     entry ``scheduled`` and writes no usable pg_config; ``retired`` tells what completed."""
     result = analyze_traces([REAL / "gloo_hung", REAL / "gloo_healthy"])
@@ -157,6 +164,9 @@ def test_real_gloo_dumps_of_a_hung_job_name_the_rank_and_its_healthy_dumps_nothi
     assert (evidence["not_entered"], evidence["entered"], evidence["seq"]) == ([1], [0, 2], 3)
     assert result.dump_verdicts["gloo_healthy"]["verdict"] == "no hang" and result.ranks == []
     assert len(result.dumps) == 6 and result.skipped == []
+    assert main(["analyze", str(REAL / "gloo_hung"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "gloo_hung: flight recorder: rank never joined: rank(s) 1 never entered allreduce #3 of group 0" in out
 
 
 def test_dumps_are_told_from_kineto_traces_by_content_and_ranks_from_names() -> None:
