@@ -124,6 +124,10 @@ class AnalyzeResult:
     """Every open/update/closed record, in emission order (when each finding opened)."""
     skipped: list[dict[str, str]] = field(default_factory=list)
     """Each file not analysed: ``{"path": ..., "reason": ...}`` (the reason is one line)."""
+    dumps: list[dict[str, Any]] = field(default_factory=list)
+    """Each Flight Recorder dump read (``dump_analysis``); its jobs' hang findings are in ``findings``."""
+    dump_verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per job with dumps: the hang verdict's evidence, or why there is none."""
 
 
 def analyze_traces(
@@ -132,6 +136,7 @@ def analyze_traces(
     options: LoadOptions | None = None,
 ) -> AnalyzeResult:
     """Window and compare the traces in-process, one file at a time; findings plus per-rank summaries."""
+    from fleetscope.dump_analysis import analyze_dumps, split_dumps
     from fleetscope.streams.analysis.explain import JobTally, tally_jobs
     from fleetscope.streams.offline import OfflinePipeline
 
@@ -154,10 +159,12 @@ def analyze_traces(
         report(path, exc)
 
     options = replace(options, on_skip=skip)
+    dump_files, paths = split_dumps(paths)
+    dumps = analyze_dumps(dump_files, s.differential if s else None, options.job, skip)
     summaries: list[RankSummary] = []
     seen = 0
     layouts: dict[str, JobLayout] = {}
-    for trace in parsed_traces(paths, options, "analyze", layouts):
+    for trace in parsed_traces(paths, options, "analyze", layouts) if paths or not dump_files else ():
         for batch in trace.batches:
             pipeline.add(batch)
         pipeline.close_rank(trace.job, trace.rank)
@@ -197,7 +204,9 @@ def analyze_traces(
         }
         for job, t in sorted(tallies.items())
     }
-    return AnalyzeResult(result.findings, summaries, explanations, result.finding_updates, skipped)
+    findings = dumps.findings + result.findings
+    updates = dumps.findings + result.finding_updates
+    return AnalyzeResult(findings, summaries, explanations, updates, skipped, dumps.ranks, dumps.verdicts)
 
 
 _RANK_COLUMNS = (
@@ -205,6 +214,7 @@ _RANK_COLUMNS = (
     "gpu_busy_pct", "kernels", "collectives", "kernel_ms",
 )  # fmt: skip
 _COORDINATES = ("tp_rank", "pp_rank", "dp_rank", "ep_rank")
+_DUMP_COLUMNS = ("job", "rank", "entries", "in_collective", "collective", "waited_ms")
 
 
 def layout_summary(layout: JobLayout | None) -> dict[str, Any]:
@@ -217,29 +227,39 @@ def layout_summary(layout: JobLayout | None) -> dict[str, Any]:
 
 
 def cmd_analyze(args: argparse.Namespace, config: Config) -> int:
+    from fleetscope.dump_analysis import verdict_lines
     from fleetscope.tables import findings_json, print_findings, print_table
 
     result = analyze_traces(args.paths, config, _load_options(args))
-    if not result.ranks:
+    if not result.ranks and not result.dumps:
         print("fleetscope analyze: no trace could be parsed", file=sys.stderr)
         return 1
     if args.json:
         findings = findings_json(result.findings)
         ranks = [asdict(r) for r in result.ranks]
         doc = {"findings": findings, "ranks": ranks, "explanations": result.explanations, "skipped": result.skipped}
+        if result.dumps:
+            doc |= {"flight_dumps": result.dumps, "flight_verdicts": result.dump_verdicts}
         print(json.dumps(doc, indent=2, default=str))
     else:
         print_findings(result.findings, as_json=False)
-        print()
-        # a coordinate column only for the dimensions some job's layout has (size > 1)
-        dims = {f"{d}_rank" for ex in result.explanations.values() for d in ex["layout"]["sizes"]}
-        columns = [c for c in _RANK_COLUMNS if c not in _COORDINATES or c in dims]
-        print_table(columns, [[getattr(r, c) for c in columns] for r in result.ranks])
+        if result.dumps:
+            print()
+            print_table(_DUMP_COLUMNS, [[d[c] for c in _DUMP_COLUMNS] for d in result.dumps])
+            for job, verdict in result.dump_verdicts.items():
+                print("\n".join(verdict_lines(job, verdict)))
+        if result.ranks:
+            print()
+            # a coordinate column only for the dimensions some job's layout has (size > 1)
+            dims = {f"{d}_rank" for ex in result.explanations.values() for d in ex["layout"]["sizes"]}
+            columns = [c for c in _RANK_COLUMNS if c not in _COORDINATES or c in dims]
+            print_table(columns, [[getattr(r, c) for c in columns] for r in result.ranks])
         for job, ex in result.explanations.items():
             print()
             print("\n".join(explanation_lines(job, ex)))
         if result.skipped:
-            print(f"\n{len(result.skipped)} file(s) skipped (listed on stderr), {len(result.ranks)} analysed")
+            analysed = len(result.ranks) + len(result.dumps)
+            print(f"\n{len(result.skipped)} file(s) skipped (listed on stderr), {analysed} analysed")
     return 0
 
 
@@ -309,9 +329,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "analyze",
         parents=[common],
-        help="analyse Kineto trace files in-process (no broker)",
+        help="analyse Kineto trace files (and Flight Recorder dumps) in-process (no broker)",
         description="Cut each rank's trace into iterations and compare ranks, with the stream worker's "
         "code but in this process, one file at a time. Prints findings and a per-rank summary. "
+        "PyTorch Flight Recorder dumps (pickle or JSON, one per rank, told by their content) give the "
+        "hang verdict of the live heartbeats: who never joined a collective, a collective every member "
+        "is stuck in, or members disagreeing on op, size or dtype. "
         "A file that cannot be read or parsed is skipped with one line on stderr (and listed in "
         "--json's skipped); the exit status is 0 when at least one file was analysed, 1 when none was.",
     )

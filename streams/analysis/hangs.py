@@ -12,16 +12,19 @@ still carry the times they were built at) change nothing. When no rank completed
   collective of another group is held up itself: where groups overlap (HSDP's shard pairs replicated
   over pairs), the culprit is a member absent and in no collective, the one the others' waits lead to;
 - every member inside it: the collective itself does not complete (a link or NCCL problem);
-- members in the same (group, sequence number) with different op or size: a desync.
+- members in the same (group, sequence number) with different op, size or dtype: a desync.
 
 A rank whose profiler window holds its events back is not stalled: the job is not hung while one is open.
+The verdict itself (``hang_verdict``) reads only each rank's collective, so a job's Flight Recorder dumps,
+turned into the same records (``producers/flight_dumps.py``), are judged by the same code. Each kind has a
+name in the vocabulary of Meta's torchcomms analyzer (``VERDICTS``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from fleetscope.streams.analysis.outliers import RankSignal
 
@@ -36,6 +39,32 @@ class _Entry:
     inside: bool
     entered_ns: int
     sent_ns: int
+    dtype: str = ""
+    sizes: str = ""
+
+
+class _Call(NamedTuple):
+    """How a rank called a collective: what members must agree on (dtype and sizes where known)."""
+
+    op: str
+    nbytes: int
+    dtype: str
+    sizes: str
+
+    def label(self) -> str:
+        """``allreduce/4096``, with ``/Float/[[1024]]`` where the record names dtype and sizes."""
+        return "/".join([self.op, str(self.nbytes)] + [x for x in (self.dtype, self.sizes) if x])
+
+
+def _mismatch(calls: list[_Call]) -> list[str]:
+    """What the members disagree on: ``op``, ``size`` (the shapes where known, else the bytes), ``dtype``."""
+    out = ["op"] if len({c.op for c in calls}) > 1 else []
+    sizes = {c.sizes for c in calls}
+    if len(sizes) > 1 or (sizes == {""} and len({c.nbytes for c in calls}) > 1):
+        out.append("size")
+    if len({c.dtype for c in calls}) > 1:
+        out.append("dtype")
+    return out
 
 
 def stalled_ns(hb: Heartbeat) -> int:
@@ -62,10 +91,36 @@ def job_stopped(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns: 
     )
 
 
+VERDICTS = {
+    "missing_member": "rank never joined",
+    "collective_stuck": "stuck inside",
+    "desync": "metadata mismatch",
+    "outside_collectives": "stuck outside",
+}
+"""Each ``evidence["kind"]`` and its name in torchcomms' analyzer (JOB_STUCK_IN_NCCL_RANK_NOT_JOIN, ...)."""
+
+
 def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns: float) -> RankSignal | None:
     """The hang finding's signal when the job stopped progressing, else None (pure)."""
     if not job_stopped(latest, world_size, threshold_ns):
         return None
+    return hang_verdict(latest, threshold_ns)
+
+
+def snapshot_hang(latest: Mapping[int, Heartbeat], threshold_ns: float) -> RankSignal | None:
+    """The verdict on one snapshot of the job (dumps written at a timeout): hung when some rank has been
+    inside a collective for ``threshold_ns`` as of its snapshot, else None. A snapshot has no steps to
+    tell a rank stopped outside collectives from a healthy one, so only a wait inside one counts."""
+    if not any(
+        hb.get("in_collective", False) and int(hb["sent_ns"]) - int(hb.get("collective_entered_ns", 0)) >= threshold_ns
+        for hb in latest.values()
+    ):
+        return None
+    return hang_verdict(latest, threshold_ns)
+
+
+def hang_verdict(latest: Mapping[int, Heartbeat], threshold_ns: float) -> RankSignal:
+    """Who holds up a job known to be stopped, from each rank's collective (pure)."""
     groups: dict[str, dict[int, _Entry]] = {}
     members: dict[str, tuple[int, ...]] = {}
     for rank, hb in latest.items():
@@ -78,7 +133,8 @@ def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns
         groups.setdefault(pg, {})[rank] = _Entry(
             rank=rank, op=str(hb.get("collective_op", "")), nbytes=int(hb.get("collective_nbytes", -1)),
             inside=bool(hb.get("in_collective", False)), entered_ns=int(hb.get("collective_entered_ns", 0)),
-            sent_ns=int(hb["sent_ns"]),
+            sent_ns=int(hb["sent_ns"]), dtype=str(hb.get("collective_dtype", "")),
+            sizes=str(hb.get("collective_sizes", "")),
         )  # fmt: skip
     busy = {r for r, hb in latest.items() if hb.get("in_collective", False)}
     candidates = []
@@ -101,16 +157,18 @@ def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns
         "group": pg, "seq": seq, "entered": entered, "not_entered": missing, "waiting_ns": waited,
         "group_size": len(group), "last_step_by_rank": _compact({r: int(hb["last_step"]) for r, hb in latest.items()}),
     }  # fmt: skip
-    shapes: dict[tuple[str, int], list[int]] = {}
+    shapes: dict[_Call, list[int]] = {}
     for e in inside:
-        shapes.setdefault((e.op, e.nbytes), []).append(e.rank)
+        shapes.setdefault(_Call(e.op, e.nbytes, e.dtype, e.sizes), []).append(e.rank)
     if len(shapes) > 1:  # the same collective, called differently: ranks took different code paths
-        (op, nbytes), _ = max(shapes.items(), key=lambda kv: (len(kv[1]), -min(kv[1])))
-        culprits = sorted(r for shape, ranks in shapes.items() if shape != (op, nbytes) for r in ranks)
-        evidence |= {"kind": "desync", "op": op, "nbytes": nbytes,
-                     "calls": {f"{o}/{n}": sorted(rs) for (o, n), rs in shapes.items()}}  # fmt: skip
+        call, _ = max(shapes.items(), key=lambda kv: (len(kv[1]), -min(kv[1])))
+        op, nbytes = call.op, call.nbytes
+        culprits = sorted(r for shape, ranks in shapes.items() if shape != call for r in ranks)
+        evidence |= {"kind": "desync", "op": op, "nbytes": nbytes, "mismatch": _mismatch(list(shapes)),
+                     "calls": {c.label(): sorted(rs) for c, rs in shapes.items()}}  # fmt: skip
     else:
-        (op, nbytes), _ = next(iter(shapes.items()))
+        call = next(iter(shapes))
+        op, nbytes = call.op, call.nbytes
         evidence |= {"op": op, "nbytes": nbytes}
         if missing:
             culprits = [r for r in missing if r not in busy] or missing
@@ -119,6 +177,9 @@ def diagnose_hang(latest: Mapping[int, Heartbeat], world_size: int, threshold_ns
         else:  # everyone is inside and it does not complete: the transport, not a rank
             culprits = []
             evidence["kind"] = "collective_stuck"
+    evidence["verdict"] = VERDICTS[evidence["kind"]]
+    if unreported := [r for r in missing if r not in latest]:
+        evidence["unreported"] = unreported  # no record of theirs at all (a snapshot's missing dump)
     ranks = tuple(culprits) or tuple(entered)
     first = ranks[0]
     host = str(latest[first]["host"]) if first in latest else ""
@@ -139,8 +200,8 @@ def _outside_collectives(latest: Mapping[int, Heartbeat], threshold_ns: float) -
         metric="stalled_ns", value=float(ages[culprit]), peer_median=0.0,
         score=float(ages[culprit] / max(threshold_ns, 1.0)), loss_ns=float(ages[culprit]),
         subject=f"rank:{culprit}",
-        evidence={"kind": "outside_collectives", "last_step_by_rank": _compact({r: int(hb["last_step"])
-                  for r, hb in latest.items()})},
+        evidence={"kind": "outside_collectives", "verdict": VERDICTS["outside_collectives"],
+                  "last_step_by_rank": _compact({r: int(hb["last_step"]) for r, hb in latest.items()})},
     )  # fmt: skip
 
 

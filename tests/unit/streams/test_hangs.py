@@ -5,7 +5,7 @@ import json
 
 from fleetscope.schemas import decode, encode
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.hangs import diagnose_hang, job_stopped
+from fleetscope.streams.analysis.hangs import VERDICTS, diagnose_hang, job_stopped, snapshot_hang
 
 S = 10**9
 WORLD = 4
@@ -109,6 +109,35 @@ def test_every_member_inside_is_a_stuck_collective_and_disagreement_is_a_desync(
     sig = diagnose_hang(desync, WORLD, 10 * S)
     assert sig is not None and sig.evidence["kind"] == "desync" and sig.member_ranks() == (3,)
     assert sig.evidence["calls"] == {"allreduce/4096": [0, 1, 2], "allgather/4096": [3]}
+    assert (sig.evidence["verdict"], sig.evidence["mismatch"]) == ("metadata mismatch", ["op"])
+    desync[3] = heartbeat(3, 120.0, 149, 100.0, seq=150, inside=True, nbytes=8192)
+    sig = diagnose_hang(desync, WORLD, 10 * S)
+    assert sig is not None and sig.evidence["mismatch"] == ["size"] and sig.member_ranks() == (3,)
+
+
+def test_each_verdict_has_its_torchcomms_name() -> None:
+    stuck = {r: heartbeat(r, 120.0, 149, 100.0, seq=150, inside=True) for r in range(WORLD)}
+    outside = {r: heartbeat(r, 120.0, 149 - (r == 2), 100.0) for r in range(WORLD)}
+    signals = [diagnose_hang(latest, WORLD, 10 * S) for latest in (blocked_at_150(115.0), stuck, outside)]
+    assert [sig.evidence["verdict"] if sig else None for sig in signals] == [
+        "rank never joined", "stuck inside", "stuck outside"]  # fmt: skip
+    assert signals[2] is not None and signals[2].rank == 2
+    assert set(VERDICTS) == {"missing_member", "collective_stuck", "desync", "outside_collectives"}
+
+
+def test_a_snapshot_is_hung_only_when_a_rank_waited_its_threshold_inside_a_collective() -> None:
+    """Dumps written once (no steps, no later heartbeat): ranks outside collectives are no evidence, and a
+    wait shorter than the threshold is a collective in progress; dtype and sizes, where named, must agree."""
+    outside = {r: heartbeat(r, 120.0, -1, 0.0) for r in range(WORLD)}
+    assert snapshot_hang(outside, 10 * S) is None
+    latest = blocked_at_150(115.0)  # the waiters entered at 100.04 s on their clocks
+    assert snapshot_hang(latest, 20 * S) is None
+    sig = snapshot_hang(latest, 10 * S)
+    assert sig is not None and sig.member_ranks() == (0,) and sig.evidence["verdict"] == "rank never joined"
+    typed = {r: dict(hb, collective_dtype="Float", collective_sizes="[[1024]]") for r, hb in latest.items() if r}
+    typed[0] = dict(typed[1], rank=0, collective_dtype="Half")
+    sig = snapshot_hang(typed, 10 * S)
+    assert sig is not None and sig.evidence["mismatch"] == ["dtype"] and sig.member_ranks() == (0,)
 
 
 def test_a_silent_rank_is_stopped_on_its_peers_clocks():
