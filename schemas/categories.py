@@ -315,7 +315,8 @@ def check_params(finding: Mapping[str, Any], sql: str) -> dict[str, str]:
         "ranks": "[" + ",".join(str(r) for r in ranks) + "]",
         "function": str(finding.get("function") or ""),
     }
-    return {name: values[name] for name in dict.fromkeys(_PLACEHOLDER.findall(sql)) if name in values}
+    named = set(_PLACEHOLDER.findall(sql))
+    return {name: value for name, value in values.items() if name in named}
 
 
 def next_checks(finding: Mapping[str, Any]) -> dict[str, Any]:
@@ -336,11 +337,22 @@ def next_checks(finding: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def sql_command(finding: Mapping[str, Any]) -> str:
-    """The shell command that runs the finding's check query on the store; empty for an unknown category."""
-    about = info(str(finding.get("category")))
-    if about is None:
-        return ""
-    params = check_params(finding, about.checks.sql)
-    args = " ".join(f"--param {shlex.quote(f'{k}={v}')}" for k, v in params.items())
-    return f"fleetscope sql {shlex.quote(about.checks.sql)} {args}".rstrip()
+def sql_command(checks: Mapping[str, Any]) -> str:
+    """The shell command that runs a ``next_checks`` query (its ``sql`` and ``params``) on the store."""
+    params: Mapping[str, str] = checks.get("params") or {}
+    args = "".join(f" --param {_shell_word(f'{k}={v}')}" for k, v in params.items())
+    return f"fleetscope sql {_shell_word(str(checks.get('sql') or ''))}{args}"
+
+
+_SHELL_PLAIN = re.compile(r"[\w@%+=:,./-]+")
+_SHELL_SPECIAL_IN_DOUBLE_QUOTES = re.compile(r'[$`"\\!]')
+
+
+def _shell_word(text: str) -> str:
+    """One shell word that reads well: bare where safe, in double quotes where nothing in it is special
+    there (SQL's single-quoted literals stay readable), else ``shlex.quote``."""
+    if _SHELL_PLAIN.fullmatch(text):
+        return text
+    if not _SHELL_SPECIAL_IN_DOUBLE_QUOTES.search(text):
+        return f'"{text}"'
+    return shlex.quote(text)
