@@ -126,7 +126,8 @@ def test_a_training_rank_loads_neither_the_store_driver_nor_the_stream_engine_no
 
 def test_every_place_that_lists_finding_categories_lists_the_same_ones() -> None:
     """``Category`` is the one list; the findings schema's contract, the report's colours, the README's
-    table and the simulator's expected findings must all name exactly these."""
+    table (each line the category's meaning), the detection page (a section each, its properties table) and
+    the simulator's expected findings must all name exactly these."""
     want = {c.value for c in Category}
     field = next(f for f in CATALOG.latest("findings").parsed["fields"] if f["name"] == "category")
     assert {c.strip() for c in field["doc"].split("|")} == want
@@ -135,9 +136,21 @@ def test_every_place_that_lists_finding_categories_lists_the_same_ones() -> None
 
     assert set(CATEGORY_COLORS) == want
 
+    from fleetscope.schemas.categories import REGISTRY
+
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     table = readme.split("## How it decides", 1)[1].split("\n## ", 1)[0]
-    assert set(re.findall(r"^\| `([a-z_]+)`", table, flags=re.MULTILINE)) == want
+    lines = dict(re.findall(r"^\| `([a-z_]+)` \| (.*) \|$", table, flags=re.MULTILINE))
+    assert lines == {c.value: about.meaning for c, about in REGISTRY.items()}, "the README's line is the meaning"
+
+    detection = (ROOT / "docs" / "detection.md").read_text(encoding="utf-8")
+    assert set(re.findall(r"^## `([a-z_]+)`$", detection, flags=re.MULTILINE)) == want, "an evidence section each"
+    yes = {True: "yes", False: "no"}
+    flags = {
+        c.value: [yes[a.cause], yes[a.job_level], a.noise.value, yes[a.profiler_blind]] for c, a in REGISTRY.items()
+    }
+    rows = re.findall(r"^\| `([a-z_]+)` \| (yes|no) \| (yes|no) \| ([a-z_]+) \| (yes|no) \|$", detection, re.M)
+    assert {row[0]: list(row[1:]) for row in rows} == flags, "docs/detection.md's properties are the registry's"
 
     from fleetscope.producers.simulation import CATEGORIES as FAULT_CATEGORIES
 
