@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope import svgcharts, verdict
-from fleetscope.schemas import units
+from fleetscope.schemas import categories, units
 from fleetscope.sinks.store import Store
 from fleetscope.streams.analysis.rundiff import RunDiff
 
@@ -330,6 +330,29 @@ def _diff_section(diff: RunDiff | None) -> str:
     )
 
 
+def _next_checks(data: ReportData) -> str:
+    """Per category found, biggest loss first: what it means, its likely causes, the NVML fields to look at,
+    and the command that shows its costliest finding in the store."""
+    costliest: dict[str, dict[str, Any]] = {}
+    for f in sorted(data.findings, key=lambda f: -float(f["est_loss_ns"] or 0)):
+        costliest.setdefault(str(f["category"]), f)
+    parts = []
+    for category, f in costliest.items():
+        about = categories.info(category)
+        if about is None:
+            continue
+        causes = "".join(f"<li>{escape(c)}</li>" for c in about.checks.likely_causes)
+        command = categories.sql_command(categories.next_checks(f)["next_checks"])
+        parts.append(
+            f"<div class='meaning'><p><span class='dot' style='background:{about.color}'></span>"
+            f"<b>{escape(category)}</b>: {escape(about.meaning)}</p><p>Likely causes:</p><ul>{causes}</ul>"
+            f"<p>NVML fields to look at (<code>fleetscope agent</code>): "
+            f"<code>{escape(', '.join(about.checks.nvml))}</code></p>"
+            f"<p>What shows it in the store ({escape(units.subject(f))}):</p><pre>{escape(command)}</pre></div>"
+        )
+    return "".join(parts)
+
+
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1d232b;margin:24px 32px;
 max-width:1180px}h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 4px}
@@ -341,8 +364,9 @@ td.fn{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11.5px}.ok{col
 .dot{display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px}
 .note{color:#8a5a00;font-size:12px}.verdict{font-size:16px;line-height:1.45;background:#fff6e5;
 border-left:4px solid #d08a00;padding:10px 14px;margin:8px 0 14px;max-width:1000px}
-svg{display:block;margin:4px 0 6px}footer{color:#8a939e;font-size:11px;
-margin-top:30px}
+svg{display:block;margin:4px 0 6px}.meaning{max-width:1000px;font-size:13px}.meaning ul{margin:2px 0}
+.meaning pre{white-space:pre-wrap;background:#f5f6f8;padding:6px 8px;font-size:11.5px}
+footer{color:#8a939e;font-size:11px;margin-top:30px}
 """
 
 
@@ -382,6 +406,7 @@ def render_html(data: ReportData) -> str:
         "<p class='cap'>One row per finding (latest state). <i>gap</i> is the rank's value against the "
         "median of its peers; <i>est. loss</i> is what the job loses per iteration because of it.</p>",
         _findings_table(data),
+        *(["<h2>What the findings mean, what to check next</h2>", _next_checks(data)] if data.findings else []),
         "<h2>Findings timeline</h2>",
         "<p class='cap'>When each finding was flagged, by iteration; faded bars are closed findings.</p>",
         _timeline(data),

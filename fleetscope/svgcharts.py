@@ -14,18 +14,12 @@ from html import escape
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.schemas.categories import REGISTRY
+
 FONT = "font-family='system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif'"
 GREY = "#c4c9d0"
 HIGHLIGHTS = ("#d62728", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
-CATEGORY_COLORS = {
-    "gpu_slow": "#d62728",
-    "link_slow": "#9467bd",
-    "host_slow": "#ff7f0e",
-    "straggler": "#8c564b",
-    "stage_imbalance": "#17becf",
-    "job_regression": "#1f77b4",
-    "hang": "#111111",
-}
+CATEGORY_COLORS = {c.value: about.color for c, about in REGISTRY.items()}
 
 Array = npt.NDArray[np.float64]
 

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetscope.schemas import units
+from fleetscope.schemas import categories, units
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 
 
@@ -22,32 +22,29 @@ def headline(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
 
 
 def _what(f: Mapping[str, Any]) -> str:
+    """The predicate after the subject: the category's phrase (``schemas.categories``) filled from the finding;
+    a host function that measures a wait (a CPU's, a launch's) says what it waited for."""
     metric = str(f.get("metric") or "")
     value, median = f.get("value"), f.get("peer_median")
     gap = units.gap(value, median)
     function = f.get("function") or "?"
     numbers = f"{units.metric_value(metric, value)} vs {units.metric_value(metric, median)}" if median else ""
     category = f.get("category")
-    if category == "gpu_slow":
-        return f"runs its GPU kernels slower than its peers ({function} {gap}, {numbers})"
     if category == "host_slow" and function == CPU_WAIT_FUNCTION:
         return f"waits longer than its peers for a CPU: other processes take its host's cores ({gap}, {numbers})"
     if category == "host_slow" and function == LAUNCH_WAIT_FUNCTION:
         return f"leaves its GPU idle waiting for its host to launch kernels: launch-bound ({gap}, {numbers})"
-    if category == "host_slow":
-        return f"spends longer than its peers in the host function {function} ({gap}, {numbers})"
-    if category == "link_slow":
-        return f"moves data over a slower link ({units.metric_name(metric)} {numbers}, {gap})"
-    if category == "straggler":
-        return f"arrives last at the collectives ({units.metric_value(metric, value)} late at {function})"
-    if category == "stage_imbalance":
-        return f"computes longer than the other pipeline stages ({gap}, {numbers})"
-    if category == "job_regression":
-        waits = ", its CPU wait left out" if metric == ITERATION_LESS_CPU_WAIT else ""
-        return f"runs slower than its own best iterations{waits} ({gap}, {numbers})"
-    if category == "hang":
-        return f"stopped making progress (silent for {units.metric_value(metric, value)})"
-    return f"differs from its peers in {function} ({gap})"
+    about = categories.info(str(category))
+    if about is None:
+        return f"differs from its peers in {function} ({gap})"
+    return about.phrase.format(
+        function=function,
+        gap=gap,
+        numbers=numbers,
+        metric=units.metric_name(metric),
+        value=units.metric_value(metric, value),
+        less_cpu_wait=", its CPU wait left out" if metric == ITERATION_LESS_CPU_WAIT else "",
+    )
 
 
 def sentence(findings: Sequence[Mapping[str, Any]], median_iteration_ns: float | None) -> str:

@@ -5,27 +5,13 @@ One definition each, so the parser, the simulator and the windower cannot drift 
 
 from __future__ import annotations
 
-import enum
 import functools
 import re
 
+# Re-exported: their home is schemas/categories.py, beside their properties.
+from fleetscope.schemas.categories import CATEGORIES as CATEGORIES
+from fleetscope.schemas.categories import Category as Category
 from fleetscope.schemas.records import FunctionKind
-
-
-class Category(enum.StrEnum):
-    """What a finding says is wrong. Stable names: alert consumers match on them. The one list: the
-    findings schema, the report, the README and the simulator's expectations are checked against it."""
-
-    GPU_SLOW = "gpu_slow"
-    LINK_SLOW = "link_slow"
-    HOST_SLOW = "host_slow"
-    STRAGGLER = "straggler"
-    STAGE_IMBALANCE = "stage_imbalance"
-    JOB_REGRESSION = "job_regression"
-    HANG = "hang"
-
-
-CATEGORIES: tuple[str, ...] = tuple(c.value for c in Category)
 
 STEP_MARKER_PREFIX = "ProfilerStep#"
 """Names starting with it are the profiler's step markers, never host functions."""

@@ -31,6 +31,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from fleetscope.schemas import SchemaError, Topics, decode, units
+from fleetscope.schemas.categories import next_checks, sql_command
 from fleetscope.schemas.signing import signature_reason
 from fleetscope.sinks.retry import RetryPolicy, with_retries
 
@@ -42,7 +43,9 @@ _METADATA_TIMEOUT_S = 5.0
 
 
 def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The findings JSON of one state change (evidence parsed), plus event, status, version and time."""
+    """The findings JSON of one state change (evidence parsed), plus event, status, version and time, and
+    what its category means and what to check next (``meaning``, ``next_checks``: ``schemas.categories``), so
+    that whoever is paged reads what to do without the README."""
     evidence: Any = record.get("evidence") or "{}"
     if isinstance(evidence, str):
         try:
@@ -75,6 +78,7 @@ def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
         "evidence": evidence,
         "emitted_ns": emitted_ns,
         "emitted_at": datetime.fromtimestamp(emitted_ns / 1e9, UTC).isoformat(timespec="milliseconds"),
+        **next_checks(record),
     }
 
 
@@ -128,6 +132,20 @@ def format_alert(alert: Mapping[str, Any]) -> str:
         f"score {alert.get('score') or 0.0:.1f}  iterations {alert['iteration_first']}-{alert['iteration_last']}  "
         f"loss {units.duration(alert.get('est_loss_ns') or 0)}/iter  [{alert['finding_id']} v{alert['version']}]"
     )
+
+
+def format_next_checks(alert: Mapping[str, Any]) -> list[str]:
+    """The lines under a new finding's: what it means, its likely causes, the NVML fields to look at and the
+    command that shows it in the store; none for a category this version does not know."""
+    checks = alert.get("next_checks")
+    if not alert.get("meaning") or not isinstance(checks, Mapping):
+        return []
+    return [
+        f"    means: {alert['meaning']}",
+        f"    likely: {'; '.join(checks.get('likely_causes') or ())}",
+        f"    NVML: {', '.join(checks.get('nvml') or ())}",
+        f"    shows it: {sql_command(checks)}",
+    ]
 
 
 # -- webhook ------------------------------------------------------------------------------------------------

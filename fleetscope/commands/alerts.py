@@ -21,7 +21,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="follow findings as they open, update and close",
         description="Follow the findings topic and print one line per finding state change (new, "
-        "updated, closed), or JSON lines with --json; optionally POST each as JSON to a webhook "
+        "updated, closed; a new finding's line is followed by indented lines saying what it means and what "
+        "to check next), or JSON lines with --json; optionally POST each as JSON to a webhook "
         "(bounded retries with jitter; failures are logged, never fatal). Runs until Ctrl-C.",
     )
     p.add_argument("--job", help="only this job")
@@ -42,6 +43,7 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
         WebhookConfig,
         WebhookSender,
         format_alert,
+        format_next_checks,
     )
     from fleetscope.sinks.retry import RetryPolicy
     from fleetscope.wiring import findings_key
@@ -61,8 +63,11 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
         webhook.start()
 
     def on_alert(alert: dict[str, Any]) -> None:
-        line = json.dumps(alert, default=str) if args.json else format_alert(alert)
-        print(line, flush=True)
+        if args.json:
+            print(json.dumps(alert, default=str), flush=True)
+        else:
+            guidance = format_next_checks(alert) if alert["event"] == "new" else []
+            print("\n".join([format_alert(alert), *guidance]), flush=True)
         if webhook is not None:
             webhook.submit(alert)
 

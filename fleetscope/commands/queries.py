@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetscope.config import Config, ConfigError
-from fleetscope.tables import format_cell, print_findings, print_table
+from fleetscope.schemas import units
+from fleetscope.schemas.categories import info, next_checks, sql_command
+from fleetscope.tables import findings_json, format_cell, print_findings, print_table
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -30,7 +33,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "findings",
         parents=[common],
         help="list findings from the store",
-        description="List current findings (one row per finding, latest state).",
+        description="List current findings (one row per finding, latest state), then what each category "
+        "found means and what to check next: its likely causes, the NVML fields to look at and the "
+        "fleetscope sql command that shows each finding in the store (in --json: meaning, next_checks).",
     )
     p.add_argument("--job", help="only this job")
     p.add_argument("--json", action="store_true", help="print findings as a JSON list")
@@ -88,8 +93,35 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
 def cmd_findings(args: argparse.Namespace, config: Config) -> int:
     from fleetscope.endpoint import open_store
 
-    print_findings(open_store(config).findings(job=args.job), args.json)
+    findings = open_store(config).findings(job=args.job)
+    if args.json:
+        rows = findings_json(findings)
+        print(json.dumps([row | next_checks(row) for row in rows], indent=2, default=str))
+        return 0
+    print_findings(findings, as_json=False)
+    for line in next_checks_lines(findings):
+        print(line)
     return 0
+
+
+def next_checks_lines(findings: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Below the table, per category found: what it means, its likely causes and NVML fields (once), and
+    for each of its findings the command that shows it in the store."""
+    by_category: dict[str, list[Mapping[str, Any]]] = {}
+    for f in findings:
+        if info(str(f.get("category"))) is not None:
+            by_category.setdefault(str(f["category"]), []).append(f)
+    lines: list[str] = []
+    for category, found in by_category.items():
+        about = info(category)
+        if about is None:
+            continue
+        lines += ["", f"{category}: {about.meaning}"]
+        lines.append(f"  likely: {'; '.join(about.checks.likely_causes)}")
+        lines.append(f"  NVML: {', '.join(about.checks.nvml)}")
+        for f in found:
+            lines.append(f"  {units.subject(f)}: {sql_command(next_checks(f)['next_checks'])}")
+    return lines
 
 
 def cmd_report(args: argparse.Namespace, config: Config) -> int:

@@ -9,13 +9,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fleetscope.schemas import Category, FunctionKind
+from fleetscope.schemas import Category, FunctionKind, categories
 from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
 from fleetscope.streams.analysis.links import SteadyTransfers
-from fleetscope.streams.analysis.noise import JUDGED, JobNoise, NoiseConfig, NoiseReading, read_noise
+from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, NoiseReading, read_noise
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.roles import role_codes
@@ -23,7 +23,7 @@ from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_
 from fleetscope.streams.analysis.stages import runs_kernels
 
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
-PROFILER_BLIND = JUDGED
+PROFILER_BLIND = categories.PROFILER_BLIND
 """Categories not judged in iterations a profiler window disturbs (``ProfilerAftermath``): a profiler
 records every CPU op, and its overhead per op differs by rank and op (x3 to x300 on a shared host); the
 trace's export and the held-back events after it cost each rank its own time. Host times and arrivals

@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetscope.schemas import Category
+from fleetscope.schemas.categories import JOB_LEVEL
 from fleetscope.streams.analysis.outliers import RankSignal
 
 
@@ -33,7 +33,7 @@ class LifecycleConfig:
             raise ValueError("persist_iterations must be <= window_iterations")
 
 
-_JOB_LEVEL = frozenset({Category.JOB_REGRESSION.value, Category.HANG.value})
+_JOB_LEVEL = JOB_LEVEL
 """Categories about the job as a whole rather than some of its ranks."""
 
 

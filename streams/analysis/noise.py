@@ -62,6 +62,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import Category, FunctionKind
+from fleetscope.schemas.categories import Noise, judged_against
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.patterns import process_group_of
 from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE, late_by_compute, role_codes
@@ -70,9 +71,9 @@ from fleetscope.streams.analysis.stages import P2P_PREFIXES
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
 
 _PYTHON, _COLLECTIVE, _COMPUTE = int(FunctionKind.PYTHON), int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
-JUDGED = ("host_slow", "straggler")
+JUDGED = judged_against(Noise.JOB)
 """Categories judged against the job's noise: the host's own work and the arrival it delays."""
-GPU_JUDGED = "gpu_slow"
+(GPU_JUDGED,) = judged_against(Noise.STAGE_COMPUTE)
 """Judged against its stage's compute noise once known (``gpu_stands_out``), also in the job's warm-up (a GPU
 slow from the start is slow in it): work that varies from step to step (sequences of varying length, a
 different rank's batch the longest each time) makes a different rank slowest each time, a slow GPU the

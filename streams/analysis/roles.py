@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import Category, FunctionKind
+from fleetscope.schemas.categories import CAUSES
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, GC_PAUSE, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stages import p2p_ns, staged
 from fleetscope.streams.analysis.stats import I64
 
-CAUSE_CATEGORIES = ("gpu_slow", "host_slow", "link_slow")
+CAUSE_CATEGORIES = CAUSES
 """Rank findings with evidence on the rank itself; a straggler has none (it only arrives late)."""
 MEASURED_WAITS = (CPU_WAIT_FUNCTION, LAUNCH_WAIT_FUNCTION)
 """Host functions that measure a wait (the thread's for a CPU, the GPU's for a launch), not an annotation's

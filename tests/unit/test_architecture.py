@@ -126,7 +126,8 @@ def test_a_training_rank_loads_neither_the_store_driver_nor_the_stream_engine_no
 
 def test_every_place_that_lists_finding_categories_lists_the_same_ones() -> None:
     """``Category`` is the one list; the findings schema's contract, the report's colours, the README's
-    table and the simulator's expected findings must all name exactly these."""
+    table (each line the category's meaning), the detection page (a section each, its properties table) and
+    the simulator's expected findings must all name exactly these."""
     want = {c.value for c in Category}
     field = next(f for f in CATALOG.latest("findings").parsed["fields"] if f["name"] == "category")
     assert {c.strip() for c in field["doc"].split("|")} == want
@@ -135,13 +136,76 @@ def test_every_place_that_lists_finding_categories_lists_the_same_ones() -> None
 
     assert set(CATEGORY_COLORS) == want
 
+    from fleetscope.schemas.categories import REGISTRY
+
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     table = readme.split("## How it decides", 1)[1].split("\n## ", 1)[0]
-    assert set(re.findall(r"^\| `([a-z_]+)`", table, flags=re.MULTILINE)) == want
+    lines = dict(re.findall(r"^\| `([a-z_]+)` \| (.*) \|$", table, flags=re.MULTILINE))
+    assert lines == {c.value: about.meaning for c, about in REGISTRY.items()}, "the README's line is the meaning"
+
+    detection = (ROOT / "docs" / "detection.md").read_text(encoding="utf-8")
+    assert set(re.findall(r"^## `([a-z_]+)`$", detection, flags=re.MULTILINE)) == want, "an evidence section each"
+    yes = {True: "yes", False: "no"}
+    flags = {
+        c.value: [yes[a.cause], yes[a.job_level], a.noise.value, yes[a.profiler_blind]] for c, a in REGISTRY.items()
+    }
+    rows = re.findall(r"^\| `([a-z_]+)` \| (yes|no) \| (yes|no) \| ([a-z_]+) \| (yes|no) \|$", detection, re.M)
+    assert {row[0]: list(row[1:]) for row in rows} == flags, "docs/detection.md's properties are the registry's"
 
     from fleetscope.producers.simulation import CATEGORIES as FAULT_CATEGORIES
 
     assert set(FAULT_CATEGORIES.values()) <= want
+
+
+def test_every_category_has_every_property() -> None:
+    """``schemas/categories.py`` holds each category's properties: a category added to ``Category`` without
+    its meaning, verdict phrase, colour, flags or next checks fails here, not in a person's terminal."""
+    from fleetscope.producers.nvml_api import _COUNTERS, DEVICE_METRICS, SLOW_METRICS
+    from fleetscope.schemas.categories import REGISTRY, Noise
+
+    sampled = {*DEVICE_METRICS, *SLOW_METRICS, *(metric for metric, _ in _COUNTERS.values()), "xid"}
+    assert set(REGISTRY) == set(Category)
+    colors = [about.color for about in REGISTRY.values()]
+    assert len(set(colors)) == len(colors), "one colour per category"
+    fields = {"function": "gemm", "gap": "+52%", "numbers": "2 ms vs 1 ms", "metric": "mean", "value": "2 ms",
+              "less_cpu_wait": ""}  # fmt: skip
+    for category, about in REGISTRY.items():
+        where = category.value
+        assert about.category is category, where
+        assert re.fullmatch(r"[A-Z][^.]*(\.[^ ][^.]*)*\.", about.meaning), f"{where}: meaning is one sentence"
+        assert about.phrase and about.phrase.format(**fields) != about.phrase, f"{where}: a phrase with figures"
+        assert re.fullmatch(r"#[0-9a-f]{6}", about.color), where
+        assert isinstance(about.cause, bool) and isinstance(about.job_level, bool), where
+        assert isinstance(about.profiler_blind, bool) and isinstance(about.noise, Noise), where
+        assert not (about.cause and about.job_level), f"{where}: a job-level finding names no rank to wait for"
+        checks = about.checks
+        assert re.match(r"SELECT\b", checks.sql) and "{job:String}" in checks.sql, where
+        assert set(re.findall(r"\{(\w+):", checks.sql)) <= {"job", "ranks", "function"}, where
+        assert checks.nvml and set(checks.nvml) <= sampled, f"{where}: NVML fields the agent does not sample"
+        assert checks.likely_causes and all(checks.likely_causes), where
+
+
+def _emitted_categories(path: Path) -> set[str]:
+    """The categories a module's code passes as ``category=``: a string or ``Category.X`` (``.value``)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.keyword) or node.arg != "category":
+            continue
+        value = node.value
+        if isinstance(value, ast.Attribute) and value.attr == "value":
+            value = value.value
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            out.add(value.value)
+        elif isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "Category":
+            out.add(Category[value.attr].value)
+    return out
+
+
+def test_every_category_has_a_detector_that_can_emit_it() -> None:
+    """A category no detector under ``streams/`` emits is a promise the README makes and nothing keeps; one
+    emitted that is not a ``Category`` is a name alert consumers were never told about."""
+    emitted = set().union(*(_emitted_categories(path) for path in _sources("streams")))
+    assert emitted == {c.value for c in Category}
 
 
 def test_the_findings_schema_file_matches_the_catalog() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,9 @@ from typing import Any
 import pytest
 
 from fleetscope.broker import free_port
-from fleetscope.sinks.alerts import WebhookConfig, WebhookSender, alert_payload, format_alert
+from fleetscope.schemas import Category
+from fleetscope.schemas.categories import REGISTRY
+from fleetscope.sinks.alerts import WebhookConfig, WebhookSender, alert_payload, format_alert, format_next_checks
 from fleetscope.sinks.retry import RetryPolicy
 
 FINDING = {
@@ -112,6 +115,24 @@ def test_the_payload_is_the_findings_json_with_parsed_evidence() -> None:
         assert key in payload
     assert json.loads(json.dumps(payload)) == payload
     assert alert_payload(FINDING | {"evidence": "not json"})["evidence"] == {"raw": "not json"}
+
+
+def test_a_new_findings_alert_says_what_it_means_and_what_to_check_next() -> None:
+    """The payload carries the category's meaning and next checks (the finding's own query parameters); the
+    follower prints them under a new finding's line; a category this version does not know adds nothing."""
+    payload = alert_payload(FINDING)
+    assert payload["meaning"] == REGISTRY[Category.GPU_SLOW].meaning
+    checks = payload["next_checks"]
+    assert checks["params"] == {"job": "demo", "ranks": "[7]"} and "throttle_reasons" in checks["nvml"]
+    lines = format_next_checks(payload)
+    assert [line.split(":", 1)[0] for line in lines] == ["    means", "    likely", "    NVML", "    shows it"]
+    argv = shlex.split(lines[-1].split(": ", 1)[1])
+    assert argv == ["fleetscope", "sql", checks["sql"], "--param", "job=demo", "--param", "ranks=[7]"]
+    group = alert_payload(FINDING | {"category": "link_slow", "rank": -1, "ranks": [3, 4], "function": "allreduce"})
+    assert group["next_checks"]["params"] == {"job": "demo", "ranks": "[3,4]", "function": "allreduce"}
+    unknown = alert_payload(FINDING | {"category": "from_a_newer_differential"})
+    assert "meaning" not in unknown and format_next_checks(unknown) == []
+    print(f"webhook payload: {len(json.dumps(unknown))} -> {len(json.dumps(payload))} bytes with its next checks")
 
 
 def test_retryable_answers_are_retried_with_backoff_then_delivered(endpoint: Endpoint) -> None:
