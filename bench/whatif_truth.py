@@ -1,0 +1,265 @@
+"""Cost against truth: each injected fault's true cost beside the what-if's saving of its top cause.
+
+    python bench/whatif_truth.py [--iterations 12] [--only sim|tracegen]
+
+For every fault kind the simulator (``producers/simulation/faults.py``) and the trace generator
+(``producers/tracegen.py``) inject, the same job (same seed) is generated with and without the fault; the
+true cost is the difference of the job's iteration time (median rank, mean over the steady iterations).
+Each faulty iteration is replayed (``streams/analysis/replay.py``) and every candidate cause priced
+(``streams/analysis/whatif.py``). Printed per fault: the true cost, the top cause's estimated saving, the
+error, whether the top cause is the injected one, any other cause that would be named (a victim), and the
+replay's error on the healthy job. Timelines come from the windowed events: each rank's collectives inside
+its step markers, the compute kernels between them.
+
+Not a test: figures depend on the jobs' sizes and seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleetscope.producers import SimulatorConfig, simulate
+from fleetscope.producers.simulation.faults import FAULT_KINDS, Fault
+from fleetscope.schemas import EventBatch, EventKind, FunctionKind
+from fleetscope.schemas.vocabulary import classify_kernel, parse_step_marker
+from fleetscope.streams.analysis.patterns import collective_function_name
+from fleetscope.streams.analysis.replay import call_graph, replay
+from fleetscope.streams.analysis.timeline import RankTimeline
+from fleetscope.streams.analysis.whatif import MIN_SAVING_SHARE, Cause, what_if
+
+Step = tuple[list[dict[str, Any]], list[RankTimeline | None]]
+
+
+@dataclass
+class _Rank:
+    header: Any = None
+    steps: list[tuple[int, int, int]] | None = None
+    coll: list[tuple[np.ndarray, ...]] | None = None
+    kern: list[tuple[np.ndarray, np.ndarray]] | None = None
+
+
+def job_steps(batches: Iterable[EventBatch]) -> dict[int, Step]:
+    """Per step: every rank's record (coordinates, functions, bytes) and timeline, from raw batches."""
+    ranks: dict[int, _Rank] = {}
+    for b in batches:
+        rk = ranks.setdefault(b.header.rank, _Rank(steps=[], coll=[], kern=[]))
+        rk.header = b.header
+        c = b.columns
+        if b.kind is EventKind.PYTHON:
+            for name_id, s, d in zip(c["name_id"].tolist(), c["start_ns"].tolist(), c["dur_ns"].tolist(), strict=True):
+                step = parse_step_marker(b.names[name_id])
+                if step is not None and rk.steps is not None:
+                    rk.steps.append((step, s, s + d))
+        elif b.kind is EventKind.COLLECTIVES and rk.coll is not None:
+            ops = np.array(b.names, dtype=object)
+            names = [collective_function_name(o, p, n) for o, p, n in
+                     zip(ops[c["op_id"]], ops[c["pg_id"]], c["nbytes"].tolist(), strict=True)]  # fmt: skip
+            rk.coll.append((c["start_ns"], c["start_ns"] + c["dur_ns"], np.array(names, dtype=object), c["seq"],
+                            c["nbytes"]))  # fmt: skip
+        elif b.kind is EventKind.KERNELS and rk.kern is not None:
+            compute = np.array([classify_kernel(b.names[i]) in (FunctionKind.COMPUTE, FunctionKind.MEMORY)
+                                for i in c["name_id"].tolist()], dtype=bool)  # fmt: skip
+            rk.kern.append((c["start_ns"][compute], c["start_ns"][compute] + c["dur_ns"][compute]))
+    out: dict[int, Step] = {}
+    for r in sorted(ranks):
+        rk = ranks[r]
+        cs = [np.concatenate([p[j] for p in rk.coll or []]) for j in range(5)] if rk.coll else None
+        ks = [np.concatenate([p[j] for p in rk.kern or []]) for j in range(2)] if rk.kern else None
+        for step, s, e in rk.steps or []:
+            rec, tl = _rank_step(rk.header, step, s, e, cs, ks)
+            out.setdefault(step, ([], []))
+            out[step][0].append(rec)
+            out[step][1].append(tl)
+    return {s: v for s, v in out.items() if len(v[0]) == len(ranks)}
+
+
+def _rank_step(
+    h: Any, step: int, s: int, e: int, cs: list[np.ndarray] | None, ks: list[np.ndarray] | None
+) -> tuple[dict[str, Any], RankTimeline | None]:
+    rec: dict[str, Any] = {"rank": h.rank, "tp_rank": h.tp_rank, "pp_rank": h.pp_rank, "dp_rank": h.dp_rank,
+                           "iteration": step, "iteration_ns": e - s, "function": [], "calls": [], "nbytes": []}  # fmt: skip
+    if cs is None:
+        return rec, None
+    sel = np.flatnonzero((cs[0] >= s) & (cs[0] < e))
+    sel = sel[np.argsort(cs[0][sel], kind="stable")]
+    if sel.size == 0:
+        return rec, None
+    names, inverse = np.unique(cs[2][sel], return_inverse=True)
+    rec["function"] = names.tolist()
+    rec["calls"] = np.bincount(inverse).tolist()
+    rec["nbytes"] = np.bincount(inverse, weights=cs[4][sel]).astype(np.int64).tolist()
+    enter, leave = cs[0][sel] - s, np.minimum(cs[1][sel], e) - s
+    compute = None
+    if ks is not None and ks[0].size:
+        mid = (ks[0] + ks[1]) // 2 - s
+        order = np.argsort(mid)
+        cum = np.r_[0, np.cumsum((ks[1] - ks[0])[order])]
+        lo = np.r_[0, leave[:-1]]
+        at = np.searchsorted(mid[order], np.stack([lo, enter]))
+        compute = np.maximum(cum[at[1]] - cum[at[0]], 0)
+    tl = RankTimeline(function=inverse.astype(np.int64), seq=cs[3][sel].astype(np.int64), enter_ns=enter,
+                      leave_ns=leave, compute_ns=compute, iteration_ns=e - s)  # fmt: skip
+    return rec, tl
+
+
+def job_iteration_ns(steps: dict[int, Step], keep: Sequence[int]) -> float:
+    """The job's iteration time: the median rank's, mean over the kept steps."""
+    return float(np.mean([np.median([r["iteration_ns"] for r in steps[s][0]]) for s in keep]))
+
+
+@dataclass
+class Row:
+    source: str
+    fault: str
+    true_ns: float
+    est_ns: float
+    top: Cause | None
+    right: bool
+    victims: list[Cause]
+    replay_error: float
+
+    def line(self) -> str:
+        err = (self.est_ns - self.true_ns) / self.true_ns * 100 if self.true_ns > 0 else float("nan")
+        top = f"{self.top.kind}{list(self.top.ranks)[:4]}{self.top.group or ''}" if self.top else "-"
+        vic = ",".join(f"{v.kind}{list(v.ranks)[:3]}" for v in self.victims[:2]) or "no"
+        return (f"{self.source:8s} {self.fault:17s} {self.true_ns / 1e6:9.2f} {self.est_ns / 1e6:9.2f} "
+                f"{err:7.1f} {top:28s} {'yes' if self.right else 'NO':5s} {vic:24s} {self.replay_error * 100:6.2f}")  # fmt: skip
+
+
+def priced(steps: dict[int, Step], keep: Sequence[int]) -> tuple[list[list[Cause]], float]:
+    """Every kept step's causes, and the worst replay error of the job's time."""
+    causes, worst = [], 0.0
+    for s in keep:
+        records, timelines = steps[s]
+        g = call_graph(records, timelines)
+        worst = max(worst, abs(replay(records, g).job_error))
+        causes.append(what_if(records, graph=g))
+    return causes, worst
+
+
+def judged(
+    source: str, fault: str, healthy: dict[int, Step], faulty: dict[int, Step], expected: Any
+) -> Row:
+    keep = sorted(set(healthy) & set(faulty))[2:]
+    true = job_iteration_ns(faulty, keep) - job_iteration_ns(healthy, keep)
+    causes, _ = priced(faulty, keep)
+    _, healthy_err = priced(healthy, keep)
+    tops = [c[0] if c else None for c in causes]
+    est = float(np.mean([t.saving_ns if t else 0.0 for t in tops]))
+    top = max(tops, key=lambda t: t.saving_ns if t else -1.0)
+    it = job_iteration_ns(faulty, keep)
+    named = [c for cs in causes for c in cs[1:3] if c.saving_ns >= MIN_SAVING_SHARE * it]
+    if expected is None:  # a job-wide fault: no peer is a cause
+        right = top is None or top.saving_ns < MIN_SAVING_SHARE * it
+        return Row(source, fault, true, est, top, right, named, healthy_err)
+    victims = [c for c in named if not expected(c)]
+    right = top is not None and top.saving_ns >= MIN_SAVING_SHARE * it and bool(expected(top))
+    return Row(source, fault, true, est, top, right, victims, healthy_err)
+
+
+def _sim_expected(f: Fault, cfg: SimulatorConfig) -> Any:
+    kind = f.kind
+    if kind == "slow_gpu":
+        return lambda c: c.kind == "rank_compute" and c.ranks == (f.rank,)
+    if kind in ("host_slow", "dataloader_stall", "cpu_contention"):
+        return lambda c: c.kind == "rank_host" and c.ranks == (f.rank,)
+    if kind in ("slow_link", "pcie_downgrade"):
+        return lambda c: c.kind in ("group_transfer", "rank_transfer") and f.rank in c.ranks
+    if kind == "net_congestion":
+        hosts = range(int(f.host[4:]) * cfg.gpus_per_host, (int(f.host[4:]) + 1) * cfg.gpus_per_host)
+        return lambda c: c.kind in ("group_transfer", "rank_transfer") and bool(set(c.ranks) & set(hosts))
+    if kind == "stage_imbalance":
+        return lambda c: c.kind == "stage_compute" and c.stage == f.stage
+    return None
+
+
+def sim_rows(iterations: int) -> list[Row]:
+    base = dict(ranks=16, tp=2, pp=2, iterations=iterations, layers=8, microbatches=4, gc_rate=0.0, seed=3,
+                sample_interval_us=5000, gpus_per_host=4)  # fmt: skip
+    healthy = job_steps(simulate(SimulatorConfig(**base)))  # type: ignore[arg-type]
+    faults = {
+        "slow_gpu": Fault(kind="slow_gpu", rank=5),
+        "slow_link": Fault(kind="slow_link", rank=5),
+        "host_slow": Fault(kind="host_slow", rank=5),
+        "pcie_downgrade": Fault(kind="pcie_downgrade", rank=5),
+        "dataloader_stall": Fault(kind="dataloader_stall", rank=1),
+        "cpu_contention": Fault(kind="cpu_contention", rank=5),
+        "net_congestion": Fault(kind="net_congestion", host="node001"),
+        "stage_imbalance": Fault(kind="stage_imbalance", stage=1),
+        "job_slowdown": Fault(kind="job_slowdown"),
+    }
+    rows = []
+    for kind in FAULT_KINDS:
+        if kind not in faults:
+            print(f"sim      {kind:17s} skipped: no iteration to replay", file=sys.stderr)
+            continue
+        cfg = SimulatorConfig(**base, faults=(faults[kind],))  # type: ignore[arg-type]
+        rows.append(judged("sim", kind, healthy, job_steps(simulate(cfg)), _sim_expected(faults[kind], cfg)))
+    return rows
+
+
+def tracegen_rows(iterations: int) -> list[Row]:
+    from fleetscope.producers.kineto import parse_trace
+    from fleetscope.producers.tracegen import FAULTS, TraceJob, write_traces
+    from fleetscope.producers.trace_layout import job_layouts, with_layout
+
+    def steps_of(job: TraceJob) -> dict[int, Step]:
+        with tempfile.TemporaryDirectory() as d:
+            paths = write_traces(job, Path(d) / "job")
+            traces = [parse_trace(p) for p in paths]
+            layouts = job_layouts(traces)
+            return job_steps(b for t in traces for b in with_layout(t, layouts[t.job]).batches)
+
+    shape = dict(dp=2, pp=4, tp=1, steps=iterations)
+    healthy = steps_of(TraceJob(**shape))  # type: ignore[arg-type]
+    rows = []
+    for fault in FAULTS:
+        if fault == "healthy":
+            continue
+        job = TraceJob(**shape, fault=fault, fault_rank=2)  # type: ignore[arg-type]
+        ranks = set(job.fault_ranks())
+        exp: Any
+        if fault == "regression":
+            exp = None
+        elif fault == "slow_stage":
+            exp = lambda c, job=job: c.kind == "stage_compute" and c.stage == job.pp - 1  # noqa: E731
+        elif fault == "slow_link":
+            exp = lambda c, ranks=ranks: c.kind in ("group_transfer", "rank_transfer") and bool(ranks & set(c.ranks))  # noqa: E731
+        else:
+            exp = lambda c, ranks=ranks: c.kind.startswith("rank_") and set(c.ranks) <= ranks  # noqa: E731
+        rows.append(judged("tracegen", fault, healthy, steps_of(job), exp))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--only", choices=("sim", "tracegen"), default=None)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = []
+    if a.only in (None, "sim"):
+        rows += sim_rows(a.iterations)
+    if a.only in (None, "tracegen"):
+        rows += tracegen_rows(a.iterations)
+    print(f"{'source':8s} {'fault':17s} {'true ms':>9s} {'est ms':>9s} {'err %':>7s} {'top cause':28s} "
+          f"{'right':5s} {'victim named':24s} {'replay %':>8s}")  # fmt: skip
+    for r in rows:
+        print(r.line())
+    within = sum(1 for r in rows if r.true_ns > 0 and abs(r.est_ns - r.true_ns) <= 0.2 * r.true_ns)
+    print(f"{within}/{len(rows)} within +-20 %, {sum(r.right for r in rows)}/{len(rows)} culprits right, "
+          f"{sum(bool(r.victims) for r in rows)} with a victim named; {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
