@@ -85,8 +85,8 @@ def job_steps(batches: Iterable[EventBatch]) -> dict[int, Step]:
 def _rank_step(
     h: Any, step: int, s: int, e: int, cs: list[np.ndarray] | None, ks: list[np.ndarray] | None
 ) -> tuple[dict[str, Any], RankTimeline | None]:
-    rec: dict[str, Any] = {"rank": h.rank, "tp_rank": h.tp_rank, "pp_rank": h.pp_rank, "dp_rank": h.dp_rank,
-                           "iteration": step, "iteration_ns": e - s, "function": [], "calls": [], "nbytes": []}  # fmt: skip
+    rec: dict[str, Any] = {"rank": h.rank, "tp_rank": h.tp_rank, "pp_rank": h.pp_rank, "dp_rank": h.dp_rank}
+    rec |= {"host": h.host, "iteration": step, "iteration_ns": e - s, "function": [], "calls": [], "nbytes": []}
     if cs is None:
         return rec, None
     sel = np.flatnonzero((cs[0] >= s) & (cs[0] < e))
@@ -131,8 +131,11 @@ class Row:
         err = (self.est_ns - self.true_ns) / self.true_ns * 100 if self.true_ns > 0 else float("nan")
         top = f"{self.top.kind}{list(self.top.ranks)[:4]}{self.top.group or ''}" if self.top else "-"
         vic = ",".join(f"{v.kind}{list(v.ranks)[:3]}" for v in self.victims[:2]) or "no"
-        return (f"{self.source:8s} {self.fault:17s} {self.true_ns / 1e6:9.2f} {self.est_ns / 1e6:9.2f} "
-                f"{err:7.1f} {top:28s} {'yes' if self.right else 'NO':5s} {vic:24s} {self.replay_error * 100:6.2f}")  # fmt: skip
+        right = "yes" if self.right else "NO"
+        return (
+            f"{self.source:8s} {self.fault:17s} {self.true_ns / 1e6:9.2f} {self.est_ns / 1e6:9.2f} "
+            f"{err:7.1f} {top:28s} {right:5s} {vic:24s} {self.replay_error * 100:6.2f}"
+        )
 
 
 def priced(steps: dict[int, Step], keep: Sequence[int]) -> tuple[list[list[Cause]], float]:
@@ -147,9 +150,10 @@ def priced(steps: dict[int, Step], keep: Sequence[int]) -> tuple[list[list[Cause
 
 
 def judged(
-    source: str, fault: str, healthy: dict[int, Step], faulty: dict[int, Step], expected: Any
+    source: str, fault: str, healthy: dict[int, Step], faulty: dict[int, Step], expected: Any, first: int = -1
 ) -> Row:
-    keep = sorted(set(healthy) & set(faulty))[2:]
+    common = sorted(set(healthy) & set(faulty))
+    keep = [s for s in common if s > first] if first >= 0 else common[2:]
     true = job_iteration_ns(faulty, keep) - job_iteration_ns(healthy, keep)
     causes, _ = priced(faulty, keep)
     _, healthy_err = priced(healthy, keep)
@@ -209,8 +213,8 @@ def sim_rows(iterations: int) -> list[Row]:
 
 def tracegen_rows(iterations: int) -> list[Row]:
     from fleetscope.producers.kineto import parse_trace
-    from fleetscope.producers.tracegen import FAULTS, TraceJob, write_traces
     from fleetscope.producers.trace_layout import job_layouts, with_layout
+    from fleetscope.producers.tracegen import FAULTS, TraceJob, write_traces
 
     def steps_of(job: TraceJob) -> dict[int, Step]:
         with tempfile.TemporaryDirectory() as d:
@@ -226,7 +230,7 @@ def tracegen_rows(iterations: int) -> list[Row]:
         if fault == "healthy":
             continue
         job = TraceJob(**shape, fault=fault, fault_rank=2)  # type: ignore[arg-type]
-        ranks = set(job.fault_ranks())
+        ranks = set(job.culprits())
         exp: Any
         if fault == "regression":
             exp = None
@@ -236,7 +240,7 @@ def tracegen_rows(iterations: int) -> list[Row]:
             exp = lambda c, ranks=ranks: c.kind in ("group_transfer", "rank_transfer") and bool(ranks & set(c.ranks))  # noqa: E731
         else:
             exp = lambda c, ranks=ranks: c.kind.startswith("rank_") and set(c.ranks) <= ranks  # noqa: E731
-        rows.append(judged("tracegen", fault, healthy, steps_of(job), exp))
+        rows.append(judged("tracegen", fault, healthy, steps_of(job), exp, job.fault_step + 1))
     return rows
 
 
@@ -256,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(r.line())
     within = sum(1 for r in rows if r.true_ns > 0 and abs(r.est_ns - r.true_ns) <= 0.2 * r.true_ns)
-    print(f"{within}/{len(rows)} within +-20 %, {sum(r.right for r in rows)}/{len(rows)} culprits right, "
-          f"{sum(bool(r.victims) for r in rows)} with a victim named; {time.perf_counter() - t0:.1f} s")
+    print(
+        f"{within}/{len(rows)} within +-20 %, {sum(r.right for r in rows)}/{len(rows)} culprits right, "
+        f"{sum(bool(r.victims) for r in rows)} with a victim named; {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 

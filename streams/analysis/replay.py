@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.streams.analysis.callmatch import COLLECTIVE, RECV, SEND, match_calls
 from fleetscope.streams.analysis.patterns import collective_class, process_group_of
 from fleetscope.streams.analysis.timeline import RankTimeline, timeline_of
 
@@ -36,7 +37,6 @@ F64 = npt.NDArray[np.float64]
 P2P_OPS = ("send", "recv")
 """The point-to-point ops: a call of one matches a call of the other on another rank."""
 _OP_RE = re.compile(r"^[^:\[]*:([^\[]*)")
-_COLLECTIVE, _SEND, _RECV = 0, 1, 2
 
 
 @functools.lru_cache(maxsize=65536)
@@ -44,7 +44,7 @@ def call_kind(function: str) -> tuple[str, int, str]:
     """(process group, 0 collective / 1 send / 2 recv, the class its peers share) of a call's function."""
     m = _OP_RE.match(function)
     op = m.group(1) if m else ""
-    kind = P2P_OPS.index(op) + 1 if op in P2P_OPS else _COLLECTIVE
+    kind = (SEND, RECV)[P2P_OPS.index(op)] if op in P2P_OPS else COLLECTIVE
     return process_group_of(function), kind, "p2p" if kind else collective_class(function)
 
 
@@ -61,7 +61,7 @@ class CallGraph:
     compute_ns: F64
     """GPU compute in the work before each call; NaN where the rank's kernels are unknown."""
     dep: I64
-    """The call each call waits for on its rank (``len(row)``: the iteration's start)."""
+    """The call each call waits for on its rank (``len(row) + record``: the record's iteration start)."""
     work_ns: F64
     """Measured time from ``dep``'s leave (or the start) to the call's enter."""
     instance: I64
@@ -83,6 +83,8 @@ class CallGraph:
     tail_compute_ns: F64
     """Per record: the GPU compute in its tail; NaN where unknown."""
     iteration_ns: F64
+    start_ns: F64
+    """Per record: where its iteration starts on the job's common clock (``callmatch``)."""
     groups: tuple[str, ...]
     classes: tuple[str, ...]
     levels: tuple[tuple[I64, I64, I64, I64], ...]
@@ -101,11 +103,12 @@ class Replay:
 
     ranks: I64
     replayed_ns: F64
+    """Per rank: from its start to its end, one pass from the measured starts."""
     measured_ns: F64
     error: F64
     """Per rank: (replayed - measured) / measured."""
     job_ns: float
-    """The latest rank's replayed end."""
+    """The job's replayed iteration time, the iteration repeated (``steady_period``)."""
     job_measured_ns: float
     """The median rank's measured iteration time (ranks held together by collectives take about as long)."""
     job_error: float
@@ -160,10 +163,10 @@ def call_graph(
     first = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     dep, work = _dependencies(row, enter, leave)
     kind, pg, seq = cat["kind"].astype(np.int64), cat["pg"].astype(np.int64), cat["seq"].astype(np.int64)
-    instance, matched, unmatched = _instances(records, row, leave, kind, pg, seq)
-    graph = _graph(records, row, first, enter, leave, cat, dep, work, instance, iteration, pg_codes, class_codes,
-                   matched, unmatched)  # fmt: skip
-    return dataclasses.replace(graph, tail_compute_ns=np.minimum(tail_compute, graph.tail_ns))
+    m = match_calls(records, row, leave, kind, pg, seq)
+    graph = _graph(records, row, first, enter, leave, cat, dep, work, m.instance, iteration, pg_codes, class_codes,
+                   m.matched_p2p, m.unmatched_p2p)  # fmt: skip
+    return dataclasses.replace(graph, tail_compute_ns=np.minimum(tail_compute, graph.tail_ns), start_ns=m.start_ns)
 
 
 def _tail_compute(tl: RankTimeline | None) -> float:
@@ -203,14 +206,14 @@ def _graph(
         last[row[order[ends]]] = order[ends]
         has = last >= 0
         tail[has] = np.maximum(iteration[has] - leave[last[has]], 0.0)
-    dep, levels = _levels(dep, instance, members, enter)
-    work = np.where(dep == row.size, enter, work)
+    dep, levels = _levels(dep, instance, members, enter, row)
+    work = np.where(dep >= row.size, enter, work)
     return CallGraph(
         row=row, first=first, enter_ns=enter, leave_ns=leave, compute_ns=cat["comp"].astype(np.float64),
         dep=dep, work_ns=work, instance=instance, group=cat["pg"].astype(np.int64)[head],
         klass=cat["cls"].astype(np.int64)[head], nbytes=cat["by"].astype(np.float64)[head],
         transfer_ns=transfer, members=members, last=last, tail_ns=tail, tail_compute_ns=np.full(n_rec, np.nan),
-        iteration_ns=iteration,
+        iteration_ns=iteration, start_ns=np.zeros(n_rec),
         groups=tuple(pg_codes), classes=tuple(class_codes), levels=levels, matched_p2p=matched,
         unmatched_p2p=unmatched,
     )  # fmt: skip
@@ -238,116 +241,9 @@ def _dependencies(row: I64, enter: F64, leave: F64) -> tuple[I64, F64]:
     return dep.astype(np.int64), np.maximum(work, 0.0)
 
 
-def _instances(
-    records: Sequence[Mapping[str, Any]], row: I64, leave: F64, kind: I64, pg: I64, seq: I64
-) -> tuple[I64, int, int]:
-    """Instance ids: collectives by (group, seq); a send with the receive ``match_p2p`` gives it; the rest alone."""
-    n = row.size
-    key = np.full(n, -1, dtype=np.int64)
-    coll = kind == _COLLECTIVE
-    if coll.any():
-        s = seq[coll] - seq[coll].min()
-        key[coll] = pg[coll] * (int(s.max()) + 1) + s
-    sends, recvs = match_p2p(records, row, leave, kind, pg)
-    p2p = kind != _COLLECTIVE
-    base = int(key.max()) + 1 if coll.any() else 0
-    key[sends] = base + np.arange(sends.size)
-    key[recvs] = base + np.arange(sends.size)
-    alone = p2p.copy()
-    alone[sends] = alone[recvs] = False
-    key[alone] = base + sends.size + np.arange(int(alone.sum()))
-    _, instance = np.unique(key, return_inverse=True)
-    return instance.astype(np.int64).reshape(-1), int(sends.size), int(alone.sum())
-
-
-def match_p2p(records: Sequence[Mapping[str, Any]], row: I64, leave: F64, kind: I64, pg: I64) -> tuple[I64, I64]:
-    """Matched (send, receive) call indices.
-
-    The producers number p2p calls differently (the torch hook per pair of ranks, a Kineto trace per process
-    group or by NCCL's own count, the simulator per pipeline pass), so the sequence number is not used. Both
-    ends of a transfer end at once: a send on rank r matches the receive of its process group that ended
-    nearest to it on one of r's pipeline neighbours (the same replica and tensor slot, one stage away; any
-    other rank of the group where the layout is unknown); each receive matches at most one send, the nearest.
-    """
-    sends, recvs = np.flatnonzero(kind == _SEND), np.flatnonzero(kind == _RECV)
-    if sends.size == 0 or recvs.size == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    span = float(np.max(leave)) + 1.0
-    neighbours = _pipeline_neighbours(records)
-    n_rec = len(records)
-    # recvs sorted by (pg, row, leave); a candidate row's receives are one contiguous run of that order
-    rkey = (pg[recvs] * n_rec + row[recvs]) * span + leave[recvs]
-    order = np.argsort(rkey, kind="stable")
-    rsorted = rkey[order]
-    best = np.full(sends.size, np.inf)
-    pick = np.full(sends.size, -1, dtype=np.int64)
-    s_row, s_pg, s_leave = row[sends], pg[sends], leave[sends]
-    for cand in neighbours[s_row].T:  # two columns: the stage before and the stage after
-        ok = cand >= 0
-        gkey = (s_pg * n_rec + np.maximum(cand, 0)).astype(np.float64)
-        lo = np.searchsorted(rsorted, gkey * span, side="left")
-        hi = np.searchsorted(rsorted, (gkey + 1) * span, side="left")
-        at = np.searchsorted(rsorted, gkey * span + s_leave)
-        for p in (at - 1, at):
-            inside = ok & (p >= lo) & (p < hi)
-            j = np.clip(p, 0, rsorted.size - 1)
-            gap = np.where(inside, np.abs(rsorted[j] - (gkey * span + s_leave)), np.inf)
-            better = gap < best
-            best, pick = np.where(better, gap, best), np.where(better, order[j], pick)
-    unknown = neighbours[s_row, 0] == -2
-    if unknown.any():
-        pick, best = _nearest_in_group(unknown, s_row, s_pg, s_leave, row[recvs], pg[recvs], leave[recvs], pick, best)
-    found = pick >= 0
-    s_idx, r_idx, gap = sends[found], recvs[pick[found]], best[found]
-    first = np.lexsort((gap, r_idx))
-    keep = first[np.r_[True, r_idx[first][1:] != r_idx[first][:-1]]]
-    return s_idx[keep].astype(np.int64), r_idx[keep].astype(np.int64)
-
-
-def _nearest_in_group(
-    unknown: npt.NDArray[np.bool_],
-    s_row: I64,
-    s_pg: I64,
-    s_leave: F64,
-    r_row: I64,
-    r_pg: I64,
-    r_leave: F64,
-    pick: I64,
-    best: F64,
-) -> tuple[I64, F64]:
-    """Where the layout is unknown: the nearest-ending receive of the send's group on another rank."""
-    order = np.lexsort((r_leave, r_pg))
-    rpg, rleave, rrow = r_pg[order], r_leave[order], r_row[order]
-    for i in np.flatnonzero(unknown):  # rare: a layout that says nothing; a few per iteration at most
-        lo, hi = np.searchsorted(rpg, s_pg[i]), np.searchsorted(rpg, s_pg[i], side="right")
-        if hi > lo:
-            gap = np.where(rrow[lo:hi] != s_row[i], np.abs(rleave[lo:hi] - s_leave[i]), np.inf)
-            j = int(np.argmin(gap))
-            if np.isfinite(gap[j]):
-                pick[i], best[i] = int(order[lo + j]), float(gap[j])
-    return pick, best
-
-
-def _pipeline_neighbours(records: Sequence[Mapping[str, Any]]) -> I64:
-    """Per record, the records one pipeline stage before and after it in its replica and tensor slot (-1:
-    none); both -2 where its coordinates are unknown."""
-    where: dict[tuple[int, int, int], int] = {}
-    coords = []
-    for r, rec in enumerate(records):
-        c = (int(rec.get("dp_rank", -1)), int(rec.get("tp_rank", -1)), int(rec.get("pp_rank", -1)))
-        coords.append(c)
-        where[c] = r
-    out = np.full((len(records), 2), -1, dtype=np.int64)
-    for r, (dp, tp, pp) in enumerate(coords):
-        if pp < 0:
-            out[r] = -2
-            continue
-        out[r, 0] = where.get((dp, tp, pp - 1), -1)
-        out[r, 1] = where.get((dp, tp, pp + 1), -1)
-    return out
-
-
-def _levels(dep: I64, instance: I64, members: I64, enter: F64) -> tuple[I64, tuple[tuple[I64, I64, I64, I64], ...]]:
+def _levels(
+    dep: I64, instance: I64, members: I64, enter: F64, row: I64
+) -> tuple[I64, tuple[tuple[I64, I64, I64, I64], ...]]:
     """Instances in dependency order, one level per round of Kahn's algorithm. An instance on a cycle
     (inconsistent input: a wrong match) has its members' dependencies cut: they enter when measured."""
     n = dep.size
@@ -385,6 +281,7 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64) -> tuple[I64, tup
         touched = np.flatnonzero(hit)
         waits[touched] -= hit[touched]
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
+    dep = np.where(dep == n, n + row, dep)  # each record's own start
     order = np.lexsort((instance, level[instance]))
     lv_of = level[instance[order]]
     bounds = np.r_[0, np.flatnonzero(np.diff(lv_of)) + 1, order.size]
@@ -407,40 +304,70 @@ def _ranges(values: I64, lo: I64, hi: I64) -> I64:
     return values[offsets + np.arange(total)]
 
 
-def replay_times(graph: CallGraph, work_ns: F64 | None = None, transfer_ns: F64 | None = None) -> F64:
-    """Each record's replayed end, (records,) or (records, scenarios) where ``work_ns`` (calls, S) or
-    ``transfer_ns`` (instances, S) give S scenarios; the tail of each record is its ``tail_ns``."""
-    work = graph.work_ns if work_ns is None else work_ns
-    transfer = graph.transfer_ns if transfer_ns is None else transfer_ns
-    s = max(work.shape[1] if work.ndim == 2 else 1, transfer.ndim == 2 and transfer.shape[1] or 1)
-    two_d = work.ndim == 2 or transfer.ndim == 2
-    shape = (graph.calls + 1, s) if two_d else (graph.calls + 1,)
-    leave = np.zeros(shape)  # the last row is the iteration's start, 0
-    if two_d:
-        work = np.broadcast_to(work if work.ndim == 2 else work[:, None], (graph.calls, s))
-        transfer = np.broadcast_to(transfer if transfer.ndim == 2 else transfer[:, None], (transfer.shape[0], s))
+def replay_times(
+    graph: CallGraph,
+    work_ns: F64 | None = None,
+    transfer_ns: F64 | None = None,
+    tail_ns: F64 | None = None,
+    start_ns: F64 | None = None,
+) -> F64:
+    """Each record's replayed end, (records,) or (records, S) where any of ``work_ns`` (calls, S),
+    ``transfer_ns`` (instances, S), ``tail_ns`` or ``start_ns`` (records, S) give S scenarios."""
+    given = [x for x in (work_ns, transfer_ns, tail_ns, start_ns) if x is not None and x.ndim == 2]
+    s = given[0].shape[1] if given else 0
+
+    def cols(x: F64 | None, default: F64) -> F64:
+        v = default if x is None else x
+        return v if not s or v.ndim == 2 else np.repeat(v[:, None], s, axis=1)
+
+    work, transfer = cols(work_ns, graph.work_ns), cols(transfer_ns, graph.transfer_ns)
+    tail, start = cols(tail_ns, graph.tail_ns), cols(start_ns, graph.start_ns)
+    leave = np.concatenate([np.zeros((graph.calls, s) if s else graph.calls), start])
     for calls, deps, starts, inst in graph.levels:
         arrive = leave[deps] + work[calls]
         end = np.maximum.reduceat(arrive, starts, axis=0) + transfer[inst]
         leave[calls] = np.repeat(end, np.diff(np.r_[starts, calls.size]), axis=0)
-    return _ends(graph, leave, two_d)
+    last = np.where(graph.last >= 0, graph.last, graph.calls + np.arange(graph.last.size))
+    return leave[last] + tail
 
 
-def _ends(graph: CallGraph, leave: F64, two_d: bool) -> F64:
-    has = graph.last >= 0
-    tail = graph.tail_ns[:, None] if two_d else graph.tail_ns
-    out = np.broadcast_to(tail, (graph.last.size, leave.shape[1]) if two_d else graph.last.shape).copy()
-    out[has] += leave[graph.last[has]]
-    return out
+STEADY_PASSES = 4
+"""Iterations replayed back to back (each rank's next start is its end) to reach the job's steady period."""
+
+
+def steady_period(
+    graph: CallGraph,
+    work_ns: F64 | None = None,
+    transfer_ns: F64 | None = None,
+    tail_ns: F64 | None = None,
+    passes: int = STEADY_PASSES,
+) -> tuple[F64, F64]:
+    """The job's iteration time when the iteration repeats, (S,) or a scalar, and the first pass's ends.
+
+    Each rank starts the next iteration where it ended this one, so a rank that ends late (its tail) holds
+    the others at the next iteration's first collective; the period is the median rank's advance in the
+    last pass (a max-plus system reaches its cycle time in a few passes)."""
+    start: F64 | None = None
+    first = prev = np.zeros(0)
+    for k in range(passes):
+        ends = replay_times(graph, work_ns, transfer_ns, tail_ns, start)
+        prev = graph.start_ns if start is None else start
+        if k == 0:
+            first = ends
+        if k < passes - 1:
+            start = ends
+    advance = ends - (prev if ends.ndim == 1 else (prev if prev.ndim == 2 else prev[:, None]))
+    return np.median(advance, axis=0), first
 
 
 def replay(records: Sequence[Mapping[str, Any]], graph: CallGraph | None = None) -> Replay:
     """The iteration replayed from the records' timelines, per rank and for the job, against the measured."""
     g = call_graph(records) if graph is None else graph
-    ends = replay_times(g)
+    period, ends = steady_period(g)
+    ends = ends - g.start_ns
     measured = g.iteration_ns
     job_measured = float(np.median(measured)) if measured.size else 0.0
-    job = float(ends.max()) if ends.size else 0.0
+    job = float(period) if ends.size else 0.0
     return Replay(
         ranks=np.array([int(r.get("rank", i)) for i, r in enumerate(records)], dtype=np.int64),
         replayed_ns=ends,

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, replay_times
+from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, steady_period
 from fleetscope.streams.analysis.roles import role_codes
 
 CAUSE_KINDS = ("rank_compute", "rank_host", "stage_compute", "group_transfer", "rank_transfer")
@@ -185,7 +185,7 @@ def _transfer_candidates(graph: CallGraph) -> list[_Candidate]:
 
 def _savings(graph: CallGraph, candidates: Sequence[_Candidate]) -> F64:
     """The job's replayed iteration time now minus with each candidate fixed, several per pass."""
-    now = float(replay_times(graph).max())
+    now = float(steady_period(graph)[0])
     out = np.zeros(len(candidates))
     for lo in range(0, len(candidates), SCENARIOS_PER_PASS):
         chunk = candidates[lo : lo + SCENARIOS_PER_PASS]
@@ -200,8 +200,7 @@ def _savings(graph: CallGraph, candidates: Sequence[_Candidate]) -> F64:
                 tail[c.rows, j] -= c.tail_cut
             if c.instances is not None and c.transfer_cut is not None:
                 transfer[c.instances, j] -= c.transfer_cut
-        ends = replay_times(graph, work, transfer) - graph.tail_ns[:, None] + tail
-        out[lo : lo + s] = now - ends.max(axis=0)
+        out[lo : lo + s] = now - steady_period(graph, work, transfer, tail)[0]
     return out
 
 
