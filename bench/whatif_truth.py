@@ -34,7 +34,7 @@ from fleetscope.schemas.vocabulary import classify_kernel, parse_step_marker
 from fleetscope.streams.analysis.patterns import collective_function_name
 from fleetscope.streams.analysis.replay import call_graph, replay
 from fleetscope.streams.analysis.timeline import RankTimeline
-from fleetscope.streams.analysis.whatif import MIN_SAVING_SHARE, Cause, what_if
+from fleetscope.streams.analysis.whatif import MIN_SAVING_SHARE, Cause, others_named, what_if
 
 Step = tuple[list[dict[str, Any]], list[RankTimeline | None]]
 
@@ -161,12 +161,12 @@ def judged(
     est = float(np.mean([t.saving_ns if t else 0.0 for t in tops]))
     top = max(tops, key=lambda t: t.saving_ns if t else -1.0)
     it = job_iteration_ns(faulty, keep)
-    named = [c for cs in causes for c in cs[1:3] if c.saving_ns >= MIN_SAVING_SHARE * it]
+    named = [c for cs in causes for c in others_named(cs, it)]
     if expected is None:  # a job-wide fault: no peer is a cause
         right = top is None or top.saving_ns < MIN_SAVING_SHARE * it
         return Row(source, fault, true, est, top, right, named, healthy_err)
     victims = [c for c in named if not expected(c)]
-    right = top is not None and top.saving_ns >= MIN_SAVING_SHARE * it and bool(expected(top))
+    right = top is not None and bool(expected(top))
     return Row(source, fault, true, est, top, right, victims, healthy_err)
 
 
@@ -179,8 +179,7 @@ def _sim_expected(f: Fault, cfg: SimulatorConfig) -> Any:
     if kind in ("slow_link", "pcie_downgrade"):
         return lambda c: c.kind in ("group_transfer", "rank_transfer") and f.rank in c.ranks
     if kind == "net_congestion":
-        hosts = range(int(f.host[4:]) * cfg.gpus_per_host, (int(f.host[4:]) + 1) * cfg.gpus_per_host)
-        return lambda c: c.kind in ("group_transfer", "rank_transfer") and bool(set(c.ranks) & set(hosts))
+        return lambda c: c.kind == "host_transfer" and c.group == f.host
     if kind == "stage_imbalance":
         return lambda c: c.kind == "stage_compute" and c.stage == f.stage
     return None

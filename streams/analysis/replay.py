@@ -64,6 +64,9 @@ class CallGraph:
     """The call each call waits for on its rank (``len(row) + record``: the record's iteration start)."""
     work_ns: F64
     """Measured time from ``dep``'s leave (or the start) to the call's enter."""
+    leads: npt.NDArray[np.bool_]
+    """Per call: whether it is the first of the calls its rank entered together after the same dependency (a
+    batched send and receive share one work): sums of work over a rank count only these."""
     instance: I64
     """The call instance each call is a member of."""
     group: I64
@@ -208,8 +211,12 @@ def _graph(
         tail[has] = np.maximum(iteration[has] - leave[last[has]], 0.0)
     dep, levels = _levels(dep, instance, members, enter, row)
     work = np.where(dep >= row.size, enter, work)
+    leads = np.ones(row.size, dtype=bool)
+    leads[1:] = (row[1:] != row[:-1]) | (dep[1:] != dep[:-1]) | (enter[1:] != enter[:-1])
     return CallGraph(
-        row=row, first=first, enter_ns=enter, leave_ns=leave, compute_ns=cat["comp"].astype(np.float64),
+        leads=leads,
+        row=row, first=first, enter_ns=enter, leave_ns=leave,
+        compute_ns=_window_compute(cat["comp"], row, first, dep, work),
         dep=dep, work_ns=work, instance=instance, group=cat["pg"].astype(np.int64)[head],
         klass=cat["cls"].astype(np.int64)[head], nbytes=cat["by"].astype(np.float64)[head],
         transfer_ns=transfer, members=members, last=last, tail_ns=tail, tail_compute_ns=np.full(n_rec, np.nan),
@@ -219,26 +226,50 @@ def _graph(
     )  # fmt: skip
 
 
+def _window_compute(compute: F64, row: I64, first: I64, dep: I64, work: F64) -> F64:
+    """The GPU compute in each call's work (from its dependency's enter to its own; its dependency's call
+    itself computes nothing, it waits): the difference of the rank's cumulative compute, at most the work. Calls
+    entered together (a batched send and receive) so share the compute before them; NaN stays unknown."""
+    c = np.nan_to_num(compute.astype(np.float64))
+    if c.size == 0:
+        return c
+    total = np.cumsum(c)
+    cum = total - (total[first[row]] - c[first[row]])
+    before = np.where(dep < row.size, cum[np.minimum(dep, row.size - 1)], 0.0)
+    return np.where(np.isnan(compute), np.nan, np.clip(cum - before, 0.0, work))
+
+
 def _dependencies(row: I64, enter: F64, leave: F64) -> tuple[I64, F64]:
-    """Per call, the latest-ending earlier call of its rank that ended before it was entered (none: the
-    start, ``len(row)``), and the measured work between: one search in the calls sorted by (rank, leave)."""
+    """Per call, the call of its rank it waits for (none: the start, ``len(row)``) and the measured work
+    between: the latest-ending call that ended before it was entered (the previous call, unless calls
+    overlap: an asynchronous all-reduce then holds the calls entered after it ended)."""
     n = row.size
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
     span = float(max(np.max(leave), np.max(enter))) + 1.0
-    key = row * span + leave
-    order = np.argsort(key, kind="stable")
-    pos = np.searchsorted(key[order], row * span + enter, side="right") - 1
+    dep = _latest_ended(row, enter, leave, np.ones(n, dtype=bool), span)
+    found = dep < n
+    work = np.where(found, enter - leave[np.minimum(dep, n - 1)], enter)
+    return dep, np.maximum(work, 0.0)
+
+
+def _latest_ended(row: I64, enter: F64, leave: F64, eligible: npt.NDArray[np.bool_], span: float) -> I64:
+    """Per call, the eligible call of its rank with the latest leave at or before its enter, not itself
+    (``len(row)``: none): one search in the eligible calls sorted by (rank, leave)."""
+    n = row.size
+    idx = np.flatnonzero(eligible)
+    if idx.size == 0:
+        return np.full(n, n, dtype=np.int64)
+    key = row[idx] * span + leave[idx]
+    order = idx[np.argsort(key, kind="stable")]
+    srt = row[order] * span + leave[order]
+    pos = np.searchsorted(srt, row * span + enter, side="right") - 1
     found = order[np.maximum(pos, 0)]
-    same = (pos >= 0) & (row[found] == row)
-    # a zero-length call ending at its own enter is not its own dependency: the one ending before it is
-    own = same & (found == np.arange(n))
-    prev = order[np.maximum(pos - 1, 0)]
-    found = np.where(own, prev, found)
-    same &= ~own | ((pos >= 1) & (row[prev] == row))
-    dep = np.where(same, found, n)
-    work = np.where(same, enter - leave[np.minimum(found, n - 1)], enter)
-    return dep.astype(np.int64), np.maximum(work, 0.0)
+    own = found == np.arange(n)  # a zero-length call ending at its own enter: the one before it
+    pos = np.where(own, pos - 1, pos)
+    found = order[np.maximum(pos, 0)]
+    ok = (pos >= 0) & (row[found] == row) & (found != np.arange(n))
+    return np.where(ok, found, n).astype(np.int64)
 
 
 def _levels(

@@ -9,7 +9,7 @@ Candidates (``CAUSE_KINDS``), each with its own excess over its peers, the ranks
 4. ``group_transfer``: a process group's transfers at the pace of the groups moving the same bytes in the
    same op (rings of different stages move different bytes: only like is compared with like);
 5. ``rank_transfer``: every group of one rank at that pace, where two or more of them are slow (a slow link
-   paces each ring the rank is in).
+   paces each ring the rank is in); ``host_transfer``: every group with a member on one host (its NIC).
 A peer's median leaves the rank itself out (two replicas: the other one is the level).
 
 The saving is the job's replayed iteration time now minus with the cause fixed. A removed excess of E saves
@@ -25,16 +25,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, steady_period
 from fleetscope.streams.analysis.roles import role_codes
 
-CAUSE_KINDS = ("rank_compute", "rank_host", "stage_compute", "group_transfer", "rank_transfer")
+CAUSE_KINDS = ("rank_compute", "rank_host", "stage_compute", "group_transfer", "rank_transfer", "host_transfer")
 """The kinds of candidate cause, in the order they are built."""
 TOP_CANDIDATES = 24
 """Candidates replayed exactly (by excess), besides every stage."""
 SCENARIOS_PER_PASS = 8
 """Candidates replayed together, as columns of one pass."""
+SAME_SAVING = 0.95
+"""A cause of fewer ranks saving this share of the top's, or more, is the top cause (the more specific)."""
 MIN_SAVING_SHARE = 0.03
 """A top cause saving less than this share of the iteration names no culprit (``culprit``)."""
 
@@ -47,12 +50,15 @@ class Cause:
     ranks: tuple[int, ...]
     """The ranks it covers (their ``rank``)."""
     group: str
-    """The process group (``group_transfer``), else ""."""
+    """The process group (``group_transfer``) or host (``host_transfer``), else ""."""
     stage: int
     """The pipeline stage (``stage_compute``), else -1."""
     excess_ns: float
     """Its own time above its peers' level: at most what fixing it can save."""
     saving_ns: float
+    """The job's replayed iteration time now minus with this cause fixed."""
+    residual_ns: float
+    """What it saves once the top cause is fixed (the top cause: its saving): a victim of the top saves nothing."""
 
 
 @dataclass(slots=True)
@@ -118,35 +124,42 @@ def _rank_candidates(graph: CallGraph, roles: I64) -> list[_Candidate]:
 
 
 def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
-    """Per pipeline stage: its ranks' work (compute where known) scaled to the median of the other stages'."""
+    """Per pipeline stage: its ranks' work (compute where known) less the stage's excess over the median of
+    the other stages'.
+
+    A stage's level is its least rank's work: a stage slow on every replica is slow on its fastest, while
+    one slow rank (its own candidate) leaves its stage's level alone; each rank loses the stage's excess in
+    proportion to its work, so a slow rank keeps its own excess."""
     known = stages >= 0
     levels = {int(s): 0.0 for s in np.unique(stages[known])}
     if len(levels) < 2:
         return []
     comp_known = not np.isnan(graph.compute_ns).any()
-    per_call = graph.compute_ns if comp_known else graph.work_ns
-    total = np.bincount(graph.row, weights=np.minimum(per_call, graph.work_ns), minlength=stages.size)
+    per_call = np.minimum(graph.compute_ns, graph.work_ns) if comp_known else graph.work_ns
+    total = np.bincount(graph.row[graph.leads], weights=per_call[graph.leads], minlength=stages.size)
     if not comp_known:
         total = total + graph.tail_ns
     for s in levels:
-        levels[s] = float(np.median(total[stages == s]))
+        levels[s] = float(np.min(total[stages == s]))
     out = []
     for s, level in levels.items():
         ref = float(np.median([v for t, v in levels.items() if t != s]))
         if not level > ref > 0:
             continue
-        f = 1.0 - ref / level
         rows = np.flatnonzero(stages == s)
+        f = (level - ref) / np.maximum(total[rows], 1.0)  # each rank loses the stage's excess, no more
+        f_call = np.zeros(stages.size)
+        f_call[rows] = f
         calls = np.flatnonzero(np.isin(graph.row, rows))
+        tail_cut = graph.tail_ns[rows] * (0.0 if comp_known else f)
         out.append(_Candidate("stage_compute", rows, stage=s, calls=calls,
-                              work_cut=np.minimum(per_call[calls], graph.work_ns[calls]) * f,
-                              tail_cut=graph.tail_ns[rows] * (0.0 if comp_known else f)))  # fmt: skip
+                              work_cut=per_call[calls] * f_call[graph.row[calls]], tail_cut=tail_cut))  # fmt: skip
     return out
 
 
-def _transfer_candidates(graph: CallGraph) -> list[_Candidate]:
+def _transfer_candidates(graph: CallGraph, hosts: npt.NDArray[np.str_]) -> list[_Candidate]:
     """Per process group: its transfers at the median pace of the other groups of the same op and bytes; per
-    rank, every such group it is in, where two or more are slow."""
+    rank and per host, every such group it is in (has a member on), where two or more are slow."""
     multi = np.flatnonzero(graph.members >= 2)
     if multi.size == 0:
         return []
@@ -171,21 +184,40 @@ def _transfer_candidates(graph: CallGraph) -> list[_Candidate]:
         rows_of_instance[int(g)] = (inst, cut[sel], rows)
         out.append(_Candidate("group_transfer", rows, group=graph.groups[int(g)], instances=inst,
                               transfer_cut=cut[sel]))  # fmt: skip
-    by_rank: dict[int, list[int]] = {}
-    for g, (_, _, rows) in rows_of_instance.items():
-        for r in rows.tolist():
-            by_rank.setdefault(r, []).append(g)
-    for r, gs in by_rank.items():
-        if len(gs) >= 2:
-            inst = np.concatenate([rows_of_instance[g][0] for g in gs])
-            out.append(_Candidate("rank_transfer", np.array([r]), instances=inst,
-                                  transfer_cut=np.concatenate([rows_of_instance[g][1] for g in gs])))  # fmt: skip
+    for kind, key_of in (("rank_transfer", list(range(hosts.size))), ("host_transfer", hosts.tolist())):
+        by_key: dict[Any, list[int]] = {}
+        for g, (_, _, rows) in rows_of_instance.items():
+            for k in {key_of[r] for r in rows.tolist()}:
+                by_key.setdefault(k, []).append(g)
+        for k, gs in by_key.items():
+            if len(gs) >= 2 and k != "":
+                rows = np.flatnonzero(np.array([key_of[r] == k for r in range(hosts.size)]))
+                inst = np.concatenate([rows_of_instance[g][0] for g in gs])
+                cut = np.concatenate([rows_of_instance[g][1] for g in gs])
+                out.append(_Candidate(kind, rows, group=str(k) if kind == "host_transfer" else "", instances=inst,
+                                      transfer_cut=cut))  # fmt: skip
     return out
 
 
-def _savings(graph: CallGraph, candidates: Sequence[_Candidate]) -> F64:
-    """The job's replayed iteration time now minus with each candidate fixed, several per pass."""
-    now = float(steady_period(graph)[0])
+def _cuts(graph: CallGraph, c: _Candidate | None, into: tuple[F64, F64, F64] | None = None) -> tuple[F64, F64, F64]:
+    """A candidate's cuts as dense (work, tail, transfer) vectors; with ``into``, the larger of both per entry
+    (two causes fixed together: each entry brought to its peers' level once)."""
+    work, tail, transfer = (x.copy() for x in into) if into is not None else (
+        np.zeros(graph.calls), np.zeros(graph.tail_ns.size), np.zeros(graph.transfer_ns.size))  # fmt: skip
+    if c is not None:
+        for dense, at, cut in ((work, c.calls, c.work_cut), (tail, c.rows, c.tail_cut),
+                               (transfer, c.instances, c.transfer_cut)):  # fmt: skip
+            if at is not None and cut is not None:
+                dense[at] = np.maximum(dense[at], cut)
+    return work, tail, transfer
+
+
+def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidate | None = None) -> F64:
+    """The job's replayed iteration time with ``base`` fixed (None: as measured) minus with each candidate
+    fixed too, several candidates per pass."""
+    fixed = _cuts(graph, base)
+    now = float(steady_period(graph, graph.work_ns - fixed[0], graph.transfer_ns - fixed[2],
+                              graph.tail_ns - fixed[1])[0])  # fmt: skip
     out = np.zeros(len(candidates))
     for lo in range(0, len(candidates), SCENARIOS_PER_PASS):
         chunk = candidates[lo : lo + SCENARIOS_PER_PASS]
@@ -194,14 +226,23 @@ def _savings(graph: CallGraph, candidates: Sequence[_Candidate]) -> F64:
         transfer = np.repeat(graph.transfer_ns[:, None], s, axis=1)
         tail = np.repeat(graph.tail_ns[:, None], s, axis=1)
         for j, c in enumerate(chunk):
-            if c.calls is not None and c.work_cut is not None:
-                work[c.calls, j] -= c.work_cut
-            if c.tail_cut is not None:
-                tail[c.rows, j] -= c.tail_cut
-            if c.instances is not None and c.transfer_cut is not None:
-                transfer[c.instances, j] -= c.transfer_cut
+            w_cut, t_cut, x_cut = _cuts(graph, c, fixed)
+            work[:, j] -= w_cut
+            tail[:, j] -= t_cut
+            transfer[:, j] -= x_cut
         out[lo : lo + s] = now - steady_period(graph, work, transfer, tail)[0]
     return out
+
+
+def _first_of(candidates: Sequence[_Candidate], saving: F64) -> int:
+    """The top cause: the largest saving, or a cause of fewer ranks within it that saves nearly as much
+    (``SAME_SAVING``): a rank's links before its host's, a rank before its stage."""
+    best = int(np.argmax(saving))
+    for i, c in enumerate(candidates):
+        narrower = set(c.rows.tolist()) < set(candidates[best].rows.tolist())
+        if narrower and saving[i] >= SAME_SAVING * saving[best]:
+            best = i
+    return best
 
 
 def what_if(
@@ -210,28 +251,40 @@ def what_if(
     graph: CallGraph | None = None,
     top: int = TOP_CANDIDATES,
 ) -> list[Cause]:
-    """Candidate causes of one iteration and what fixing each saves, the largest saving first.
+    """Candidate causes of one iteration and what fixing each saves: the top cause first (``_first_of``),
+    then by saving.
 
     ``roles``: one code per record for its role (default ``roles.role_codes``)."""
     g = call_graph(records) if graph is None else graph
     role = role_codes(records) if roles is None else roles
     stages = np.array([int(r.get("pp_rank", -1)) for r in records], dtype=np.int64)
-    ranked = sorted(_rank_candidates(g, role) + _transfer_candidates(g), key=lambda c: -c.excess)
+    hosts = np.array([str(r.get("host", "")) for r in records])
+    ranked = sorted(_rank_candidates(g, role) + _transfer_candidates(g, hosts), key=lambda c: -c.excess)
     chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
+    if not chosen:
+        return []
     saving = _savings(g, chosen)
+    top = _first_of(chosen, saving)
+    rest = [c for i, c in enumerate(chosen) if i != top]
+    residual = np.insert(_savings(g, rest, chosen[top]) if rest else np.zeros(0), top, saving[top])
     ids = [int(r.get("rank", i)) for i, r in enumerate(records)]
     causes = [
         Cause(kind=c.kind, ranks=tuple(ids[i] for i in c.rows.tolist()), group=c.group, stage=c.stage,
-              excess_ns=c.excess, saving_ns=float(max(s, 0.0)))
-        for c, s in zip(chosen, saving, strict=True)
+              excess_ns=c.excess, saving_ns=float(max(s, 0.0)), residual_ns=float(max(x, 0.0)))
+        for c, s, x in zip(chosen, saving, residual, strict=True)
     ]  # fmt: skip
-    return sorted(causes, key=lambda c: -c.saving_ns)
+    first = causes.pop(top)
+    return [first, *sorted(causes, key=lambda c: -c.saving_ns)]
 
 
 def culprit(causes: Sequence[Cause], iteration_ns: float, min_share: float = MIN_SAVING_SHARE) -> Cause | None:
-    """The cause whose fix saves the most, where that is ``min_share`` of the iteration or more: a stage is
-    the cause only where it saves more than any one of its ranks."""
-    best = max(causes, key=lambda c: c.saving_ns, default=None)
-    if best is None or best.saving_ns < min_share * iteration_ns:
+    """The top cause of ``what_if`` where it saves ``min_share`` of the iteration or more. A stage is so the
+    cause only where it saves more than any one of its ranks."""
+    if not causes or causes[0].saving_ns < min_share * iteration_ns:
         return None
-    return best
+    return causes[0]
+
+
+def others_named(causes: Sequence[Cause], iteration_ns: float, min_share: float = MIN_SAVING_SHARE) -> list[Cause]:
+    """Causes besides the top that still save ``min_share`` of the iteration once it is fixed."""
+    return [c for c in causes[1:] if c.residual_ns >= min_share * iteration_ns]
