@@ -247,4 +247,5 @@ def _search_within(values: F64, runs: I64, lo: I64, x: F64) -> I64:
     run_id = np.r_[0, np.cumsum(runs[1:] != runs[:-1])]
     span = float(np.max(np.abs(values))) * 2 + 2.0
     q_run = run_id[np.minimum(lo, values.size - 1)]
-    return np.searchsorted(values + run_id * span, x + q_run * span).astype(np.int64)
+    found: I64 = np.searchsorted(values + run_id * span, x + q_run * span).astype(np.int64)
+    return found

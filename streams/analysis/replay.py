@@ -332,7 +332,8 @@ def _ranges(values: I64, lo: I64, hi: I64) -> I64:
     if total == 0:
         return np.zeros(0, dtype=np.int64)
     offsets = np.repeat(lo - np.concatenate(([0], np.cumsum(size)[:-1])), size)
-    return values[offsets + np.arange(total)]
+    out: I64 = values[offsets + np.arange(total)]
+    return out
 
 
 def replay_times(

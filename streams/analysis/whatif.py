@@ -89,7 +89,8 @@ def median_of_others(values: F64) -> F64:
     m = k - 1  # the others' count; their sorted list is srt without the element's own position
 
     def others_at(i: int) -> F64:
-        return np.where(rank > i, srt[i], srt[min(i + 1, k - 1)])
+        at: F64 = np.where(rank > i, srt[i], srt[min(i + 1, k - 1)])
+        return at
 
     if m % 2:
         return others_at(m // 2)
@@ -136,7 +137,7 @@ def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
         return []
     comp_known = not np.isnan(graph.compute_ns).any()
     per_call = np.minimum(graph.compute_ns, graph.work_ns) if comp_known else graph.work_ns
-    total = np.bincount(graph.row[graph.leads], weights=per_call[graph.leads], minlength=stages.size)
+    total = np.bincount(graph.row[graph.leads], weights=per_call[graph.leads], minlength=stages.size).astype(float)
     if not comp_known:
         total = total + graph.tail_ns
     for s in levels:
@@ -256,7 +257,7 @@ def what_if(
 
     ``roles``: one code per record for its role (default ``roles.role_codes``)."""
     g = call_graph(records) if graph is None else graph
-    role = role_codes(records) if roles is None else roles
+    role = role_codes([dict(r) for r in records]) if roles is None else roles
     stages = np.array([int(r.get("pp_rank", -1)) for r in records], dtype=np.int64)
     hosts = np.array([str(r.get("host", "")) for r in records])
     ranked = sorted(_rank_candidates(g, role) + _transfer_candidates(g, hosts), key=lambda c: -c.excess)
