@@ -4,11 +4,12 @@ Every member of a collective, and both ends of a send and its receive, leave the
 Each rank's times are relative to its own iteration start, and the starts differ (a pipeline's last stage
 finishes, so starts, its iteration earlier than the first; clocks of hosts differ by milliseconds), so:
 1. collectives are instances by (process group, sequence number), the same on every member;
-2. the sequence number of a p2p call is not: the producers number them differently (the torch hook per pair
-   of ranks, a Kineto trace per process group or by NCCL's count, the simulator per pipeline pass). Between
-   two pipeline neighbours (same replica and tensor slot, one stage apart; any two ranks of the group where
-   the layout is unknown), every send of one and receive of the other give a candidate offset between their
-   clocks; the true transfers all give the same one, so the most frequent (``BIN_NS`` wide) is taken;
+2. the sequence number of a p2p call may not be: the producers number them differently (the torch hook per
+   pair of ranks, the simulator per pipeline pass, a Kineto trace per process group or by NCCL's count).
+   Between two pipeline neighbours (same replica and tensor slot, one stage apart), sends and receives of
+   equal numbers give their clocks' offset where most agree on one; else every send of one and receive of
+   the other (the first ``MAX_PAIR_CALLS``) give a candidate offset, and the true transfers all give the same
+   one, so the most frequent (``BIN_NS`` wide) is taken;
 3. each rank's start offset follows from these differences (collective members and p2p neighbours, the
    median per pair of ranks), along a spanning tree of the ranks;
 4. on that common clock, a send matches the receive of its group on a neighbour that ended nearest to it,
@@ -35,6 +36,9 @@ BIN_NS = 100_000
 MATCH_TOLERANCE_NS = 250_000
 """A send and a receive whose ends differ by more than this on the common clock are not one transfer."""
 MAX_PAIR_CALLS = 32
+SEQ_AGREEMENT = 0.4
+"""Share of two neighbours' equal-numbered sends and receives that must agree on their clocks' offset (a
+count per pair of ranks numbers a middle stage's calls to both neighbours alike: half may be another pair's)."""
 """Sends (and receives) of one rank in one group that give candidate offsets: enough for a clear mode."""
 
 
@@ -58,8 +62,9 @@ def match_calls(records: Sequence[Mapping[str, Any]], row: I64, leave: F64, kind
         key[coll] = pg[coll] * (int(s.max()) + 1) + s
     _, coll_inst = np.unique(key[coll], return_inverse=True)
     neighbours = pipeline_neighbours(records)
-    edges = [_collective_edges(row[coll], leave[coll], coll_inst.reshape(-1)), _p2p_edges(neighbours, row, leave,
-             kind, pg)]  # fmt: skip
+    by_seq, settled = _seq_edges(neighbours, row, leave, kind, pg, seq)
+    edges = [_collective_edges(row[coll], leave[coll], coll_inst.reshape(-1)), by_seq,
+             _p2p_edges(neighbours, row, leave, kind, pg, settled)]  # fmt: skip
     start = _offsets(n_rec, edges)
     sends, recvs = _nearest(neighbours, row, leave + start[row], kind, pg)
     base = int(key.max()) + 1 if coll.any() else 0
@@ -114,8 +119,66 @@ def _groups(values: I64) -> tuple[I64, I64, I64]:
     return order, uniq, np.r_[lo, srt.size][: uniq.size + 1]
 
 
-def _p2p_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64) -> Edges:
-    """Per pair of pipeline neighbours, the offset most of their send/receive combinations agree on."""
+def _seq_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, seq: I64) -> tuple[Edges, I64]:
+    """Per pair of pipeline neighbours whose sends and receives of equal sequence numbers end at one offset
+    (``SEQ_AGREEMENT`` of them within ``BIN_NS`` of their median: the producer numbers p2p per pair or per
+    pass), that offset; and those pairs' keys (``lo * records + hi``)."""
+    none: Edges = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
+    n_rec = neighbours.shape[0]
+    if sends.size == 0 or recvs.size == 0:
+        return none, np.zeros(0, np.int64)
+    lo_seq = int(min(seq[sends].min(), seq[recvs].min()))
+    span = int(max(seq[sends].max(), seq[recvs].max())) - lo_seq + 1
+    r_key = (pg[recvs] * n_rec + row[recvs]) * span + (seq[recvs] - lo_seq)
+    order = np.argsort(r_key, kind="stable")
+    srt = r_key[order]
+    a_l, b_l, d_l = [], [], []
+    for cand in (neighbours[row[sends], 0], neighbours[row[sends], 1]):
+        want = (pg[sends] * n_rec + np.maximum(cand, 0)) * span + (seq[sends] - lo_seq)
+        at = np.minimum(np.searchsorted(srt, want), srt.size - 1)
+        ok = (cand >= 0) & (srt[at] == want)
+        r = recvs[order[at[ok]]]
+        a_l.append(row[sends[ok]])
+        b_l.append(row[r])
+        d_l.append(leave[sends[ok]] - leave[r])
+    a, b, d = np.concatenate(a_l), np.concatenate(b_l), np.concatenate(d_l)
+    if a.size == 0:
+        return none, np.zeros(0, np.int64)
+    return _modes(a, b, d, n_rec, SEQ_AGREEMENT)
+
+
+def _modes(a: I64, b: I64, d: F64, n_rec: int, min_share: float) -> tuple[Edges, I64]:
+    """Per pair of records, the most frequent offset (``BIN_NS`` bins, the median of the winning bin) where
+    its bin holds two values or more and ``min_share`` of the pair's; and the pairs' keys."""
+    lo_r, hi_r = np.minimum(a, b), np.maximum(a, b)
+    d = np.where(a == lo_r, d, -d)  # o_hi - o_lo
+    pair = lo_r * n_rec + hi_r
+    bins = np.floor(d / BIN_NS).astype(np.int64)
+    bins -= bins.min()
+    width = int(bins.max()) + 1
+    cells, inverse, count = np.unique(pair * width + bins, return_inverse=True, return_counts=True)
+    c_pair = cells // width
+    per_pair = np.bincount(np.searchsorted(np.unique(c_pair), c_pair), weights=count)
+    best = np.lexsort((-count, c_pair))
+    first = best[np.r_[True, c_pair[best][1:] != c_pair[best][:-1]]]
+    total = per_pair[np.searchsorted(np.unique(c_pair), c_pair[first])]
+    first = first[(count[first] >= 2) & (count[first] >= min_share * total)]
+    chosen = np.zeros(count.size, dtype=bool)
+    chosen[first] = True
+    sel = chosen[inverse.reshape(-1)]
+    p_sel, d_sel = pair[sel], d[sel]
+    order = np.lexsort((d_sel, p_sel))
+    p_sel, d_sel = p_sel[order], d_sel[order]
+    bounds = np.r_[0, np.flatnonzero(np.diff(p_sel)) + 1, p_sel.size] if p_sel.size else np.zeros(1, np.int64)
+    mid = (bounds[:-1] + bounds[1:] - 1) // 2
+    keys = p_sel[bounds[:-1]]
+    return (keys // n_rec, keys % n_rec, d_sel[mid]), keys
+
+
+def _p2p_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, settled: I64) -> Edges:
+    """Per pair of pipeline neighbours not ``settled`` by their sequence numbers, the offset most of their
+    send/receive combinations agree on."""
     sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
     known = neighbours[:, 0] != -2
     if sends.size == 0 or recvs.size == 0:
@@ -132,6 +195,8 @@ def _p2p_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64) -> Edg
     cand_cols = [neighbours[row[s_take], 0], neighbours[row[s_take], 1]]
     for cand in cand_cols:
         ok = (cand >= 0) & known[row[s_take]]
+        pair_key = np.minimum(row[s_take], cand) * n_rec + np.maximum(row[s_take], cand)
+        ok &= ~np.isin(pair_key, settled)
         want = pg[s_take] * n_rec + np.maximum(cand, 0)
         at = np.searchsorted(r_uniq, want)
         ok &= at < r_uniq.size
@@ -147,19 +212,7 @@ def _p2p_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64) -> Edg
     a, b, d = np.concatenate(a_all), np.concatenate(b_all), np.concatenate(d_all)
     if a.size == 0:
         return a, b, d
-    lo_r, hi_r = np.minimum(a, b), np.maximum(a, b)
-    d = np.where(a == lo_r, d, -d)  # o_hi - o_lo
-    pair = lo_r * n_rec + hi_r
-    bins = np.floor(d / BIN_NS).astype(np.int64)
-    cell = np.unique(np.stack([pair, bins]), axis=1, return_inverse=True, return_counts=True)
-    c_pair, inverse, count = cell[0][0], cell[1].reshape(-1), cell[2]
-    best = np.lexsort((-count, c_pair))
-    first = best[np.r_[True, c_pair[best][1:] != c_pair[best][:-1]]]
-    first = first[count[first] >= 2]
-    chosen = np.zeros(count.size, dtype=bool)
-    chosen[first] = True
-    sel = chosen[inverse]
-    return lo_r[sel], hi_r[sel], d[sel]
+    return _modes(a, b, d, neighbours.shape[0], 0.0)[0]
 
 
 def _offsets(n_rec: int, edges: Sequence[Edges]) -> F64:

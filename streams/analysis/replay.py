@@ -125,41 +125,36 @@ def call_graph(
     n_rec = len(records)
     pg_codes: dict[str, int] = {}
     class_codes: dict[str, int] = {}
-    parts: dict[str, list[Any]] = {k: [] for k in ("row", "enter", "leave", "comp", "seq", "pg", "kind", "cls", "by")}
+    parts: dict[str, list[Any]] = {k: [] for k in ("enter", "leave", "comp", "seq", "fn", "lut")}
     counts = np.zeros(n_rec, dtype=np.int64)
     iteration = np.zeros(n_rec, dtype=np.float64)
     tail_compute = np.full(n_rec, np.nan)
+    lut_size = 0
     for r, rec in enumerate(records):
         iteration[r] = float(rec.get("iteration_ns", 0))
         tail_compute[r] = _tail_compute(tl := timeline_of(rec) if timelines is None else timelines[r])
         if tl is None:
             continue
-        names = rec["function"]
-        used, inverse = np.unique(tl.function, return_inverse=True)
-        codes = np.empty((used.size, 3), dtype=np.int64)
-        per_call = np.zeros(used.size, dtype=np.float64)
-        calls, total = rec.get("calls"), rec.get("nbytes")
-        for i, f in enumerate(used.tolist()):
+        names, calls, total = rec["function"], rec.get("calls"), rec.get("nbytes")
+        used = sorted(set(tl.function.tolist()))
+        lut = np.zeros((used[-1] + 1, 4))  # per function index: group, kind, class, bytes per call
+        for f in used:
             group, op_kind, like = call_kind(names[f])
-            codes[i] = (
-                pg_codes.setdefault(group, len(pg_codes)),
-                op_kind,
-                class_codes.setdefault(like, len(class_codes)),
-            )
-            if calls is not None and total is not None and f < len(calls) and calls[f] > 0:
-                per_call[i] = float(total[f]) / float(calls[f])
-        n = len(tl)
-        counts[r] = n
-        parts["row"].append(np.full(n, r, dtype=np.int64))
+            per_call = float(total[f]) / float(calls[f]) if calls and total and f < len(calls) and calls[f] else 0.0
+            lut[f] = (pg_codes.setdefault(group, len(pg_codes)), op_kind,
+                      class_codes.setdefault(like, len(class_codes)), per_call)  # fmt: skip
+        counts[r] = len(tl)
         parts["enter"].append(tl.enter_ns)
         parts["leave"].append(tl.leave_ns)
-        parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else np.full(n, np.nan))
+        parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else np.full(len(tl), np.nan))
         parts["seq"].append(tl.seq)
-        parts["pg"].append(codes[inverse, 0])
-        parts["kind"].append(codes[inverse, 1])
-        parts["cls"].append(codes[inverse, 2])
-        parts["by"].append(per_call[inverse])
+        parts["fn"].append(tl.function + lut_size)
+        parts["lut"].append(lut)
+        lut_size += lut.shape[0]
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
+    codes = cat["lut"].reshape(-1, 4)[cat["fn"].astype(np.int64)] if parts["fn"] else np.zeros((0, 4))
+    cat |= {"row": np.repeat(np.arange(n_rec), counts), "pg": codes[:, 0], "kind": codes[:, 1], "cls": codes[:, 2],
+            "by": codes[:, 3]}  # fmt: skip
     row = cat["row"].astype(np.int64)
     enter = cat["enter"].astype(np.float64)
     leave = np.maximum(cat["leave"].astype(np.float64), enter)
@@ -363,7 +358,7 @@ def replay_times(
     return leave[last] + tail
 
 
-STEADY_PASSES = 4
+STEADY_PASSES = 2
 """Iterations replayed back to back (each rank's next start is its end) to reach the job's steady period."""
 
 

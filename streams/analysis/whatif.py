@@ -32,10 +32,12 @@ from fleetscope.streams.analysis.roles import role_codes
 
 CAUSE_KINDS = ("rank_compute", "rank_host", "stage_compute", "group_transfer", "rank_transfer", "host_transfer")
 """The kinds of candidate cause, in the order they are built."""
-TOP_CANDIDATES = 24
+TOP_CANDIDATES = 8
 """Candidates replayed exactly (by excess), besides every stage."""
-SCENARIOS_PER_PASS = 8
+SCENARIOS_PER_PASS = 16
 """Candidates replayed together, as columns of one pass."""
+RESIDUAL_SHARE = 0.2
+"""Causes saving this share of the top's, or more, are priced again with the top fixed."""
 SAME_SAVING = 0.95
 """A cause of fewer ranks saving this share of the top's, or more, is the top cause (the more specific)."""
 MIN_SAVING_SHARE = 0.03
@@ -158,45 +160,65 @@ def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
     return out
 
 
-def _transfer_candidates(graph: CallGraph, hosts: npt.NDArray[np.str_]) -> list[_Candidate]:
+def _transfer_candidates(graph: CallGraph, hosts: npt.NDArray[np.str_], top: int) -> list[_Candidate]:
     """Per process group: its transfers at the median pace of the other groups of the same op and bytes; per
-    rank and per host, every such group it is in (has a member on), where two or more are slow."""
+    rank and per host, every such group it is in (has a member on), where two or more are slow. Only the
+    ``top`` of each kind by excess are built."""
     multi = np.flatnonzero(graph.members >= 2)
     if multi.size == 0:
         return []
-    like = graph.klass[multi] * 1_000_003 + np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16)
-    pair = np.unique(np.stack([like, graph.group[multi]]), axis=1, return_inverse=True)
-    (like_of, group_of), which = pair[0], pair[1].reshape(-1)
+    like = graph.klass[multi] * 4096 + np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
+    groups_n = len(graph.groups) + 1
+    cells, which = np.unique(like * groups_n + graph.group[multi], return_inverse=True)
+    which = which.reshape(-1)
+    like_of = cells // groups_n
     mean = np.bincount(which, weights=graph.transfer_ns[multi]) / np.bincount(which)
     factor = np.ones(mean.size)
-    for lk in np.unique(like_of):
-        idx = np.flatnonzero(like_of == lk)
-        if idx.size >= 2:
+    order = np.argsort(like_of, kind="stable")
+    bounds = np.r_[0, np.flatnonzero(np.diff(like_of[order])) + 1, order.size]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if hi - lo >= 2:
+            idx = order[lo:hi]
             ref = median_of_others(mean[idx][:, None])[:, 0]
             factor[idx] = np.minimum(1.0, ref / np.maximum(mean[idx], 1.0))
     cut = graph.transfer_ns[multi] * (1.0 - factor[which])
     slow = cut > 0
-    out = []
-    rows_of_instance = {}
-    for g in np.unique(group_of[factor < 1.0]):
-        sel = slow & (group_of[which] == g)
-        inst = multi[sel]
-        rows = np.unique(graph.row[np.isin(graph.instance, inst)])
-        rows_of_instance[int(g)] = (inst, cut[sel], rows)
-        out.append(_Candidate("group_transfer", rows, group=graph.groups[int(g)], instances=inst,
-                              transfer_cut=cut[sel]))  # fmt: skip
-    for kind, key_of in (("rank_transfer", list(range(hosts.size))), ("host_transfer", hosts.tolist())):
-        by_key: dict[Any, list[int]] = {}
-        for g, (_, _, rows) in rows_of_instance.items():
-            for k in {key_of[r] for r in rows.tolist()}:
-                by_key.setdefault(k, []).append(g)
-        for k, gs in by_key.items():
-            if len(gs) >= 2 and k != "":
-                rows = np.flatnonzero(np.array([key_of[r] == k for r in range(hosts.size)]))
-                inst = np.concatenate([rows_of_instance[g][0] for g in gs])
-                cut = np.concatenate([rows_of_instance[g][1] for g in gs])
-                out.append(_Candidate(kind, rows, group=str(k) if kind == "host_transfer" else "", instances=inst,
-                                      transfer_cut=cut))  # fmt: skip
+    if not slow.any():
+        return []
+    inst, inst_cut = multi[slow], cut[slow]
+    cut_of = np.zeros(graph.members.size)
+    cut_of[inst] = inst_cut
+    member = np.flatnonzero(cut_of[graph.instance] > 0)  # calls in a slow instance
+    m_row, m_inst = graph.row[member], graph.instance[member]
+    m_group = graph.group[m_inst]
+    host_code = np.unique(hosts, return_inverse=True)[1].reshape(-1)
+    out: list[_Candidate] = []
+    for kind, key in (("group_transfer", m_group), ("rank_transfer", m_row), ("host_transfer", host_code[m_row])):
+        # each key's slow instances (once each), its excess, and how many slow groups it has
+        pairs = np.unique(key * (int(m_inst.max()) + 1) + m_inst)
+        k_of, i_of = pairs // (int(m_inst.max()) + 1), pairs % (int(m_inst.max()) + 1)
+        excess = np.bincount(k_of, weights=cut_of[i_of])
+        n_groups = np.bincount(np.unique(key * groups_n + m_group) // groups_n, minlength=excess.size)
+        eligible = np.flatnonzero((excess > 0) & ((n_groups >= 2) | (kind == "group_transfer")))
+        if kind == "host_transfer":
+            eligible = eligible[hosts[_first_row(host_code, eligible)] != ""]
+        for k in eligible[np.argsort(-excess[eligible], kind="stable")][:top].tolist():
+            ins = i_of[k_of == k]
+            rows = np.unique(m_row[key == k]) if kind != "host_transfer" else np.flatnonzero(host_code == k)
+            group = (
+                graph.groups[k]
+                if kind == "group_transfer"
+                else (str(hosts[rows[0]]) if kind == "host_transfer" else "")
+            )
+            out.append(_Candidate(kind, rows, group=group, instances=ins, transfer_cut=cut_of[ins]))
+    return out
+
+
+def _first_row(codes: I64, wanted: I64) -> I64:
+    """Per wanted code, the first row with it."""
+    first = np.full(int(codes.max()) + 1, -1, dtype=np.int64)
+    first[codes[::-1]] = np.arange(codes.size - 1, -1, -1)
+    out: I64 = first[wanted]
     return out
 
 
@@ -260,14 +282,18 @@ def what_if(
     role = role_codes([dict(r) for r in records]) if roles is None else roles
     stages = np.array([int(r.get("pp_rank", -1)) for r in records], dtype=np.int64)
     hosts = np.array([str(r.get("host", "")) for r in records])
-    ranked = sorted(_rank_candidates(g, role) + _transfer_candidates(g, hosts), key=lambda c: -c.excess)
+    ranked = sorted(_rank_candidates(g, role) + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
     chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
     if not chosen:
         return []
     saving = _savings(g, chosen)
     top = _first_of(chosen, saving)
-    rest = [c for i, c in enumerate(chosen) if i != top]
-    residual = np.insert(_savings(g, rest, chosen[top]) if rest else np.zeros(0), top, saving[top])
+    # only a cause that saves something alone can save it beyond the top: the rest are priced once
+    big = [i for i in range(len(chosen)) if i != top and saving[i] >= RESIDUAL_SHARE * saving[top]]
+    residual = np.zeros(len(chosen))
+    residual[top] = saving[top]
+    if big and saving[top] > 0:
+        residual[big] = _savings(g, [chosen[i] for i in big], chosen[top])
     ids = [int(r.get("rank", i)) for i, r in enumerate(records)]
     causes = [
         Cause(kind=c.kind, ranks=tuple(ids[i] for i in c.rows.tolist()), group=c.group, stage=c.stage,
