@@ -40,7 +40,7 @@ RESIDUAL_SHARE = 0.2
 """Causes saving this share of the top's, or more, are priced again with the top fixed."""
 SAME_SAVING = 0.95
 """A cause of fewer ranks saving this share of the top's, or more, is the top cause (the more specific)."""
-MIN_SAVING_SHARE = 0.03
+MIN_SAVING_SHARE = 0.01
 """A top cause saving less than this share of the iteration names no culprit (``culprit``)."""
 
 
