@@ -1,0 +1,128 @@
+"""A rank's timeline (``streams/analysis/timeline.py``): built by the windower's summary from the iteration's
+collective events and kernels, carried by the pattern record (``patterns.v4``), read back by ``timeline_of``."""
+
+from __future__ import annotations
+
+import io
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastavro import schemaless_writer
+
+from fleetscope.schemas import CATALOG, decode, encode
+from fleetscope.schemas.vocabulary import OTHER_FUNCTIONS
+from fleetscope.streams.analysis.patterns import IterationEvents, summarize_iteration
+from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS, timeline_of
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+from recorded_jobs import recordings  # noqa: E402
+
+NAMES = ["gemm", "ncclKernel", "allreduce", "dp0", "relu", "send", "pp0"]
+a = np.array
+
+
+def collectives(rows: list[tuple[int, int, int, int, int, int]]) -> dict[str, np.ndarray]:
+    """(start, dur, op id, pg id, seq, nbytes) per call."""
+    start, dur, op, pg, seq, nbytes = (a([r[i] for r in rows], dtype=np.int64) for i in range(6))
+    return {"start_ns": start, "dur_ns": dur, "name_id": np.ones(start.size, np.int32), "op_id": op,
+            "pg_id": pg, "seq": seq, "nbytes": nbytes, "group_size": np.full(start.size, 2, np.int32)}  # fmt: skip
+
+
+def iteration(kernels: list[tuple[int, int, int]], calls: list[tuple[int, int, int, int, int, int]]) -> IterationEvents:
+    ks = {"start_ns": a([k[0] for k in kernels], np.int64), "dur_ns": a([k[1] for k in kernels], np.int64),
+          "name_id": a([k[2] for k in kernels], np.int32)}  # fmt: skip
+    return IterationEvents(step=3, start_ns=1_000_000, end_ns=1_100_000, names=NAMES, kernels=ks,
+                           collectives=collectives(calls))  # fmt: skip
+
+
+def record_of(ev: IterationEvents, **fields: Any) -> dict[str, Any]:
+    _, patterns = summarize_iteration(ev)
+    who = {"job": "j", "rank": 0, "host": "h", "world_size": 2, "iteration": ev.step}
+    return {**who, **fields, **{k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in patterns.items()}}
+
+
+# DDP-like: two buckets all-reduced while the backward computes, the second entered before the first left;
+# then a pipeline send after a stretch of compute. Given out of entry order.
+CALLS = [
+    (1_060_400, 9_000, 2, 3, 41, 4096),  # dp0 allreduce #41, enters second, overlaps the first
+    (1_050_250, 20_000, 2, 3, 40, 4096),  # dp0 allreduce #40
+    (1_090_000, 2_500, 5, 6, 7, 1 << 20),  # pp0 send #7
+]
+KERNELS = [(1_010_000, 30_000, 0), (1_030_000, 25_000, 0), (1_070_000, 15_000, 4)]  # two streams: 10..55, 70..85 us
+
+
+def test_calls_come_in_entry_order_with_their_identity_and_true_enter_and_leave() -> None:
+    record = record_of(iteration(KERNELS, CALLS))
+    tl = timeline_of(record)
+    assert tl is not None and len(tl) == 3 and tl.iteration_ns == 100_000
+    names = [record["function"][f] for f in tl.function]
+    assert names == ["nccl:allreduce[pg=dp0,<=4KiB]"] * 2 + ["nccl:send[pg=pp0,<=1MiB]"]
+    assert tl.seq.tolist() == [40, 41, 7]
+    # floored to the microsecond after the iteration's start; the overlap kept (the second enters first)
+    assert tl.enter_ns.tolist() == [50_000, 60_000, 90_000]
+    assert tl.leave_ns.tolist() == [70_000, 69_000, 92_000]
+    # compute between enters: 10..50 us is 45 us of kernels (two streams overlap 30..40), 50..60 none,
+    # 60..90 the 15 us kernel at 70; nothing after the send
+    assert tl.compute_ns is not None and tl.compute_ns.tolist() == [40_000, 5_000, 15_000]
+    assert tl.tail_compute_ns == 0
+
+
+def test_the_timeline_survives_both_codecs_and_costs_a_few_bytes_a_call() -> None:
+    record = record_of(iteration(KERNELS, CALLS))
+    want = timeline_of(record)
+    bare = {**record, **{name: [] for name in TIMELINE_FIELDS[:-1]}, "sync_tail_compute_us": -1}
+    for fast in (True, False):
+        message = encode("patterns", record, fast=fast)
+        _, back = decode(message, fast=fast)
+        got = timeline_of(back)
+        assert got is not None and want is not None
+        for field in ("function", "seq", "enter_ns", "leave_ns", "compute_ns"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field
+        assert got.tail_compute_ns == want.tail_compute_ns
+        assert len(message) - len(encode("patterns", bare, fast=fast)) <= 10 * len(want)
+
+
+def test_a_cpu_job_has_calls_and_no_compute() -> None:
+    """Gloo: no kernels, so the work between calls is host work and its compute unknown, not zero."""
+    tl = timeline_of(record_of(iteration([], CALLS)))
+    assert tl is not None and tl.enter_ns.tolist() == [50_000, 60_000, 90_000]
+    assert tl.compute_ns is None and tl.tail_compute_ns is None
+
+
+def test_an_iteration_without_calls_has_no_timeline() -> None:
+    assert timeline_of(record_of(iteration(KERNELS, []))) is None
+
+
+def test_capped_functions_point_at_the_rows_kept_or_the_last() -> None:
+    """A rank-iteration over its function cap keeps its longest functions: a call of a folded one points at
+    the row that sums the rest, and its sequence numbers still read back."""
+    ev = iteration(KERNELS, CALLS)
+    ev.max_functions = 3  # gemm and the all-reduce (the longest) kept, relu and the send folded
+    record = record_of(ev)
+    tl = timeline_of(record)
+    assert tl is not None and record["function"][1:] == ["nccl:allreduce[pg=dp0,<=4KiB]", OTHER_FUNCTIONS]
+    assert tl.function.tolist() == [1, 1, 2] and tl.seq.tolist() == [40, 41, 7]
+
+
+def _v3_message(record: dict[str, Any]) -> bytes:
+    entry = CATALOG.by_id(603)
+    assert entry is not None and entry.version == 3
+    buf = io.BytesIO()
+    buf.write(struct.pack(">bI", 0, 603))
+    schemaless_writer(buf, entry.parsed, record)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_older_pattern_records_decode_without_a_timeline(fast: bool) -> None:
+    """A patterns.v3 record (before timelines) and a real job's recorded patterns.v2 ones read as no timeline."""
+    record = record_of(iteration(KERNELS, CALLS))
+    _, back = decode(_v3_message(record), fast=fast)
+    assert back["function"] == record["function"] and timeline_of(back) is None
+    (recorded, *_) = recordings()
+    messages = recorded.messages()
+    assert all(timeline_of(decode(m, fast=fast)[1]) is None for m in messages[:20])
