@@ -22,7 +22,7 @@ from fleetscope.streams.analysis.stats import (
     link_stats,
     merge_intervals,
 )
-from fleetscope.streams.analysis.timeline import build_timelines
+from fleetscope.streams.analysis.timeline import CoveredTime, build_timelines
 
 Cols = dict[str, npt.NDArray[Any]]
 I64 = npt.NDArray[np.int64]
@@ -122,7 +122,7 @@ def _empty(n: int = 0) -> npt.NDArray[np.int64]:
     return np.zeros(n, dtype=np.int64)
 
 
-def _gpu_time(comp_s: I64, comp_e: I64, comm_s: I64, comm_e: I64, lo: int, hi: int) -> tuple[I64, _Covered]:
+def _gpu_time(comp_s: I64, comp_e: I64, comm_s: I64, comm_e: I64, lo: int, hi: int) -> tuple[I64, CoveredTime]:
     """Busy, compute and collective time inside [lo, hi] (unions of intervals) and the largest idle gap,
     for an iteration whose span is too wide to shift (see ``_gpu_times``): one merge per class."""
     seg_s, seg_e = merge_intervals(clip(np.concatenate([comp_s, comm_s]), lo, hi),
@@ -130,42 +130,12 @@ def _gpu_time(comp_s: I64, comp_e: I64, comm_s: I64, comm_e: I64, lo: int, hi: i
     gaps = np.concatenate((seg_s, [hi])) - np.concatenate(([lo], seg_e))
     busy = int(np.sum(seg_e - seg_s))
     figures = [busy, covered_ns(comp_s, comp_e, lo, hi), covered_ns(comm_s, comm_e, lo, hi), int(np.max(gaps))]
-    compute = _Covered.of(*merge_intervals(clip(comp_s, lo, hi), clip(comp_e, lo, hi)), np.array([lo]),
+    compute = CoveredTime.of(*merge_intervals(clip(comp_s, lo, hi), clip(comp_e, lo, hi)), np.array([lo]),
                           np.array([hi]), _empty(1))  # fmt: skip
     return np.array([figures], dtype=np.int64), compute
 
 
-@dataclass(frozen=True, slots=True)
-class _Covered:
-    """Compute's merged segments, each iteration's in a time range of its own, and the compute before each:
-    how much compute an iteration had up to any time, by one search."""
-
-    start: I64
-    end: I64
-    before: I64
-    lo: I64
-    hi: I64
-    shift: I64
-    """Per iteration: its bounds and what takes its times into its range."""
-
-    @classmethod
-    def of(cls, start: I64, end: I64, lo: I64, hi: I64, shift: I64) -> _Covered:
-        return cls(start, end, np.cumsum(end - start) - (end - start), lo, hi, shift)
-
-    def since_start(self, t: I64, it: npt.NDArray[np.integer]) -> I64:
-        """Iteration ``it``'s compute from its start up to ``t`` (clipped to the iteration)."""
-        return self._at(clip(t, self.lo[it], self.hi[it]) + self.shift[it]) - self._at(self.lo[it] + self.shift[it])
-
-    def _at(self, t: I64) -> I64:
-        if self.start.size == 0:
-            return np.zeros(t.size, dtype=np.int64)
-        j = self.start.searchsorted(t, side="right") - 1
-        jj = np.maximum(j, 0)
-        covered: I64 = np.where(j >= 0, self.before[jj] + np.minimum(t, self.end[jj]) - self.start[jj], 0)
-        return covered
-
-
-def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) -> tuple[I64, _Covered]:
+def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) -> tuple[I64, CoveredTime]:
     """Per iteration: busy, compute and collective time inside [lo, lo + width] and the largest idle gap; and
     the compute's segments (in their ranges), for the compute before any time.
 
@@ -204,7 +174,7 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
     figures = np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
-    return figures, _Covered(seg_s, seg_e, covered[:-1], lo, hi, shift[:, 0])
+    return figures, CoveredTime(seg_s, seg_e, covered[:-1], lo, hi, shift[:, 0])
 
 
 _REL_BITS = 41
@@ -356,7 +326,8 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     executions give the peak, the mean of the active samples and the CV of all samples.
     Functions are numbered across the batch (iteration by iteration) and every iteration's times are
     shifted into a range of its own, so one group-by serves all: the cost of a numpy call is paid per
-    batch, not per iteration. The result equals summarizing each iteration alone, bit for bit.
+    batch, not per iteration. The result equals summarizing each iteration alone, bit for bit. With each
+    iteration's timeline (``timeline.build_timelines``): its calls in entry order, the compute between them.
     """
     m = len(evs)
     if m == 0:

@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas.records import PATTERN_TIMELINE_FIELDS
+from fleetscope.streams.analysis.stats import clip
 
 I64 = npt.NDArray[np.int64]
 
@@ -118,7 +119,8 @@ class TimelineBatch:
         fn_delta, seq_delta = self.function_delta[lo:hi], self.seq_delta[lo:hi]
         if function_map is not None:
             fn = function_map[self.function[lo:hi]]
-            fn_delta, seq_delta = _function_deltas(fn), seq_deltas(np.zeros(fn.size, np.int64), fn, self.seq[lo:hi])
+            one = np.zeros(fn.size, dtype=np.int64)
+            fn_delta, seq_delta = _less_previous(fn, one == np.arange(fn.size)), seq_deltas(one, fn, self.seq[lo:hi])
         known = self.known[i] and hi > lo
         return {
             "sync_function": fn_delta,
@@ -130,18 +132,19 @@ class TimelineBatch:
         }
 
 
-def _function_deltas(function: I64, first: npt.NDArray[np.bool_] | None = None) -> I64:
-    """Each call's function less the previous call's (the first of its iteration: itself)."""
-    out = np.diff(function, prepend=0)
-    if first is not None:
-        out[first] = function[first]
+def _less_previous(x: I64, first: npt.NDArray[np.bool_]) -> I64:
+    """Each call's value less the previous call's of its iteration (its ``first``: less 0)."""
+    prev = np.empty_like(x)
+    prev[1:] = x[:-1]
+    prev[first] = 0
+    out: I64 = x - prev
     return out
 
 
 def seq_deltas(it: I64, function: I64, seq: I64) -> I64:
     """Each call's sequence number less that of the previous call of the same function in its iteration (the
     first of each: itself): consecutive calls of a group differ by one, a byte on the wire."""
-    order = np.lexsort((np.arange(it.size), function, it))
+    order = np.lexsort((function, it))  # stable: calls of a function in entry order
     s = seq[order]
     out = s.copy()
     same = (it[order][1:] == it[order][:-1]) & (function[order][1:] == function[order][:-1])
@@ -168,14 +171,12 @@ def build_timelines(
     microsecond after the iteration's start before they are differenced, so that the gaps and the compute
     add up exactly (no rounding error accumulates along the iteration)."""
     m = int(compute_ns.size)
-    order = np.lexsort((np.arange(it.size), enter_ns, it))
+    order = np.lexsort((enter_ns, it))  # stable: ties in the order given
     it, function, seq = it[order], function[order], seq[order]
     enter_us, leave_us = enter_ns[order] // US, leave_ns[order] // US
     compute_us = compute_at_enter_ns[order] // US
     first = np.ones(it.size, dtype=bool)
     first[1:] = it[1:] != it[:-1]
-    prev_leave, prev_compute = np.roll(leave_us, 1), np.roll(compute_us, 1)
-    prev_leave[first], prev_compute[first] = 0, 0
     counts = np.bincount(it, minlength=m)
     bounds = np.concatenate(([0], np.cumsum(counts)))
     last_compute = np.concatenate((compute_us, [0]))[np.where(counts > 0, bounds[1:] - 1, it.size)]
@@ -184,11 +185,42 @@ def build_timelines(
         bounds=bounds.tolist(),
         function=function,
         seq=seq,
-        function_delta=_function_deltas(function, first),
+        function_delta=_less_previous(function, first),
         seq_delta=seq_deltas(it, function, seq),
-        gap_us=enter_us - prev_leave,
+        gap_us=enter_us - leave_us + _less_previous(leave_us, first),
         dur_us=leave_us - enter_us,
-        compute_us=compute_us - prev_compute,
+        compute_us=_less_previous(compute_us, first),
         tail_compute_us=tail.tolist(),
         known=known.tolist(),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class CoveredTime:
+    """A union of intervals as sorted disjoint segments (each iteration's in a time range of its own, where
+    ``shift`` takes its times) and the length of those before each: how much of it an iteration had up to
+    any time, by one search. The windower's summary keeps its compute kernels' so."""
+
+    start: I64
+    end: I64
+    before: I64
+    lo: I64
+    hi: I64
+    shift: I64
+    """Per iteration: its bounds and what takes its times into its range."""
+
+    @classmethod
+    def of(cls, start: I64, end: I64, lo: I64, hi: I64, shift: I64) -> CoveredTime:
+        return cls(start, end, np.cumsum(end - start) - (end - start), lo, hi, shift)
+
+    def since_start(self, t: I64, it: npt.NDArray[np.integer]) -> I64:
+        """Iteration ``it``'s compute from its start up to ``t`` (clipped to the iteration)."""
+        return self._at(clip(t, self.lo[it], self.hi[it]) + self.shift[it]) - self._at(self.lo[it] + self.shift[it])
+
+    def _at(self, t: I64) -> I64:
+        if self.start.size == 0:
+            return np.zeros(t.size, dtype=np.int64)
+        j = self.start.searchsorted(t, side="right") - 1
+        jj = np.maximum(j, 0)
+        covered: I64 = np.where(j >= 0, self.before[jj] + np.minimum(t, self.end[jj]) - self.start[jj], 0)
+        return covered

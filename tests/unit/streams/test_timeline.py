@@ -4,6 +4,7 @@ collective events and kernels, carried by the pattern record (``patterns.v4``), 
 from __future__ import annotations
 
 import io
+import socket
 import struct
 import sys
 from pathlib import Path
@@ -12,11 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 from fastavro import schemaless_writer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fleetscope.schemas import CATALOG, decode, encode
+from fleetscope.producers.publisher import PublisherStats
+from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
+from fleetscope.schemas import CATALOG, EventBatch, EventKind, Topics, decode, encode
 from fleetscope.schemas.vocabulary import OTHER_FUNCTIONS
-from fleetscope.streams.analysis.patterns import IterationEvents, summarize_iteration
+from fleetscope.streams.analysis.patterns import IterationEvents, size_bucket_label, summarize_iteration
 from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS, timeline_of
+from fleetscope.streams.analysis.windowing import RankWindower
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
 from recorded_jobs import recordings  # noqa: E402
@@ -126,3 +132,133 @@ def test_older_pattern_records_decode_without_a_timeline(fast: bool) -> None:
     (recorded, *_) = recordings()
     messages = recorded.messages()
     assert all(timeline_of(decode(m, fast=fast)[1]) is None for m in messages[:20])
+
+
+class _Collected:
+    """A publisher that keeps the batches a real rank's recorder sends."""
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+
+    def start(self) -> None:
+        pass
+
+    def publish(self, batch: EventBatch) -> bool:
+        self.batches.append(batch)
+        return True
+
+    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
+        return True
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(prefix="t")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        pass
+
+    @property
+    def stats(self) -> PublisherStats:
+        return PublisherStats(published=len(self.batches))
+
+
+def test_a_real_gloo_ranks_timeline_is_its_collective_events() -> None:
+    """A real torch rank (gloo, DDP's bucket all-reduce and a plain one per step) through the hook and the
+    windower: each iteration's timeline lists exactly the collective events that started in it, in entry
+    order, with their function, sequence number and enter/leave (to the microsecond); no kernels, no compute."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import fleetscope.producers.torch_hook as fs
+
+    publisher = _Collected()
+    recorder = Recorder(RankIdentity(job="tl", rank=0, world_size=1, host="h"), publisher,
+                        RecorderConfig(flush_interval_ms=10_000))  # fmt: skip
+    monitor = fs.Monitor(recorder)
+    monitor.start()
+    fs._monitor = monitor
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 8))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(4):
+            model(torch.ones(4, 64)).sum().backward()
+            opt.step()
+            dist.all_reduce(torch.ones(1024))
+            dist.all_reduce(torch.ones(16))
+            fs.step()
+    finally:
+        dist.destroy_process_group()
+        fs._monitor = None
+        monitor.stop()
+    recorder._flush()
+    windower = RankWindower()
+    batches = sorted(publisher.batches, key=lambda b: b.kind is EventKind.PYTHON)  # steps close after their events
+    closed = [c for b in batches for c in windower.add(b, 0)] + windower.flush()
+    coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
+    start = np.concatenate([b["start_ns"] for b in coll])
+    end = start + np.concatenate([b["dur_ns"] for b in coll])
+    seq = np.concatenate([b["seq"] for b in coll])
+    ops = [b.names[i] for b in coll for i in b["op_id"]]
+    checked = 0
+    for c in closed:
+        record = c.patterns
+        tl = timeline_of(decode(encode("patterns", {**record, "job": "tl", "host": "h"}))[1])
+        lo, hi = record["iteration_start_ns"], record["iteration_start_ns"] + record["iteration_ns"]
+        mine = np.flatnonzero((start >= lo) & (start < hi))
+        if not mine.size:
+            assert tl is None
+            continue
+        assert tl is not None and tl.compute_ns is None and len(tl) == mine.size
+        mine = mine[np.argsort(start[mine], kind="stable")]
+        assert tl.enter_ns.tolist() == ((start[mine] - lo) // 1000 * 1000).tolist()
+        assert tl.leave_ns.tolist() == ((end[mine] - lo) // 1000 * 1000).tolist()
+        assert tl.seq.tolist() == seq[mine].tolist()
+        assert [record["function"][f].split("[")[0] for f in tl.function] == [f"nccl:{ops[j]}" for j in mine]
+        checked += len(tl)
+    assert checked == start.size == 12  # the bucket and two all-reduces a step: each call in one timeline
+
+
+def _union_before(kernels: list[tuple[int, int, int]], lo: int, t: int) -> int:
+    """Kernel time (their union) from ``lo`` up to ``t``, point by point: the definition, slowly."""
+    covered = np.zeros(max(t - lo, 0), dtype=bool)
+    for start, dur, _ in kernels:
+        covered[max(start - lo, 0) : max(start + dur - lo, 0)] = True
+    return int(covered.sum())
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1_000_000, 1_100_000), st.integers(0, 30_000), st.just(0)), max_size=6),
+    st.lists(st.tuples(st.integers(990_000, 1_100_000), st.integers(0, 20_000), st.sampled_from([2, 5]),
+                       st.sampled_from([3, 6]), st.integers(-1, 2**40), st.integers(0, 2**30)), max_size=12),
+)  # fmt: skip
+def test_the_timeline_matches_its_definition_on_random_calls(kernels: list[Any], calls: list[Any]) -> None:
+    """Entry order (ties as given), the identity of each call, enter/leave floored to the microsecond, and
+    the compute between enters, against a slow reading of the events, through the wire."""
+    ev = iteration(kernels, calls)
+    record = record_of(ev)
+    tl = timeline_of(decode(encode("patterns", record))[1])
+    if not calls:
+        assert tl is None
+        return
+    assert tl is not None
+    lo = ev.start_ns
+    order = sorted(range(len(calls)), key=lambda j: calls[j][0])
+    assert tl.enter_ns.tolist() == [(calls[j][0] - lo) // 1000 * 1000 for j in order]
+    assert tl.leave_ns.tolist() == [(calls[j][0] + calls[j][1] - lo) // 1000 * 1000 for j in order]
+    assert tl.seq.tolist() == [calls[j][4] for j in order]
+    assert [record["function"][f] for f in tl.function] == [
+        f"nccl:{NAMES[calls[j][2]]}[pg={NAMES[calls[j][3]]},<={size_bucket_label(calls[j][5])}]" for j in order
+    ]
+    if not kernels:
+        assert tl.compute_ns is None and tl.tail_compute_ns is None
+        return
+    cum = [_union_before(kernels, lo, min(calls[j][0], ev.end_ns)) // 1000 for j in order]
+    assert tl.compute_ns is not None and tl.compute_ns.tolist() == [
+        1000 * (b - a) for a, b in zip([0, *cum[:-1]], cum, strict=True)
+    ]
+    assert tl.tail_compute_ns == 1000 * (_union_before(kernels, lo, ev.end_ns) // 1000 - cum[-1])
