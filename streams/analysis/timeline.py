@@ -60,23 +60,40 @@ class RankTimeline:
 
 
 def timeline_of(record: Mapping[str, Any]) -> RankTimeline | None:
-    """The timeline a pattern record carries; None for records without one (older producers, no calls)."""
+    """The timeline a pattern record carries; None for records without one (older producers, no calls).
+
+    A timeline no windower writes (fields of unequal lengths, a function outside the record's list, a
+    negative duration or compute) raises ``ValueError`` with the one reason, so its message is refused
+    whole rather than replayed wrong."""
     function = record.get("sync_function")
     if function is None or len(function) == 0:
         return None
+    n = len(function)
+    compute = record.get("sync_compute_us")
+    compute = () if compute is None else compute
+    known = len(compute) > 0
+    lengths = {name: len(record.get(name, ())) for name in TIMELINE_FIELDS[1:4]}
+    if known:
+        lengths["sync_compute_us"] = len(compute)
+    for name, length in lengths.items():
+        if length != n:
+            raise ValueError(f"timeline of {n} calls has {length} entries in {name}")
     fn = np.cumsum(np.asarray(function, dtype=np.int64))
     gap = np.asarray(record["sync_gap_us"], dtype=np.int64)
     dur = np.asarray(record["sync_dur_us"], dtype=np.int64)
-    leave_us = np.cumsum(gap + dur)
-    compute = record.get("sync_compute_us")
-    known = compute is not None and len(compute) > 0
+    compute_us = np.asarray(compute, dtype=np.int64)
     tail = int(record.get("sync_tail_compute_us", -1))
+    if int(fn.min()) < 0 or int(fn.max()) >= len(record["function"]):
+        raise ValueError(f"timeline calls a function outside the record's {len(record['function'])}")
+    if int(dur.min()) < 0 or (known and int(compute_us.min()) < 0):
+        raise ValueError("timeline has a negative duration or compute")
+    leave_us = np.cumsum(gap + dur)
     return RankTimeline(
         function=fn,
         seq=_undo_seq_deltas(fn, np.asarray(record["sync_seq"], dtype=np.int64)),
         enter_ns=(leave_us - dur) * US,
         leave_ns=leave_us * US,
-        compute_ns=np.asarray(compute, dtype=np.int64) * US if known else None,
+        compute_ns=compute_us * US if known else None,
         iteration_ns=int(record.get("iteration_ns", 0)),
         tail_compute_ns=tail * US if known and tail >= 0 else None,
     )

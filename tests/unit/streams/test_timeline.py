@@ -4,6 +4,7 @@ collective events and kernels, carried by the pattern record (``patterns.v4``), 
 from __future__ import annotations
 
 import io
+import re
 import socket
 import struct
 import sys
@@ -230,12 +231,16 @@ def _union_before(kernels: list[tuple[int, int, int]], lo: int, t: int) -> int:
     return int(covered.sum())
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    st.lists(st.tuples(st.integers(1_000_000, 1_100_000), st.integers(0, 30_000), st.just(0)), max_size=6),
-    st.lists(st.tuples(st.integers(990_000, 1_100_000), st.integers(0, 20_000), st.sampled_from([2, 5]),
-                       st.sampled_from([3, 6]), st.integers(-1, 2**40), st.integers(0, 2**30)), max_size=12),
+A_KERNEL = st.tuples(st.integers(1_000_000, 1_100_000), st.integers(0, 30_000), st.just(0))
+A_CALL = st.tuples(
+    st.integers(990_000, 1_100_000), st.integers(0, 20_000), st.sampled_from([2, 5]), st.sampled_from([3, 6]),
+    st.integers(-1, 2**40), st.integers(2, 2**30) | st.just(0),
 )  # fmt: skip
+"""(start, dur, op, pg, seq, nbytes); 1 byte shares 0 bytes' size class in function names (not the reference's)."""
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(A_KERNEL, max_size=6), st.lists(A_CALL, max_size=12))
 def test_the_timeline_matches_its_definition_on_random_calls(kernels: list[Any], calls: list[Any]) -> None:
     """Entry order (ties as given), the identity of each call, enter/leave floored to the microsecond, and
     the compute between enters, against a slow reading of the events, through the wire."""
@@ -262,3 +267,33 @@ def test_the_timeline_matches_its_definition_on_random_calls(kernels: list[Any],
         1000 * (b - a) for a, b in zip([0, *cum[:-1]], cum, strict=True)
     ]
     assert tl.tail_compute_ns == 1000 * (_union_before(kernels, lo, ev.end_ns) // 1000 - cum[-1])
+
+
+def test_an_iteration_too_wide_to_shift_has_its_timeline_too() -> None:
+    """Summarized alone (its own union, unshifted), an iteration of an absurd span still partitions its compute."""
+    ev = IterationEvents(
+        step=0, start_ns=-(2**62), end_ns=2**62, names=NAMES,
+        kernels={"start_ns": a([0, 50_000]), "dur_ns": a([10_000, 10_000]), "name_id": a([0, 0], np.int32)},
+        collectives=collectives([(20_000, 10_000, 2, 3, 1, 64), (70_000, 5_000, 2, 3, 2, 64)]),
+    )  # fmt: skip
+    tl = timeline_of(record_of(ev))
+    assert tl is not None and (tl.leave_ns - tl.enter_ns).tolist() == [10_000, 5_000]
+    assert tl.enter_ns[1] - tl.enter_ns[0] == 50_000 and tl.seq.tolist() == [1, 2]
+    assert tl.compute_ns is not None and tl.compute_ns.tolist() == [10_000, 10_000] and tl.tail_compute_ns == 0
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ({"sync_gap_us": [0, 1]}, "timeline of 3 calls has 2 entries in sync_gap_us"),
+        ({"sync_compute_us": [1]}, "timeline of 3 calls has 1 entries in sync_compute_us"),
+        ({"sync_function": [99, 0, 0]}, "timeline calls a function outside the record's"),
+        ({"sync_function": [-1, 0, 0]}, "timeline calls a function outside the record's"),
+        ({"sync_dur_us": [5, -1, 2]}, "timeline has a negative duration or compute"),
+    ],
+)
+def test_a_timeline_no_windower_writes_is_refused_with_its_reason(damage: dict[str, Any], reason: str) -> None:
+    record = record_of(iteration(KERNELS, CALLS))
+    assert timeline_of(record) is not None
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        timeline_of({**record, **damage})
