@@ -8,8 +8,8 @@ true cost is the difference of the job's iteration time (median rank, mean over 
 Each faulty iteration is replayed (``streams/analysis/replay.py``) and every candidate cause priced
 (``streams/analysis/whatif.py``). Printed per fault: the true cost, the top cause's estimated saving, the
 error, whether the top cause is the injected one, any other cause that would be named (a victim), and the
-replay's error on the healthy job. Timelines come from the windowed events: each rank's collectives inside
-its step markers, the compute kernels between them.
+replay's error on the healthy job. Timelines are the windower's (pattern records through the in-process
+stages ``fleetscope analyze`` runs).
 
 Not a test: figures depend on the jobs' sizes and seeds.
 """
@@ -30,89 +30,30 @@ import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
 from fleetscope.producers.simulation.faults import FAULT_KINDS, Fault
-from fleetscope.schemas import EventBatch, EventKind, FunctionKind
-from fleetscope.schemas.vocabulary import classify_kernel, parse_step_marker
-from fleetscope.streams.analysis.patterns import collective_function_name
+from fleetscope.schemas import EventBatch
 from fleetscope.streams.analysis.replay import call_graph, replay
 from fleetscope.streams.analysis.timeline import RankTimeline
 from fleetscope.streams.analysis.whatif import MIN_SAVING_SHARE, Cause, others_named, what_if
+from fleetscope.streams.offline import OfflinePipeline
 
 PERSISTENT = 0.8
 """A cause is named where it is the top cause in this share of the judged iterations (one replica of two
 being the slowest of a step by chance is not a fault)."""
-Step = tuple[list[dict[str, Any]], list[RankTimeline | None]]
-
-
-@dataclass
-class _Rank:
-    header: Any = None
-    steps: list[tuple[int, int, int]] | None = None
-    coll: list[tuple[np.ndarray, ...]] | None = None
-    kern: list[tuple[np.ndarray, np.ndarray]] | None = None
+Step = tuple[list[dict[str, Any]], list[RankTimeline | None] | None]
+"""One iteration's records and their timelines (None: the records' own, ``timeline_of``)."""
 
 
 def job_steps(batches: Iterable[EventBatch]) -> dict[int, Step]:
-    """Per step: every rank's record (coordinates, functions, bytes) and timeline, from raw batches."""
-    ranks: dict[int, _Rank] = {}
-    for b in batches:
-        rk = ranks.setdefault(b.header.rank, _Rank(steps=[], coll=[], kern=[]))
-        rk.header = b.header
-        c = b.columns
-        if b.kind is EventKind.PYTHON:
-            for name_id, s, d in zip(c["name_id"].tolist(), c["start_ns"].tolist(), c["dur_ns"].tolist(), strict=True):
-                step = parse_step_marker(b.names[name_id])
-                if step is not None and rk.steps is not None:
-                    rk.steps.append((step, s, s + d))
-        elif b.kind is EventKind.COLLECTIVES and rk.coll is not None:
-            ops = np.array(b.names, dtype=object)
-            names = [collective_function_name(o, p, n) for o, p, n in
-                     zip(ops[c["op_id"]], ops[c["pg_id"]], c["nbytes"].tolist(), strict=True)]  # fmt: skip
-            rk.coll.append((c["start_ns"], c["start_ns"] + c["dur_ns"], np.array(names, dtype=object), c["seq"],
-                            c["nbytes"]))  # fmt: skip
-        elif b.kind is EventKind.KERNELS and rk.kern is not None:
-            compute = np.array([classify_kernel(b.names[i]) in (FunctionKind.COMPUTE, FunctionKind.MEMORY)
-                                for i in c["name_id"].tolist()], dtype=bool)  # fmt: skip
-            rk.kern.append((c["start_ns"][compute], c["start_ns"][compute] + c["dur_ns"][compute]))
-    out: dict[int, Step] = {}
-    for r in sorted(ranks):
-        rk = ranks[r]
-        cs = [np.concatenate([p[j] for p in rk.coll or []]) for j in range(5)] if rk.coll else None
-        ks = [np.concatenate([p[j] for p in rk.kern or []]) for j in range(2)] if rk.kern else None
-        for step, s, e in rk.steps or []:
-            rec, tl = _rank_step(rk.header, step, s, e, cs, ks)
-            out.setdefault(step, ([], []))
-            out[step][0].append(rec)
-            out[step][1].append(tl)
-    return {s: v for s, v in out.items() if len(v[0]) == len(ranks)}
-
-
-def _rank_step(
-    h: Any, step: int, s: int, e: int, cs: list[np.ndarray] | None, ks: list[np.ndarray] | None
-) -> tuple[dict[str, Any], RankTimeline | None]:
-    rec: dict[str, Any] = {"rank": h.rank, "tp_rank": h.tp_rank, "pp_rank": h.pp_rank, "dp_rank": h.dp_rank}
-    rec |= {"host": h.host, "iteration": step, "iteration_ns": e - s, "function": [], "calls": [], "nbytes": []}
-    if cs is None:
-        return rec, None
-    sel = np.flatnonzero((cs[0] >= s) & (cs[0] < e))
-    sel = sel[np.argsort(cs[0][sel], kind="stable")]
-    if sel.size == 0:
-        return rec, None
-    names, inverse = np.unique(cs[2][sel], return_inverse=True)
-    rec["function"] = names.tolist()
-    rec["calls"] = np.bincount(inverse).tolist()
-    rec["nbytes"] = np.bincount(inverse, weights=cs[4][sel]).astype(np.int64).tolist()
-    enter, leave = cs[0][sel] - s, np.minimum(cs[1][sel], e) - s
-    compute = None
-    if ks is not None and ks[0].size:
-        mid = (ks[0] + ks[1]) // 2 - s
-        order = np.argsort(mid)
-        cum = np.r_[0, np.cumsum((ks[1] - ks[0])[order])]
-        lo = np.r_[0, leave[:-1]]
-        at = np.searchsorted(mid[order], np.stack([lo, enter]))
-        compute = np.maximum(cum[at[1]] - cum[at[0]], 0)
-    tl = RankTimeline(function=inverse.astype(np.int64), seq=cs[3][sel].astype(np.int64), enter_ns=enter,
-                      leave_ns=leave, compute_ns=compute, iteration_ns=e - s)  # fmt: skip
-    return rec, tl
+    """Per iteration: every rank's pattern record, as the windower publishes it (its timeline inside), through
+    the in-process stages ``fleetscope analyze`` runs (``streams/offline.py``); the last iteration left out."""
+    pipeline = OfflinePipeline(keep_patterns=True)
+    pipeline.add_all(batches)
+    pipeline.finish()
+    by: dict[int, list[dict[str, Any]]] = {}
+    for rec in pipeline.patterns:
+        by.setdefault(int(rec["iteration"]), []).append(rec)
+    ranks = max((len(v) for v in by.values()), default=0)
+    return {it: (sorted(v, key=lambda r: r["rank"]), None) for it, v in sorted(by.items()) if len(v) == ranks}
 
 
 def job_iteration_ns(steps: dict[int, Step], keep: Sequence[int]) -> float:

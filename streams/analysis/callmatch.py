@@ -13,7 +13,9 @@ finishes, so starts, its iteration earlier than the first; clocks of hosts diffe
 3. each rank's start offset follows from these differences (collective members and p2p neighbours, the
    median per pair of ranks), along a spanning tree of the ranks;
 4. on that common clock, a send matches the receive of its group on a neighbour that ended nearest to it,
-   within ``MATCH_TOLERANCE_NS``; each receive at most one send. The rest stay alone: they keep their
+   within ``MATCH_TOLERANCE_NS``; each receive at most one send. Where a call is left unmatched on a rank
+   whose pair was settled by sequence numbers, those may have agreed by chance: the pair is settled again by
+   its ends alone (step 2's second way) and the calls matched again. The rest stay alone: they keep their
    measured time in the replay.
 """
 
@@ -62,11 +64,17 @@ def match_calls(records: Sequence[Mapping[str, Any]], row: I64, leave: F64, kind
         key[coll] = pg[coll] * (int(s.max()) + 1) + s
     _, coll_inst = np.unique(key[coll], return_inverse=True)
     neighbours = pipeline_neighbours(records)
-    by_seq, settled = _seq_edges(neighbours, row, leave, kind, pg, seq)
-    edges = [_collective_edges(row[coll], leave[coll], coll_inst.reshape(-1)), by_seq,
-             _p2p_edges(neighbours, row, leave, kind, pg, settled)]  # fmt: skip
-    start = _offsets(n_rec, edges)
+    within, comp = _offsets(n_rec, [_collective_edges(row[coll], leave[coll], coll_inst.reshape(-1))])
+    by_seq = _lifted(_seq_combos(neighbours, row, leave, kind, pg, seq), within, comp)
+    seq_edges, settled = _modes(*by_seq, n_rec, SEQ_AGREEMENT)
+    start = _aligned(neighbours, row, leave, kind, pg, within, comp, seq_edges, settled)
     sends, recvs = _nearest(neighbours, row, leave + start[row], kind, pg)
+    doubtful = _unsettled(settled, sends, recvs, row, kind, comp, n_rec)
+    if doubtful.size:  # numbers that agreed by chance (a per-group count): those pairs by their ends alone
+        kept = ~np.isin(settled, doubtful)
+        seq_edges = (seq_edges[0][kept], seq_edges[1][kept], seq_edges[2][kept])
+        start = _aligned(neighbours, row, leave, kind, pg, within, comp, seq_edges, settled[kept])
+        sends, recvs = _nearest(neighbours, row, leave + start[row], kind, pg)
     base = int(key.max()) + 1 if coll.any() else 0
     key[sends] = key[recvs] = base + np.arange(sends.size)
     alone = kind != COLLECTIVE
@@ -75,6 +83,50 @@ def match_calls(records: Sequence[Mapping[str, Any]], row: I64, leave: F64, kind
     _, instance = np.unique(key, return_inverse=True)
     return Matched(instance.astype(np.int64).reshape(-1), start - start.min() if n_rec else start, int(sends.size),
                    int(alone.sum()))  # fmt: skip
+
+
+def _lifted(edges: Edges, within: F64, comp: I64) -> Edges:
+    """Record-pair offsets as offsets between their sets of ranks held together by collectives (within them
+    the collectives decide); pairs inside one set dropped."""
+    a, b, d = edges
+    ca, cb = comp[a], comp[b]
+    apart = ca != cb
+    return ca[apart], cb[apart], (d - within[b] + within[a])[apart]
+
+
+def _aligned(
+    neighbours: I64,
+    row: I64,
+    leave: F64,
+    kind: I64,
+    pg: I64,
+    within: F64,
+    comp: I64,
+    seq_edges: Edges,
+    settled: I64,
+) -> F64:
+    """Each record's start: its set's offset (sequence-number offsets where settled, else the most frequent of
+    all combinations, pooled over every pair of ranks joining two sets) plus its offset within its set."""
+    n_rec = comp.size
+    lo = np.minimum(comp[row][:, None], comp[np.maximum(neighbours[row], 0)])
+    hi = np.maximum(comp[row][:, None], comp[np.maximum(neighbours[row], 0)])
+    skip = np.isin(lo * n_rec + hi, settled) | (lo == hi)
+    combos = _lifted(_all_combos(neighbours, row, leave, kind, pg, skip), within, comp)
+    combo_edges = _modes(*combos, n_rec, 0.0)[0] if combos[0].size else _NONE
+    between, _ = _offsets(n_rec, [seq_edges, combo_edges])
+    out: F64 = between[comp] + within
+    return out
+
+
+def _unsettled(settled: I64, sends: I64, recvs: I64, row: I64, kind: I64, comp: I64, n_rec: int) -> I64:
+    """The set pairs settled by sequence numbers that have a p2p call left unmatched on one of their ranks."""
+    alone = np.ones(row.size, dtype=bool)
+    alone[sends] = alone[recvs] = False
+    lonely = np.unique(comp[row[alone & (kind != COLLECTIVE)]])
+    if lonely.size == 0 or settled.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    out: I64 = settled[np.isin(settled // n_rec, lonely) | np.isin(settled % n_rec, lonely)]
+    return out
 
 
 def pipeline_neighbours(records: Sequence[Mapping[str, Any]]) -> I64:
@@ -119,15 +171,16 @@ def _groups(values: I64) -> tuple[I64, I64, I64]:
     return order, uniq, np.r_[lo, srt.size][: uniq.size + 1]
 
 
-def _seq_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, seq: I64) -> tuple[Edges, I64]:
-    """Per pair of pipeline neighbours whose sends and receives of equal sequence numbers end at one offset
-    (``SEQ_AGREEMENT`` of them within ``BIN_NS`` of their median: the producer numbers p2p per pair or per
-    pass), that offset; and those pairs' keys (``lo * records + hi``)."""
-    none: Edges = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+_NONE: Edges = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+
+
+def _seq_combos(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, seq: I64) -> Edges:
+    """Every send with the receive of equal sequence number on a pipeline neighbour: (sender, receiver,
+    the offset their ends give)."""
     sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
     n_rec = neighbours.shape[0]
     if sends.size == 0 or recvs.size == 0:
-        return none, np.zeros(0, np.int64)
+        return _NONE
     lo_seq = int(min(seq[sends].min(), seq[recvs].min()))
     span = int(max(seq[sends].max(), seq[recvs].max())) - lo_seq + 1
     r_key = (pg[recvs] * n_rec + row[recvs]) * span + (seq[recvs] - lo_seq)
@@ -142,13 +195,16 @@ def _seq_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, seq: I
         a_l.append(row[sends[ok]])
         b_l.append(row[r])
         d_l.append(leave[sends[ok]] - leave[r])
-    a, b, d = np.concatenate(a_l), np.concatenate(b_l), np.concatenate(d_l)
-    if a.size == 0:
-        return none, np.zeros(0, np.int64)
-    return _modes(a, b, d, n_rec, SEQ_AGREEMENT)
+    return np.concatenate(a_l), np.concatenate(b_l), np.concatenate(d_l)
 
 
 def _modes(a: I64, b: I64, d: F64, n_rec: int, min_share: float) -> tuple[Edges, I64]:
+    if a.size == 0:
+        return _NONE, np.zeros(0, np.int64)
+    return _modes_of(a, b, d, n_rec, min_share)
+
+
+def _modes_of(a: I64, b: I64, d: F64, n_rec: int, min_share: float) -> tuple[Edges, I64]:
     """Per pair of records, the most frequent offset (``BIN_NS`` bins, the median of the winning bin) where
     its bin holds two values or more and ``min_share`` of the pair's; and the pairs' keys."""
     lo_r, hi_r = np.minimum(a, b), np.maximum(a, b)
@@ -176,9 +232,9 @@ def _modes(a: I64, b: I64, d: F64, n_rec: int, min_share: float) -> tuple[Edges,
     return (keys // n_rec, keys % n_rec, d_sel[mid]), keys
 
 
-def _p2p_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, settled: I64) -> Edges:
-    """Per pair of pipeline neighbours not ``settled`` by their sequence numbers, the offset most of their
-    send/receive combinations agree on."""
+def _all_combos(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, skip: npt.NDArray[np.bool_]) -> Edges:
+    """Every send with every receive of its group on a pipeline neighbour (the first ``MAX_PAIR_CALLS`` of
+    each), but for the sends ``skip``s per neighbour column (n, 2): (sender, receiver, the offset)."""
     sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
     known = neighbours[:, 0] != -2
     if sends.size == 0 or recvs.size == 0:
@@ -192,11 +248,9 @@ def _p2p_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, settle
     pos = np.arange(sends.size) - np.repeat(s_bounds[:-1], np.diff(s_bounds))
     s_take = sends[s_order[pos < MAX_PAIR_CALLS]]
     a_all, b_all, d_all = [], [], []
-    cand_cols = [neighbours[row[s_take], 0], neighbours[row[s_take], 1]]
-    for cand in cand_cols:
-        ok = (cand >= 0) & known[row[s_take]]
-        pair_key = np.minimum(row[s_take], cand) * n_rec + np.maximum(row[s_take], cand)
-        ok &= ~np.isin(pair_key, settled)
+    for col in (0, 1):
+        cand = neighbours[row[s_take], col]
+        ok = (cand >= 0) & known[row[s_take]] & ~skip[s_take, col]
         want = pg[s_take] * n_rec + np.maximum(cand, 0)
         at = np.searchsorted(r_uniq, want)
         ok &= at < r_uniq.size
@@ -209,21 +263,19 @@ def _p2p_edges(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, settle
         a_all.append(row[s_rep])
         b_all.append(row[r_rep])
         d_all.append(leave[s_rep] - leave[r_rep])
-    a, b, d = np.concatenate(a_all), np.concatenate(b_all), np.concatenate(d_all)
-    if a.size == 0:
-        return a, b, d
-    return _modes(a, b, d, neighbours.shape[0], 0.0)[0]
+    return np.concatenate(a_all), np.concatenate(b_all), np.concatenate(d_all)
 
 
-def _offsets(n_rec: int, edges: Sequence[Edges]) -> F64:
+def _offsets(n_rec: int, edges: Sequence[Edges]) -> tuple[F64, I64]:
     """Each record's start offset from the pairwise differences: the median per pair, then a spanning tree
-    (breadth first from the lowest record of each connected set, which starts at 0)."""
+    (breadth first from the lowest record of each connected set, which starts at 0); and each record's set."""
     a = np.concatenate([e[0] for e in edges])
     b = np.concatenate([e[1] for e in edges])
     d = np.concatenate([e[2] for e in edges])
     start = np.zeros(n_rec)
+    comp = np.arange(n_rec)
     if a.size == 0:
-        return start
+        return start, comp
     lo, hi = np.minimum(a, b), np.maximum(a, b)
     d = np.where(a == lo, d, -d)
     pair = lo * n_rec + hi
@@ -252,8 +304,9 @@ def _offsets(n_rec: int, edges: Sequence[Edges]) -> F64:
                 if not seen[v]:
                     seen[v] = True
                     start[v] = start[u] + diff_l[k]
+                    comp[v] = root
                     queue.append(v)
-    return start
+    return start, comp
 
 
 def _nearest(neighbours: I64, row: I64, aligned: F64, kind: I64, pg: I64) -> tuple[I64, I64]:
