@@ -33,6 +33,8 @@ from fleetscope.streams.analysis.timeline import RankTimeline, timeline_of
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
+Floats = npt.NDArray[np.floating[Any]]
+"""Times of a replay: float64, or float32 for what-if scenarios."""
 
 P2P_OPS = ("send", "recv")
 """The point-to-point ops: a call of one matches a call of the other on another rank."""
@@ -46,6 +48,34 @@ def call_kind(function: str) -> tuple[str, int, str]:
     op = m.group(1) if m else ""
     kind = (SEND, RECV)[P2P_OPS.index(op)] if op in P2P_OPS else COLLECTIVE
     return process_group_of(function), kind, "p2p" if kind else collective_class(function)
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One round of the instances' order: its calls are ``order[lo:hi]`` of ``Levels``."""
+
+    lo: int
+    hi: int
+    deps: I64
+    """Where each call's dependency is in the order (``len(calls) + record``: the record's start)."""
+    starts: I64
+    """Offsets of each instance's members among the level's calls (for ``reduceat``)."""
+    instances: I64
+    member: I64
+    """Per call of the level: its instance's index among ``instances``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """The calls in dependency order, level by level, so that a replay reads and writes each level as one slice."""
+
+    order: I64
+    position: I64
+    """Per call: where it is in ``order``."""
+    rounds: tuple[Level, ...]
+
+    def __len__(self) -> int:
+        return len(self.rounds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +120,7 @@ class CallGraph:
     """Per record: where its iteration starts on the job's common clock (``callmatch``)."""
     groups: tuple[str, ...]
     classes: tuple[str, ...]
-    levels: tuple[tuple[I64, I64, I64, I64], ...]
-    """Per level: (its calls, the calls they wait for, reduceat offsets per instance, its instances)."""
+    levels: Levels
     matched_p2p: int
     unmatched_p2p: int
 
@@ -267,9 +296,7 @@ def _latest_ended(row: I64, enter: F64, leave: F64, eligible: npt.NDArray[np.boo
     return np.where(ok, found, n).astype(np.int64)
 
 
-def _levels(
-    dep: I64, instance: I64, members: I64, enter: F64, row: I64
-) -> tuple[I64, tuple[tuple[I64, I64, I64, I64], ...]]:
+def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tuple[I64, Levels]:
     """Instances in dependency order, one level per round of Kahn's algorithm. An instance on a cycle
     (inconsistent input: a wrong match) has its members' dependencies cut: they enter when measured."""
     n = dep.size
@@ -303,21 +330,23 @@ def _levels(
         if after.size == 0:
             frontier = np.zeros(0, dtype=np.int64)
             continue
-        hit = np.bincount(instance[after], minlength=n_inst)
-        touched = np.flatnonzero(hit)
-        waits[touched] -= hit[touched]
+        touched, hit = np.unique(instance[after], return_counts=True)
+        waits[touched] -= hit
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
     dep = np.where(dep == n, n + row, dep)  # each record's own start
     order = np.lexsort((instance, level[instance]))
+    position = np.empty(n + row.size, dtype=np.int64)  # where each call (then each start) is in that order
+    position[order] = np.arange(n)
+    position[n:] = np.arange(n, n + row.size)
     lv_of = level[instance[order]]
     bounds = np.r_[0, np.flatnonzero(np.diff(lv_of)) + 1, order.size]
     out = []
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        calls = order[a:b]
-        inst = instance[calls]
+        inst = instance[order[a:b]]
         starts = np.r_[0, np.flatnonzero(np.diff(inst)) + 1]
-        out.append((calls, dep[calls], starts, inst[starts]))
-    return dep, tuple(out)
+        member = np.cumsum(np.r_[0, (np.diff(inst) != 0).astype(np.int64)])
+        out.append(Level(int(a), int(b), position[dep[order[a:b]]], starts, inst[starts], member))
+    return dep, Levels(order, position[:n], tuple(out))
 
 
 def _ranges(values: I64, lo: I64, hi: I64) -> I64:
@@ -333,28 +362,32 @@ def _ranges(values: I64, lo: I64, hi: I64) -> I64:
 
 def replay_times(
     graph: CallGraph,
-    work_ns: F64 | None = None,
-    transfer_ns: F64 | None = None,
-    tail_ns: F64 | None = None,
-    start_ns: F64 | None = None,
-) -> F64:
+    work_ns: Floats | None = None,
+    transfer_ns: Floats | None = None,
+    tail_ns: Floats | None = None,
+    start_ns: Floats | None = None,
+) -> Floats:
     """Each record's replayed end, (records,) or (records, S) where any of ``work_ns`` (calls, S),
-    ``transfer_ns`` (instances, S), ``tail_ns`` or ``start_ns`` (records, S) give S scenarios."""
+    ``transfer_ns`` (instances, S), ``tail_ns`` or ``start_ns`` (records, S) give S scenarios; in the work's
+    precision (what-if scenarios run in float32: half the memory traffic, 8 ns at 100 ms)."""
     given = [x for x in (work_ns, transfer_ns, tail_ns, start_ns) if x is not None and x.ndim == 2]
     s = given[0].shape[1] if given else 0
 
-    def cols(x: F64 | None, default: F64) -> F64:
+    def cols(x: Floats | None, default: F64) -> Floats:
         v = default if x is None else x
         return v if not s or v.ndim == 2 else np.repeat(v[:, None], s, axis=1)
 
     work, transfer = cols(work_ns, graph.work_ns), cols(transfer_ns, graph.transfer_ns)
     tail, start = cols(tail_ns, graph.tail_ns), cols(start_ns, graph.start_ns)
-    leave = np.concatenate([np.zeros((graph.calls, s) if s else graph.calls), start])
-    for calls, deps, starts, inst in graph.levels:
-        arrive = leave[deps] + work[calls]
-        end = np.maximum.reduceat(arrive, starts, axis=0) + transfer[inst]
-        leave[calls] = np.repeat(end, np.diff(np.r_[starts, calls.size]), axis=0)
-    last = np.where(graph.last >= 0, graph.last, graph.calls + np.arange(graph.last.size))
+    lv = graph.levels
+    leave = np.concatenate([np.zeros((graph.calls, s) if s else graph.calls, dtype=work.dtype),
+                            start.astype(work.dtype)])  # fmt: skip  # in level order
+    work = work[lv.order]
+    for r in lv.rounds:
+        arrive = leave[r.deps] + work[r.lo : r.hi]
+        end = np.maximum.reduceat(arrive, r.starts, axis=0) + transfer[r.instances]
+        leave[r.lo : r.hi] = end[r.member]
+    last = np.where(graph.last >= 0, lv.position[np.maximum(graph.last, 0)], graph.calls + np.arange(graph.last.size))
     return leave[last] + tail
 
 
@@ -364,18 +397,19 @@ STEADY_PASSES = 2
 
 def steady_period(
     graph: CallGraph,
-    work_ns: F64 | None = None,
-    transfer_ns: F64 | None = None,
-    tail_ns: F64 | None = None,
+    work_ns: Floats | None = None,
+    transfer_ns: Floats | None = None,
+    tail_ns: Floats | None = None,
     passes: int = STEADY_PASSES,
-) -> tuple[F64, F64]:
+) -> tuple[Floats, Floats]:
     """The job's iteration time when the iteration repeats, (S,) or a scalar, and the first pass's ends.
 
     Each rank starts the next iteration where it ended this one, so a rank that ends late (its tail) holds
     the others at the next iteration's first collective; the period is the median rank's advance in the
     last pass (a max-plus system reaches its cycle time in a few passes)."""
-    start: F64 | None = None
-    first = prev = np.zeros(0)
+    start: Floats | None = None
+    first: Floats = np.zeros(0)
+    prev: Floats = np.zeros(0)
     for k in range(passes):
         ends = replay_times(graph, work_ns, transfer_ns, tail_ns, start)
         prev = graph.start_ns if start is None else start

@@ -237,22 +237,23 @@ def _cuts(graph: CallGraph, c: _Candidate | None, into: tuple[F64, F64, F64] | N
 
 def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidate | None = None) -> F64:
     """The job's replayed iteration time with ``base`` fixed (None: as measured) minus with each candidate
-    fixed too, several candidates per pass."""
+    fixed too, several candidates per pass (float32 columns, the baseline alike)."""
+    f32 = np.float32
     fixed = _cuts(graph, base)
-    now = float(steady_period(graph, graph.work_ns - fixed[0], graph.transfer_ns - fixed[2],
-                              graph.tail_ns - fixed[1])[0])  # fmt: skip
+    now = float(steady_period(graph, (graph.work_ns - fixed[0]).astype(f32), (graph.transfer_ns - fixed[2]).astype(f32),
+                              (graph.tail_ns - fixed[1]).astype(f32))[0])  # fmt: skip
     out = np.zeros(len(candidates))
     for lo in range(0, len(candidates), SCENARIOS_PER_PASS):
         chunk = candidates[lo : lo + SCENARIOS_PER_PASS]
         s = len(chunk)
-        work = np.repeat(graph.work_ns[:, None], s, axis=1)
-        transfer = np.repeat(graph.transfer_ns[:, None], s, axis=1)
-        tail = np.repeat(graph.tail_ns[:, None], s, axis=1)
+        work = np.repeat(graph.work_ns[:, None].astype(f32), s, axis=1)
+        transfer = np.repeat(graph.transfer_ns[:, None].astype(f32), s, axis=1)
+        tail = np.repeat(graph.tail_ns[:, None].astype(f32), s, axis=1)
         for j, c in enumerate(chunk):
             w_cut, t_cut, x_cut = _cuts(graph, c, fixed)
-            work[:, j] -= w_cut
-            tail[:, j] -= t_cut
-            transfer[:, j] -= x_cut
+            work[:, j] -= w_cut.astype(f32)
+            tail[:, j] -= t_cut.astype(f32)
+            transfer[:, j] -= x_cut.astype(f32)
         out[lo : lo + s] = now - steady_period(graph, work, transfer, tail)[0]
     return out
 
