@@ -30,7 +30,7 @@ import numpy as np
 
 from fleetscope.producers import SimulatorConfig, simulate
 from fleetscope.producers.simulation.faults import FAULT_KINDS, Fault
-from fleetscope.schemas import EventBatch
+from fleetscope.schemas import EventBatch, EventKind
 from fleetscope.streams.analysis.replay import call_graph, replay
 from fleetscope.streams.analysis.timeline import RankTimeline
 from fleetscope.streams.analysis.whatif import MIN_SAVING_SHARE, Cause, others_named, what_if
@@ -269,10 +269,144 @@ def synthetic_job(dp: int, pp: int, microbatches: int, seed: int = 0) -> Step:
     return records, timelines
 
 
+class _Collected:
+    """A publisher that keeps the batches a real rank's recorder sends (no broker: the bench reads them)."""
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+
+    def start(self) -> None:
+        pass
+
+    def publish(self, batch: EventBatch) -> bool:
+        self.batches.append(batch)
+        return True
+
+    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
+        return True
+
+    @property
+    def topics(self) -> Any:
+        from fleetscope.schemas import Topics
+
+        return Topics(prefix="t")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        pass
+
+    @property
+    def stats(self) -> Any:
+        from fleetscope.producers.publisher import PublisherStats
+
+        return PublisherStats(published=len(self.batches))
+
+
+def _real_rank(rank: int, port: int, steps: int, slow: int, slow_s: float, out: str) -> None:
+    """One rank of a real dp2 x pp2 pipeline by hand (gloo, 4 micro-batches sent forward and their gradients
+    back, then each stage's pair all-reduces): the torch hook's own timeline. ``slow`` sleeps ``slow_s`` in
+    each micro-batch's forward (host work)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    import fleetscope.producers.torch_hook as fs
+    from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
+
+    torch.set_num_threads(1)
+    publisher = _Collected()
+    recorder = Recorder(RankIdentity(job="real", rank=rank, world_size=4, host=f"h{rank // 2}"), publisher,
+                        RecorderConfig(flush_interval_ms=60_000))  # fmt: skip
+    monitor = fs.Monitor(recorder)
+    monitor.start()
+    fs._monitor = monitor
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    data = [dist.new_group(g, group_desc="DATA_PARALLEL_GROUP") for g in ([0, 1], [2, 3])][rank // 2]
+    for g in ([0, 2], [1, 3]):
+        dist.new_group(g, group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
+    for r in range(4):
+        dist.new_group([r], group_desc="TENSOR_MODEL_PARALLEL_GROUP")
+    stage, peer = rank // 2, rank + 2 if rank < 2 else rank - 2
+    torch.manual_seed(stage)
+    dim = 512
+    layer = torch.nn.Sequential(
+        torch.nn.Linear(dim, dim), torch.nn.Tanh(), torch.nn.Linear(dim, dim if stage == 0 else 1)
+    )
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-4)
+    try:
+        for _ in range(steps):
+            batches = [torch.randn(32, dim) for _ in range(4)]
+            opt.zero_grad()
+            if stage == 0:
+                outputs = []
+                for x in batches:
+                    outputs.append(layer(x))
+                    if rank == slow:
+                        time.sleep(slow_s)
+                    dist.send(outputs[-1].detach(), dst=peer)
+                for h in outputs:
+                    grad = torch.empty_like(h)
+                    dist.recv(grad, src=peer)
+                    h.backward(grad)
+            else:
+                grads = []
+                for _ in batches:
+                    h = torch.empty(32, dim)
+                    dist.recv(h, src=peer)
+                    h.requires_grad_()
+                    layer(h).pow(2).mean().backward()
+                    if rank == slow:
+                        time.sleep(slow_s)
+                    grads.append(h.grad)
+                for grad in grads:
+                    dist.send(grad, dst=peer)
+            for p in layer.parameters():
+                dist.all_reduce(p.grad, group=data)
+            opt.step()
+            fs.step()
+    finally:
+        dist.destroy_process_group()
+        fs._monitor = None
+        monitor.stop()
+        recorder._flush()
+        with open(f"{out}/{rank}.pkl", "wb") as f:
+            pickle.dump(publisher.batches, f)
+
+
+def real_steps(steps: int, slow: int = -1, slow_s: float = 0.0) -> dict[int, Step]:
+    """A real 4-rank job (``_real_rank``) run in forked processes, through the windower."""
+    import pickle
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_real_rank, args=(port, steps, slow, slow_s, out), nprocs=4, join=True,
+                           start_method="fork")  # fmt: skip
+        batches = [b for r in range(4) for b in pickle.loads(Path(f"{out}/{r}.pkl").read_bytes())]
+    batches.sort(key=lambda b: b.kind is EventKind.PYTHON)  # a step closes after its events
+    return job_steps(batches)
+
+
+def real_rows(iterations: int) -> list[Row]:
+    """The real pipeline job healthy and with rank 1 (stage 0) 3 ms slower per micro-batch forward."""
+    steps = max(iterations, 12) + 4
+    healthy = real_steps(steps)
+    rows = [judged("real", "healthy dp2xpp2", healthy, healthy, None, 3)]
+    slow = real_steps(steps, 1, 0.003)
+    rows.append(
+        judged("real", "slow host rank 1", healthy, slow, lambda c: c.ranks == (1,) and c.kind.startswith("rank_"), 3)
+    )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--iterations", type=int, default=12)
-    p.add_argument("--only", choices=("sim", "tracegen"), default=None)
+    p.add_argument("--only", choices=("sim", "tracegen", "real"), default=None)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     rows = []
@@ -280,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += sim_rows(a.iterations)
     if a.only in (None, "tracegen"):
         rows += tracegen_rows(a.iterations)
+    if a.only in (None, "real"):
+        rows += real_rows(a.iterations)
     print(f"{'source':8s} {'fault':17s} {'true ms':>9s} {'est ms':>9s} {'err %':>7s} {'top cause':28s} "
           f"{'right':5s} {'victim named':24s} {'replay %':>8s}")  # fmt: skip
     for r in rows:

@@ -1,15 +1,21 @@
 """The iteration replayed from its ranks' timelines: who waits for whom, as a longest path over call instances.
 
-Model (one iteration; each rank's times relative to its own start, every rank starting at 0):
+Model (one iteration; each rank starts where ``callmatch`` puts its start on the job's common clock):
 1. A rank's calls depend on its own work: each call is entered ``work`` after the latest of its earlier calls
    to have ended before it was entered (the previous call, unless calls overlap, as asynchronous ones do),
    or after the start; ``work`` is the measured gap. The rank ends ``tail`` after its last call to end.
 2. The members of one call instance (the same process group and sequence number; a send and the receive that
-   matches it, ``match_p2p``) all leave it at the latest member's arrival plus its transfer. The transfer is
+   matches it, ``callmatch``) all leave it at the latest member's arrival plus its transfer. The transfer is
    what the last to arrive spent in it: the shortest member's measured time (it did not wait). A call with
    no other member present keeps its own measured time.
-3. The job's iteration time is the latest rank's end: a late rank holds every rank at the next iteration's
+3. The job's iteration time is its steady period (``steady_period``): iterations replayed back to back, each
+   rank starting the next where it ended, so a rank late at the end holds the others at the next iteration's
    first collective.
+
+Limits: one dependency per call, so a call entered after an asynchronous one ended is tied to it (DDP's
+buckets overlapping the backward: a faster bucket pulls the next calls earlier than their compute allows);
+a send and its receive are one instance only where they end together (NCCL; gloo's send returns when its
+bytes are written, so most of a gloo pipeline's transfers stay alone and keep their measured times).
 
 The instances are ordered once (Kahn's algorithm, one level per round); a replay is then one pass over the
 levels, vectorised over every call of a level and over several scenarios at once (``replay_times``).
@@ -150,7 +156,8 @@ def call_graph(
     records: Sequence[Mapping[str, Any]], timelines: Sequence[RankTimeline | None] | None = None
 ) -> CallGraph:
     """The call graph of one iteration's pattern records (one per rank; records without a timeline have no
-    calls and end at their measured iteration time); ``timelines``: the records' own, already read."""
+    calls and end at their measured iteration time); ``timelines``: the records' own, already read. A record
+    whose timeline no windower writes raises ``timeline_of``'s ``ValueError`` (its one reason)."""
     n_rec = len(records)
     pg_codes: dict[str, int] = {}
     class_codes: dict[str, int] = {}
