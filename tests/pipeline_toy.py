@@ -39,6 +39,8 @@ class ToyJob:
     """Stage -> factor on its all-reduce's time."""
     jitter: float = 0.0
     seed: int = 0
+    seq_per_group: bool = False
+    """Number p2p calls per process group on each rank (as a Kineto trace's ordinal does), not per pair."""
 
     def rank(self, stage: int, replica: int) -> int:
         return stage * self.dp + replica
@@ -101,7 +103,7 @@ def _iteration(job: ToyJob, start: np.ndarray, rng: np.random.Generator) -> tupl
                 if len(got) < (2 if p2p else job.dp):
                     break
                 end = max(got.values()) + (job.p2p_ns if p2p else ar_ns[op[1]] * job.ring.get(op[1], 1.0))
-                group = ("pair", key[1], key[2]) if p2p else ("dp", op[1])
+                group = (("pp",) if job.seq_per_group else ("pair", key[1], key[2])) if p2p else ("dp", op[1])
                 seq = seqs.get((r, group), 0)
                 seqs[(r, group)] = seq + 1
                 name = f"nccl:{op[0]}[pg=pp{r % job.dp},<=1MiB]" if p2p else f"nccl:allreduce[pg=dp{op[1]},<=32MiB]"
