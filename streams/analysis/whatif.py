@@ -5,7 +5,8 @@ Candidates (``CAUSE_KINDS``), each with its own excess over its peers, the ranks
 1. ``rank_compute``: a rank's GPU compute before each call, above its peers' median at that call;
 2. ``rank_host``: the rest of its work between calls (host work, launch gaps) and after its last call; all
    of its work where its kernels are unknown;
-3. ``stage_compute``: every rank of a pipeline stage, its work scaled to the median stage's;
+3. ``stage_compute``: every rank of a pipeline stage less the stage's excess (its least rank's work) over the
+   median of the other stages';
 4. ``group_transfer``: a process group's transfers at the pace of the groups moving the same bytes in the
    same op (rings of different stages move different bytes: only like is compared with like);
 5. ``rank_transfer``: every group of one rank at that pace, where two or more of them are slow (a slow link
@@ -15,7 +16,8 @@ A peer's median leaves the rank itself out (two replicas: the other one is the l
 The saving is the job's replayed iteration time now minus with the cause fixed. A removed excess of E saves
 at most E (the longest path loses at most what was taken from it), so only the candidates with the largest
 excess, and every stage, are replayed exactly (``top``). A rank that only waits has no excess of its own and
-saves nothing: victims fall out of the arithmetic.
+saves nothing: victims fall out of the arithmetic. The top cause is then taken as fixed and the others that
+saved much are priced again beyond it (``residual_ns``): a host whose rings are slow only through the top's.
 """
 
 from __future__ import annotations
