@@ -22,6 +22,8 @@
    apart; and what a 100k-GPU job needs: shard cores and merge cores at one iteration per second.
 3. Windower: a simulated job fed rank by rank into ``RankWindower``; the cost per rank-iteration, and
    the state memory per rank after N open steps (one declared stream withheld so no step closes).
+4. Replay (``--replay-ranks``): the call graph, the replay and the what-if of one iteration of a dp x pp8
+   GPipe job with 24 microbatches (~100 calls per rank), CPU seconds (issue 39: 10,240 ranks in <= 1 s).
 
 Not a test: figures depend on the machine and its load. Targets (issue 5): 10,240 ranks x 300
 functions in < 1 s and < 2 GB, cost per rank flat (no worse than linear in ranks).
@@ -468,6 +470,27 @@ def bench_pool(ranks: int, f: int, processes: list[int], iterations: int, interl
     return found
 
 
+def bench_replay(ranks: int, microbatches: int, repeat: int) -> bool:
+    """Replay and what-if of one iteration of a dp x pp8 GPipe job of ``ranks`` ranks (``whatif_truth``'s
+    synthetic job: ``4 * microbatches + 1`` calls per middle rank), CPU seconds, least of ``repeat``; the
+    replay's error against the job's own times."""
+    from whatif_truth import synthetic_job
+
+    from fleetscope.streams.analysis.replay import call_graph, replay
+    from fleetscope.streams.analysis.whatif import what_if
+
+    records, timelines = synthetic_job(max(1, ranks // 8), 8, microbatches)
+    graph_s, g = min((cpu_s(lambda: call_graph(records, timelines)) for _ in range(repeat)), key=lambda x: x[0])
+    replay_s, r = min((cpu_s(lambda: replay(records, g)) for _ in range(repeat)), key=lambda x: x[0])
+    whatif_s, causes = min((cpu_s(lambda: what_if(records, graph=g)) for _ in range(repeat)), key=lambda x: x[0])
+    total = graph_s + replay_s + whatif_s
+    print(f"replay: {len(records)} ranks, {g.calls} calls ({g.calls / len(records):.0f}/rank), {len(g.levels)} levels, "
+          f"{g.matched_p2p} transfers matched: graph {graph_s:.2f} s, replay {replay_s:.2f} s, what-if "
+          f"{whatif_s:.2f} s ({len(causes)} causes), total {total:.2f} s (target 1 s); replay error "
+          f"{float(abs(r.error).max()) * 100:.2f} % per rank")  # fmt: skip
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="64,256,1024,4096,10240", help="comma-separated rank counts")
@@ -481,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windower-ranks", type=int, default=16)
     ap.add_argument("--windower-iterations", type=int, default=12)
     ap.add_argument("--open-steps", type=int, default=8)
+    ap.add_argument("--replay-ranks", type=int, default=10240, help="ranks of the replay/what-if run (0 to skip)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.ranks.split(",")]
     ok = bench_differential(sizes, args.functions, args.repeat, args.interleave)
@@ -494,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(x) for x in args.pool.split(",")]
         ok &= bench_pool(pool_ranks, args.functions, counts, args.pool_iterations, args.interleave)
     bench_windower(args.windower_ranks, args.windower_iterations, args.open_steps)
+    if args.replay_ranks:
+        ok &= bench_replay(args.replay_ranks, 24, args.repeat)
     return 0 if ok else 1
 
 

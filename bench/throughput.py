@@ -30,7 +30,10 @@ with ``encode_event_batch``. Then, on the same messages:
     second against (c)'s, the scaling efficiency (1.0: a worker more adds a whole core's worth), not wall time.
 
 Prints events/s per core, the ratios b/a and c/a against the targets (b/a >= 0.7, c/a >= 0.5),
-and the cProfile top entries of (b). (a) to (b') run in turns, best of
+and the cProfile top entries of (b). The timeline (``streams/analysis/timeline.py``): (b bare) is (b) with
+its builder left out, so (b) - (b bare) is what it costs the windower (target <= 10 %); its bytes per
+rank-iteration on the wire (Avro, the pattern record with it less without it), for this job and for a
+tp 2 x pp 2 job of about 100 calls per rank-iteration. (a) to (b') run in turns, best of
 ``--repeat`` each, so a change in the machine's load hits all of them alike. Not a test: figures
 depend on the machine and its load.
 """
@@ -50,18 +53,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from fleetscope.config import load_config
 from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
-from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode_event_batch
+from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode, encode_event_batch
 from fleetscope.sinks import current_findings
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
 from fleetscope.streams import STAGES
+from fleetscope.streams.analysis import patterns as patterns_module
 from fleetscope.streams.analysis.differential import JobDifferential
+from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -126,6 +131,45 @@ def windowing(messages: list[bytes], differential: bool = False, take_messages: 
     for jd in jobs.values():
         jd.flush()
     return closed
+
+
+class _NoTimeline:
+    def record(self, i: int, function_map: Any = None) -> dict[str, Any]:
+        return {}
+
+
+@contextlib.contextmanager
+def without_timeline() -> Iterator[None]:
+    """The summary with its timeline builder left out: what the windower cost before it."""
+    build = patterns_module.build_timelines
+    patterns_module.build_timelines = lambda *args: _NoTimeline()  # type: ignore[assignment,return-value]
+    try:
+        yield
+    finally:
+        patterns_module.build_timelines = build
+
+
+def bare_windowing(messages: list[bytes]) -> int:
+    with without_timeline():
+        return windowing(messages)
+
+
+def timeline_bytes(sim: SimulatorConfig) -> tuple[float, float, float]:
+    """(calls, Avro bytes of the timeline, iteration ms) per rank-iteration of a simulated job: the encoded
+    pattern record with its timeline less the same record without it."""
+    windowers: dict[int, RankWindower] = {}
+    closed = [c for b in simulate(sim) for c in windowers.setdefault(b.header.rank, RankWindower()).add(b, 0)]
+    closed += [c for w in windowers.values() for c in w.flush()]
+    summarize_closed(closed)
+    calls = size = duration = 0
+    for c in closed:
+        p = c.patterns
+        bare = {**p, **dict.fromkeys(TIMELINE_FIELDS[:-1], []), "sync_tail_compute_us": -1}
+        calls += len(p["sync_function"])
+        size += len(encode("patterns", p)) - len(encode("patterns", bare))
+        duration += p["iteration_ns"]
+    n = max(len(closed), 1)
+    return calls / n, size / n, duration / n / 1e6
 
 
 def timed(stages: dict[str, tuple[str, Any]], events: int, repeat: int) -> dict[str, Rate]:
@@ -317,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         "a": ("(a) decode only, fastavro (reference)", lambda: decode_only(messages, False)),
         "a_fast": ("(a') decode only, numpy decoder", lambda: decode_only(messages, True)),
         "b": ("(b) decode + windowing + patterns", lambda: windowing(messages)),
+        "b_bare": ("(b bare) (b) without the timeline", lambda: bare_windowing(messages)),
         "b_take": (
             f"(b take) (b), decoding {args.take} at a time",
             lambda: windowing(messages, take_messages=args.take),
@@ -361,6 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     b_ms = 1e3 * rates["b"].seconds / rank_its
     print(f"windowing cost: {b_ms:.2f} ms per rank-iteration (decode included)")
+    bare_ms = 1e3 * rates["b_bare"].seconds / rank_its
+    print(
+        f"timeline cost: {b_ms - bare_ms:.3f} ms per rank-iteration = {(b_ms - bare_ms) / bare_ms:.1%} of the "
+        f"windowing without it ({bare_ms:.2f} ms; target <= 10 %); b bare/a = {ratio['b_bare']:.3f}"
+    )
+    hundred = SimulatorConfig(job="timeline", ranks=8, iterations=3, tp=2, pp=2, microbatches=7)
+    for label, job in (("this job", replace(sim, iterations=3)), ("tp 2 x pp 2, 7 microbatches", hundred)):
+        calls, size, it_ms = timeline_bytes(job)
+        print(
+            f"timeline bytes ({label}): {calls:.0f} calls per rank-iteration of {it_ms:.0f} ms, {size:.0f} B Avro "
+            f"({size / max(calls, 1):.1f} B a call; {100 * size / max(calls, 1):.0f} B at 100 calls, target <= 1 KB)"
+        )
     if e2e:
         c, full = e2e["c"], e2e["c_full"]
         print(

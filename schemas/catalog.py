@@ -28,6 +28,7 @@ _ENTRIES: tuple[tuple[int, str, int, str], ...] = (
     (601, "patterns", 1, "patterns.v1.avsc"),
     (602, "patterns", 2, "patterns.v2.avsc"),
     (603, "patterns", 3, "patterns.v3.avsc"),
+    (604, "patterns", 4, "patterns.v4.avsc"),
     (701, "findings", 1, "findings.v1.avsc"),
     (702, "findings", 2, "findings.v2.avsc"),
     (801, "control", 1, "control.v1.avsc"),

@@ -64,6 +64,12 @@ COLUMNS: dict[EventKind, dict[str, type[np.generic]]] = {
 
 OPTIONAL_COLUMNS = frozenset({"launch_ns"})
 
+PATTERN_TIMELINE_FIELDS = (
+    "sync_function", "sync_seq", "sync_gap_us", "sync_dur_us", "sync_compute_us", "sync_tail_compute_us",
+)  # fmt: skip
+"""The pattern record's timeline (``patterns.v4``): one entry per synchronisation call, not per function, so
+the store, whose rows are functions, keeps none of them."""
+
 THREAD_BUSY_DEPTH = -1
 """A host row with this depth is no function: a stretch of time its thread worked outside every host span
 of its own (a trace parser sends the outermost CPU ops it drops, e.g. the autograd engine's thread), so

@@ -11,14 +11,19 @@ from typing import Any
 import numpy as np
 
 from fleetscope.schemas import CATALOG
+from fleetscope.schemas.records import PATTERN_TIMELINE_FIELDS
 
 STORED_SUBJECTS = ("iterations", "patterns", "findings")
 """The subjects the sink stores, in the order it writes them."""
 
 
+_NOT_STORED = frozenset(PATTERN_TIMELINE_FIELDS)
+"""Record fields the store has no column for: a pattern record's timeline is per call, its rows per function."""
+
+
 def avro_fields(subject: str) -> list[tuple[str, Any]]:
-    """(name, Avro type) of the newest schema of ``subject``, in schema order."""
-    return [(f["name"], f["type"]) for f in CATALOG.latest(subject).parsed["fields"]]
+    """(name, Avro type) of the newest schema of ``subject`` that the store keeps, in schema order."""
+    return [(f["name"], f["type"]) for f in CATALOG.latest(subject).parsed["fields"] if f["name"] not in _NOT_STORED]
 
 
 def avro_defaults(*subjects: str) -> dict[str, Any]:

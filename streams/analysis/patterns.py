@@ -22,6 +22,7 @@ from fleetscope.streams.analysis.stats import (
     link_stats,
     merge_intervals,
 )
+from fleetscope.streams.analysis.timeline import CoveredTime, build_timelines
 
 Cols = dict[str, npt.NDArray[Any]]
 I64 = npt.NDArray[np.int64]
@@ -121,18 +122,22 @@ def _empty(n: int = 0) -> npt.NDArray[np.int64]:
     return np.zeros(n, dtype=np.int64)
 
 
-def _gpu_time(comp_s: I64, comp_e: I64, comm_s: I64, comm_e: I64, lo: int, hi: int) -> tuple[int, int, int, int]:
+def _gpu_time(comp_s: I64, comp_e: I64, comm_s: I64, comm_e: I64, lo: int, hi: int) -> tuple[I64, CoveredTime]:
     """Busy, compute and collective time inside [lo, hi] (unions of intervals) and the largest idle gap,
     for an iteration whose span is too wide to shift (see ``_gpu_times``): one merge per class."""
     seg_s, seg_e = merge_intervals(clip(np.concatenate([comp_s, comm_s]), lo, hi),
                                    clip(np.concatenate([comp_e, comm_e]), lo, hi))  # fmt: skip
     gaps = np.concatenate((seg_s, [hi])) - np.concatenate(([lo], seg_e))
     busy = int(np.sum(seg_e - seg_s))
-    return busy, covered_ns(comp_s, comp_e, lo, hi), covered_ns(comm_s, comm_e, lo, hi), int(np.max(gaps))
+    figures = [busy, covered_ns(comp_s, comp_e, lo, hi), covered_ns(comm_s, comm_e, lo, hi), int(np.max(gaps))]
+    compute = CoveredTime.of(*merge_intervals(clip(comp_s, lo, hi), clip(comp_e, lo, hi)), np.array([lo]),
+                          np.array([hi]), _empty(1))  # fmt: skip
+    return np.array([figures], dtype=np.int64), compute
 
 
-def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) -> npt.NDArray[np.int64]:
-    """Per iteration: busy, compute and collective time inside [lo, lo + width] and the largest idle gap.
+def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) -> tuple[I64, CoveredTime]:
+    """Per iteration: busy, compute and collective time inside [lo, lo + width] and the largest idle gap; and
+    the compute's segments (in their ranges), for the compute before any time.
 
     All unions come from one merge: every iteration's compute, collective and all intervals, clipped,
     are shifted into disjoint time ranges (three per iteration, one per class), so no segment spans two
@@ -168,7 +173,8 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     block = cuts.searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
-    return np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
+    figures = np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
+    return figures, CoveredTime(seg_s, seg_e, covered[:-1], lo, hi, shift[:, 0])
 
 
 _REL_BITS = 41
@@ -245,16 +251,24 @@ def _unique(keys: I64) -> tuple[I64, I64]:
 
 
 class _Batch:
-    """One kind of events of every iteration of a batch, concatenated in iteration order."""
+    """One kind of events of every iteration of a batch, concatenated in iteration order; a column of
+    ``_UNKNOWN`` that a part lacks reads as its unknown value."""
 
     def __init__(self, parts: list[Cols], columns: dict[str, type[np.generic]]) -> None:
         self.counts = np.array([p[next(iter(columns))].size if p else 0 for p in parts], dtype=np.int64)
         self.it = np.repeat(np.arange(len(parts)), self.counts)
         present = [p for p in parts if p]
-        self.cols = {name: _joined([p[name] for p in present], dtype) for name, dtype in columns.items()}
+        self.cols = {name: _joined([_column(p, name) for p in present], dtype) for name, dtype in columns.items()}
 
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
         return self.cols[name]
+
+
+def _column(part: Cols, name: str) -> npt.NDArray[Any]:
+    values = part.get(name)
+    if values is None and name in _UNKNOWN:
+        return np.full(part["start_ns"].size, _UNKNOWN[name], dtype=np.int64)
+    return part[name]
 
 
 def _joined(arrays: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDArray[Any]:
@@ -287,8 +301,9 @@ def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 
 _SPANS: dict[str, type[np.generic]] = {"start_ns": np.int64, "dur_ns": np.int64, "name_id": np.int32}
 _COLLECTIVES: dict[str, type[np.generic]] = {
     "start_ns": np.int64, "dur_ns": np.int64, "op_id": np.int32, "pg_id": np.int32, "nbytes": np.int64,
-    "group_size": np.int32,
+    "group_size": np.int32, "seq": np.int64,
 }  # fmt: skip
+_UNKNOWN = {"seq": -1}
 _SAMPLES: dict[str, type[np.generic]] = {"t_ns": np.int64, "metric_id": np.int32, "value": np.float64}
 _HOST_SPANS: dict[str, type[np.generic]] = {**_SPANS, "depth": np.int32}
 _MAX_SHIFTED = 2**61
@@ -311,7 +326,8 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     executions give the peak, the mean of the active samples and the CV of all samples.
     Functions are numbered across the batch (iteration by iteration) and every iteration's times are
     shifted into a range of its own, so one group-by serves all: the cost of a numpy call is paid per
-    batch, not per iteration. The result equals summarizing each iteration alone, bit for bit.
+    batch, not per iteration. The result equals summarizing each iteration alone, bit for bit. With each
+    iteration's timeline (``timeline.build_timelines``): its calls in entry order, the compute between them.
     """
     m = len(evs)
     if m == 0:
@@ -359,9 +375,9 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     comm = _Intervals(np.concatenate([c_start, k_start[is_comm]]), np.concatenate([c_end, k_end[is_comm]]),
                       np.concatenate([c.it, k.it[is_comm]]))  # fmt: skip
     if m == 1 and not 0 <= width[0] < _MAX_SHIFTED:
-        gpu = np.array([_gpu_time(comp.start, comp.end, comm.start, comm.end, evs[0].start_ns, evs[0].end_ns)])
+        gpu, compute = _gpu_time(comp.start, comp.end, comm.start, comm.end, evs[0].start_ns, evs[0].end_ns)
     else:
-        gpu = _gpu_times(comp, comm, lo, width)
+        gpu, compute = _gpu_times(comp, comm, lo, width)
     kernels = (k.counts + c.counts).tolist()
     wait_it, wait_ns, launch_known = _launch_waits(evs, lo)
 
@@ -411,8 +427,11 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     self_ns = np.concatenate([k["dur_ns"], c["dur_ns"], p_self, wait_ns])  # a gap is all own time
     self_total = np.bincount(all_group, weights=self_ns, minlength=n)
 
-    # 4. Collective sizes and bandwidths (bytes/ns == GB/s).
+    # 4. Collective sizes and bandwidths (bytes/ns == GB/s); each call's place in its rank's timeline.
     c_group = c_fn[c_inv]
+    c_lo = lo[c.it]
+    timelines = build_timelines(c.it, c_start - c_lo, c_end - c_lo, c_group - first_fn[c.it], c["seq"],
+                                compute.since_start(c_start, c.it), gpu[:, 1], k.counts > 0)  # fmt: skip
     nb = np.bincount(c_group, weights=nbytes, minlength=n)
     nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
     algbw = np.divide(nbytes_mean, st.mean, out=np.zeros(n), where=st.mean > 0)  # 0 where no time (or NaN)
@@ -463,6 +482,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         "nbytes": nbytes_mean.astype(np.int64),
         "algbw_gbps": algbw,
         "busbw_gbps": busbw,
+        "row": np.arange(n) - first_fn[fn_it],
     }
     for f, name in enumerate(LINK_FAMILIES):
         columns[f"{name}_mean_bps"] = ls.active_mean[f]
@@ -500,14 +520,21 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
             "kernels": kernels[i],
         }
         lo_f, hi_f = first_l[i], first_l[i] + n_l[i]
+        listed = fn_names
         fn_names, fn_columns = capped_functions(
-            fn_names, {key: col[lo_f:hi_f] for key, col in columns.items()}, ev.max_functions, ev.max_function_chars
+            listed, {key: col[lo_f:hi_f] for key, col in columns.items()}, ev.max_functions, ev.max_function_chars
         )
+        row = fn_columns.pop("row")
+        kept = None  # capped: where each function's row went (the rest: into the last)
+        if fn_names is not listed:
+            kept = np.full(len(listed), len(fn_names) - 1, dtype=np.int64)
+            kept[row[:-1]] = np.arange(len(fn_names) - 1)
         patterns: dict[str, Any] = {
             "iteration_start_ns": ev.start_ns,
             "iteration_ns": duration[i],
             "function": fn_names,
             **fn_columns,
+            **timelines.record(i, kept),
         }
         out.append((figures, patterns))
     return out

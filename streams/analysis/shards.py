@@ -24,11 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from fleetscope.schemas.records import PATTERN_TIMELINE_FIELDS
 from fleetscope.streams.analysis.peermatrix import PeerMatrices, PeerMatrix
 from fleetscope.streams.analysis.stats import F64, I64, RobustScores
 
 POSITION = "position"
 """The field of a shard's record that holds each entry's position in the rank's whole list."""
+_WHOLE = frozenset({POSITION, *PATTERN_TIMELINE_FIELDS})
+"""Lists a shard's copy keeps whole: they are not per function (the timeline is per call), whatever their length."""
 
 
 def shard_of(function: str, shards: int) -> int:
@@ -49,7 +52,7 @@ def split_records(records: Sequence[dict[str, Any]], shards: int) -> list[list[d
         shard = np.fromiter(
             (cache[f] if f in cache else cache.setdefault(f, shard_of(f, shards)) for f in names), np.int64, n
         )
-        listed = [k for k, v in rec.items() if k != POSITION and not isinstance(v, str) and _sized(v, n)]
+        listed = [k for k, v in rec.items() if k not in _WHOLE and not isinstance(v, str) and _sized(v, n)]
         for k in range(shards):
             keep = np.flatnonzero(shard == k).tolist()
             part = {name: v for name, v in rec.items() if name not in listed}

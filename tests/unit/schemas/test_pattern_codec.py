@@ -23,6 +23,8 @@ from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import CATALOG, SchemaError, codec, decode, encode
 from fleetscope.schemas.fastdecode import decode_columns
 from fleetscope.schemas.fastencode import encode_columns
+from fleetscope.schemas.records import PATTERN_TIMELINE_FIELDS
+from fleetscope.sinks.records import avro_fields
 from fleetscope.streams.offline import OfflinePipeline
 from tests.unit.schemas.mutations import mutated
 
@@ -180,7 +182,7 @@ def test_mutated_pattern_records_end_exactly_like_fastavro(message: bytes) -> No
 
 def test_pattern_records_of_older_schemas_get_the_readers_defaults() -> None:
     record = dict(PATTERNS[0])
-    for schema_id in (601, 602):
+    for schema_id in (601, 602, 603):
         writer = CATALOG.by_id(schema_id)
         buf = io.BytesIO()
         buf.write(struct.pack(">bI", 0, schema_id))
@@ -192,6 +194,19 @@ def test_pattern_records_of_older_schemas_get_the_readers_defaults() -> None:
         fast = outcome(message, fast=True)
         assert fast == outcome(message, fast=False)
         assert fast[2]["cpu_wait_ns"] == -1
+        assert fast[2]["sync_function"] == [] and fast[2]["sync_tail_compute_us"] == -1  # no timeline
+
+
+def test_patterns_v4_adds_the_timeline_with_defaults_and_the_store_keeps_none_of_it() -> None:
+    """The timeline is all patterns.v4 added, each field with a default (older records stay readable), the
+    windower fills it, and the sink, whose rows are functions, has no column for a list of calls."""
+    older = [f["name"] for f in CATALOG.by_id(603).parsed["fields"]]
+    newest = CATALOG.latest("patterns")
+    assert newest.version == 4 and [f["name"] for f in FIELDS][: len(older)] == older
+    added = FIELDS[len(older) :]
+    assert tuple(f["name"] for f in added) == PATTERN_TIMELINE_FIELDS and all("default" in f for f in added)
+    assert all(len(p["sync_function"]) == len(p["sync_dur_us"]) > 0 for p in PATTERNS)
+    assert not {name for name, _ in avro_fields("patterns")} & set(PATTERN_TIMELINE_FIELDS)
 
 
 def test_records_of_few_functions_are_left_to_fastavro_and_large_ones_are_not(monkeypatch: pytest.MonkeyPatch) -> None:

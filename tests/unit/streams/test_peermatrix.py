@@ -14,6 +14,7 @@ from fleetscope.streams.analysis.links import _median_by_group
 from fleetscope.streams.analysis.outliers import build_matrices, gather_matrices, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices
 from fleetscope.streams.analysis.stats import quiet_nan_warnings
+from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS
 from fleetscope.streams.offline import OfflinePipeline
 
 COMPUTE, COLLECTIVE, PYTHON = int(FunctionKind.COMPUTE), int(FunctionKind.COLLECTIVE), int(FunctionKind.PYTHON)
@@ -45,7 +46,8 @@ def shuffled(records: list[dict], seed: int) -> list[dict]:
     out = []
     for r in records:
         keep = rng.permutation(len(r["function"]))[: len(r["function"]) - int(rng.integers(0, 3))]
-        out.append({k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in r.items()})
+        out.append({k: ([v[i] for i in keep] if isinstance(v, list) and k not in TIMELINE_FIELDS else v)
+                    for k, v in r.items()})  # fmt: skip
     return out
 
 

@@ -1,0 +1,320 @@
+"""What-if: each candidate cause brought to its peers' level, the iteration replayed; the time saved is its cost.
+
+Candidates (``CAUSE_KINDS``), each with its own excess over its peers, the ranks of the same role
+(``roles.role_codes``: pipeline stage and tensor slot) that made the same calls:
+1. ``rank_compute``: a rank's GPU compute before each call, above its peers' median at that call;
+2. ``rank_host``: the rest of its work between calls (host work, launch gaps) and after its last call; all
+   of its work where its kernels are unknown;
+3. ``stage_compute``: every rank of a pipeline stage less the stage's excess (its least rank's work) over the
+   median of the other stages';
+4. ``group_transfer``: a process group's transfers at the pace of the groups moving the same bytes in the
+   same op (rings of different stages move different bytes: only like is compared with like);
+5. ``rank_transfer``: every group of one rank at that pace, where two or more of them are slow (a slow link
+   paces each ring the rank is in); ``host_transfer``: every group with a member on one host (its NIC).
+A peer's median leaves the rank itself out (two replicas: the other one is the level).
+
+The saving is the job's replayed iteration time now minus with the cause fixed. A removed excess of E saves
+at most E (the longest path loses at most what was taken from it), so only the candidates with the largest
+excess, and every stage, are replayed exactly (``top``). A rank that only waits has no excess of its own and
+saves nothing: victims fall out of the arithmetic. The top cause is then taken as fixed and the others that
+saved much are priced again beyond it (``residual_ns``): a host whose rings are slow only through the top's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, steady_period
+from fleetscope.streams.analysis.roles import role_codes
+
+CAUSE_KINDS = ("rank_compute", "rank_host", "stage_compute", "group_transfer", "rank_transfer", "host_transfer")
+"""The kinds of candidate cause, in the order they are built."""
+TOP_CANDIDATES = 8
+"""Candidates replayed exactly (by excess), besides every stage."""
+SCENARIOS_PER_PASS = 16
+"""Candidates replayed together, as columns of one pass."""
+RESIDUAL_SHARE = 0.2
+"""Causes saving this share of the top's, or more, are priced again with the top fixed."""
+SAME_SAVING = 0.95
+"""A cause of fewer ranks saving this share of the top's, or more, is the top cause (the more specific)."""
+MIN_SAVING_SHARE = 0.01
+"""A top cause saving less than this share of the iteration names no culprit (``culprit``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """One candidate cause and what fixing it saves."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    """The ranks it covers (their ``rank``)."""
+    group: str
+    """The process group (``group_transfer``) or host (``host_transfer``), else ""."""
+    stage: int
+    """The pipeline stage (``stage_compute``), else -1."""
+    excess_ns: float
+    """Its own time above its peers' level: at most what fixing it can save."""
+    saving_ns: float
+    """The job's replayed iteration time now minus with this cause fixed."""
+    residual_ns: float
+    """What it saves once the top cause is fixed (the top cause: its saving): a victim of the top saves nothing."""
+
+
+@dataclass(slots=True)
+class _Candidate:
+    kind: str
+    rows: I64
+    group: str = ""
+    stage: int = -1
+    calls: I64 | None = None
+    work_cut: F64 | None = None
+    tail_cut: F64 | None = None
+    """Per row of ``rows``."""
+    instances: I64 | None = None
+    transfer_cut: F64 | None = None
+
+    @property
+    def excess(self) -> float:
+        return float(sum(np.sum(a) for a in (self.work_cut, self.tail_cut, self.transfer_cut) if a is not None))
+
+
+def median_of_others(values: F64) -> F64:
+    """Per element of (k, n) ``values``, the median of its column without it (k >= 2)."""
+    k = values.shape[0]
+    order = np.argsort(values, axis=0, kind="stable")
+    srt = np.take_along_axis(values, order, axis=0)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(k)[:, None].repeat(values.shape[1], axis=1), axis=0)
+    m = k - 1  # the others' count; their sorted list is srt without the element's own position
+
+    def others_at(i: int) -> F64:
+        at: F64 = np.where(rank > i, srt[i], srt[min(i + 1, k - 1)])
+        return at
+
+    if m % 2:
+        return others_at(m // 2)
+    return 0.5 * (others_at(m // 2 - 1) + others_at(m // 2))
+
+
+def _rank_candidates(graph: CallGraph, roles: I64) -> list[_Candidate]:
+    """Per rank: its compute and its other work above its peers' at each call (peers: same role, same count)."""
+    counts = np.diff(graph.first)
+    out: list[_Candidate] = []
+    key = roles * (int(counts.max()) + 2 if counts.size else 1) + counts
+    for k in np.unique(key):
+        rows = np.flatnonzero(key == k)
+        n = int(counts[rows[0]])
+        if rows.size < 2:
+            continue
+        calls = graph.first[rows][:, None] + np.arange(n)
+        work = np.concatenate([graph.work_ns[calls], graph.tail_ns[rows][:, None]], axis=1)
+        tail_comp = np.nan_to_num(graph.tail_compute_ns[rows], nan=0.0)[:, None]  # unknown: host work
+        comp = np.concatenate([graph.compute_ns[calls], tail_comp], axis=1)
+        known = bool(n) and not np.isnan(comp).any()
+        parts = [("rank_host", work)]
+        if known:
+            comp = np.minimum(comp, work)
+            parts = [("rank_compute", comp), ("rank_host", work - comp)]
+        for kind, values in parts:
+            cut = np.maximum(values - median_of_others(values), 0.0)
+            for i in np.flatnonzero(cut.sum(axis=1) > 0):
+                out.append(_Candidate(kind, rows[i : i + 1], calls=calls[i], work_cut=cut[i, :n],
+                                      tail_cut=cut[i, n:]))  # fmt: skip
+    return out
+
+
+def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
+    """Per pipeline stage: its ranks' work (compute where known) less the stage's excess over the median of
+    the other stages'.
+
+    A stage's level is its least rank's work: a stage slow on every replica is slow on its fastest, while
+    one slow rank (its own candidate) leaves its stage's level alone; each rank loses the stage's excess in
+    proportion to its work, so a slow rank keeps its own excess."""
+    known = stages >= 0
+    levels = {int(s): 0.0 for s in np.unique(stages[known])}
+    if len(levels) < 2:
+        return []
+    comp_known = not np.isnan(graph.compute_ns).any()
+    per_call = np.minimum(graph.compute_ns, graph.work_ns) if comp_known else graph.work_ns
+    total = np.bincount(graph.row[graph.leads], weights=per_call[graph.leads], minlength=stages.size).astype(float)
+    if not comp_known:
+        total = total + graph.tail_ns
+    for s in levels:
+        levels[s] = float(np.min(total[stages == s]))
+    out = []
+    for s, level in levels.items():
+        ref = float(np.median([v for t, v in levels.items() if t != s]))
+        if not level > ref > 0:
+            continue
+        rows = np.flatnonzero(stages == s)
+        f = (level - ref) / np.maximum(total[rows], 1.0)  # each rank loses the stage's excess, no more
+        f_call = np.zeros(stages.size)
+        f_call[rows] = f
+        calls = np.flatnonzero(np.isin(graph.row, rows))
+        tail_cut = graph.tail_ns[rows] * (0.0 if comp_known else f)
+        out.append(_Candidate("stage_compute", rows, stage=s, calls=calls,
+                              work_cut=per_call[calls] * f_call[graph.row[calls]], tail_cut=tail_cut))  # fmt: skip
+    return out
+
+
+def _transfer_candidates(graph: CallGraph, hosts: npt.NDArray[np.str_], top: int) -> list[_Candidate]:
+    """Per process group: its transfers at the median pace of the other groups of the same op and bytes; per
+    rank and per host, every such group it is in (has a member on), where two or more are slow. Only the
+    ``top`` of each kind by excess are built."""
+    multi = np.flatnonzero(graph.members >= 2)
+    if multi.size == 0:
+        return []
+    like = graph.klass[multi] * 4096 + np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
+    groups_n = len(graph.groups) + 1
+    cells, which = np.unique(like * groups_n + graph.group[multi], return_inverse=True)
+    which = which.reshape(-1)
+    like_of = cells // groups_n
+    mean = np.bincount(which, weights=graph.transfer_ns[multi]) / np.bincount(which)
+    factor = np.ones(mean.size)
+    order = np.argsort(like_of, kind="stable")
+    bounds = np.r_[0, np.flatnonzero(np.diff(like_of[order])) + 1, order.size]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if hi - lo >= 2:
+            idx = order[lo:hi]
+            ref = median_of_others(mean[idx][:, None])[:, 0]
+            factor[idx] = np.minimum(1.0, ref / np.maximum(mean[idx], 1.0))
+    cut = graph.transfer_ns[multi] * (1.0 - factor[which])
+    slow = cut > 0
+    if not slow.any():
+        return []
+    inst, inst_cut = multi[slow], cut[slow]
+    cut_of = np.zeros(graph.members.size)
+    cut_of[inst] = inst_cut
+    member = np.flatnonzero(cut_of[graph.instance] > 0)  # calls in a slow instance
+    m_row, m_inst = graph.row[member], graph.instance[member]
+    m_group = graph.group[m_inst]
+    host_code = np.unique(hosts, return_inverse=True)[1].reshape(-1)
+    out: list[_Candidate] = []
+    for kind, key in (("group_transfer", m_group), ("rank_transfer", m_row), ("host_transfer", host_code[m_row])):
+        # each key's slow instances (once each), its excess, and how many slow groups it has
+        pairs = np.unique(key * (int(m_inst.max()) + 1) + m_inst)
+        k_of, i_of = pairs // (int(m_inst.max()) + 1), pairs % (int(m_inst.max()) + 1)
+        excess = np.bincount(k_of, weights=cut_of[i_of])
+        n_groups = np.bincount(np.unique(key * groups_n + m_group) // groups_n, minlength=excess.size)
+        eligible = np.flatnonzero((excess > 0) & ((n_groups >= 2) | (kind == "group_transfer")))
+        if kind == "host_transfer":
+            eligible = eligible[hosts[_first_row(host_code, eligible)] != ""]
+        for k in eligible[np.argsort(-excess[eligible], kind="stable")][:top].tolist():
+            ins = i_of[k_of == k]
+            rows = np.unique(m_row[key == k]) if kind != "host_transfer" else np.flatnonzero(host_code == k)
+            group = (
+                graph.groups[k]
+                if kind == "group_transfer"
+                else (str(hosts[rows[0]]) if kind == "host_transfer" else "")
+            )
+            out.append(_Candidate(kind, rows, group=group, instances=ins, transfer_cut=cut_of[ins]))
+    return out
+
+
+def _first_row(codes: I64, wanted: I64) -> I64:
+    """Per wanted code, the first row with it."""
+    first = np.full(int(codes.max()) + 1, -1, dtype=np.int64)
+    first[codes[::-1]] = np.arange(codes.size - 1, -1, -1)
+    out: I64 = first[wanted]
+    return out
+
+
+def _cuts(graph: CallGraph, c: _Candidate | None, into: tuple[F64, F64, F64] | None = None) -> tuple[F64, F64, F64]:
+    """A candidate's cuts as dense (work, tail, transfer) vectors; with ``into``, the larger of both per entry
+    (two causes fixed together: each entry brought to its peers' level once)."""
+    work, tail, transfer = (x.copy() for x in into) if into is not None else (
+        np.zeros(graph.calls), np.zeros(graph.tail_ns.size), np.zeros(graph.transfer_ns.size))  # fmt: skip
+    if c is not None:
+        for dense, at, cut in ((work, c.calls, c.work_cut), (tail, c.rows, c.tail_cut),
+                               (transfer, c.instances, c.transfer_cut)):  # fmt: skip
+            if at is not None and cut is not None:
+                dense[at] = np.maximum(dense[at], cut)
+    return work, tail, transfer
+
+
+def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidate | None = None) -> F64:
+    """The job's replayed iteration time with ``base`` fixed (None: as measured) minus with each candidate
+    fixed too, several candidates per pass (float32 columns, the baseline alike)."""
+    f32 = np.float32
+    fixed = _cuts(graph, base)
+    now = float(steady_period(graph, (graph.work_ns - fixed[0]).astype(f32), (graph.transfer_ns - fixed[2]).astype(f32),
+                              (graph.tail_ns - fixed[1]).astype(f32))[0])  # fmt: skip
+    out = np.zeros(len(candidates))
+    for lo in range(0, len(candidates), SCENARIOS_PER_PASS):
+        chunk = candidates[lo : lo + SCENARIOS_PER_PASS]
+        s = len(chunk)
+        work = np.repeat(graph.work_ns[:, None].astype(f32), s, axis=1)
+        transfer = np.repeat(graph.transfer_ns[:, None].astype(f32), s, axis=1)
+        tail = np.repeat(graph.tail_ns[:, None].astype(f32), s, axis=1)
+        for j, c in enumerate(chunk):
+            w_cut, t_cut, x_cut = _cuts(graph, c, fixed)
+            work[:, j] -= w_cut.astype(f32)
+            tail[:, j] -= t_cut.astype(f32)
+            transfer[:, j] -= x_cut.astype(f32)
+        out[lo : lo + s] = now - steady_period(graph, work, transfer, tail)[0]
+    return out
+
+
+def _first_of(candidates: Sequence[_Candidate], saving: F64) -> int:
+    """The top cause: the largest saving, or a cause of fewer ranks within it that saves nearly as much
+    (``SAME_SAVING``): a rank's links before its host's, a rank before its stage."""
+    best = int(np.argmax(saving))
+    for i, c in enumerate(candidates):
+        narrower = set(c.rows.tolist()) < set(candidates[best].rows.tolist())
+        if narrower and saving[i] >= SAME_SAVING * saving[best]:
+            best = i
+    return best
+
+
+def what_if(
+    records: Sequence[Mapping[str, Any]],
+    roles: I64 | None = None,
+    graph: CallGraph | None = None,
+    top: int = TOP_CANDIDATES,
+) -> list[Cause]:
+    """Candidate causes of one iteration and what fixing each saves: the top cause first (``_first_of``),
+    then by saving.
+
+    ``roles``: one code per record for its role (default ``roles.role_codes``)."""
+    g = call_graph(records) if graph is None else graph
+    role = role_codes([dict(r) for r in records]) if roles is None else roles
+    stages = np.array([int(r.get("pp_rank", -1)) for r in records], dtype=np.int64)
+    hosts = np.array([str(r.get("host", "")) for r in records])
+    ranked = sorted(_rank_candidates(g, role) + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
+    chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
+    if not chosen:
+        return []
+    saving = _savings(g, chosen)
+    top = _first_of(chosen, saving)
+    # only a cause that saves something alone can save it beyond the top: the rest are priced once
+    big = [i for i in range(len(chosen)) if i != top and saving[i] >= RESIDUAL_SHARE * saving[top]]
+    residual = np.zeros(len(chosen))
+    residual[top] = saving[top]
+    if big and saving[top] > 0:
+        residual[big] = _savings(g, [chosen[i] for i in big], chosen[top])
+    ids = [int(r.get("rank", i)) for i, r in enumerate(records)]
+    causes = [
+        Cause(kind=c.kind, ranks=tuple(ids[i] for i in c.rows.tolist()), group=c.group, stage=c.stage,
+              excess_ns=c.excess, saving_ns=float(max(s, 0.0)), residual_ns=float(max(x, 0.0)))
+        for c, s, x in zip(chosen, saving, residual, strict=True)
+    ]  # fmt: skip
+    first = causes.pop(top)
+    return [first, *sorted(causes, key=lambda c: -c.saving_ns)]
+
+
+def culprit(causes: Sequence[Cause], iteration_ns: float, min_share: float = MIN_SAVING_SHARE) -> Cause | None:
+    """The top cause of ``what_if`` where it saves ``min_share`` of the iteration or more. A stage is so the
+    cause only where it saves more than any one of its ranks."""
+    if not causes or causes[0].saving_ns < min_share * iteration_ns:
+        return None
+    return causes[0]
+
+
+def others_named(causes: Sequence[Cause], iteration_ns: float, min_share: float = MIN_SAVING_SHARE) -> list[Cause]:
+    """Causes besides the top that still save ``min_share`` of the iteration once it is fixed."""
+    return [c for c in causes[1:] if c.residual_ns >= min_share * iteration_ns]

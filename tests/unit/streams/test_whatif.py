@@ -1,0 +1,67 @@
+"""What-if: the cause is what saves the most when brought to its peers' level, its cost is that saving, and
+victims fall out (toy jobs whose true cost is the difference with the healthy job, ``pipeline_toy``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pipeline_toy import ToyJob, period_ns, run
+
+from fleetscope.streams.analysis.replay import call_graph, replay
+from fleetscope.streams.analysis.whatif import Cause, culprit, median_of_others, others_named, what_if
+
+
+def _priced(job: ToyJob) -> tuple[list[Cause], float, float]:
+    """The causes of the job's last iteration, its replayed time and the true cost of its fault."""
+    records, timelines = run(job)[-1]
+    g = call_graph(records, timelines)
+    healthy = ToyJob(dp=job.dp, pp=job.pp, allreduce_bytes=job.allreduce_bytes, jitter=job.jitter, seed=job.seed)
+    return what_if(records, graph=g), replay(records, g).job_ns, period_ns(job) - period_ns(healthy)
+
+
+def test_a_healthy_job_with_jitter_names_no_culprit() -> None:
+    causes, job_ns, _ = _priced(ToyJob(dp=4, pp=4, jitter=0.02, seed=2))
+    assert culprit(causes, job_ns) is None
+    assert others_named(causes, job_ns) == []
+
+
+def test_a_slow_worker_is_the_culprit_at_its_cost_and_its_pipeline_is_no_victim() -> None:
+    """dp4 x pp4, one stage-1 rank computing 2x: its fix saves the true cost; the ranks that wait for it
+    through the pipeline and the data-parallel ring save nothing once it is fixed."""
+    causes, job_ns, true_ns = _priced(ToyJob(dp=4, pp=4, compute={5: 2.0}, jitter=0.01))
+    top = culprit(causes, job_ns)
+    assert top is not None and (top.kind, top.ranks) == ("rank_compute", (5,))
+    assert top.saving_ns == pytest.approx(true_ns, rel=0.05)
+    assert others_named(causes, job_ns) == []
+
+
+def test_a_stage_slow_on_every_replica_is_the_stage() -> None:
+    causes, job_ns, true_ns = _priced(ToyJob(dp=2, pp=4, compute={6: 1.5, 7: 1.5}))
+    top = culprit(causes, job_ns)
+    assert top is not None and (top.kind, top.stage, top.ranks) == ("stage_compute", 3, (6, 7))
+    assert top.saving_ns == pytest.approx(true_ns, rel=0.05)
+    assert all(c.saving_ns < top.saving_ns for c in causes if c.kind.startswith("rank_"))
+
+
+def test_a_slow_ring_is_priced_against_rings_moving_the_same_bytes_only() -> None:
+    """Stage 0's all-reduce 3x slow: with the same bytes as stage 1's it is the cause at its cost; with
+    different bytes the rings are not compared and no transfer is a candidate."""
+    causes, job_ns, true_ns = _priced(ToyJob(dp=4, ring={0: 3.0}))
+    top = culprit(causes, job_ns)
+    assert top is not None and (top.kind, top.ranks) == ("group_transfer", (0, 1, 2, 3))
+    assert top.saving_ns == pytest.approx(true_ns, rel=0.05)
+    unlike, _, _ = _priced(ToyJob(dp=4, ring={0: 3.0}, allreduce_bytes=(64 << 20, 32 << 20)))
+    assert not [c for c in unlike if c.kind.endswith("_transfer")]
+
+
+def test_host_work_after_the_last_call_is_the_ranks_host() -> None:
+    causes, job_ns, true_ns = _priced(ToyJob(tail={1: 3e6}))
+    top = culprit(causes, job_ns)
+    assert top is not None and (top.kind, top.ranks) == ("rank_host", (1,))
+    assert top.saving_ns == pytest.approx(true_ns, rel=0.05)
+
+
+def test_the_median_of_the_others_leaves_each_value_out() -> None:
+    values = np.array([[1.0, 5.0], [2.0, 5.0], [10.0, 5.0]])
+    assert median_of_others(values).tolist() == [[6.0, 5.0], [5.5, 5.0], [1.5, 5.0]]
+    assert median_of_others(np.array([[1.0], [3.0]])).tolist() == [[3.0], [1.0]]
