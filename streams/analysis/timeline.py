@@ -150,10 +150,11 @@ class TimelineBatch:
 
 
 def _less_previous(x: I64, first: npt.NDArray[np.bool_]) -> I64:
-    """Each call's value less the previous call's of its iteration (its ``first``: less 0)."""
+    """Each call's value less the previous call's of its iteration (its ``first``: less 0); along the last
+    axis, so rows of several values at once."""
     prev = np.empty_like(x)
-    prev[1:] = x[:-1]
-    prev[first] = 0
+    prev[..., 1:] = x[..., :-1]
+    prev[..., first] = 0
     out: I64 = x - prev
     return out
 
@@ -189,11 +190,13 @@ def build_timelines(
     add up exactly (no rounding error accumulates along the iteration)."""
     m = int(compute_ns.size)
     order = np.lexsort((enter_ns, it))  # stable: ties in the order given
-    it, function, seq = it[order], function[order], seq[order]
-    enter_us, leave_us = enter_ns[order] // US, leave_ns[order] // US
-    compute_us = compute_at_enter_ns[order] // US
+    times = np.stack((enter_ns, leave_ns, compute_at_enter_ns, function))[:, order]
+    times[:3] //= US
+    it, function, seq = it[order], times[3], seq[order]
     first = np.ones(it.size, dtype=bool)
     first[1:] = it[1:] != it[:-1]
+    steps = _less_previous(times, first)  # per row: enter, leave, compute, function, less the previous call's
+    enter_us, leave_us, compute_us = times[0], times[1], times[2]
     counts = np.bincount(it, minlength=m)
     bounds = np.concatenate(([0], np.cumsum(counts)))
     last_compute = np.concatenate((compute_us, [0]))[np.where(counts > 0, bounds[1:] - 1, it.size)]
@@ -202,11 +205,11 @@ def build_timelines(
         bounds=bounds.tolist(),
         function=function,
         seq=seq,
-        function_delta=_less_previous(function, first),
+        function_delta=steps[3],
         seq_delta=seq_deltas(it, function, seq),
-        gap_us=enter_us - leave_us + _less_previous(leave_us, first),
+        gap_us=enter_us - leave_us + steps[1],
         dur_us=leave_us - enter_us,
-        compute_us=_less_previous(compute_us, first),
+        compute_us=steps[2],
         tail_compute_us=tail.tolist(),
         known=known.tolist(),
     )
@@ -228,16 +231,19 @@ class CoveredTime:
 
     @classmethod
     def of(cls, start: I64, end: I64, lo: I64, hi: I64, shift: I64) -> CoveredTime:
-        return cls(start, end, np.cumsum(end - start) - (end - start), lo, hi, shift)
+        """From the segments; an empty one before them all, so every time has a segment at or before it."""
+        length = end - start
+        first = np.array([np.iinfo(np.int64).min])
+        return cls(np.concatenate((first, start)), np.concatenate((first, end)),
+                   np.concatenate(([0], np.cumsum(length) - length)), lo, hi, shift)  # fmt: skip
 
     def since_start(self, t: I64, it: npt.NDArray[np.integer]) -> I64:
         """Iteration ``it``'s compute from its start up to ``t`` (clipped to the iteration)."""
-        return self._at(clip(t, self.lo[it], self.hi[it]) + self.shift[it]) - self._at(self.lo[it] + self.shift[it])
+        at = self._at(np.concatenate((clip(t, self.lo[it], self.hi[it]) + self.shift[it], self.lo + self.shift)))
+        since: I64 = at[: t.size] - at[t.size :][it]
+        return since
 
     def _at(self, t: I64) -> I64:
-        if self.start.size == 0:
-            return np.zeros(t.size, dtype=np.int64)
         j = self.start.searchsorted(t, side="right") - 1
-        jj = np.maximum(j, 0)
-        covered: I64 = np.where(j >= 0, self.before[jj] + np.minimum(t, self.end[jj]) - self.start[jj], 0)
+        covered: I64 = self.before[j] + np.minimum(t, self.end[j]) - self.start[j]
         return covered
