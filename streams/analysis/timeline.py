@@ -11,8 +11,9 @@ iteration's compute whether or not it overlapped a call; ``None`` where the rank
 
 On the wire (pattern record, ``patterns.v4``) times are whole microseconds after the iteration's start, each
 enter written as its gap from the previous leave, functions and sequence numbers as differences from the
-previous (call; call of the same function): a call costs a few bytes. ``timeline_of`` gives them back in
-nanoseconds relative to the iteration's start.
+previous (call; call of the same function), and the compute less the gap (the work between two calls is
+mostly compute): a call costs a few bytes. ``timeline_of`` gives them back in nanoseconds relative to the
+iteration's start.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fleetscope.streams.analysis.stats import clip
 I64 = npt.NDArray[np.int64]
 
 TIMELINE_FIELDS = PATTERN_TIMELINE_FIELDS
-"""The pattern record's timeline fields (arrays of one entry per call, ``sync_compute_us`` possibly empty,
+"""The pattern record's timeline fields (arrays of one entry per call, ``sync_compute_less_gap_us`` possibly empty,
 and the scalar ``sync_tail_compute_us``)."""
 US = 1000
 """Nanoseconds per wire unit: a microsecond is finer than any call's transfer the replay tells apart."""
@@ -69,19 +70,19 @@ def timeline_of(record: Mapping[str, Any]) -> RankTimeline | None:
     if function is None or len(function) == 0:
         return None
     n = len(function)
-    compute = record.get("sync_compute_us")
+    compute = record.get("sync_compute_less_gap_us")
     compute = () if compute is None else compute
     known = len(compute) > 0
     lengths = {name: len(record.get(name, ())) for name in TIMELINE_FIELDS[1:4]}
     if known:
-        lengths["sync_compute_us"] = len(compute)
+        lengths["sync_compute_less_gap_us"] = len(compute)
     for name, length in lengths.items():
         if length != n:
             raise ValueError(f"timeline of {n} calls has {length} entries in {name}")
     fn = np.cumsum(np.asarray(function, dtype=np.int64))
     gap = np.asarray(record["sync_gap_us"], dtype=np.int64)
     dur = np.asarray(record["sync_dur_us"], dtype=np.int64)
-    compute_us = np.asarray(compute, dtype=np.int64)
+    compute_us = np.asarray(compute, dtype=np.int64) + gap if known else gap[:0]
     tail = int(record.get("sync_tail_compute_us", -1))
     if int(fn.min()) < 0 or int(fn.max()) >= len(record["function"]):
         raise ValueError(f"timeline calls a function outside the record's {len(record['function'])}")
@@ -123,7 +124,7 @@ class TimelineBatch:
     seq_delta: I64
     gap_us: I64
     dur_us: I64
-    compute_us: I64
+    compute_less_gap_us: I64
     tail_compute_us: list[int]
     """Per iteration; -1 where kernels are unknown or there is no call."""
     known: list[bool]
@@ -144,7 +145,7 @@ class TimelineBatch:
             "sync_seq": seq_delta,
             "sync_gap_us": self.gap_us[lo:hi],
             "sync_dur_us": self.dur_us[lo:hi],
-            "sync_compute_us": self.compute_us[lo:hi] if known else self.compute_us[:0],
+            "sync_compute_less_gap_us": self.compute_less_gap_us[lo:hi] if known else self.gap_us[:0],
             "sync_tail_compute_us": self.tail_compute_us[i] if known else -1,
         }
 
@@ -197,6 +198,7 @@ def build_timelines(
     first[1:] = it[1:] != it[:-1]
     steps = _less_previous(times, first)  # per row: enter, leave, compute, function, less the previous call's
     enter_us, leave_us, compute_us = times[0], times[1], times[2]
+    gap = enter_us - leave_us + steps[1]
     counts = np.bincount(it, minlength=m)
     bounds = np.concatenate(([0], np.cumsum(counts)))
     last_compute = np.concatenate((compute_us, [0]))[np.where(counts > 0, bounds[1:] - 1, it.size)]
@@ -207,9 +209,9 @@ def build_timelines(
         seq=seq,
         function_delta=steps[3],
         seq_delta=seq_deltas(it, function, seq),
-        gap_us=enter_us - leave_us + steps[1],
+        gap_us=gap,
         dur_us=leave_us - enter_us,
-        compute_us=steps[2],
+        compute_less_gap_us=steps[2] - gap,
         tail_compute_us=tail.tolist(),
         known=known.tolist(),
     )
