@@ -65,7 +65,7 @@ COLUMNS: dict[EventKind, dict[str, type[np.generic]]] = {
 OPTIONAL_COLUMNS = frozenset({"launch_ns"})
 
 PATTERN_TIMELINE_FIELDS = (
-    "sync_function", "sync_seq", "sync_gap_us", "sync_dur_us", "sync_compute_us", "sync_tail_compute_us",
+    "sync_function", "sync_seq", "sync_gap_us", "sync_dur_us", "sync_compute_less_gap_us", "sync_tail_compute_us",
 )  # fmt: skip
 """The pattern record's timeline (``patterns.v4``): one entry per synchronisation call, not per function, so
 the store, whose rows are functions, keeps none of them."""

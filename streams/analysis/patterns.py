@@ -174,7 +174,7 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
     figures = np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
-    return figures, CoveredTime(seg_s, seg_e, covered[:-1], lo, hi, shift[:, 0])
+    return figures, CoveredTime.of(seg_s, seg_e, lo, hi, shift[:, 0])
 
 
 _REL_BITS = 41

@@ -11,8 +11,9 @@ iteration's compute whether or not it overlapped a call; ``None`` where the rank
 
 On the wire (pattern record, ``patterns.v4``) times are whole microseconds after the iteration's start, each
 enter written as its gap from the previous leave, functions and sequence numbers as differences from the
-previous (call; call of the same function): a call costs a few bytes. ``timeline_of`` gives them back in
-nanoseconds relative to the iteration's start.
+previous (call; call of the same function), and the compute less the gap (the work between two calls is
+mostly compute): a call costs a few bytes. ``timeline_of`` gives them back in nanoseconds relative to the
+iteration's start.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fleetscope.streams.analysis.stats import clip
 I64 = npt.NDArray[np.int64]
 
 TIMELINE_FIELDS = PATTERN_TIMELINE_FIELDS
-"""The pattern record's timeline fields (arrays of one entry per call, ``sync_compute_us`` possibly empty,
+"""The pattern record's timeline fields (arrays of one entry per call, ``sync_compute_less_gap_us`` possibly empty,
 and the scalar ``sync_tail_compute_us``)."""
 US = 1000
 """Nanoseconds per wire unit: a microsecond is finer than any call's transfer the replay tells apart."""
@@ -69,19 +70,19 @@ def timeline_of(record: Mapping[str, Any]) -> RankTimeline | None:
     if function is None or len(function) == 0:
         return None
     n = len(function)
-    compute = record.get("sync_compute_us")
+    compute = record.get("sync_compute_less_gap_us")
     compute = () if compute is None else compute
     known = len(compute) > 0
     lengths = {name: len(record.get(name, ())) for name in TIMELINE_FIELDS[1:4]}
     if known:
-        lengths["sync_compute_us"] = len(compute)
+        lengths["sync_compute_less_gap_us"] = len(compute)
     for name, length in lengths.items():
         if length != n:
             raise ValueError(f"timeline of {n} calls has {length} entries in {name}")
     fn = np.cumsum(np.asarray(function, dtype=np.int64))
     gap = np.asarray(record["sync_gap_us"], dtype=np.int64)
     dur = np.asarray(record["sync_dur_us"], dtype=np.int64)
-    compute_us = np.asarray(compute, dtype=np.int64)
+    compute_us = np.asarray(compute, dtype=np.int64) + gap if known else gap[:0]
     tail = int(record.get("sync_tail_compute_us", -1))
     if int(fn.min()) < 0 or int(fn.max()) >= len(record["function"]):
         raise ValueError(f"timeline calls a function outside the record's {len(record['function'])}")
@@ -123,7 +124,7 @@ class TimelineBatch:
     seq_delta: I64
     gap_us: I64
     dur_us: I64
-    compute_us: I64
+    compute_less_gap_us: I64
     tail_compute_us: list[int]
     """Per iteration; -1 where kernels are unknown or there is no call."""
     known: list[bool]
@@ -144,16 +145,17 @@ class TimelineBatch:
             "sync_seq": seq_delta,
             "sync_gap_us": self.gap_us[lo:hi],
             "sync_dur_us": self.dur_us[lo:hi],
-            "sync_compute_us": self.compute_us[lo:hi] if known else self.compute_us[:0],
+            "sync_compute_less_gap_us": self.compute_less_gap_us[lo:hi] if known else self.gap_us[:0],
             "sync_tail_compute_us": self.tail_compute_us[i] if known else -1,
         }
 
 
 def _less_previous(x: I64, first: npt.NDArray[np.bool_]) -> I64:
-    """Each call's value less the previous call's of its iteration (its ``first``: less 0)."""
+    """Each call's value less the previous call's of its iteration (its ``first``: less 0); along the last
+    axis, so rows of several values at once."""
     prev = np.empty_like(x)
-    prev[1:] = x[:-1]
-    prev[first] = 0
+    prev[..., 1:] = x[..., :-1]
+    prev[..., first] = 0
     out: I64 = x - prev
     return out
 
@@ -189,11 +191,14 @@ def build_timelines(
     add up exactly (no rounding error accumulates along the iteration)."""
     m = int(compute_ns.size)
     order = np.lexsort((enter_ns, it))  # stable: ties in the order given
-    it, function, seq = it[order], function[order], seq[order]
-    enter_us, leave_us = enter_ns[order] // US, leave_ns[order] // US
-    compute_us = compute_at_enter_ns[order] // US
+    times = np.stack((enter_ns, leave_ns, compute_at_enter_ns, function))[:, order]
+    times[:3] //= US
+    it, function, seq = it[order], times[3], seq[order]
     first = np.ones(it.size, dtype=bool)
     first[1:] = it[1:] != it[:-1]
+    steps = _less_previous(times, first)  # per row: enter, leave, compute, function, less the previous call's
+    enter_us, leave_us, compute_us = times[0], times[1], times[2]
+    gap = enter_us - leave_us + steps[1]
     counts = np.bincount(it, minlength=m)
     bounds = np.concatenate(([0], np.cumsum(counts)))
     last_compute = np.concatenate((compute_us, [0]))[np.where(counts > 0, bounds[1:] - 1, it.size)]
@@ -202,11 +207,11 @@ def build_timelines(
         bounds=bounds.tolist(),
         function=function,
         seq=seq,
-        function_delta=_less_previous(function, first),
+        function_delta=steps[3],
         seq_delta=seq_deltas(it, function, seq),
-        gap_us=enter_us - leave_us + _less_previous(leave_us, first),
+        gap_us=gap,
         dur_us=leave_us - enter_us,
-        compute_us=_less_previous(compute_us, first),
+        compute_less_gap_us=steps[2] - gap,
         tail_compute_us=tail.tolist(),
         known=known.tolist(),
     )
@@ -228,16 +233,19 @@ class CoveredTime:
 
     @classmethod
     def of(cls, start: I64, end: I64, lo: I64, hi: I64, shift: I64) -> CoveredTime:
-        return cls(start, end, np.cumsum(end - start) - (end - start), lo, hi, shift)
+        """From the segments; an empty one before them all, so every time has a segment at or before it."""
+        length = end - start
+        first = np.array([np.iinfo(np.int64).min])
+        return cls(np.concatenate((first, start)), np.concatenate((first, end)),
+                   np.concatenate(([0], np.cumsum(length) - length)), lo, hi, shift)  # fmt: skip
 
     def since_start(self, t: I64, it: npt.NDArray[np.integer]) -> I64:
         """Iteration ``it``'s compute from its start up to ``t`` (clipped to the iteration)."""
-        return self._at(clip(t, self.lo[it], self.hi[it]) + self.shift[it]) - self._at(self.lo[it] + self.shift[it])
+        at = self._at(np.concatenate((clip(t, self.lo[it], self.hi[it]) + self.shift[it], self.lo + self.shift)))
+        since: I64 = at[: t.size] - at[t.size :][it]
+        return since
 
     def _at(self, t: I64) -> I64:
-        if self.start.size == 0:
-            return np.zeros(t.size, dtype=np.int64)
         j = self.start.searchsorted(t, side="right") - 1
-        jj = np.maximum(j, 0)
-        covered: I64 = np.where(j >= 0, self.before[jj] + np.minimum(t, self.end[jj]) - self.start[jj], 0)
+        covered: I64 = self.before[j] + np.minimum(t, self.end[j]) - self.start[j]
         return covered

@@ -286,7 +286,7 @@ def test_an_iteration_too_wide_to_shift_has_its_timeline_too() -> None:
     ("damage", "reason"),
     [
         ({"sync_gap_us": [0, 1]}, "timeline of 3 calls has 2 entries in sync_gap_us"),
-        ({"sync_compute_us": [1]}, "timeline of 3 calls has 1 entries in sync_compute_us"),
+        ({"sync_compute_less_gap_us": [1]}, "timeline of 3 calls has 1 entries in sync_compute_less_gap_us"),
         ({"sync_function": [99, 0, 0]}, "timeline calls a function outside the record's"),
         ({"sync_function": [-1, 0, 0]}, "timeline calls a function outside the record's"),
         ({"sync_dur_us": [5, -1, 2]}, "timeline has a negative duration or compute"),
