@@ -67,6 +67,7 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         job_idle_ms=s.job_idle_ms,
         job_end_ms=s.job_end_ms,
         state_chunk_bytes=s.state_chunk_bytes,
+        state_share=s.state_share,
         scoring_processes=s.scoring_processes,
         windower=s.windower,
         differential=s.differential,

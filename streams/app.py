@@ -81,7 +81,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     differential_stage = DifferentialStage(cfg.differential, pool=pool)
     profiles = ProfilePolicy(cfg.profiling)
     differential = DifferentialAgent(
-        app, differential_stage, DifferentialRecovery(differential_state, differential_stage.jobs),
+        app, differential_stage, DifferentialRecovery(differential_state, differential_stage.jobs, cfg.state_share),
         findings=raw(topics.findings), control=raw(topics.control), profiles=profiles, counters=counters,
         dead=dead, gate=gate, clock=clock, job_idle_ms=cfg.job_idle_ms, job_end_ms=cfg.job_end_ms,
         findings_key=cfg.findings_key,
