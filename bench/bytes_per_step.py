@@ -7,12 +7,12 @@ broadcasts) and 9 host spans a step, (c) the real-job test's job with a manual p
 Each runs through a real Tansu broker, the worker and chDB (``tests/integration/test_real_jobs.py``'s job and
 harness, as ``bench/real_jobs.py`` runs them); then every topic is read back with confluent-kafka and the
 job's message values are summed per topic. Tansu keeps its log in memory here, so the figure on the wire is
-computed: the values of each partition, batched as the producer batches them (the messages of one partition
-produced within its ``linger.ms``), compressed with the topic's producer's codec: ``kafka.compression`` for
-the torch hook's topics (raw kinds, heartbeats) and none for the worker's (Faust's producer compresses
-nothing); "lz4 if" is what the worker's topics would take compressed. Keys, headers and Kafka's record
-framing are not counted. For (c) the bytes of profiled steps are split off: iteration and pattern records by
-their ``profiled`` flag, raw batches by the share of their events inside the rank's profiled steps.
+computed: the values of each partition, batched as their producer batches them (the messages of one
+partition produced within its linger: the torch hook's publisher 20 ms, the worker's Faust producer 0, so
+only those sent in the same millisecond), compressed with ``kafka.compression``, the codec of both. Keys,
+headers and Kafka's record framing are not counted. For (c) the bytes of profiled steps are split off:
+iteration and pattern records by their ``profiled`` flag, raw batches by the share of their events inside
+the rank's profiled steps, each message compressed alone.
 Not a test: prints figures.
 """
 
@@ -43,9 +43,8 @@ from fleetscope.broker import TansuBroker  # noqa: E402
 from fleetscope.config import Config, load_config  # noqa: E402
 from fleetscope.producers.control import request_profile  # noqa: E402
 from fleetscope.producers.publisher.config import PublisherConfig  # noqa: E402
-from fleetscope.schemas import CATALOG, Topics, decode, decode_event_batch  # noqa: E402
+from fleetscope.schemas import CATALOG, EventKind, Topics, decode, decode_event_batch  # noqa: E402
 from fleetscope.stack import EmbeddedStack  # noqa: E402
-from fleetscope.streams.analysis.eventbuffers import TIME_COLUMN  # noqa: E402
 
 # argv as the real-job test's JOB: steps, fault (unused), faulty rank, fault step. 40 gradient all-reduces
 # over 8 layers (5 buckets each, as DDP buckets them), 10 parameter broadcasts, a host span per layer and
@@ -81,8 +80,17 @@ fs.stop()
 dist.destroy_process_group()
 """
 
-PRODUCER_TOPICS = ("raw", "heartbeats", "control")
-"""Topics the torch hook (and ``fleetscope profile``) write through the Publisher, compressed."""
+PUBLISHER_TOPICS = ("raw", "heartbeats", "control")
+"""Topics the torch hook (and ``fleetscope profile``) write through the Publisher; the worker writes the rest."""
+STATE_TOPICS = ("differential-state", "windower-state")
+WORKER_LINGER_MS = 0
+"""Faust's ``producer_linger_ms``, which the worker leaves at its default."""
+
+
+def linger_ms(topic: str) -> int:
+    if topic.split(":")[0] in PUBLISHER_TOPICS:
+        return PublisherConfig(bootstrap_servers="-").linger_ms
+    return WORKER_LINGER_MS
 
 
 @dataclass
@@ -181,27 +189,27 @@ def rank_steps(run: Run) -> int:
     return len(seen)
 
 
-def report(run: Run, codec: str, linger_ms: int) -> dict[str, float]:
+def report(run: Run, codec: str) -> dict[str, float]:
     """Print the run's per-topic table; return wire bytes per rank-step by topic."""
     n = rank_steps(run)
     print(f"\n({run.name}) job {run.job}: {n} rank-steps ({n / max(1, real.WORLD):.0f} steps x {real.WORLD} ranks)")
-    print(f"  {'topic':22} {'msgs':>7} {'values B':>11} {'wire B':>11} {'B/rank-step':>12} {'lz4 if':>8}")
+    print(f"  {'topic':22} {'msgs':>7} {'values B':>11} {'wire B':>11} {'B/rank-step':>12} {'values/step':>12}")
     per_step: dict[str, float] = {}
     total = 0.0
     for topic in sorted(run.messages):
         msgs = run.messages[topic]
         values = sum(len(m.value) for m in msgs)
-        batches = producer_batches(msgs, linger_ms)
-        own = codec if topic.split(":")[0] in PRODUCER_TOPICS else "none"
-        wire = compressed(batches, own)
-        lz4_if = "" if own != "none" else f"{compressed(batches, 'lz4') / max(1, n):8.0f}"
+        wire = compressed(producer_batches(msgs, linger_ms(topic)), codec)
         per_step[topic] = wire / max(1, n)
         total += per_step[topic]
-        print(f"  {topic:22} {len(msgs):7d} {values:11d} {wire:11d} {per_step[topic]:12.0f} {lz4_if:>8}")
-    pattern = per_step.get("patterns", 0.0)
-    state = per_step.get("differential-state", 0.0) + per_step.get("windower-state", 0.0)
+        print(f"  {topic:22} {len(msgs):7d} {values:11d} {wire:11d} {per_step[topic]:12.0f} {values / max(1, n):12.0f}")
+    values = {t: sum(len(m.value) for m in run.messages.get(t, [])) for t in ("patterns", *STATE_TOPICS)}
+    on_wire = sum(per_step.get(t, 0.0) for t in STATE_TOPICS) / max(per_step.get("patterns", 0.0), 1e-9)
+    by_value = sum(values[t] for t in STATE_TOPICS) / max(values["patterns"], 1)
     print(f"  total {total:.0f} B = {total / 1000:.2f} KB per rank-step on the wire")
-    print(f"  state records {state:.0f} B per rank-step: {100 * state / max(pattern, 1e-9):.1f} % of the patterns'")
+    print(
+        f"  state records / pattern records: {100 * by_value:.1f} % of their values, {100 * on_wire:.1f} % on the wire"
+    )
     return per_step
 
 
@@ -221,10 +229,21 @@ def pattern_fields(run: Run, profiled: bool) -> None:
             sizes[f["name"]] += out.n
     functions = sum(len(r["function"]) for r in records) / len(records)
     whole = sum(sizes.values()) / len(records)
-    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:8]
-    shown = ", ".join(f"{k} {v / len(records):.0f}" for k, v in top)
+    groups: dict[str, list[str]] = defaultdict(list)  # per-function columns by item type, the rest apart
+    for f in schema["fields"]:
+        array = isinstance(f["type"], dict) and f["type"].get("type") == "array"
+        items = f["type"]["items"] if array else None
+        groups["per record" if not array else f"{items} columns" if isinstance(items, str) else "other"].append(
+            f["name"]
+        )
+    parts = []
+    for group, names in sorted(groups.items()):
+        per = len(records) * (1 if group == "per record" else functions)
+        parts.append(f"{group} ({len(names)}) {sum(sizes[n] for n in names) / per:.0f}")
+    shown = ", ".join(parts)
     kind = "profiled" if profiled else "continuous"
-    print(f"  {kind} pattern record: {whole:.0f} B, {functions:.1f} functions; largest fields (B): {shown}")
+    print(f"  {kind} pattern record: {whole:.0f} B, {functions:.1f} functions; B per function by column type "
+          f"(B per record for the fields of the record): {shown}")  # fmt: skip
 
 
 class _Sink:
@@ -236,7 +255,7 @@ class _Sink:
         return len(data)
 
 
-def profiled_cost(run: Run, codec: str, linger_ms: int) -> None:
+def profiled_cost(run: Run, codec: str) -> None:
     """Bytes of the job's profiled rank-steps, per profiled rank-step, by topic."""
     windows: dict[int, list[tuple[int, int]]] = defaultdict(list)
     profiled_steps = set()
@@ -259,9 +278,7 @@ def profiled_cost(run: Run, codec: str, linger_ms: int) -> None:
                 shares.append((m, share))
         if not shares:
             continue
-        own = codec if topic.split(":")[0] in PRODUCER_TOPICS else "none"
-        # each message's wire share: its batch compressed, shared by value length
-        wire = sum(share * compressed([[m.value]], own) for m, share in shares)
+        wire = sum(share * compressed([[m.value]], codec) for m, share in shares)  # each compressed alone
         total += wire / n
         print(f"    {topic:22} {wire / n:10.0f}")
     print(f"    total {total:.0f} B = {total / 1000:.2f} KB per profiled rank-step")
@@ -274,7 +291,7 @@ def _profiled_share(topic: str, value: bytes, windows: dict[int, list[tuple[int,
     if not topic.startswith("raw:"):
         return 0.0
     batch = decode_event_batch(value)
-    times = batch.columns[TIME_COLUMN[batch.kind]]
+    times = batch["t_ns"] if batch.kind is EventKind.THROUGHPUT else batch["start_ns"]  # near enough to split
     spans = windows.get(batch.header.rank, [])
     if not len(times) or not spans:
         return 0.0
@@ -286,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="a,b,c", help="which runs: a (continuous), b (50 calls), c (profiled)")
     ap.add_argument("--steps", default="200,150,120", help="steps of a, b, c")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a setting (streams.state_share=0.03)"
+    )
     args = ap.parse_args(argv)
     steps = dict(zip("abc", (int(s) for s in args.steps.split(",")), strict=True))
     runs = args.runs.split(",")
@@ -295,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(env={}, overrides={
             "data_dir": tmp, "kafka.bootstrap_servers": servers, "kafka.topic_prefix": f"b{uuid.uuid4().hex[:6]}",
             "store.url": f"chdb://{tmp}/store", "store.database": "bytes",
-        })  # fmt: skip
+        } | dict(kv.split("=", 1) for kv in args.set))  # fmt: skip
         script, many = Path(tmp) / "job.py", Path(tmp) / "many_calls.py"
         script.write_text(real.JOB)
         many.write_text(MANY_CALLS_JOB)
@@ -327,15 +347,14 @@ def main(argv: list[str] | None = None) -> int:
             broker_messages = read_back(config) if done else {}
             broker.stop()
     codec = config.kafka.compression
-    linger_ms = PublisherConfig(bootstrap_servers="-").linger_ms
-    print(f"\nproducer codec {codec}, linger {linger_ms} ms; the worker's topics uncompressed")
+    print(f"\ncodec {codec}; linger: the publisher's {linger_ms('raw')} ms, the worker's {WORKER_LINGER_MS} ms")
     for run in done:
         run.messages = dict(broker_messages.get(run.job, {}))
-        report(run, codec, linger_ms)
+        report(run, codec)
         pattern_fields(run, profiled=False)
         if run.name == "c":
             pattern_fields(run, profiled=True)
-            profiled_cost(run, codec, linger_ms)
+            profiled_cost(run, codec)
     return 0
 
 

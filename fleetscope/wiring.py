@@ -68,6 +68,7 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         job_end_ms=s.job_end_ms,
         state_chunk_bytes=s.state_chunk_bytes,
         state_share=s.state_share,
+        compression=k.compression,
         scoring_processes=s.scoring_processes,
         windower=s.windower,
         differential=s.differential,

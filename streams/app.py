@@ -49,6 +49,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         broker_rebalance_timeout=max(session_s, 2.0),
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        producer_compression_type=None if cfg.compression == "none" else cfg.compression,
         producer_max_request_size=max(1_048_576, cfg.limits.max_message_bytes + 65_536),  # dead letters fit
         web_enabled=False,
         web_port=cfg.web_port,

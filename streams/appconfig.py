@@ -35,6 +35,8 @@ class StreamAppConfig:
     job_end_ms: int = 120_000
     state_chunk_bytes: int = 512 * 1024
     state_share: float = 0.1
+    compression: str = "none"
+    """The codec of what the worker sends (``kafka.compression``): none, gzip, snappy, lz4 or zstd."""
     scoring_processes: int = 0
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: WindowerConfig = field(default_factory=WindowerConfig)
