@@ -173,9 +173,9 @@ class StreamSettings:
     """State records (a job's differential state: megabytes at a thousand ranks) larger than this are written in
     chunks of it: keep it under the broker's ``max.message.bytes`` (1 MB by default) less the key."""
     state_share: float = 0.1
-    """The differential's state records, in bytes, at most this share of the pattern bytes each job takes
-    (a record that only scored iterations would change waits for its share, or 10 s): a crash replays about
-    1/share records' worth of patterns."""
+    """The differential's state records, in bytes, at most this share of the pattern bytes each job takes: a
+    record that only scored iterations would change waits for its share and at least 10 s (at most 5 min),
+    so a crash replays the larger of 2/share records' worth of patterns and 10 s of them."""
     scoring_processes: int = 0
     """Processes that decode and score the differential's iterations beside the worker (``streams.scoring``):
     one job's differential on several cores, for jobs of thousands of ranks. 0: the worker scores them."""

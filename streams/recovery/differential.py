@@ -103,21 +103,30 @@ class _StateUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"state record refers to {module}.{name}, which it may not")
 
 
-def record_due(credit: float, last_bytes: int, since_s: float, interval_s: float) -> bool:
-    """Whether a state record that only scored iterations would change is written now: once the job's credit
-    (``share`` of the pattern bytes it took, less the state bytes written) covers the last record twice, once
-    for the next record and once held for a record that must go at once (a finding opened or closed, a stall
-    report, the flush at the job's end), so that over a run state bytes stay within ``share`` of the pattern
-    bytes; or once ``interval_s`` passed since the last record, which bounds what a crash replays of a job
-    whose patterns come slowly (there the interval, not the share, sets the state bytes)."""
-    return credit >= 2 * last_bytes or since_s >= interval_s
+def record_due(credit: float, last_bytes: int, since_s: float, interval_s: float, stale_s: float) -> bool:
+    """Whether a state record that only scored iterations would change is written now: ``interval_s`` after
+    the last record (a 1,024-rank job's record is 15 MB and 0.1 CPU s to pickle and compress, in the one
+    process that tracks the job), once the job's credit (``share`` of the pattern bytes it took, less the
+    state bytes written) covers the last record twice: once for the next record, once held for a record
+    that must go at once (a finding opened or closed, a stall report, the flush at the job's end), so that
+    over a run state bytes stay within ``share`` of the pattern bytes; and in any case ``stale_s`` after the
+    last record (a job whose patterns come slowly: the messages a record covers are held until it is
+    written, and must still be on the broker for a crash to replay them)."""
+    if since_s < interval_s:
+        return False
+    return credit >= 2 * last_bytes or since_s >= stale_s
 
 
 class DifferentialRecovery:
     """The differential's jobs, their pattern messages held until scored, and their state records."""
 
     def __init__(
-        self, log: StateLog, jobs: dict[str, JobDifferential], share: float = 0.1, interval_s: float = 10.0
+        self,
+        log: StateLog,
+        jobs: dict[str, JobDifferential],
+        share: float = 0.1,
+        interval_s: float = 10.0,
+        stale_s: float = 300.0,
     ) -> None:
         self.log = log
         self.jobs = jobs
@@ -126,9 +135,12 @@ class DifferentialRecovery:
         """State bytes written per pattern byte taken, at most, over a job's run (``record_due``): at a thousand
         ranks and 300 functions a record is megabytes, so a record per scored iteration would be 15 MB/s of
         state per job at one iteration a second; a 4-rank job's is 4 KB against its 2 KB of patterns an
-        iteration. The messages of iterations not yet covered stay held, so a crash replays at most about
-        1/share records' worth of patterns."""
+        iteration. The messages of iterations not yet covered stay held, so a crash replays the larger of
+        2/share records' worth of patterns and ``interval_s`` of them."""
         self.interval_s = interval_s
+        """The least time between two records that only scored iterations would change."""
+        self.stale_s = stale_s
+        """The most time between two records while the job scores iterations."""
         self._credit: dict[str, float] = {}
         """Per job: ``share`` of the pattern bytes taken less the state bytes written, since its restore."""
         self._last_bytes: dict[str, int] = {}
@@ -219,7 +231,8 @@ class DifferentialRecovery:
                 continue
             if written is not None and mark[2:] == written[2:]:  # only iterations scored since the last record
                 since_s = time.monotonic() - self._written_at.get(job, 0.0)
-                if not record_due(self._credit.get(job, 0.0), self._last_bytes.get(job, 0), since_s, self.interval_s):
+                credit, last = self._credit.get(job, 0.0), self._last_bytes.get(job, 0)
+                if not record_due(credit, last, since_s, self.interval_s, self.stale_s):
                     continue  # they wait for a later record, and so do their messages
             value = dump_job_state(JobState(job=jd, progress_offset=mark[2], flushed=mark[3]))
             await self.log.write(self._partition[job], job_key(job), value)

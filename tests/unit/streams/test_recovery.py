@@ -4,6 +4,7 @@ records, and which iterations a restarted windower may emit."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import pickle
 import time
@@ -276,11 +277,12 @@ def _split_at_writes(sent: list[tuple[bytes, bytes]]) -> list[list[tuple[bytes, 
     return out[:-1]
 
 
-def test_a_state_record_of_scored_iterations_alone_waits_for_the_interval_a_finding_or_stall_goes_at_once(
+def test_a_state_record_of_scored_iterations_alone_waits_for_the_interval_and_its_share_a_finding_goes_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With a share the patterns never earn, scored iterations alone wait for the interval, and the messages
-    they cover stay held; a finding opened and a stall report are written at once."""
+    """Scored iterations alone wait for both the interval and the pattern bytes that pay for the record (the
+    messages they cover stay held), or for ``stale_s``; a finding opened and a stall report are written at
+    once."""
 
     class Log:
         chunk_bytes = 10**9
@@ -298,33 +300,40 @@ def test_a_state_record_of_scored_iterations_alone_waits_for_the_interval_a_find
         by_iteration.setdefault(int(rec["iteration"]), []).append(rec)
     log = Log()
     jobs: dict[str, JobDifferential] = {}
-    rec = DifferentialRecovery(cast(StateLog, log), jobs, share=1e-9, interval_s=10.0)
+    rec = DifferentialRecovery(cast(StateLog, log), jobs, share=0.1, interval_s=10.0, stale_s=300.0)
     jobs[SIM.job] = JobDifferential(SIM.job)
     rec.place(SIM.job, 0)
 
-    def step(it: int) -> list[Any]:
+    def step(it: int, value_bytes: int = 3) -> list[Any]:
         for r in by_iteration[it]:
             jobs[SIM.job].add(r)
-            rec.took(SIM.job, _pattern_message(f"{it}/{r['rank']}"), it)
+            rec.took(SIM.job, _PatternMessage(f"{it}/{r['rank']}", b"x" * value_bytes), it)
         return asyncio.run(rec.checkpoint([SIM.job]))
 
-    def of(*iterations: int) -> list[Any]:
-        return [_pattern_message(f"{i}/{r}") for i in iterations for r in range(4)]
+    def of(*iterations: int) -> list[str]:
+        return [f"{i}/{r}" for i in iterations for r in range(4)]
 
-    assert step(0) == of(0) and log.writes == 1  # each iteration is scored as its last rank comes (offline)
+    def names(messages: list[Any]) -> list[str]:
+        return [m.name for m in messages]
+
+    assert names(step(0)) == of(0) and log.writes == 1  # each iteration is scored as its last rank comes (offline)
     now[0] += 1.0
-    assert step(1) == [] and log.writes == 1  # iteration 1 scored alone: it waits, and so do its messages
-    assert step(2) == of(1, 2) and log.writes == 2  # a finding opened: written at once
+    assert step(1) == [] and log.writes == 1  # neither the interval nor the bytes: it waits, and its messages
+    assert names(step(2)) == of(1, 2) and log.writes == 2  # a finding opened: written at once
     assert jobs[SIM.job].open_findings() == 1
+    now[0] += 10.5
+    assert step(3) == [] and log.writes == 2  # the interval passed, but 12 bytes of patterns pay for no record
+    stall = SimpleNamespace(offset=7, name="stall")
+    rec.took(SIM.job, cast(Any, stall), None)
+    assert names(asyncio.run(rec.checkpoint([SIM.job]))) == ["stall", *of(3)] and log.writes == 3  # at once
+    now[0] += 299.0
+    assert step(4) == [] and log.writes == 3
     now[0] += 1.0
-    assert step(3) == [] and log.writes == 2
-    now[0] += 9.5
-    assert step(4) == of(3, 4) and log.writes == 3  # the interval passed
-    stall = cast(Any, SimpleNamespace(offset=7))
-    rec.took(SIM.job, stall, None)
-    assert asyncio.run(rec.checkpoint([SIM.job])) == [stall] and log.writes == 4
+    assert names(step(5)) == of(4, 5) and log.writes == 4  # stale: written whatever the share
     now[0] += 1.0
-    assert step(5) == [] and log.writes == 4
+    assert step(6, 10**6) == [] and log.writes == 4  # paid for, within the interval
+    now[0] += 10.0
+    assert names(step(7)) == of(6, 7) and log.writes == 5  # paid for, and the interval passed
     assert jobs[SIM.job].open_findings() == 1
 
 
@@ -352,7 +361,7 @@ def test_state_records_stay_within_their_share_of_the_pattern_bytes_and_a_crash_
     share = 0.1
     log = _SizedLog()
     stage = DifferentialStage()
-    rec = DifferentialRecovery(cast(StateLog, log), stage.jobs, share=share, interval_s=1e9)
+    rec = DifferentialRecovery(cast(StateLog, log), stage.jobs, share=share, interval_s=0.0, stale_s=math.inf)
     rec.place(job, 0)
     updates: list[dict[str, Any]] = []
     released: set[int] = set()
@@ -403,7 +412,7 @@ def test_an_iteration_tracked_after_it_was_taken_to_score_is_written_before_its_
 
     log = Log()
     jobs: dict[str, JobDifferential] = {SIM.job: JobDifferential(SIM.job)}
-    rec = DifferentialRecovery(cast(StateLog, log), jobs, interval_s=0.0)  # every record due: the order alone
+    rec = DifferentialRecovery(cast(StateLog, log), jobs, interval_s=0.0, stale_s=0.0)  # every record due
     rec.place(SIM.job, 0)
     jd = jobs[SIM.job]
     ready: list[tuple[int, list[dict[str, Any]]]] = []
