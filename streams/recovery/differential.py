@@ -46,13 +46,22 @@ class JobState:
     job: JobDifferential
     progress_offset: int
     flushed: bool
+    pickled_bytes: int = 0
+    """The record's size uncompressed (``load_job_state`` sets it): what its share is counted in, like the
+    pattern records' values, so that the share holds compressed as well."""
 
 
-def dump_job_state(state: JobState) -> bytes:
-    pickled = pickle.dumps(
+def pickle_job_state(state: JobState) -> bytes:
+    """The record uncompressed (``dump_job_state`` compresses it)."""
+    return pickle.dumps(
         {"job": state.job, "progress_offset": state.progress_offset, "flushed": state.flushed}, protocol=5
     )
-    return _JOB_STATE_FORMAT + bytes(cramjam.zstd.compress(pickled, _COMPRESSION_LEVEL))
+
+
+def dump_job_state(state: JobState, pickled: bytes | None = None) -> bytes:
+    """The state record; ``pickled``: ``pickle_job_state(state)``, when the caller has it."""
+    body = pickle_job_state(state) if pickled is None else pickled
+    return _JOB_STATE_FORMAT + bytes(cramjam.zstd.compress(body, _COMPRESSION_LEVEL))
 
 
 def load_job_state(data: bytes) -> JobState:
@@ -70,7 +79,7 @@ def load_job_state(data: bytes) -> JobState:
     if not isinstance(raw, dict) or not isinstance(raw.get("job"), JobDifferential):
         raise pickle.UnpicklingError("job state record holds no JobDifferential")
     offset = -1 if fmt == _PATTERNS_TOPIC_OFFSETS else int(raw["progress_offset"])
-    return JobState(job=raw["job"], progress_offset=offset, flushed=bool(raw["flushed"]))
+    return JobState(job=raw["job"], progress_offset=offset, flushed=bool(raw["flushed"]), pickled_bytes=len(body))
 
 
 _ALLOWED_GLOBALS = frozenset(
@@ -142,9 +151,10 @@ class DifferentialRecovery:
         self.stale_s = stale_s
         """The most time between two records while the job scores iterations."""
         self._credit: dict[str, float] = {}
-        """Per job: ``share`` of the pattern bytes taken less the state bytes written, since its restore."""
+        """Per job: ``share`` of the pattern bytes taken less the state bytes written (uncompressed, as the
+        pattern records' values are counted), since its restore."""
         self._last_bytes: dict[str, int] = {}
-        """Per job: the size of its last state record (the next one's estimate)."""
+        """Per job: the size of its last state record uncompressed (the next one's estimate)."""
         self._written_at: dict[str, float] = {}
         """Per job: when its last state record was written or read (monotonic seconds)."""
         self.holds: Holds[str] = Holds()
@@ -176,7 +186,8 @@ class DifferentialRecovery:
                 self._progress_offset[job] = state.progress_offset
                 self._flushed[job] = state.flushed
                 self._written[job] = self._mark(job)
-                self._last_bytes[job], self._written_at[job], self._credit[job] = len(value), time.monotonic(), 0.0
+                self._last_bytes[job], self._written_at[job] = state.pickled_bytes, time.monotonic()
+                self._credit[job] = 0.0
                 self.restored += 1
                 log.info(
                     "restored job %r from its state record: scored up to iteration %d, %d open findings%s",
@@ -234,11 +245,12 @@ class DifferentialRecovery:
                 credit, last = self._credit.get(job, 0.0), self._last_bytes.get(job, 0)
                 if not record_due(credit, last, since_s, self.interval_s, self.stale_s):
                     continue  # they wait for a later record, and so do their messages
-            value = dump_job_state(JobState(job=jd, progress_offset=mark[2], flushed=mark[3]))
-            await self.log.write(self._partition[job], job_key(job), value)
+            state = JobState(job=jd, progress_offset=mark[2], flushed=mark[3])
+            pickled = pickle_job_state(state)
+            await self.log.write(self._partition[job], job_key(job), dump_job_state(state, pickled))
             self._written[job] = mark
-            self._last_bytes[job], self._written_at[job] = len(value), time.monotonic()
-            self._credit[job] = self._credit.get(job, 0.0) - len(value)
+            self._last_bytes[job], self._written_at[job] = len(pickled), time.monotonic()
+            self._credit[job] = self._credit.get(job, 0.0) - len(pickled)
             out += self.holds.release(job, jd.scored_upto + 1)
         return out
 
