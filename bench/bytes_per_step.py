@@ -9,7 +9,8 @@ harness, as ``bench/real_jobs.py`` runs them); then every topic is read back wit
 job's message values are summed per topic. Tansu keeps its log in memory here, so the figure on the wire is
 computed: the values of each partition, batched as their producer batches them (the messages of one
 partition produced within its linger: the torch hook's publisher 20 ms, the worker's Faust producer 0, so
-only those sent in the same millisecond), compressed with ``kafka.compression``, the codec of both. Keys,
+only those sent in the same millisecond), compressed with each one's codec (``kafka.compression``, lz4, and
+the worker's zstd, ``wiring.worker_compression``). Keys,
 headers and Kafka's record framing are not counted. For (c) the bytes of profiled steps are split off:
 iteration and pattern records by their ``profiled`` flag, raw batches by the share of their events inside
 the rank's profiled steps, each message compressed alone.
@@ -30,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cramjam
 import fastavro
 import lz4.frame
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
@@ -45,6 +47,7 @@ from fleetscope.producers.control import request_profile  # noqa: E402
 from fleetscope.producers.publisher.config import PublisherConfig  # noqa: E402
 from fleetscope.schemas import CATALOG, EventKind, Topics, decode, decode_event_batch  # noqa: E402
 from fleetscope.stack import EmbeddedStack  # noqa: E402
+from fleetscope.wiring import worker_compression  # noqa: E402
 
 # argv as the real-job test's JOB: steps, fault (unused), faulty rank, fault step. 40 gradient all-reduces
 # over 8 layers (5 buckets each, as DDP buckets them), 10 parameter broadcasts, a host span per layer and
@@ -175,9 +178,18 @@ def producer_batches(messages: Iterable[Kept], linger_ms: int) -> list[list[byte
 def compressed(batches: list[list[bytes]], codec: str) -> int:
     if codec == "none":
         return sum(len(v) for b in batches for v in b)
+    if codec == "zstd":  # aiokafka's level, the worker's
+        return sum(len(cramjam.zstd.compress(b"".join(b), 3)) for b in batches)
     if codec != "lz4":
-        raise SystemExit(f"this bench compresses lz4 only (kafka.compression is {codec!r})")
+        raise SystemExit(f"this bench compresses lz4 and zstd only (kafka.compression is {codec!r})")
     return sum(len(lz4.frame.compress(b"".join(b))) for b in batches)
+
+
+def codec_of(topic: str, config: Config) -> str:
+    """The torch hook's publisher compresses with ``kafka.compression``, the worker with its own codec."""
+    if topic.split(":")[0] in PUBLISHER_TOPICS:
+        return config.kafka.compression
+    return worker_compression(config)
 
 
 def rank_steps(run: Run) -> int:
@@ -189,7 +201,7 @@ def rank_steps(run: Run) -> int:
     return len(seen)
 
 
-def report(run: Run, codec: str) -> dict[str, float]:
+def report(run: Run, config: Config) -> dict[str, float]:
     """Print the run's per-topic table; return wire bytes per rank-step by topic."""
     n = rank_steps(run)
     print(f"\n({run.name}) job {run.job}: {n} rank-steps ({n / max(1, real.WORLD):.0f} steps x {real.WORLD} ranks)")
@@ -199,7 +211,7 @@ def report(run: Run, codec: str) -> dict[str, float]:
     for topic in sorted(run.messages):
         msgs = run.messages[topic]
         values = sum(len(m.value) for m in msgs)
-        wire = compressed(producer_batches(msgs, linger_ms(topic)), codec)
+        wire = compressed(producer_batches(msgs, linger_ms(topic)), codec_of(topic, config))
         per_step[topic] = wire / max(1, n)
         total += per_step[topic]
         print(f"  {topic:22} {len(msgs):7d} {values:11d} {wire:11d} {per_step[topic]:12.0f} {values / max(1, n):12.0f}")
@@ -255,7 +267,7 @@ class _Sink:
         return len(data)
 
 
-def profiled_cost(run: Run, codec: str) -> None:
+def profiled_cost(run: Run, config: Config) -> None:
     """Bytes of the job's profiled rank-steps, per profiled rank-step, by topic."""
     windows: dict[int, list[tuple[int, int]]] = defaultdict(list)
     profiled_steps = set()
@@ -278,6 +290,7 @@ def profiled_cost(run: Run, codec: str) -> None:
                 shares.append((m, share))
         if not shares:
             continue
+        codec = codec_of(topic, config)
         wire = sum(share * compressed([[m.value]], codec) for m, share in shares)  # each compressed alone
         total += wire / n
         print(f"    {topic:22} {wire / n:10.0f}")
@@ -346,15 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             broker_messages = read_back(config) if done else {}
             broker.stop()
-    codec = config.kafka.compression
-    print(f"\ncodec {codec}; linger: the publisher's {linger_ms('raw')} ms, the worker's {WORKER_LINGER_MS} ms")
+    print(f"\ncodecs: the publisher's {codec_of('raw', config)}, the worker's {codec_of('patterns', config)}; "
+          f"linger: the publisher's {linger_ms('raw')} ms, the worker's {WORKER_LINGER_MS} ms")  # fmt: skip
     for run in done:
         run.messages = dict(broker_messages.get(run.job, {}))
-        report(run, codec)
+        report(run, config)
         pattern_fields(run, profiled=False)
         if run.name == "c":
             pattern_fields(run, profiled=True)
-            profiled_cost(run, codec)
+            profiled_cost(run, config)
     return 0
 
 

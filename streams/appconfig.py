@@ -36,7 +36,8 @@ class StreamAppConfig:
     state_chunk_bytes: int = 512 * 1024
     state_share: float = 0.1
     compression: str = "none"
-    """The codec of what the worker sends (``kafka.compression``): none, gzip, snappy, lz4 or zstd."""
+    """The codec of what the worker sends (Faust's ``producer_compression_type``): none or zstd, the one
+    ``wiring`` picks."""
     scoring_processes: int = 0
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: WindowerConfig = field(default_factory=WindowerConfig)

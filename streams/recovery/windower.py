@@ -21,7 +21,7 @@ RankId = tuple[str, int]
 _EMITTED = struct.Struct(">cqq")
 """A rank's state record: format 1, then the step and end (ns) of its last emitted iteration; the job and
 rank are the record's key (``rank_key``). 17 bytes where the JSON record it replaces, still read (it starts
-with ``{``), took 76 with its job and rank spelled out: written about once a rank per half second."""
+with ``{``), took 76 with its job and rank spelled out: written about once a rank a second."""
 _FORMAT = b"\x01"
 
 
