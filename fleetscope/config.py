@@ -172,6 +172,10 @@ class StreamSettings:
     state_chunk_bytes: int = 512 * 1024
     """State records (a job's differential state: megabytes at a thousand ranks) larger than this are written in
     chunks of it: keep it under the broker's ``max.message.bytes`` (1 MB by default) less the key."""
+    state_share: float = 0.1
+    """The differential's state records, in bytes, at most this share of the pattern bytes each job takes: a
+    record that only scored iterations would change waits for its share and at least 10 s (at most 5 min),
+    so a crash replays the larger of 2/share records' worth of patterns and 10 s of them."""
     scoring_processes: int = 0
     """Processes that decode and score the differential's iterations beside the worker (``streams.scoring``):
     one job's differential on several cores, for jobs of thousands of ranks. 0: the worker scores them."""
@@ -187,6 +191,8 @@ class StreamSettings:
             raise ValueError(f"scoring_processes must be between 0 and 256, got {self.scoring_processes}")
         if self.state_chunk_bytes < 1024:
             raise ValueError(f"state_chunk_bytes must be >= 1024, got {self.state_chunk_bytes}")
+        if not 0.0 < self.state_share <= 1.0:
+            raise ValueError(f"state_share must be > 0 and <= 1, got {self.state_share}")
         unknown = [stage for stage in self.stages if stage not in STAGES]
         if unknown or not self.stages or len(set(self.stages)) < len(self.stages):
             raise ValueError(

@@ -49,6 +49,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         broker_rebalance_timeout=max(session_s, 2.0),
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        producer_compression_type=None if cfg.compression == "none" else cfg.compression,
         producer_max_request_size=max(1_048_576, cfg.limits.max_message_bytes + 65_536),  # dead letters fit
         web_enabled=False,
         web_port=cfg.web_port,
@@ -81,7 +82,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
     differential_stage = DifferentialStage(cfg.differential, pool=pool)
     profiles = ProfilePolicy(cfg.profiling)
     differential = DifferentialAgent(
-        app, differential_stage, DifferentialRecovery(differential_state, differential_stage.jobs),
+        app, differential_stage, DifferentialRecovery(differential_state, differential_stage.jobs, cfg.state_share),
         findings=raw(topics.findings), control=raw(topics.control), profiles=profiles, counters=counters,
         dead=dead, gate=gate, clock=clock, job_idle_ms=cfg.job_idle_ms, job_end_ms=cfg.job_end_ms,
         findings_key=cfg.findings_key,

@@ -34,6 +34,10 @@ class StreamAppConfig:
     job_idle_ms: int = 2000
     job_end_ms: int = 120_000
     state_chunk_bytes: int = 512 * 1024
+    state_share: float = 0.1
+    compression: str = "none"
+    """The codec of what the worker sends (Faust's ``producer_compression_type``): none or zstd, the one
+    ``wiring`` picks."""
     scoring_processes: int = 0
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: WindowerConfig = field(default_factory=WindowerConfig)

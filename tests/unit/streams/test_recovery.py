@@ -4,18 +4,23 @@ records, and which iterations a restarted windower may emit."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import pickle
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
 
+import cramjam
 import pytest
+from recorded_jobs import recordings
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
-from fleetscope.schemas import EventKind
+from fleetscope.schemas import EventKind, decode
 from fleetscope.streams.analysis.differential import JobDifferential, score_records
 from fleetscope.streams.analysis.windowing import ClosedIteration
+from fleetscope.streams.differential import DifferentialStage
 from fleetscope.streams.intake import horizon_ns
 from fleetscope.streams.offline import OfflinePipeline
 from fleetscope.streams.rebalance import InputClock
@@ -30,12 +35,24 @@ from fleetscope.streams.recovery import (
     load_job_state,
 )
 from fleetscope.streams.recovery.statelog import chunk_key, chunked, joined
+from fleetscope.streams.recovery.windower import dump_emitted
 
 SIM = SimulatorConfig(job="rec", ranks=4, iterations=24, faults=(parse_fault("slow_gpu:2:1.5"),))
 
 
 def _message(name: str) -> Any:
     return cast(Any, name)
+
+
+@dataclass(frozen=True)
+class _PatternMessage:
+    name: str
+    value: bytes
+
+
+def _pattern_message(name: str) -> Any:
+    """A pattern record's message, named (its value's length counts against the job's state share)."""
+    return _PatternMessage(name, name.encode())
 
 
 def test_a_batch_horizon_is_its_latest_event_by_the_windowers_filing_time() -> None:
@@ -114,7 +131,9 @@ def test_a_job_restored_from_its_state_record_and_replayed_continues_exactly_lik
     record = dump_job_state(JobState(job=original, progress_offset=41, flushed=False))
     restored = load_job_state(record)
     assert restored.progress_offset == 41 and not restored.flushed
-    older = load_job_state(b"\x01" + record[1:])  # written when stall reports shared the patterns topic
+    pickled = bytes(cramjam.zstd.decompress(record[1:]))
+    assert record[:1] == b"\x03" and load_job_state(b"\x02" + pickled).progress_offset == 41  # uncompressed
+    older = load_job_state(b"\x01" + pickled)  # written when stall reports shared the patterns topic
     assert older.progress_offset == -1 and older.job.iterations_scored == original.iterations_scored
     replayed = restored.job
     for rec in records[:cut]:  # the replay: scored iterations are skipped, waiting ones come back
@@ -258,14 +277,15 @@ def _split_at_writes(sent: list[tuple[bytes, bytes]]) -> list[list[tuple[bytes, 
     return out[:-1]
 
 
-def test_a_large_job_state_is_written_at_most_every_interval_while_it_only_scores_and_its_messages_wait(
+def test_a_state_record_of_scored_iterations_alone_waits_for_the_interval_and_its_share_a_finding_goes_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Large: over a chunk. Scored iterations alone wait for the interval, and the messages they cover stay
-    held; a stall report is written at once; a small state is written at every checkpoint."""
+    """Scored iterations alone wait for both the interval and the pattern bytes that pay for the record (the
+    messages they cover stay held), or for ``stale_s``; a finding opened and a stall report are written at
+    once."""
 
     class Log:
-        chunk_bytes = 1024
+        chunk_bytes = 10**9
 
         def __init__(self) -> None:
             self.writes = 0
@@ -280,37 +300,106 @@ def test_a_large_job_state_is_written_at_most_every_interval_while_it_only_score
         by_iteration.setdefault(int(rec["iteration"]), []).append(rec)
     log = Log()
     jobs: dict[str, JobDifferential] = {}
-    rec = DifferentialRecovery(cast(StateLog, log), jobs, large_interval_s=10.0)
+    rec = DifferentialRecovery(cast(StateLog, log), jobs, share=0.1, interval_s=10.0, stale_s=300.0)
     jobs[SIM.job] = JobDifferential(SIM.job)
     rec.place(SIM.job, 0)
 
-    def step(it: int) -> list[Any]:
+    def step(it: int, value_bytes: int = 3) -> list[Any]:
         for r in by_iteration[it]:
             jobs[SIM.job].add(r)
-            rec.took(SIM.job, _message(f"{it}/{r['rank']}"), it)
+            rec.took(SIM.job, _PatternMessage(f"{it}/{r['rank']}", b"x" * value_bytes), it)
         return asyncio.run(rec.checkpoint([SIM.job]))
 
-    def of(*iterations: int) -> list[Any]:
-        return [_message(f"{i}/{r}") for i in iterations for r in range(4)]
+    def of(*iterations: int) -> list[str]:
+        return [f"{i}/{r}" for i in iterations for r in range(4)]
 
-    assert step(0) == of(0) and log.writes == 1  # each iteration is scored as its last rank comes (offline)
+    def names(messages: list[Any]) -> list[str]:
+        return [m.name for m in messages]
+
+    assert names(step(0)) == of(0) and log.writes == 1  # each iteration is scored as its last rank comes (offline)
     now[0] += 1.0
-    assert step(1) == [] and log.writes == 1  # iteration 1 scored alone: it waits, and so do its messages
-    assert step(2) == of(1, 2) and log.writes == 2  # a finding opened: written at once
+    assert step(1) == [] and log.writes == 1  # neither the interval nor the bytes: it waits, and its messages
+    assert names(step(2)) == of(1, 2) and log.writes == 2  # a finding opened: written at once
     assert jobs[SIM.job].open_findings() == 1
+    now[0] += 10.5
+    assert step(3) == [] and log.writes == 2  # the interval passed, but 12 bytes of patterns pay for no record
+    stall = SimpleNamespace(offset=7, name="stall")
+    rec.took(SIM.job, cast(Any, stall), None)
+    assert names(asyncio.run(rec.checkpoint([SIM.job]))) == ["stall", *of(3)] and log.writes == 3  # at once
+    now[0] += 299.0
+    assert step(4) == [] and log.writes == 3
     now[0] += 1.0
-    assert step(3) == [] and log.writes == 2
-    now[0] += 9.5
-    assert step(4) == of(3, 4) and log.writes == 3  # the interval passed
-    stall = cast(Any, SimpleNamespace(offset=7))
-    rec.took(SIM.job, stall, None)
-    assert asyncio.run(rec.checkpoint([SIM.job])) == [stall] and log.writes == 4
-    log.chunk_bytes = 10**9  # records small from now on: once one is written, every checkpoint writes, as before
+    assert names(step(5)) == of(4, 5) and log.writes == 4  # stale: written whatever the share
+    now[0] += 1.0
+    assert step(6, 10**6) == [] and log.writes == 4  # paid for, within the interval
     now[0] += 10.0
-    assert step(5) == of(5) and log.writes == 5
-    now[0] += 1.0
-    assert step(6) == of(6) and log.writes == 6
+    assert names(step(7)) == of(6, 7) and log.writes == 5  # paid for, and the interval passed
     assert jobs[SIM.job].open_findings() == 1
+
+
+class _SizedLog:
+    """A state log that keeps every record written, in order."""
+
+    chunk_bytes = 10**9
+
+    def __init__(self) -> None:
+        self.records: list[bytes] = []
+
+    async def write(self, partition: int, key: bytes, value: bytes) -> None:
+        self.records.append(value)
+
+
+@pytest.mark.parametrize("name", ["compute-rank1-16e24a", "none-4e50de"])
+def test_state_records_stay_within_their_share_of_the_pattern_bytes_and_a_crash_changes_no_finding(name: str) -> None:
+    """Real jobs (tests/data/real_jobs: a faulty one of 56 iterations, a healthy one of 300), a checkpoint after
+    every message: the state bytes (uncompressed, as the pattern records' values) are at most ``share`` of the
+    pattern bytes beyond the records written at once (the first, a finding opened or closed, which is
+    written at the checkpoint that saw it); over 300 iterations, all of them, and over half of it (records
+    keep coming). A worker that crashes after any message and restarts from its last record, replaying the
+    messages still held, emits the findings the original emitted after that record, field by field."""
+    values = next(r for r in recordings() if r.path.name == f"{name}.bin.gz").messages()
+    job = str(decode(values[0])[1]["job"])
+    share = 0.1
+    log = _SizedLog()
+    stage = DifferentialStage()
+    rec = DifferentialRecovery(cast(StateLog, log), stage.jobs, share=share, interval_s=0.0, stale_s=math.inf)
+    rec.place(job, 0)
+    updates: list[dict[str, Any]] = []
+    released: set[int] = set()
+    crash_at: dict[int, tuple[bytes, int, list[int]]] = {}
+    crashes = {len(values) * k // 8 + 1 for k in (3, 5, 7)}
+    pattern_bytes, opened, covered, at_once = 0, 0, 0, 0
+    for i, value in enumerate(values):
+        taken = stage.take(value, None)
+        assert taken.reason is None and taken.iteration is not None, taken.reason
+        pattern_bytes += len(value)
+        updates += taken.findings + stage.collect()
+        rec.took(job, cast(Any, SimpleNamespace(value=value, offset=i)), taken.iteration)
+        writes = len(log.records)
+        released |= {m.offset for m in asyncio.run(rec.checkpoint([job]))}
+        if len(log.records) > writes:
+            covered = len(updates)  # the updates emitted before the record: it covers them
+        if stage.jobs[job].open_findings() != opened or i == 0:  # a finding opened or closed: written at once
+            opened = stage.jobs[job].open_findings()
+            assert len(log.records) == writes + 1, i
+            at_once += load_job_state(log.records[-1]).pickled_bytes
+        if i in crashes:
+            crash_at[i] = (log.records[-1], covered, [j for j in range(i + 1) if j not in released])
+    state_bytes = sum(load_job_state(r).pickled_bytes for r in log.records)  # uncompressed, as the patterns
+    assert state_bytes - at_once <= share * pattern_bytes, (state_bytes, at_once, pattern_bytes, len(log.records))
+    if len(values) > 1000:  # a long run: within the share, records written at once and all, and they keep coming
+        assert share / 2 < state_bytes / pattern_bytes <= share, (state_bytes, pattern_bytes, len(log.records))
+    assert sum(len(r) for r in log.records) < state_bytes / 2  # compressed
+    assert any(u["status"] == "open" and u["rank"] == 1 for u in updates) == name.startswith("compute")
+    updates += stage.flush(job)
+    for i, (record, emitted, held) in crash_at.items():
+        restarted = DifferentialStage()
+        restarted.jobs[job] = load_job_state(record).job
+        again: list[dict[str, Any]] = []
+        for j in [*held, *range(i + 1, len(values))]:  # the replay: the messages held, then the rest
+            again += restarted.take(values[j], None).findings + restarted.collect()
+        again += restarted.flush(job)
+        assert _comparable(again) == _comparable(updates[emitted:]), i
 
 
 def test_an_iteration_tracked_after_it_was_taken_to_score_is_written_before_its_messages_are_released() -> None:
@@ -328,16 +417,31 @@ def test_an_iteration_tracked_after_it_was_taken_to_score_is_written_before_its_
 
     log = Log()
     jobs: dict[str, JobDifferential] = {SIM.job: JobDifferential(SIM.job)}
-    rec = DifferentialRecovery(cast(StateLog, log), jobs, large_interval_s=10.0)
+    rec = DifferentialRecovery(cast(StateLog, log), jobs, interval_s=0.0, stale_s=0.0)  # every record due
     rec.place(SIM.job, 0)
     jd = jobs[SIM.job]
     ready: list[tuple[int, list[dict[str, Any]]]] = []
     for r in [p for p in _patterns() if int(p["iteration"]) == 0]:
         ready += jd.gather(r)
-        rec.took(SIM.job, _message(f"0/{r['rank']}"), 0)
+        rec.took(SIM.job, _pattern_message(f"0/{r['rank']}"), 0)
     assert [it for it, _ in ready] == [0] and jd.scored_upto < 0
     assert asyncio.run(rec.checkpoint([SIM.job])) == [] and len(log.records) == 1  # taken, not tracked: held
     jd.apply(0, score_records(ready[0][1], jd.config))
     released = asyncio.run(rec.checkpoint([SIM.job]))
-    assert released == [_message(f"0/{r}") for r in range(4)] and len(log.records) == 2
+    assert released == [_pattern_message(f"0/{r}") for r in range(4)] and len(log.records) == 2
     assert load_job_state(log.records[-1]).job.scored_upto == 0
+
+
+def test_a_windower_state_record_is_17_bytes_the_json_ones_still_load_and_a_bad_one_is_skipped() -> None:
+    """The job and rank come from the record's key; a record written as JSON before still loads; one of
+    neither format leaves its rank to start afresh (logged), the others restored."""
+
+    class Log:
+        async def read(self, partitions: Any) -> dict[int, dict[bytes, bytes]]:
+            old = b'{"job": "j/x", "rank": 1, "step": 4, "end_ns": 400}'
+            return {2: {b"j/x/0": dump_emitted(7, 700), b"j/x/1": old, b"j/x/2": b"\x01short"}}
+
+    assert len(dump_emitted(7, 700)) == 17
+    wrec = WindowerRecovery(cast(StateLog, Log()))
+    asyncio.run(wrec.load([2]))
+    assert wrec.emitted == {("j/x", 0): (7, 700), ("j/x", 1): (4, 400)} and wrec.restored == 2
