@@ -11,6 +11,14 @@ import numpy as np
 
 from fleetscope.schemas import Category, FunctionKind, categories
 from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
+from fleetscope.streams.analysis.attribution import (
+    AttributionConfig,
+    Priced,
+    SavingHistory,
+    attribute,
+    credits_of,
+    priced_ranks,
+)
 from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
 from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
@@ -21,6 +29,8 @@ from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 from fleetscope.streams.analysis.stages import runs_kernels
+from fleetscope.streams.analysis.timeline import timeline_of
+from fleetscope.streams.analysis.whatif import Cause, what_if
 
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
 PROFILER_BLIND = categories.PROFILER_BLIND
@@ -37,6 +47,8 @@ class DifferentialConfig:
     job_level: JobLevelConfig = field(default_factory=JobLevelConfig)
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     """What a rank's host or arrival excess must stand out from: the job's own iteration-to-iteration noise."""
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    """What a signal's ranks must save, replayed, to be named (``attribution``)."""
     missing_rank_wait_iterations: int = 3
     """An iteration still missing ranks is scored anyway once this many later iterations are complete."""
     missing_rank_timeout_ms: int = 10_000
@@ -96,6 +108,7 @@ class JobDifferential:
         """The latest step any rank's heartbeat reported completed."""
         self._iteration_ns: deque[float] = deque(maxlen=20)
         self._noise = JobNoise(self.config.noise)
+        self._savings = SavingHistory(self.config.attribution.window)
 
     @property
     def function_index(self) -> FunctionIndex:
@@ -136,6 +149,7 @@ class JobDifferential:
         self.__dict__.setdefault("_max_step", -1)
         self.__dict__.setdefault("_iteration_ns", deque(maxlen=20))
         self.__dict__.setdefault("_noise", JobNoise(self.config.noise))
+        self.__dict__.setdefault("_savings", SavingHistory())
         self.__dict__.setdefault("_aftermath", ProfilerAftermath())
         self.__dict__.setdefault("_transfers", SteadyTransfers())
 
@@ -371,6 +385,12 @@ class JobDifferential:
                 signals.append(regression)
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
+        if scored.priced is not None:  # the signals judged from history too: priced by the replay
+            credits = credits_of(scored.causes)
+            self._savings.observe(it, credits)
+            signals = attribute(signals, credits, self._savings, budget, scored.priced, self.config.attribution)
+            kept = {s.key() for s in persistent}
+            persistent = [s for s in signals if s.key() in kept]
         out = self.tracker.observe(it, signals, blind)
         for sig in persistent:  # over 8 iterations (mostly last, or waiting for a CPU) is its own persistence
             if not self.tracker.is_open(sig.key()):
@@ -487,6 +507,10 @@ class IterationScore:
     times: IterationTimes = _NO_TIMES
     runs_kernels: bool = False
     """Whether some rank ran a compute kernel (``stages.runs_kernels``)."""
+    causes: list[Cause] = field(default_factory=list)
+    """What fixing each candidate cause would save, top cause first (``whatif.what_if``)."""
+    priced: Priced | None = None
+    """What the what-if could price (``attribution.priced_ranks``); None where the records carry no timelines."""
 
 
 def score_records(
@@ -505,14 +529,21 @@ def score_records(
         return IterationScore(hosts=hosts, gpus=gpus, profiled=profiled, signals=[], noise=None)
     score = scorer or scorer_named(config.scorer, config.scoring)
     roles = role_codes(records)
+    iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
+    replayed = len(records) >= 2 and all(timeline_of(r) is not None for r in records)
+    by_rank = sorted(range(len(records)), key=lambda i: int(records[i]["rank"]))  # arrival order is no input
+    causes = what_if([records[i] for i in by_rank], roles[by_rank]) if replayed else []
+    priced = priced_ranks(records, roles) if replayed else None
     return IterationScore(
         hosts=hosts,
         gpus=gpus,
         profiled=profiled,
         signals=score_iteration(records, config.scoring, score, functions),
         noise=read_noise(records, config.noise, roles),
-        iteration_ns=float(np.median([r["iteration_ns"] for r in records])),
+        iteration_ns=iteration_ns,
         same_work=np.unique(roles).size == 1,
         times=iteration_times(records, work=len(records) <= config.noise.max_ranks),
         runs_kernels=runs_kernels(records),
+        causes=causes,
+        priced=priced,
     )

@@ -31,6 +31,9 @@ LINK_IN_USE_SHARE = 0.25
 """A rank whose link peaks below this share of the best rank's during a collective does not route
 that collective over this link (e.g. p2p inside a host never touches PCIe): it is not compared."""
 
+RING_PACE_METRIC = "transfer_ns"
+"""A group's transfer time against like groups' (``score_transfers``): a claim about its ring's pace."""
+
 
 def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
     """Ranks whose link cannot reach the peak their peers' links reach during the same collectives.
@@ -295,7 +298,7 @@ def score_transfers(
             pg = process_group_of(pm.functions[j])
             out.append(
                 RankSignal(
-                    rank=-1, host="", category="link_slow", function=pm.functions[j], metric="transfer_ns",
+                    rank=-1, host="", category="link_slow", function=pm.functions[j], metric=RING_PACE_METRIC,
                     value=float(transfer[i]), peer_median=float(typical[i]), score=float(z[i]),
                     loss_ns=float(loss), ranks=tuple(sorted(int(pm.ranks[r]) for r in rows)), subject=f"group:{pg}",
                     evidence={"scope": "group", "pattern": "slow transfer", "groups_compared": len(members),

@@ -171,12 +171,14 @@ def call_graph(
         tail_compute[r] = _tail_compute(tl := timeline_of(rec) if timelines is None else timelines[r])
         if tl is None:
             continue
-        names, calls, total = rec["function"], rec.get("calls"), rec.get("nbytes")
+        names = rec["function"]
+        calls, total = rec.get("calls", ()), rec.get("nbytes", ())  # lists, or numpy arrays (the fast decoder's)
         used = sorted(set(tl.function.tolist()))
         lut = np.zeros((used[-1] + 1, 4))  # per function index: group, kind, class, bytes per call
         for f in used:
             group, op_kind, like = call_kind(names[f])
-            per_call = float(total[f]) / float(calls[f]) if calls and total and f < len(calls) and calls[f] else 0.0
+            known = f < len(calls) and f < len(total) and calls[f]
+            per_call = float(total[f]) / float(calls[f]) if known else 0.0
             lut[f] = (pg_codes.setdefault(group, len(pg_codes)), op_kind,
                       class_codes.setdefault(like, len(class_codes)), per_call)  # fmt: skip
         counts[r] = len(tl)

@@ -291,8 +291,9 @@ def what_if(
         return []
     saving = _savings(g, chosen)
     top = _first_of(chosen, saving)
-    # only a cause that saves something alone can save it beyond the top: the rest are priced once
-    big = [i for i in range(len(chosen)) if i != top and saving[i] >= RESIDUAL_SHARE * saving[top]]
+    # a cause whose own excess could save a share of the top's is priced again with the top fixed: a second
+    # fault saves little alone while the top one holds the same collectives, and its own excess beyond it
+    big = [i for i in range(len(chosen)) if i != top and chosen[i].excess >= RESIDUAL_SHARE * saving[top]]
     residual = np.zeros(len(chosen))
     residual[top] = saving[top]
     if big and saving[top] > 0:

@@ -197,6 +197,11 @@ def test_expected_categories() -> None:
     assert TraceJob().expected_category == "" and TraceJob().culprits() == ()
 
 
+def _written(job: TraceJob, folder: Path) -> Path:
+    write_traces(job, folder)
+    return folder
+
+
 @pytest.mark.parametrize(
     "job",
     [
@@ -283,8 +288,13 @@ def test_acceptance_on_seeds_the_bench_does_not_use(job: TraceJob, tmp_path: Pat
     findings = analyze_traces([tmp_path / "job"]).findings
     got = [(f["category"], sorted(f["ranks"])) for f in findings]
     if job.fault == "slow_link" and job.tp == 1:  # a ring of 4 has no member its other groups can single out
-        ring = next(members for role, _, members in job.groups() if role == "dp" and job.fault_rank in members)
-        assert got == [("link_slow", sorted(ring))]
+        # dp4 x pp2: the slow ring is the second stage's, which ends before the first stage's ring does: the job
+        # steps as fast as without the fault, so fixing the ring saves nothing and nothing is named
+        twin = analyze_traces([_written(dataclasses.replace(job, fault="healthy"), tmp_path / "twin")]).ranks
+        assert max(r.mean_iteration_ms for r in twin) == pytest.approx(
+            max(r.mean_iteration_ms for r in analyze_traces([tmp_path / "job"]).ranks), rel=1e-3
+        )
+        assert got == []
         return
     assert got == ([(job.expected_category, sorted(job.culprits()))] if job.expected_category else [])
     if job.fault == "host_bound":  # named on the GPU's wait for its host, not on any function the host ran

@@ -1,0 +1,104 @@
+"""Blame by what-if: a signal stands where fixing its ranks saves time, priced at that saving; victims, healthy
+rings and the ranks of a slow stage fall out of the arithmetic (toy jobs run by their own physics,
+``pipeline_toy``: a slow rank delays every member of its collectives, a stage's p2p partners wait for it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from pipeline_toy import ToyJob, period_ns, run
+
+from fleetscope.schemas import Category, FunctionKind
+from fleetscope.streams.analysis.attribution import (
+    AttributionConfig,
+    Priced,
+    SavingHistory,
+    attribute,
+    credits_of,
+    priced_ranks,
+)
+from fleetscope.streams.analysis.links import RING_PACE_METRIC
+from fleetscope.streams.analysis.replay import call_graph
+from fleetscope.streams.analysis.roles import role_codes
+from fleetscope.streams.analysis.signals import RankSignal
+from fleetscope.streams.analysis.whatif import what_if
+
+BUDGET_SHARE = 0.01
+
+
+def _signal(category: str, rank: int, loss_ns: float = 5e6, **fields: Any) -> RankSignal:
+    return RankSignal(
+        rank=rank, host="", category=category, function=fields.pop("function", "compute"),
+        metric=fields.pop("metric", "mean_ns"), value=1.0, peer_median=1.0, score=9.0, loss_ns=loss_ns, **fields,
+    )  # fmt: skip
+
+
+def _judged(job: ToyJob, signals: list[RankSignal], iterations: int = 6) -> list[RankSignal]:
+    """``signals`` raised in every iteration of ``job``; what attribution keeps of them in its last."""
+    history = SavingHistory(AttributionConfig().window)
+    kept: list[RankSignal] = []
+    for records, timelines in run(job, iterations):
+        records = [{**r, "kind": [int(FunctionKind.COLLECTIVE)] * len(r["function"])} for r in records]
+        roles = role_codes(records)
+        credits = credits_of(what_if(records, roles, call_graph(records, timelines)))
+        history.observe(int(records[0].get("iteration", len(kept))), credits)
+        budget = BUDGET_SHARE * float(np.median([r["iteration_ns"] for r in records]))
+        kept = attribute(signals, credits, history, budget, priced_ranks(records, roles))
+    return kept
+
+
+def _true_cost(job: ToyJob) -> float:
+    healthy = ToyJob(dp=job.dp, pp=job.pp, allreduce_bytes=job.allreduce_bytes, jitter=job.jitter, seed=job.seed)
+    return period_ns(job) - period_ns(healthy)
+
+
+def test_a_slow_workers_pipeline_partner_is_no_culprit_and_the_worker_is_priced_at_its_cost() -> None:
+    """dp4 x pp4, rank 5 (stage 1) computing 2x: the last stage of its pipeline (rank 13) waits for it in its
+    receives and arrives late at its ring; a late-arrival rule would name it. Its own fix saves nothing."""
+    job = ToyJob(dp=4, pp=4, compute={5: 2.0}, jitter=0.01)
+    kept = _judged(job, [_signal(Category.GPU_SLOW, 5), _signal(Category.STRAGGLER, 13)])
+    assert [(s.category, s.rank) for s in kept] == [(Category.GPU_SLOW, 5)]
+    assert kept[0].loss_ns == pytest.approx(_true_cost(job), rel=0.2)
+
+
+def test_a_stage_slow_on_every_replica_is_the_stage_not_one_of_its_ranks() -> None:
+    job = ToyJob(dp=2, pp=4, compute={6: 1.5, 7: 1.5})
+    kept = _judged(job, [_signal(Category.GPU_SLOW, 6)])
+    assert [(s.category, s.member_ranks()) for s in kept] == [(Category.STAGE_IMBALANCE, (6, 7))]
+    assert kept[0].loss_ns == pytest.approx(_true_cost(job), rel=0.2)
+
+
+def test_rings_of_stages_moving_different_bytes_are_not_slow_and_a_slow_ring_among_like_ones_is() -> None:
+    """Each stage reduces its own layers: its ring moves its own bytes at its own pace. Against rings of
+    other sizes there is no pace to bring it to; among rings of the same bytes the slow one saves time."""
+    sizes = dict(allreduce_bytes=(8 << 20, 16 << 20, 32 << 20, 64 << 20), allreduce_ns=(4e5, 8e5, 1.6e6, 3.2e6))
+    rings = [_signal(Category.LINK_SLOW, -1, metric=RING_PACE_METRIC, ranks=(2 * s, 2 * s + 1)) for s in range(4)]
+    assert _judged(ToyJob(dp=2, pp=4, **sizes), rings) == []
+    slow = ToyJob(dp=2, pp=4, ring={0: 3.0})
+    assert [s.member_ranks() for s in _judged(slow, rings)] == [(0, 1)]
+
+
+def test_a_signal_the_replay_cannot_price_keeps_its_own_evidence_and_loss() -> None:
+    """A rank without a peer of its role has no level to be brought to: the detector's word stands."""
+    sig = _signal(Category.HOST_SLOW, 3, loss_ns=7e6)
+    history = SavingHistory(8)
+    credits = credits_of([])
+    history.observe(0, credits)
+    assert attribute([sig], credits, history, 1e6, Priced()) == [sig]
+    assert attribute([sig], credits, history, 1e6, Priced(work=frozenset({3}))) == []  # priced, saves nothing
+
+
+def test_the_saving_history_is_a_mean_over_its_window_and_forgets_ranks_that_stopped_saving() -> None:
+    from fleetscope.streams.analysis.whatif import Cause
+
+    history = SavingHistory(window=4)
+    for it in range(4):
+        saving = 8e6 if it % 2 == 0 else 0.0
+        causes = [Cause("rank_host", (3,), "", -1, saving, saving, saving)] if saving else []
+        history.observe(it, credits_of(causes))
+    assert history.mean(("work", 3)) == pytest.approx(4e6)
+    for it in range(4, 9):
+        history.observe(it, credits_of([]))
+    assert history.mean(("work", 3)) == 0.0 and not history._entries
