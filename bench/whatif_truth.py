@@ -36,6 +36,9 @@ from fleetscope.streams.analysis.timeline import RankTimeline
 from fleetscope.streams.analysis.whatif import MIN_SAVING_SHARE, Cause, others_named, what_if
 from fleetscope.streams.offline import OfflinePipeline
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import CollectingPublisher  # noqa: E402  (the tests' recording publisher: one definition)
+
 PERSISTENT = 0.8
 """A cause is named where it is the top cause in this share of the judged iterations (one replica of two
 being the slowest of a step by chance is not a fault)."""
@@ -269,38 +272,6 @@ def synthetic_job(dp: int, pp: int, microbatches: int, seed: int = 0) -> Step:
     return records, timelines
 
 
-class _Collected:
-    """A publisher that keeps the batches a real rank's recorder sends (no broker: the bench reads them)."""
-
-    def __init__(self) -> None:
-        self.batches: list[EventBatch] = []
-
-    def start(self) -> None:
-        pass
-
-    def publish(self, batch: EventBatch) -> bool:
-        self.batches.append(batch)
-        return True
-
-    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
-        return True
-
-    @property
-    def topics(self) -> Any:
-        from fleetscope.schemas import Topics
-
-        return Topics(prefix="t")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        pass
-
-    @property
-    def stats(self) -> Any:
-        from fleetscope.producers.publisher import PublisherStats
-
-        return PublisherStats(published=len(self.batches))
-
-
 def _real_rank(rank: int, port: int, steps: int, slow: int, slow_s: float, out: str) -> None:
     """One rank of a real dp2 x pp2 pipeline by hand (gloo, 4 micro-batches sent forward and their gradients
     back, then each stage's pair all-reduces): the torch hook's own timeline. ``slow`` sleeps ``slow_s`` in
@@ -314,7 +285,7 @@ def _real_rank(rank: int, port: int, steps: int, slow: int, slow_s: float, out: 
     from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
 
     torch.set_num_threads(1)
-    publisher = _Collected()
+    publisher = CollectingPublisher()
     recorder = Recorder(RankIdentity(job="real", rank=rank, world_size=4, host=f"h{rank // 2}"), publisher,
                         RecorderConfig(flush_interval_ms=60_000))  # fmt: skip
     monitor = fs.Monitor(recorder)

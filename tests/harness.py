@@ -20,8 +20,9 @@ from fleetscope.broker import ensure_topics
 from fleetscope.config import Config, load_config
 from fleetscope.demo import DemoResult, publish_simulation, run_demo
 from fleetscope.producers import SimulatorConfig, parse_fault
+from fleetscope.producers.publisher import PublisherStats
 from fleetscope.progress import Progress
-from fleetscope.schemas import Topics
+from fleetscope.schemas import EventBatch, Topics
 from fleetscope.sinks.alerts import AlertFollower, AlertsConfig
 
 T = TypeVar("T")
@@ -148,3 +149,31 @@ def slow_gpu_run(config: Config, alert_wait_s: float) -> SlowGpuRun:
         stop.set()
         thread.join(10)
     return SlowGpuRun(config=config, sim=sim, result=result, alerts=list(alerts))
+
+
+class CollectingPublisher:
+    """A publisher that keeps the batches a real rank's recorder sends (no broker: the caller reads them)."""
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+
+    def start(self) -> None:
+        pass
+
+    def publish(self, batch: EventBatch) -> bool:
+        self.batches.append(batch)
+        return True
+
+    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
+        return True
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(prefix="t")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        pass
+
+    @property
+    def stats(self) -> PublisherStats:
+        return PublisherStats(published=len(self.batches))

@@ -17,15 +17,15 @@ from fastavro import schemaless_writer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetscope.producers.publisher import PublisherStats
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig
-from fleetscope.schemas import CATALOG, EventBatch, EventKind, Topics, decode, encode
+from fleetscope.schemas import CATALOG, EventKind, decode, encode
 from fleetscope.schemas.vocabulary import OTHER_FUNCTIONS
 from fleetscope.streams.analysis.patterns import IterationEvents, size_bucket_label, summarize_iteration
 from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS, timeline_of
 from fleetscope.streams.analysis.windowing import RankWindower
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
+from harness import CollectingPublisher  # noqa: E402
 from recorded_jobs import recordings  # noqa: E402
 
 NAMES = ["gemm", "ncclKernel", "allreduce", "dp0", "relu", "send", "pp0"]
@@ -135,34 +135,6 @@ def test_older_pattern_records_decode_without_a_timeline(fast: bool) -> None:
     assert all(timeline_of(decode(m, fast=fast)[1]) is None for m in messages[:20])
 
 
-class _Collected:
-    """A publisher that keeps the batches a real rank's recorder sends."""
-
-    def __init__(self) -> None:
-        self.batches: list[EventBatch] = []
-
-    def start(self) -> None:
-        pass
-
-    def publish(self, batch: EventBatch) -> bool:
-        self.batches.append(batch)
-        return True
-
-    def publish_record(self, topic: str, key: bytes, value: bytes, n_events: int = 0) -> bool:
-        return True
-
-    @property
-    def topics(self) -> Topics:
-        return Topics(prefix="t")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        pass
-
-    @property
-    def stats(self) -> PublisherStats:
-        return PublisherStats(published=len(self.batches))
-
-
 def test_a_real_gloo_ranks_timeline_is_its_collective_events() -> None:
     """A real torch rank (gloo, DDP's bucket all-reduce and a plain one per step) through the hook and the
     windower: each iteration's timeline lists exactly the collective events that started in it, in entry
@@ -172,7 +144,7 @@ def test_a_real_gloo_ranks_timeline_is_its_collective_events() -> None:
 
     import fleetscope.producers.torch_hook as fs
 
-    publisher = _Collected()
+    publisher = CollectingPublisher()
     recorder = Recorder(RankIdentity(job="tl", rank=0, world_size=1, host="h"), publisher,
                         RecorderConfig(flush_interval_ms=10_000))  # fmt: skip
     monitor = fs.Monitor(recorder)
