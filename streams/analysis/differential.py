@@ -12,6 +12,7 @@ import numpy as np
 from fleetscope.schemas import Category, FunctionKind, categories
 from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.attribution import (
+    CREDITED_BY,
     AttributionConfig,
     Priced,
     SavingHistory,
@@ -510,7 +511,8 @@ class IterationScore:
     causes: list[Cause] = field(default_factory=list)
     """What fixing each candidate cause would save, top cause first (``whatif.what_if``)."""
     priced: Priced | None = None
-    """What the what-if could price (``attribution.priced_ranks``); None where the records carry no timelines."""
+    """What the what-if could price (``attribution.priced_ranks``); None where the iteration was not replayed:
+    its records carry no timelines, or its detectors raised nothing the replay prices."""
 
 
 def score_records(
@@ -530,7 +532,10 @@ def score_records(
     score = scorer or scorer_named(config.scorer, config.scoring)
     roles = role_codes(records)
     iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
-    replayed = len(records) >= 2 and all(timeline_of(r) is not None for r in records)
+    signals = score_iteration(records, config.scoring, score, functions)
+    # the replay prices suspicions: an iteration whose detectors raised none has nothing to judge
+    suspected = any(s.category in CREDITED_BY for s in signals)
+    replayed = suspected and len(records) >= 2 and all(timeline_of(r) is not None for r in records)
     by_rank = sorted(range(len(records)), key=lambda i: int(records[i]["rank"]))  # arrival order is no input
     causes = what_if([records[i] for i in by_rank], roles[by_rank]) if replayed else []
     priced = priced_ranks(records, roles) if replayed else None
@@ -538,7 +543,7 @@ def score_records(
         hosts=hosts,
         gpus=gpus,
         profiled=profiled,
-        signals=score_iteration(records, config.scoring, score, functions),
+        signals=signals,
         noise=read_noise(records, config.noise, roles),
         iteration_ns=iteration_ns,
         same_work=np.unique(roles).size == 1,
