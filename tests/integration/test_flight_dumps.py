@@ -39,7 +39,7 @@ def rank_main(rank, world, port, out):
     dump(f"{out}/healthy/nccl_trace_rank_{rank}")
     if rank != 1:
         work = dist.all_reduce(t, async_op=True)  # rank 1 never enters it
-    time.sleep(0.5)
+    time.sleep(4.0)  # past the test's stall threshold (3 s), which no healthy rank descheduled by load reaches
     dump(f"{out}/hung/nccl_trace_rank_{rank}")
     store.add("dumped", 1)
     while store.add("dumped", 0) < world:  # no rank leaves (and fails its peers' wait) before all dumped
@@ -74,7 +74,7 @@ def test_a_real_hung_gloo_jobs_dumps_name_the_rank_that_never_joined(
                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     config = tmp_path / "fleetscope.toml"
-    config.write_text("[streams.differential.job_level]\nhang_min_stall_ms = 200\n")
+    config.write_text("[streams.differential.job_level]\nhang_min_stall_ms = 3000\n")
 
     hung = analyze(tmp_path / "hung", config, capsys)
     (finding,) = hung["findings"]
