@@ -35,13 +35,13 @@ def test_a_healthy_pipeline_whose_stage_rings_move_different_bytes_is_silent(
 ) -> None:
     """Each stage's ring reduces its own layers' buckets (9.9 M, 6.6 M, 6.6 M and 2.4 M floats, last stage
     first), so each ring takes its own time: none is slow, no rank is late, nothing is named."""
-    assert _findings(RealJob(dp=2, pp=4, steps=5), source, tmp_path) == []
+    assert _findings(RealJob(dp=2, pp=4, steps=4), source, tmp_path) == []
 
 
 def test_a_slow_worker_is_named_alone_and_priced(source: list[SourceStep], tmp_path: Path) -> None:
     """Rank 3 (stage 1 of replica 1) computes 2.3x slower: its pipeline partners (1, 5, 7) wait for it in
     their send/recv and its ring partner (2) at the all-reduce; only rank 3 is named, at what it costs."""
-    job = RealJob(dp=2, pp=4, steps=5, fault="slow_worker", fault_rank=3)
+    job = RealJob(dp=2, pp=4, steps=4, fault="slow_worker", fault_rank=3)
     findings = _findings(job, source, tmp_path)
     assert [(f["category"], sorted(f["ranks"])) for f in findings] == [("gpu_slow", [3])]
     true = _true_cost_ns(job, source)
@@ -51,7 +51,7 @@ def test_a_slow_worker_is_named_alone_and_priced(source: list[SourceStep], tmp_p
 def test_a_slow_last_stage_on_both_replicas_is_a_stage_imbalance(source: list[SourceStep], tmp_path: Path) -> None:
     """The last stage computes 1.6x longer on both replicas: stage_imbalance on its two ranks, not gpu_slow on
     one of them, no link_slow on the rings that wait for it, priced within 20 % of its cost."""
-    job = RealJob(dp=2, pp=4, steps=5, fault="slow_stage", factor=1.6)
+    job = RealJob(dp=2, pp=4, steps=4, fault="slow_stage", factor=1.6)
     findings = _findings(job, source, tmp_path)
     assert [(f["category"], sorted(f["ranks"])) for f in findings] == [("stage_imbalance", [6, 7])]
     true = _true_cost_ns(job, source)
