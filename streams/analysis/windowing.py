@@ -35,7 +35,7 @@ from fleetscope.schemas.vocabulary import (
     is_step_marker_name,
 )
 from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS
-from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
+from fleetscope.streams.analysis.closed_iterations import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
     Cols,
