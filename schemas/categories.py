@@ -288,6 +288,8 @@ CAUSES: tuple[str, ...] = tuple(c.value for c, i in REGISTRY.items() if i.cause)
 """Rank findings with evidence on the rank itself; a straggler has none (it only arrives late)."""
 JOB_LEVEL: frozenset[str] = frozenset(c.value for c, i in REGISTRY.items() if i.job_level)
 PROFILER_BLIND: tuple[str, ...] = tuple(c.value for c, i in REGISTRY.items() if i.profiler_blind)
+"""Categories not judged in iterations a profiler window disturbs: a profiler's per-op overhead differs by
+rank and op, so host times and arrivals there are no evidence; kernels still compare."""
 
 
 def judged_against(noise: Noise) -> tuple[str, ...]:

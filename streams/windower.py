@@ -127,7 +127,7 @@ class WindowerAgent:
                 continue
             if result.key is not None and result.windower is not None:
                 touched[result.key] = result.windower
-                self.recovery.holds.hold(result.key, result.horizon_ns, event.message)
+                self.recovery.unacked.keep(result.key, result.horizon_ns, event.message)
             self.counters.raw_batches += 1
             self.counters.raw_events += result.events
             closed += result.closed

@@ -21,8 +21,8 @@ from faust.types import Message
 
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.recovery.holds import EARLIEST, Holds
 from fleetscope.streams.recovery.statelog import StateLog
+from fleetscope.streams.recovery.unacked import EARLIEST, UnackedMessages
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class DifferentialRecovery:
         """Per job: the size of its last state record uncompressed (the next one's estimate)."""
         self._written_at: dict[str, float] = {}
         """Per job: when its last state record was written or read (monotonic seconds)."""
-        self.holds: Holds[str] = Holds()
+        self.unacked: UnackedMessages[str] = UnackedMessages()
         self.restored = 0
         self.unreadable = 0
         self._partition: dict[str, int] = {}
@@ -219,11 +219,11 @@ class DifferentialRecovery:
         else:
             horizon = iteration
             self._credit[job] = self._credit.get(job, 0.0) + self.share * len(message.value or b"")
-        self.holds.hold(job, horizon, message)
+        self.unacked.keep(job, horizon, message)
 
     def skipped(self, job: str, message: Message) -> None:
         """``message`` was not applied (a replayed stall report): ack it with the job's next release."""
-        self.holds.hold(job, EARLIEST, message)
+        self.unacked.keep(job, EARLIEST, message)
 
     def flushed(self, job: str) -> None:
         self._flushed[job] = True
@@ -238,7 +238,7 @@ class DifferentialRecovery:
             mark = self._mark(job)
             written = self._written.get(job)
             if mark == written:
-                out += self.holds.release(job, jd.scored_upto + 1)
+                out += self.unacked.take_harmless(job, jd.scored_upto + 1)
                 continue
             if written is not None and mark[2:] == written[2:]:  # only iterations scored since the last record
                 since_s = time.monotonic() - self._written_at.get(job, 0.0)
@@ -251,13 +251,13 @@ class DifferentialRecovery:
             self._written[job] = mark
             self._last_bytes[job], self._written_at[job] = len(pickled), time.monotonic()
             self._credit[job] = self._credit.get(job, 0.0) - len(pickled)
-            out += self.holds.release(job, jd.scored_upto + 1)
+            out += self.unacked.take_harmless(job, jd.scored_upto + 1)
         return out
 
     def revoke(self, partitions: Collection[int]) -> list[str]:
         """Forget the jobs of revoked partitions; return them."""
         jobs = [j for j, p in self._partition.items() if p in partitions]
-        self.holds.forget(jobs)
+        self.unacked.forget(jobs)
         for job in jobs:
             tables = (self.jobs, self._partition, self._progress_offset, self._flushed, self._written)
             for table in (*tables, self._credit, self._last_bytes, self._written_at):

@@ -165,13 +165,13 @@ def test_guard_counts_and_logs_each_failing_site_once(caplog: pytest.LogCaptureF
 def test_a_held_recorder_publishes_the_window_batches_before_its_host_events() -> None:
     publisher = FakePublisher()
     recorder = Recorder(ME, publisher, RecorderConfig(flush_interval_ms=10_000))
-    recorder.hold()
+    recorder.hold_host_events()
     recorder.python_span("ProfilerStep#0", 0, 10)
     recorder._flush()
     assert publisher.batches == []
 
     def window() -> list[EventBatch]:
-        recorder.release()
+        recorder.release_host_events()
         return [
             EventBatch(
                 kind=EventKind.KERNELS,
@@ -199,7 +199,7 @@ def test_heartbeats_go_out_on_time_while_the_training_thread_is_blocked_inside_a
         time.sleep(0.3)
         inside = publisher.heartbeats()
         recorder.state.leave(entry)
-        recorder.hold()
+        recorder.hold_host_events()
         time.sleep(0.1)
     finally:
         recorder.stop()
@@ -339,7 +339,7 @@ def test_a_profiling_window_adds_host_ops_from_the_profilers_memory(hooked) -> N
     ]
     names = {name for name, _, _ in spans}
     assert "user_region" in names and any(n.startswith("aten::") for n in names)
-    assert recorder.stats.hook_errors == 0 and not recorder._held
+    assert recorder.stats.hook_errors == 0 and not recorder._host_events_held
     # one span covers the window, and the profiler's own events keep their real (epoch) timestamps inside it
     (window,) = [(start, start + dur) for name, start, dur in spans if is_profiling_window(name)]
     profiled = [(start, start + dur) for name, start, dur in spans if name == "user_region"]
@@ -602,11 +602,11 @@ def test_a_rank_blocked_inside_a_window_stops_saying_profiling_once_the_window_s
     reported."""
     recorder = Recorder(ME, FakePublisher(), RecorderConfig(flush_interval_ms=10_000))
     now = time.time_ns()
-    recorder.hold(now + 1_000_000_000)
+    recorder.hold_host_events(now + 1_000_000_000)
     assert recorder.profiling
-    recorder.hold(now - HOLD_GRACE_NS - 1)  # planned to end longer ago than the grace
+    recorder.hold_host_events(now - HOLD_GRACE_NS - 1)  # planned to end longer ago than the grace
     assert not recorder.profiling
-    recorder.release()
+    recorder.release_host_events()
     assert not recorder.profiling
 
 

@@ -27,9 +27,9 @@ from fleetscope.streams.rebalance import InputClock
 from fleetscope.streams.recovery import (
     EARLIEST,
     DifferentialRecovery,
-    Holds,
     JobState,
     StateLog,
+    UnackedMessages,
     WindowerRecovery,
     dump_job_state,
     load_job_state,
@@ -68,14 +68,14 @@ def test_a_batch_horizon_is_its_latest_event_by_the_windowers_filing_time() -> N
 
 
 def test_held_messages_come_back_in_horizon_order_and_only_below_the_bound() -> None:
-    holds: Holds[str] = Holds()
+    unacked: UnackedMessages[str] = UnackedMessages()
     for horizon, name in [(30, "c"), (10, "a"), (20, "b"), (EARLIEST, "early")]:
-        holds.hold("job", horizon, _message(name))
-    assert holds.release("job", 20) == ["early", "a"]
-    assert holds.release("other", 100) == []
-    assert len(holds) == 2
-    holds.forget(["job"])
-    assert len(holds) == 0 and holds.release_all("job") == []
+        unacked.keep("job", horizon, _message(name))
+    assert unacked.take_harmless("job", 20) == ["early", "a"]
+    assert unacked.take_harmless("other", 100) == []
+    assert len(unacked) == 2
+    unacked.forget(["job"])
+    assert len(unacked) == 0 and unacked.take_all("job") == []
 
 
 def test_the_idle_clock_stands_still_while_an_agent_works(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,7 +105,7 @@ def test_a_restarted_windower_emits_only_iterations_after_the_restored_ones_and_
     closed = [_rank_iteration(0, 6, 600), _rank_iteration(0, 8, 800), _rank_iteration(1, 0, 100)]
     assert [(c.iteration["rank"], c.iteration["iteration"]) for c in wrec.fresh(closed)] == [(0, 8), (1, 0)]
     for horizon, name in [(650, "old"), (700, "at-end"), (750, "open")]:
-        wrec.holds.hold(("j", 0), horizon, _message(name))
+        wrec.unacked.keep(("j", 0), horizon, _message(name))
     assert wrec.release([("j", 0), ("j", 1)]) == ["old"]
     assert wrec.jobs_in_progress() == {"j"}
 
