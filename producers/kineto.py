@@ -514,14 +514,14 @@ def _columns(ex: _Extractor, coll: dict[str, Any]) -> dict[EventKind, Cols]:
         order = np.lexsort((cols["start_ns"], t))
         out[kind] = {c: v[order] if v.size else v for c, v in cols.items()}
     order = np.argsort(python["start_ns"], kind="stable")
-    out[EventKind.PYTHON] = {c: v[order].astype(COLUMNS[EventKind.PYTHON][c]) for c, v in python.items()}
+    out[EventKind.HOST] = {c: v[order].astype(COLUMNS[EventKind.HOST][c]) for c, v in python.items()}
     return out
 
 
 _ID_COLUMNS = ("name_id", "op_id", "pg_id")
 # Host spans first, then the GPU streams: the windower closes a step on the GPU streams' watermarks, so
 # every marker and host span of the file is already there when steps start closing (nothing is late).
-_PUBLISH_ORDER = (EventKind.PYTHON, EventKind.COLLECTIVES, EventKind.KERNELS)
+_PUBLISH_ORDER = (EventKind.HOST, EventKind.COLLECTIVES, EventKind.KERNELS)
 
 
 def _batches(header: BatchHeader, names: list[str], columns: dict[EventKind, Cols], size: int) -> Iterator[EventBatch]:

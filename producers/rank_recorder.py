@@ -174,7 +174,7 @@ class Recorder:
         config: RecorderConfig | None = None,
         *,
         producer_id: str = "",
-        streams: Iterable[str] = (EventKind.PYTHON.value,),
+        streams: Iterable[str] = (EventKind.HOST.value,),
     ) -> None:
         self.identity = identity
         self.config = config or RecorderConfig()
@@ -409,7 +409,7 @@ class Recorder:
     def _python(self, events: list[tuple[Any, ...]]) -> EventBatch:
         names, ids = _intern([e[1] for e in events])
         return EventBatch(
-            kind=EventKind.PYTHON,
+            kind=EventKind.HOST,
             header=self.next_header(),
             names=names,
             columns={

@@ -251,12 +251,12 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     if job:
         identity = replace(identity, job=job)
     publisher = Publisher(PublisherConfig.from_config(cfg, client_id=f"fleetscope-torch-{identity.rank}"))
-    streams = {EventKind.PYTHON.value}
+    streams = {EventKind.HOST.value}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         streams.add(EventKind.COLLECTIVES.value)
     nvml = _nvml_mode()
     if nvml != "off":
-        streams.add(EventKind.THROUGHPUT.value)
+        streams.add(EventKind.SAMPLES.value)
     recorder_config = RecorderConfig(heartbeat_interval_ms=cfg.producer.heartbeat_interval_ms)
     recorder = Recorder(identity, publisher, recorder_config, streams=streams)
     sampler = _sampler(identity, recorder) if nvml == "process" else None

@@ -214,7 +214,7 @@ class JobDifferential:
         self._hang_reported_step = step
         return self.tracker.emit_now(sig, max(step, 0))
 
-    def add_progress(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+    def add_stall(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one rank's stall/resume report (producers without heartbeats: simulator, replay); return a
         hang finding when the whole job stopped. Jobs with heartbeats are diagnosed from those instead."""
         if self._heartbeats:

@@ -18,8 +18,8 @@ Cols = dict[str, npt.NDArray[Any]]
 TIME_COLUMN = {
     EventKind.KERNELS: "assign_ns",
     EventKind.COLLECTIVES: "assign_ns",
-    EventKind.PYTHON: "start_ns",
-    EventKind.THROUGHPUT: "t_ns",
+    EventKind.HOST: "start_ns",
+    EventKind.SAMPLES: "t_ns",
 }
 """The time each kind's events are filed by: GPU work by launch (``assign_ns``), host spans by start."""
 _ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
@@ -60,7 +60,7 @@ def take_step(buffers: dict[EventKind, Cols], start: int, end: int, gpu_end: int
     parts: dict[EventKind, Cols] = {}
     for kind, buf in buffers.items():
         t = buf[TIME_COLUMN[kind]]
-        samples = kind is EventKind.THROUGHPUT
+        samples = kind is EventKind.SAMPLES
         if t.size < 2 or bool((t[1:] >= t[:-1]).all()):  # in time order, as sent: slices, not masks
             first = int(t.searchsorted(start, side="left"))
             stop = int(t.searchsorted(gpu_end if samples else end, side="right" if samples else "left"))

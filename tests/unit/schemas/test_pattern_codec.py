@@ -264,9 +264,9 @@ def test_older_pattern_schemas_have_the_head_other_subjects_none_and_a_cut_head_
         )
         _, whole = decode(buf.getvalue())
         assert codec.decode_head(buf.getvalue())[1] == {name: whole[name] for name, _ in codec.PATTERN_HEAD}
-    progress = {"job": "j", "rank": 0, "host": "h", "world_size": 1, "last_step": 1, "last_progress_ns": 1,
+    stall = {"job": "j", "rank": 0, "host": "h", "world_size": 1, "last_step": 1, "last_progress_ns": 1,
                 "clock_ns": 2, "stalled_ns": 1, "mean_iteration_ns": 1, "stalled": True}  # fmt: skip
-    assert codec.decode_head(encode("progress", progress, fast=False))[1] is None
+    assert codec.decode_head(encode("stall", stall, fast=False))[1] is None
     message = encode("patterns", PATTERNS[0])
     for cut in (5, 8, 12, 30):
         with pytest.raises(SchemaError, match="its head"):

@@ -60,8 +60,8 @@ def test_a_batch_horizon_is_its_latest_event_by_the_windowers_filing_time() -> N
     column = {
         EventKind.KERNELS: "launch_ns",
         EventKind.COLLECTIVES: "launch_ns",
-        EventKind.PYTHON: "start_ns",
-        EventKind.THROUGHPUT: "t_ns",
+        EventKind.HOST: "start_ns",
+        EventKind.SAMPLES: "t_ns",
     }
     for batch in batches:
         assert horizon_ns(batch) == int(batch[column[batch.kind]].max())
@@ -133,7 +133,7 @@ def test_a_job_restored_from_its_state_record_and_replayed_continues_exactly_lik
     assert restored.progress_offset == 41 and not restored.flushed
     pickled = bytes(cramjam.zstd.decompress(record[1:]))
     assert record[:1] == b"\x03" and load_job_state(b"\x02" + pickled).progress_offset == 41  # uncompressed
-    older = load_job_state(b"\x01" + pickled)  # written when stall reports shared the patterns topic
+    older = load_job_state(b"\x01" + pickled)  # written when stall records shared the patterns topic
     assert older.progress_offset == -1 and older.job.iterations_scored == original.iterations_scored
     replayed = restored.job
     for rec in records[:cut]:  # the replay: scored iterations are skipped, waiting ones come back
@@ -281,7 +281,7 @@ def test_a_state_record_of_scored_iterations_alone_waits_for_the_interval_and_it
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Scored iterations alone wait for both the interval and the pattern bytes that pay for the record (the
-    messages they cover stay held), or for ``stale_s``; a finding opened and a stall report are written at
+    messages they cover stay held), or for ``stale_s``; a finding opened and a stall record are written at
     once."""
 
     class Log:
