@@ -20,7 +20,7 @@ from fastavro import schemaless_reader, schemaless_writer
 from fleetscope.schemas.catalog import CATALOG, SchemaCatalog, SchemaEntry
 from fleetscope.schemas.columnar_decode import decode_columns, decode_many, decode_scalars
 from fleetscope.schemas.columnar_encode import encode_columns
-from fleetscope.schemas.records import EventBatch, EventKind
+from fleetscope.schemas.records import ID_COLUMNS, EventBatch, EventKind
 
 if TYPE_CHECKING:
     from fleetscope.schemas.registry import SchemaResolver
@@ -35,7 +35,6 @@ COLUMNS_FROM_FUNCTIONS = 16
 COLUMNS_FROM_BYTES = 4_000
 """Where the numpy encoder and decoder start to pay (a record of this many functions; a message of this many
 bytes, about 24 functions): below, their fixed cost per field exceeds fastavro's per value (bench/scale)."""
-_ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
 
 
 _resolver: SchemaResolver | None = None
@@ -225,7 +224,7 @@ def _event_batch(
     except (ValueError, TypeError, OverflowError) as exc:
         raise SchemaError(f"bad {subject} batch: {exc}") from exc
     n_names = len(batch.names)
-    for column in _ID_COLUMNS:
+    for column in ID_COLUMNS:
         ids = batch.columns.get(column)
         # a negative id reads as >= 2**31 unsigned, so one maximum checks both ends
         if ids is not None and ids.size and int(np.maximum.reduce(ids.view(np.uint32))) >= n_names:

@@ -67,6 +67,9 @@ COLUMNS: dict[EventKind, dict[str, type[np.generic]]] = {
 }
 
 OPTIONAL_COLUMNS = frozenset({"launch_ns"})
+ID_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys(c for cols in COLUMNS.values() for c in cols if c.endswith("_id")))
+"""The columns that index a batch's ``names`` dictionary: the codec, the windower and the trace reader remap
+them together."""
 
 PATTERN_TIMELINE_FIELDS = (
     "sync_function", "sync_seq", "sync_gap_us", "sync_dur_us", "sync_compute_less_gap_us", "sync_tail_compute_us",

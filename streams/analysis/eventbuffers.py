@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import COLUMNS, EventBatch, EventKind
+from fleetscope.schemas.records import COLUMNS, ID_COLUMNS, EventBatch, EventKind
 
 Cols = dict[str, npt.NDArray[Any]]
 
@@ -22,8 +22,7 @@ TIME_COLUMN = {
     EventKind.SAMPLES: "t_ns",
 }
 """The time each kind's events are filed by: GPU work by launch (``assign_ns``), host spans by start."""
-_ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
-_KEPT = {kind: [(c, c in _ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
+_KEPT = {kind: [(c, c in ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
 """Per kind, the batch columns the windower buffers and whether each indexes the name dictionary."""
 
 
