@@ -105,7 +105,7 @@ class MemoryStore:
     def query(
         self, sql: str, params: Mapping[str, Any] | None = None, *, readonly: bool = True
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        raise PermissionError("the memory store runs no SQL")
+        raise RuntimeError("the memory store runs no SQL")
 
     def counts(self) -> dict[str, int]:
         rows = sum(pattern_rows(r) for r in self.patterns.values())
