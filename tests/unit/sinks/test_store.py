@@ -63,3 +63,11 @@ def test_a_locked_chdb_directory_is_waited_for_and_backoff_is_capped() -> None:
     assert store_unavailable(ProgrammingError("Unable to open the chdb engine: Cannot lock file /x/status"))
     assert not store_unavailable(ProgrammingError("Unknown setting"))
     assert [backoff_s(n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0] and backoff_s(50) == MAX_PAUSE_S
+
+
+def test_the_url_scheme_names_the_store_kind_and_an_unknown_one_is_refused_in_one_line() -> None:
+    local, served = StoreConfig(url="chdb://memory"), StoreConfig(url="http://127.0.0.1:8123")
+    assert (local.local_path, local.on_disk, served.local_path) == (":memory:", None, None)
+    assert local.kind.adapter == served.kind.adapter == "fleetscope.sinks.clickhouse"
+    with pytest.raises(ValueError, match=r"^invalid StoreConfig: url: expected one of chdb://, http://, https:// "):
+        StoreConfig(url="sqlite:///tmp/store.db")
