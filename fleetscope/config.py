@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleetscope.producers.publisher.config import PublisherConfig
 from fleetscope.schemas.limits import IntakeLimits
-from fleetscope.sinks.store_config import ClickHouseConfig
-from fleetscope.storehttp import StoreServerBounds
+from fleetscope.sinks.store_config import StoreConfig, StoreServerBounds
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.windowing import WindowerConfig
@@ -228,7 +227,7 @@ class Config:
     """Address the metrics endpoint binds; ``0.0.0.0`` for a scraper on another machine."""
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     producer: ProducerSettings = field(default_factory=ProducerSettings)
-    store: ClickHouseConfig = field(default_factory=ClickHouseConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     streams: StreamSettings = field(default_factory=StreamSettings)
     embedded: EmbeddedSettings = field(default_factory=EmbeddedSettings)
     limits: IntakeLimits = field(default_factory=IntakeLimits)

@@ -3,15 +3,13 @@
 ``up`` writes ``<data_dir>/endpoint.json`` (mode 0600: it holds the store's tokens) with its broker
 address and the URL of its served store, and removes it on stop. Other commands run on the same data
 directory read it: a broker-using command gets the broker, ``sql``/``findings``/``report`` go through the
-served store (chDB admits one process per store) and, with no ``up`` running, open the store directly.
+served store (a local store admits one process at a time) and, with no ``up`` running, open the store directly.
 The tokens themselves persist in ``<data_dir>/store-tokens.json`` (0600), so a Grafana datasource keeps
 working across restarts.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hmac
 import json
 import os
 import secrets
@@ -24,29 +22,14 @@ from typing import TYPE_CHECKING, Any
 from fleetscope.config import Config, ConfigError
 from fleetscope.errors import StoreLocked
 from fleetscope.lifetime import process_exists
-from fleetscope.sinks.store_config import ClickHouseConfig
+from fleetscope.sinks.store import Tokens
+from fleetscope.sinks.store_config import StoreConfig
 
 if TYPE_CHECKING:
     from fleetscope.sinks.store import Store
 
 ENDPOINT_FILE = "endpoint.json"
 TOKENS_FILE = "store-tokens.json"
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """The two secrets of a served store: ``read`` may query, ``write`` may also modify."""
-
-    read: str
-    write: str
-
-    def access(self, presented: str) -> str | None:
-        """ "write", "read" or None; constant-time comparisons."""
-        if presented and hmac.compare_digest(presented.encode(), self.write.encode()):
-            return "write"
-        if presented and hmac.compare_digest(presented.encode(), self.read.encode()):
-            return "read"
-        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +111,7 @@ def open_store(config: Config, *, write: bool = False, create: bool = False) -> 
     from fleetscope.sinks.store import open_store as open_store_at
 
     ch = config.store
-    endpoint = running_endpoint(config.data_dir) if ch.chdb_path not in (None, ":memory:") else None
+    endpoint = running_endpoint(config.data_dir) if ch.on_disk is not None else None
     if endpoint is not None:
         if not store_answers(endpoint.store_url):
             raise ConfigError(
@@ -138,8 +121,8 @@ def open_store(config: Config, *, write: bool = False, create: bool = False) -> 
                 ]
             )
         return open_store_at(served_store(endpoint, write=write or create), prepare=create)
-    path = ch.chdb_path
-    if not create and path is not None and path != ":memory:" and not Path(path).is_dir():
+    path = ch.on_disk
+    if not create and path is not None and not Path(path).is_dir():
         raise ConfigError(
             [
                 f"store: no store at {path}; run `fleetscope up` or `fleetscope demo` first, "
@@ -152,8 +135,10 @@ def open_store(config: Config, *, write: bool = False, create: bool = False) -> 
 
 def ensure_unlocked(config: Config) -> None:
     """Raise ``StoreLocked``, naming the holder where it is known, when another process has the store."""
-    path = config.store.chdb_path
-    if path is None or path == ":memory:" or not store_locked(path):
+    from fleetscope.sinks.store import adapter
+
+    path = config.store.on_disk
+    if path is None or not adapter(config.store).held_elsewhere(config.store):
         return
     endpoint = running_endpoint(config.data_dir)
     if endpoint is not None:
@@ -162,48 +147,14 @@ def ensure_unlocked(config: Config) -> None:
             f"{endpoint.store_url}: stop it first, or use `sql`/`findings`/`report`, which go through it"
         )
     raise StoreLocked(
-        f"the store at {path} is open in another process (chDB admits one): stop that `demo` or `sink`, "
+        f"the store at {path} is open in another process (a local store admits one): stop that `demo` or `sink`, "
         "or run `fleetscope up` here, which serves the store to other commands"
     )
 
 
-def _this_process_opened(path: Path) -> bool:
-    """Whether this process has ``path`` open (its own chDB engine holds the lock then)."""
-    fds = Path("/proc/self/fd")
-    if not fds.is_dir():
-        return False
-    target = str(path.resolve())
-    for fd in fds.iterdir():
-        try:
-            if os.readlink(fd) == target:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def store_locked(path: str) -> bool:
-    """True when another process holds the chDB store's lock (ClickHouse flocks ``<path>/status``)."""
-    status = Path(path) / "status"
-    if _this_process_opened(status):
-        return False
-    try:
-        fd = os.open(status, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def served_store(endpoint: Endpoint, *, write: bool = False) -> ClickHouseConfig:
+def served_store(endpoint: Endpoint, *, write: bool = False) -> StoreConfig:
     """Where a served store is, as a store configuration: read-only unless ``write`` (the token says)."""
-    return ClickHouseConfig(
+    return StoreConfig(
         url=endpoint.store_url,
         database=endpoint.database,
         username="fleetscope",

@@ -1,29 +1,15 @@
 """What the CLI prints when a command fails: at most three lines, the cause first, then the fix.
 
-Tracebacks are for ``--debug``; a ClickHouse error shows the server's own message (its first sentence,
-without the parser's list of expected tokens), a Kafka error the broker it could not reach.
+Tracebacks are for ``--debug``; a store's error shows the store's own message as its adapter words it
+(``sinks.store.refusal``), a Kafka error the broker it could not reach.
 """
 
 from __future__ import annotations
-
-import re
 
 from fleetscope.config import ConfigError
 
 MAX_LINES = 3
 _MAX_CHARS = 300
-_CLICKHOUSE = re.compile(
-    r"Code: (\d+)\. DB::Exception: (.*?)(?: \(version [^)]*\))?\.?\s*(?:\(for url [^)]*\))?$", re.S
-)
-_CLICKHOUSE_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)\s*$")
-_FIXES = {
-    62: "fix the SQL (docs/sql-cookbook.md has worked examples)",
-    47: "SHOW TABLES and DESCRIBE <table> list what the store has",
-    60: "the tables are iterations, function_patterns, finding_updates and the findings view (SHOW TABLES)",
-    81: "the database is set by store.database (default fleetscope)",
-    164: "add --write to modify the store",
-    516: "the tokens are in <data_dir>/endpoint.json of the running `fleetscope up`",
-}
 
 
 class BrokerUnreachable(RuntimeError):
@@ -35,47 +21,12 @@ class BrokerUnreachable(RuntimeError):
 
 
 class StoreLocked(RuntimeError):
-    """Another process has the chDB store open (chDB admits one process per store)."""
+    """Another process has the local store open (a local store admits one process at a time)."""
 
 
 def _clip(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _MAX_CHARS else text[: _MAX_CHARS - 3] + "..."
-
-
-def clickhouse_message(text: str) -> tuple[int, str] | None:
-    """(code, the server's message) from a ClickHouse or chDB error text, or None."""
-    starts = [m.start() for m in re.finditer(r"Code: \d+\. DB::Exception:", text)]
-    if not starts:
-        return None
-    match = _CLICKHOUSE.match(text[starts[-1] :].strip())
-    if match is None:
-        return None
-    message = match.group(2)
-    message = re.split(r"\. Expected one of:|\. Stack trace|\nStack trace", message)[0]
-    # the driver's own additions to the user's query
-    message = re.sub(r" SETTINGS readonly = '?1'?|\s*FORMAT (?:Native|JSON|TabSeparated)\b", "", message)
-    name = _CLICKHOUSE_NAME.search(match.group(2))
-    if name and name.group(0) not in message:
-        message = f"{message.rstrip('.')} ({name.group(1)})"
-    return int(match.group(1)), message
-
-
-def syntax_error_of(query: str, explain_error: BaseException, prefix: str) -> RuntimeError | None:
-    """The engine's syntax error for ``query``, from the error of ``prefix + query`` (positions shifted back
-    and the driver's FORMAT clause dropped), or None when the engine parsed it."""
-    parsed = clickhouse_message(str(explain_error))
-    if parsed is None or parsed[0] != 62:
-        return None
-    shift = len(prefix)
-
-    def back(m: re.Match[str]) -> str:
-        return f"{m.group(1)}{max(1, int(m.group(2)) - shift)}"
-
-    message = re.sub(
-        r"(position |col )(\d+)", back, parsed[1].replace("\n FORMAT Native", "").replace(" FORMAT Native", "")
-    )
-    return RuntimeError(f"Code: 62. DB::Exception: {message}")
 
 
 def describe(exc: BaseException, command: str) -> tuple[list[str], int]:
@@ -92,13 +43,14 @@ def describe(exc: BaseException, command: str) -> tuple[list[str], int]:
         return [f"{who}: {_clip(str(exc))}", f"  {fix}"], 1
     if isinstance(exc, StoreLocked):
         return [f"{who}: {_clip(str(exc))}"], 1
+    from fleetscope.sinks.store import refusal
+
     text = str(exc)
-    parsed = clickhouse_message(text)
-    if parsed is not None:
-        code, message = parsed
-        lines = [f"{who}: the store refused: {_clip(message)}"]
-        if code in _FIXES:
-            lines.append(f"  {_FIXES[code]}")
+    refused = refusal(exc)
+    if refused is not None:
+        lines = [f"{who}: the store refused: {_clip(refused.message)}"]
+        if refused.fix is not None:
+            lines.append(f"  {refused.fix}")
         return lines, 1
     if isinstance(exc, PermissionError):
         return [f"{who}: {_clip(text)}", "  add --write to modify the store"], 1

@@ -94,18 +94,8 @@ class ReportData:
         return out
 
 
-def _rows(store: Store, query: str, job: str, **params: Any) -> list[tuple[Any, ...]]:
-    rows: list[tuple[Any, ...]] = store.query(query, {"job": job, **params})[1]
-    return rows
-
-
 def _heatmap(store: Store, job: str, notes: list[str]) -> Heatmap:
-    rows = _rows(
-        store,
-        "SELECT function, any(kind_name), rank, avg(mean_ns), sum(total_ns) FROM function_patterns "
-        "WHERE job = {job:String} GROUP BY function, rank",
-        job,
-    )
+    rows = store.function_means(job)
     if not rows:
         raise ValueError(f"job {job!r} has no function patterns in the store")
     total: dict[str, float] = {}
@@ -145,8 +135,8 @@ def _heatmap(store: Store, job: str, notes: list[str]) -> Heatmap:
 
 
 def collect(store: Store, job: str, baseline: str | None = None) -> ReportData:
-    """Query everything the report shows (a few aggregate queries; no raw rows leave ClickHouse); with
-    ``baseline``, the run-to-run diff of ``job`` against that job too."""
+    """Read everything the report shows (a few aggregate reads of the ``Store``; no raw rows leave the
+    store); with ``baseline``, the run-to-run diff of ``job`` against that job too."""
     t0 = time.monotonic()
     notes: list[str] = []
     heat = _heatmap(store, job, notes)
@@ -156,22 +146,9 @@ def collect(store: Store, job: str, baseline: str | None = None) -> ReportData:
         from fleetscope.streams.analysis.rundiff import diff_runs
 
         diff = diff_runs(store_steps(store, baseline), store_steps(store, job))
-    (lo, hi, n, started), *_ = _rows(
-        store,
-        "SELECT min(iteration), max(iteration), uniqExact((rank, iteration)), min(start_at) FROM iterations "
-        "WHERE job = {job:String}",
-        job,
-    )
-    lo, hi = int(lo or 0), int(hi or 0)
+    lo, hi, n, started = store.iteration_span(job)
     step = max(1, math.ceil((hi - lo + 1) / MAX_POINTS))
-    it_rows = _rows(
-        store,
-        "SELECT rank, any(host), intDiv(iteration, {step:UInt32}) * {step:UInt32} AS it, "
-        "avg(duration_ns) / 1e6, avg(compute_ns) / 1e6 FROM iterations WHERE job = {job:String} "
-        "GROUP BY rank, it ORDER BY rank, it",
-        job,
-        step=step,
-    )
+    it_rows = store.iteration_buckets(job, step)
     ranks = sorted({int(r[0]) for r in it_rows} | set(heat.ranks))
     hosts = {int(r[0]): str(r[1]) for r in it_rows}
     xs = np.array(sorted({int(r[2]) for r in it_rows}), dtype=np.float64)
@@ -182,13 +159,7 @@ def collect(store: Store, job: str, baseline: str | None = None) -> ReportData:
     for rank, _host, it, dur, comp in it_rows:
         it_ms[r_index[int(rank)], x_index[int(it)]] = dur
         comp_ms[r_index[int(rank)], x_index[int(it)]] = comp
-    bw = _rows(
-        store,
-        "SELECT rank, avgIf(busbw_gbps, isFinite(busbw_gbps) AND busbw_gbps > 0), "
-        "avgIf(nvlink_mean_bps, isFinite(nvlink_mean_bps)) / 1e9 FROM function_patterns "
-        "WHERE job = {job:String} AND kind_name = 'collective' GROUP BY rank",
-        job,
-    )
+    bw = store.collective_bandwidth(job)
     busbw = np.full(len(ranks), np.nan)
     link = np.full(len(ranks), np.nan)
     for rank, b, lk in bw:
@@ -198,7 +169,7 @@ def collect(store: Store, job: str, baseline: str | None = None) -> ReportData:
     return ReportData(
         job=job,
         hosts=hosts,
-        iterations=int(n or 0),
+        iterations=n,
         first_iteration=lo,
         last_iteration=hi,
         started=started,

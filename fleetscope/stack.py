@@ -24,7 +24,7 @@ from fleetscope.endpoint import Endpoint, ensure_unlocked, remove_endpoint, stor
 from fleetscope.lifetime import child_env
 from fleetscope.schemas import Topics
 from fleetscope.sinks import Sink, SinkConfig, Store, open_store
-from fleetscope.storeserver import StoreServer
+from fleetscope.sinks.store import ServedStore, adapter
 from fleetscope.wiring import findings_key
 from fleetscope.wiring import stream_app_config as stream_app_config  # the CLI and tests find it here
 
@@ -58,7 +58,7 @@ def sink_group(config: Config) -> str:
     elsewhere (another folder, another server or database) reads every record into its own store instead
     of taking partitions from this one."""
     ch = config.store
-    where = f"{ch.chdb_path or ch.url}|{ch.database}"
+    where = f"{ch.local_path or ch.url}|{ch.database}"
     return SINK_GROUP_PREFIX + hashlib.sha256(where.encode()).hexdigest()[:12]
 
 
@@ -175,7 +175,7 @@ class EmbeddedStack:
         self.worker: StreamWorkerProcess | None = None
         self.sink: Sink | None = None
         self.store: Store | None = None
-        self.store_server: StoreServer | None = None
+        self.store_server: ServedStore | None = None
 
     def start(self) -> Config:
         data_dir = private_dir(self.config.data_dir)
@@ -209,22 +209,21 @@ class EmbeddedStack:
 
     @property
     def client(self) -> Any:
-        """The store's ClickHouse client, for SQL of the benches' and tests' own (None before start)."""
+        """The ClickHouse adapter's client, for the benches' and tests' own SQL (None before start)."""
         return getattr(self.store, "client", None)
 
     def _serve_store(self) -> None:
-        """Serve the chDB store to other processes and tell them where, through the data directory."""
-        ch, path = self.config.store, self.config.store.chdb_path
-        if not self.config.embedded.serve_store or path in (None, ":memory:"):
+        """Serve the local store to other processes and tell them where, through the data directory."""
+        ch = self.config.store
+        if not self.config.embedded.serve_store or ch.on_disk is None:
             return
         tokens = store_tokens(self.config.data_dir)
         port = preferred_port(self.config.embedded.store_port)
         bounds = self.config.embedded.store_server
         try:
-            server = StoreServer(path, tokens, database=ch.database, port=port, bounds=bounds, config=ch)
+            self.store_server = adapter(ch).serve(ch, tokens, port=port, bounds=bounds)
         except OSError:  # another process took the port since it was found free
-            server = StoreServer(path, tokens, database=ch.database, port=0, bounds=bounds, config=ch)
-        self.store_server = server.start()
+            self.store_server = adapter(ch).serve(ch, tokens, port=0, bounds=bounds)
         endpoint = Endpoint(
             pid=os.getpid(),
             bootstrap_servers=self.config.kafka.bootstrap_servers,

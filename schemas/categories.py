@@ -93,8 +93,6 @@ class CategoryInfo:
     checks: NextChecks
 
 
-_NAMED = "has({ranks:Array(Int32)}, rank) AS named"
-
 REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
     {
         Category.GPU_SLOW: CategoryInfo(
@@ -146,7 +144,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             profiler_blind=False,
             color="#9467bd",
             checks=NextChecks(
-                sql=f"SELECT rank, any(host) AS host, {_NAMED}, "
+                sql="SELECT rank, any(host) AS host, has({ranks:Array(Int32)}, rank) AS named, "
                 "round(avgIf(busbw_gbps, isFinite(busbw_gbps) AND busbw_gbps > 0), 2) AS busbw_gbps, "
                 "round(avgIf(nvlink_mean_bps, isFinite(nvlink_mean_bps)) / 1e9, 2) AS nvlink_gbps, "
                 "round(avgIf(nvlink_cv, isFinite(nvlink_cv)), 3) AS nvlink_cv, "
@@ -216,7 +214,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             profiler_blind=True,
             color="#8c564b",
             checks=NextChecks(
-                sql=f"SELECT rank, any(host) AS host, {_NAMED}, "
+                sql="SELECT rank, any(host) AS host, has({ranks:Array(Int32)}, rank) AS named, "
                 "round(avg(exposed_collective_ns) / 1e6, 2) AS waiting_ms, "
                 "round(avg(compute_ns) / 1e6, 2) AS compute_ms, round(avg(idle_ns) / 1e6, 2) AS gpu_idle_ms, "
                 "round(avgIf(cpu_wait_ns, cpu_wait_ns >= 0) / 1e6, 2) AS cpu_wait_ms "
@@ -295,9 +293,10 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             profiler_blind=False,
             color="#111111",
             checks=NextChecks(
-                sql=f"SELECT rank, any(host) AS host, {_NAMED}, max(iteration) AS last_iteration, "
-                "fromUnixTimestamp64Nano(max(end_ns), 'UTC') AS last_step_end FROM iterations "
-                "WHERE job = {job:String} GROUP BY rank ORDER BY last_iteration, last_step_end LIMIT 16",
+                sql="SELECT rank, any(host) AS host, has({ranks:Array(Int32)}, rank) AS named, "
+                "max(iteration) AS last_iteration, fromUnixTimestamp64Nano(max(end_ns), 'UTC') AS last_step_end "
+                "FROM iterations WHERE job = {job:String} "
+                "GROUP BY rank ORDER BY last_iteration, last_step_end LIMIT 16",
                 nvml=("xid", "sm_util_pct", "ecc_uncorrected"),
                 likely_causes=(
                     "a rank that crashed, or is stuck in host code before the collective",

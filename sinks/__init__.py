@@ -26,7 +26,7 @@ _EXPORTS = {
     "readonly_session": "clickhouse",
     "readonly_settings": "clickhouse",
     "table_counts": "clickhouse",
-    "ClickHouseConfig": "store_config",
+    "StoreConfig": "store_config",
     "RecordWriter": "store",
     "Store": "store",
     "open_store": "store",

@@ -1,26 +1,68 @@
-"""The store seam: what the sink, ``findings``, ``sql``, ``report`` and ``up`` need from a store, and the
-one place a store is opened.
+"""The store seam: what the sink, ``findings``, ``sql``, ``report``, ``diff`` and ``up`` need from a store,
+and the one place a store is opened.
 
 ``RecordWriter`` is the write side the sink drives (idempotent on each record's natural key, so a replay adds
-no row); ``Store`` adds the reads and ``close``. ``open_store`` is the start-up sequence: connect, create the
-schema, and wait with backoff while the store is not there yet. The ClickHouse adapter
-(``fleetscope.sinks.clickhouse``) is the implementation, imported only when a store is opened, so importing
-this module (or the configuration) loads no driver.
+no row); ``Store`` adds every read the commands make and ``close``. ``StoreAdapter`` is what a store's package
+provides (``ADAPTER``): its opener, what is worth waiting for, the lock of a local store, its served interface
+and the wording of its errors. The adapter is found by the URL's scheme in ``store_config.STORE_KINDS`` and
+imported only when first used, so importing this module (or the configuration) loads no driver.
 """
 
 from __future__ import annotations
 
+import hmac
+import importlib
 import logging
+import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, overload
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple, Protocol, cast, overload
 
 from fleetscope.sinks.retry import backoff_s
-from fleetscope.sinks.store_config import ClickHouseConfig
+from fleetscope.sinks.store_config import STORE_KINDS, StoreConfig, StoreServerBounds
 
 logger = logging.getLogger(__name__)
 
 Records = Sequence[Mapping[str, Any]]
+
+
+class FunctionMean(NamedTuple):
+    """One rank's figures of one function over a job: its mean duration per call and its total time."""
+
+    function: str
+    kind: str
+    rank: int
+    mean_ns: float
+    total_ns: float
+
+
+class IterationSpan(NamedTuple):
+    """A job's stored iterations: first and last number, distinct (rank, iteration) pairs, earliest start."""
+
+    first: int
+    last: int
+    rank_iterations: int
+    started: datetime | None
+
+
+class IterationBucket(NamedTuple):
+    """One rank's mean iteration and compute time over the iterations ``iteration..iteration+step-1``."""
+
+    rank: int
+    host: str
+    iteration: int
+    duration_ms: float
+    compute_ms: float
+
+
+class RankBandwidth(NamedTuple):
+    """One rank's mean collective bus bandwidth and NVLink throughput (GB/s; NaN where nothing was measured)."""
+
+    rank: int
+    busbw_gbps: float
+    link_gbps: float
 
 
 class RecordWriter(Protocol):
@@ -43,7 +85,8 @@ class RecordWriter(Protocol):
 
 
 class Store(RecordWriter, Protocol):
-    """A store the commands read and the sink writes."""
+    """A store the commands read and the sink writes. Every read a command makes is a method here, so that
+    no command speaks the store's dialect; only ``query`` takes a user's text (``fleetscope sql``)."""
 
     @property
     def database(self) -> str: ...
@@ -61,11 +104,35 @@ class Store(RecordWriter, Protocol):
         self, sql: str, params: Mapping[str, Any] | None = None, *, readonly: bool = True
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """(columns, rows) of a user's query; read-only as the store itself enforces unless ``readonly``
-        is False."""
+        is False (a refused non-read statement that does not parse raises the store's syntax error)."""
         ...
 
     def counts(self) -> dict[str, int]:
         """Rows per table and distinct findings."""
+        ...
+
+    def function_means(self, job: str) -> list[FunctionMean]:
+        """``report``'s heatmap: per function and rank of ``job``, the mean of its per-iteration means and
+        its total time, over every stored pattern row."""
+        ...
+
+    def iteration_span(self, job: str) -> IterationSpan:
+        """``report``'s frame: first and last iteration, distinct (rank, iteration) pairs and the earliest
+        start of ``job``'s iterations (zeros and None when it has none)."""
+        ...
+
+    def iteration_buckets(self, job: str, step: int) -> list[IterationBucket]:
+        """``report``'s time lines: per rank and bucket of ``step`` iterations (numbered by its first, a
+        multiple of ``step``), the rank's host and its mean iteration and compute time, by rank and bucket."""
+        ...
+
+    def collective_bandwidth(self, job: str) -> list[RankBandwidth]:
+        """``report``'s bars: per rank, the mean over its collective pattern rows of the bus bandwidth (the
+        finite, positive ones) and of the NVLink throughput (the finite ones)."""
+        ...
+
+    def job_activity(self, job: str) -> tuple[int, int]:
+        """(iteration rows of ``job``, the latest end of one in ns since the epoch; 0, 0 when none)."""
         ...
 
     def run_iterations(self, job: str) -> list[tuple[int, int, int, int, float]]:
@@ -90,29 +157,90 @@ class Store(RecordWriter, Protocol):
     def close(self) -> None: ...
 
 
-@overload
-def open_store(config: ClickHouseConfig, *, stop: None = None, prepare: bool = True) -> Store: ...
+@dataclass(frozen=True)
+class Tokens:
+    """The two secrets of a served store: ``read`` may query, ``write`` may also modify."""
+
+    read: str
+    write: str
+
+    def access(self, presented: str) -> str | None:
+        """ "write", "read" or None; constant-time comparisons."""
+        if presented and hmac.compare_digest(presented.encode(), self.write.encode()):
+            return "write"
+        if presented and hmac.compare_digest(presented.encode(), self.read.encode()):
+            return "read"
+        return None
+
+
+class ServedStore(Protocol):
+    """A local store served to other processes (``up``), until ``stop``."""
+
+    @property
+    def url(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+class Refusal(NamedTuple):
+    """A store's error as a person reads it: the store's own message and, where one is known, the fix."""
+
+    message: str
+    fix: str | None
+
+
+class StoreAdapter(Protocol):
+    """What a store's package provides as ``ADAPTER`` (registered by URL scheme in ``STORE_KINDS``)."""
+
+    def open(self, config: StoreConfig, *, prepare: bool) -> Store:
+        """Connect and, with ``prepare``, create the database, tables and views idempotently."""
+        ...
+
+    def unavailable(self, exc: BaseException) -> bool:
+        """The store is not there yet (starting, network, still locked by an exiting process): worth a wait."""
+        ...
+
+    def held_elsewhere(self, config: StoreConfig) -> bool:
+        """Another process holds the local store ``config`` names (False for a server)."""
+        ...
+
+    def serve(self, config: StoreConfig, tokens: Tokens, *, port: int, bounds: StoreServerBounds) -> ServedStore:
+        """Serve the local store over its HTTP interface on loopback (``port`` 0: any free one), started."""
+        ...
+
+    def refusal(self, exc: BaseException) -> Refusal | None:
+        """``exc`` worded, when it is the store's own error; else None."""
+        ...
+
+
+def adapter(config: StoreConfig) -> StoreAdapter:
+    """The adapter of the store kind ``config.url`` names, imported on first use."""
+    return cast(StoreAdapter, importlib.import_module(config.kind.adapter).ADAPTER)
 
 
 @overload
-def open_store(config: ClickHouseConfig, *, stop: threading.Event, prepare: bool = True) -> Store | None: ...
+def open_store(config: StoreConfig, *, stop: None = None, prepare: bool = True) -> Store: ...
 
 
-def open_store(config: ClickHouseConfig, *, stop: threading.Event | None = None, prepare: bool = True) -> Store | None:
+@overload
+def open_store(config: StoreConfig, *, stop: threading.Event, prepare: bool = True) -> Store | None: ...
+
+
+def open_store(config: StoreConfig, *, stop: threading.Event | None = None, prepare: bool = True) -> Store | None:
     """Connect to the store ``config`` names and, with ``prepare``, create its database, tables and views
     (idempotent: every process runs it on start).
 
-    With ``stop``, a store that is not there yet (a server starting, a chDB directory still locked by a
+    With ``stop``, a store that is not there yet (a server starting, a local store still locked by a
     process that is exiting) is waited for with backoff until it answers (the store) or ``stop`` is set
     (None); without, the first error raises. Other errors always raise at once: they are configuration
     errors no wait cures."""
-    opener, unavailable = _adapter(config)
+    kind = adapter(config)
     failures = 0
     while stop is None or not stop.is_set():
         try:
-            return opener(config, prepare=prepare)
+            return kind.open(config, prepare=prepare)
         except Exception as exc:
-            if stop is None or not unavailable(exc):
+            if stop is None or not kind.unavailable(exc):
                 raise
             failures += 1
             delay = backoff_s(failures)
@@ -122,10 +250,11 @@ def open_store(config: ClickHouseConfig, *, stop: threading.Event | None = None,
     return None
 
 
-def _adapter(config: ClickHouseConfig) -> tuple[Callable[..., Store], Callable[[BaseException], bool]]:
-    """(opener, is-the-store-just-not-there-yet) of the store kind ``config.url`` names. Every scheme the
-    configuration accepts (``chdb://``, ``http(s)://``) is ClickHouse today; the adapter is imported here
-    only, on first use, so that the configuration and the sink load no driver."""
-    from fleetscope.sinks import clickhouse
-
-    return clickhouse.open_clickhouse, clickhouse.store_unavailable
+def refusal(exc: BaseException) -> Refusal | None:
+    """``exc`` worded by the adapter it came from: each adapter already loaded is asked (an adapter that is
+    not loaded raised nothing), so that wording an error never loads a driver."""
+    for module in dict.fromkeys(kind.adapter for kind in STORE_KINDS.values()):
+        loaded = sys.modules.get(module)
+        if loaded is not None and (worded := cast(StoreAdapter, loaded.ADAPTER).refusal(exc)) is not None:
+            return worded
+    return None

@@ -142,9 +142,7 @@ def _silent_job(config: Config, job: str) -> str:
     from fleetscope.endpoint import open_store
 
     try:
-        (count, last_ns), *_ = open_store(config).query(
-            "SELECT count(), max(end_ns) FROM iterations WHERE job = {job:String}", {"job": job}
-        )[1]
+        count, last_ns = open_store(config).job_activity(job)
     except Exception as exc:  # the check is advisory: the request is published either way
         log.debug("could not ask the store about job %s: %s", job, exc)
         return ""

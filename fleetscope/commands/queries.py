@@ -65,22 +65,7 @@ def cmd_sql(args: argparse.Namespace, config: Config) -> int:
         if not sep:
             raise ConfigError([f"--param {item!r}: expected NAME=VALUE"])
         params[name] = value
-    store = open_store(config, write=args.write)
-    try:
-        columns, rows = store.query(args.query, params or None, readonly=not args.write)
-    except PermissionError:
-        # Not a read statement by its first word: let the engine parse it, so `SELEC 1` is reported as
-        # the syntax error it is rather than as a write attempt.
-        from fleetscope.errors import syntax_error_of
-
-        prefix = "EXPLAIN AST "
-        try:
-            store.query(prefix + args.query, params or None)
-        except Exception as exc:
-            syntax = syntax_error_of(args.query, exc, prefix)
-            if syntax is not None:
-                raise syntax from None
-        raise
+    columns, rows = open_store(config, write=args.write).query(args.query, params or None, readonly=not args.write)
     if args.json:
         print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], default=str))
     elif len(columns) == 1 and len(rows) == 1:

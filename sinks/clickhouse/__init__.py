@@ -3,10 +3,13 @@
 In: decoded Avro records of the ``iterations``, ``patterns`` and ``findings`` subjects. Out: rows in the
 ``iterations``, ``function_patterns`` and ``finding_updates`` tables and the ``findings`` view (current state
 per finding). ``client`` connects and migrates (DDL in ``sql/*.sql``, run on every start), ``writer`` writes
-batches idempotently, ``queries`` and ``user_sql`` read, ``store`` puts them behind the ``Store`` seam.
+batches idempotently, ``queries`` and ``user_sql`` read, ``store`` puts them behind the ``Store`` seam,
+``adapter`` (``ADAPTER``) is the store kind the seam opens by URL, ``server`` and ``http_framing`` serve a
+chDB store over ClickHouse's HTTP interface (``up``), ``messages`` words ClickHouse's errors.
 Importing this package loads the driver; the configuration (``fleetscope.sinks.store_config``) does not.
 """
 
+from fleetscope.sinks.clickhouse.adapter import ADAPTER
 from fleetscope.sinks.clickhouse.client import (
     bound,
     connect,
@@ -31,6 +34,7 @@ from fleetscope.sinks.clickhouse.user_sql import readonly_session, readonly_sett
 from fleetscope.sinks.clickhouse.writer import ClickHouseWriter
 
 __all__ = [
+    "ADAPTER",
     "FINDINGS",
     "FINDING_COLUMNS",
     "FINDING_UPDATES",

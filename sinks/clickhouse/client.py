@@ -17,7 +17,7 @@ import clickhouse_connect
 from clickhouse_connect.driver import Client
 from clickhouse_connect.driver import exceptions as ch_errors
 
-from fleetscope.sinks.store_config import ClickHouseConfig, check_database
+from fleetscope.sinks.store_config import StoreConfig, check_database
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,12 @@ _CHDB_CLIENTS: dict[tuple[str, str], Client] = {}
 _CHDB_LOCK = threading.Lock()
 
 
-def connect(config: ClickHouseConfig, *, create_database: bool = True) -> Client:
+def connect(config: StoreConfig, *, create_database: bool = True) -> Client:
     """A client whose default database is ``config.database`` (created when missing, unless
     ``create_database`` is False: a read-only login may not create it).
 
     chDB clients are shared by the whole process: do not close them (the engine lives until exit)."""
-    path = config.chdb_path
+    path = config.local_path
     if path is None:
         parts = urlsplit(config.url)
         secure = parts.scheme == "https"
@@ -77,7 +77,8 @@ def is_chdb(client: Client) -> bool:
 
 
 def ensure_database(client: Client, database: str) -> None:
-    client.command(f"CREATE DATABASE IF NOT EXISTS `{check_database(database)}`", use_database=False)
+    client.command("CREATE DATABASE IF NOT EXISTS {db:Identifier}", parameters={"db": check_database(database)},
+                   use_database=False)  # fmt: skip
 
 
 def bound(client: Client, database: str) -> Client:
@@ -89,7 +90,7 @@ def bound(client: Client, database: str) -> Client:
         on_chdb = any(path == p for p, _ in _CHDB_CLIENTS)
     if on_chdb:
         url = "chdb://memory" if path == ":memory:" else f"chdb://{path}"
-        return connect(ClickHouseConfig(url=url, database=database))
+        return connect(StoreConfig(url=url, database=database))
     raise ValueError(f"client's default database is {client.database!r}, not {database!r}: connect() with it")
 
 

@@ -2,7 +2,7 @@
 
 A read-only query runs on a session that is read-only as a whole: on chDB a connection of its own whose
 settings were set by ``lockdown_settings`` before any user text arrived (a client's own settings only from
-``READ_CLIENT_SETTINGS``, then the bounds of ``ClickHouseConfig.read_*``, then no Python or introspection,
+``READ_CLIENT_SETTINGS``, then the bounds of ``StoreConfig.read_*``, then no Python or introspection,
 then ``readonly=1``, which freezes them all); on a server the same settings sent with every request. Before
 running, the engine's own parser renders the text as one statement (``formatQuerySingleLine`` refuses
 multi-statements) and its AST (``EXPLAIN AST``) names every function: a table function must be one of
@@ -25,7 +25,7 @@ import clickhouse_connect
 from clickhouse_connect.driver import Client
 
 from fleetscope.sinks.clickhouse.client import bound as _bound
-from fleetscope.sinks.store_config import ClickHouseConfig, check_database
+from fleetscope.sinks.store_config import StoreConfig, check_database
 
 READONLY_SETTINGS: dict[str, str] = {"readonly": "1"}
 """Per-request settings that make a server session read-only: writes, DDL, setting changes (so a query's
@@ -142,7 +142,7 @@ class FunctionCatalog:
         return False
 
 
-def read_bounds(config: ClickHouseConfig) -> tuple[tuple[str, str], ...]:
+def read_bounds(config: StoreConfig) -> tuple[tuple[str, str], ...]:
     """The engine settings that bound one read-only query (time, memory, result size, threads), from the
     configuration's ``read_*`` fields; a query past one is stopped by the engine with an error (``throw``)."""
     return (
@@ -156,7 +156,7 @@ def read_bounds(config: ClickHouseConfig) -> tuple[tuple[str, str], ...]:
     )
 
 
-def lockdown_settings(config: ClickHouseConfig, client: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+def lockdown_settings(config: StoreConfig, client: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """The one lockdown of a read-only session, as ordered ``SET``s: the client's settings that
     ``READ_CLIENT_SETTINGS`` lists (any other is dropped), then ``read_bounds``, then ``CHDB_LOCKDOWN``
     (``readonly=1`` last: it freezes every setting, so nothing the client sends precedes or lifts it)."""
@@ -216,7 +216,7 @@ def set_statement(name: str, value: str) -> str:
 
 
 def readonly_session(
-    client: Client, database: str, config: ClickHouseConfig | None = None
+    client: Client, database: str, config: StoreConfig | None = None
 ) -> tuple[Client, dict[str, str] | None]:
     """A client whose session is read-only as a whole, and the settings each of its queries must carry.
 
@@ -225,7 +225,7 @@ def readonly_session(
     read-only and bounded and nothing it runs can lift that; no per-query settings. Server: ``client`` itself
     with ``readonly_settings`` on every request (HTTP settings reach the one statement a request may hold)."""
     database = check_database(database)
-    config = config or ClickHouseConfig()
+    config = config or StoreConfig()
     path = getattr(client, "path", None)
     if not isinstance(path, str):
         return _bound(client, database), readonly_settings()
@@ -339,7 +339,7 @@ def run_sql(
     query: str,
     parameters: dict[str, Any] | None = None,
     readonly: bool = True,
-    config: ClickHouseConfig | None = None,
+    config: StoreConfig | None = None,
 ) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run user SQL with ``database`` as the default database; (column names, rows).
 

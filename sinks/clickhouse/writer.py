@@ -127,8 +127,10 @@ class ClickHouseWriter:
         names = [name for name, _ in key_spec]
         keys = [tuple(r[name] for name in names) for r in records]
         distinct = list(dict.fromkeys(keys))
+        # The key's columns and types come from NATURAL_KEYS, the tables' fixed list, and the database is
+        # an identifier (check_database): the driver binds the keys, not a column list nor a parameter's type.
         query = (
-            f"SELECT DISTINCT {', '.join(names)} FROM `{self._database}`.{table} "
+            f"SELECT DISTINCT {', '.join(names)} FROM `{self._database}`.{table} "  # noqa: S608 - fixed names
             f"WHERE ({', '.join(names)}) IN {{keys:Array(Tuple({', '.join(t for _, t in key_spec)}))}}"
         )
         seen: set[tuple[Any, ...]] = set()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleetscope.broker import _port_open, free_port, stop_process, tansu_binary
-from fleetscope.sinks import ClickHouseConfig, ClickHouseWriter, Sink, SinkConfig, connect, migrate
+from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, StoreConfig, connect, migrate
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def authenticating_broker(tmp_path: Path) -> Iterator[str]:
 def test_a_sink_refused_by_the_broker_backs_off_and_logs_little(
     authenticating_broker: str, chdb_path: Path, database: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
+    client = connect(StoreConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     config = SinkConfig(bootstrap_servers=authenticating_broker, topic_prefix="auth", extra=SASL)
     sink = Sink(config, ClickHouseWriter(client, database))

@@ -21,7 +21,7 @@ from fleetscope.endpoint import Endpoint, served_store
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.sinks import ClickHouseWriter, connect, migrate, open_store, run_sql
 from fleetscope.sinks.clickhouse import TABLES
-from fleetscope.storeserver import StoreServer, Tokens
+from fleetscope.sinks.clickhouse.server import StoreServer, Tokens
 from fleetscope.streams.offline import OfflinePipeline
 
 pytestmark = pytest.mark.integration

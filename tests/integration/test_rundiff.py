@@ -23,7 +23,7 @@ from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.report import collect, render_html
 from fleetscope.run_diff import store_steps
 from fleetscope.sinks import Store, open_store
-from fleetscope.storeserver import StoreServer, Tokens
+from fleetscope.sinks.clickhouse.server import StoreServer, Tokens
 from fleetscope.streams.analysis.rundiff import StepTable, diff_runs, run_steps
 from fleetscope.streams.offline import OfflinePipeline
 

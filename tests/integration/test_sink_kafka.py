@@ -18,11 +18,11 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from fleetscope.schemas import Topics, encode
 from fleetscope.schemas.topics import job_key, rank_key
 from fleetscope.sinks import (
-    ClickHouseConfig,
     ClickHouseWriter,
     RetryPolicy,
     Sink,
     SinkConfig,
+    StoreConfig,
     connect,
     current_findings,
     migrate,
@@ -40,7 +40,7 @@ def kafka_bootstrap(broker: str) -> str:
 @pytest.fixture()
 def store(chdb_path: Path) -> Iterator[tuple[Client, str]]:
     database = f"t_{uuid.uuid4().hex}"
-    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
+    client = connect(StoreConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     yield client, database
     client.command(f"DROP DATABASE IF EXISTS `{database}`", use_database=False)

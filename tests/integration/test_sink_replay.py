@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from fleetscope.schemas import Topics, encode
 from fleetscope.schemas.topics import job_key, rank_key
-from fleetscope.sinks import ClickHouseConfig, ClickHouseWriter, Sink, SinkConfig, connect, migrate
+from fleetscope.sinks import ClickHouseWriter, Sink, SinkConfig, StoreConfig, connect, migrate
 from fleetscope.sinks.clickhouse import NATURAL_KEYS
 
 pytestmark = pytest.mark.integration
@@ -65,7 +65,7 @@ def _finding(fid: str, version: int, status: str) -> dict[str, Any]:
 @pytest.fixture()
 def store(chdb_path: Path) -> Iterator[tuple[Client, str]]:
     database = f"t_{uuid.uuid4().hex}"
-    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
+    client = connect(StoreConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     yield client, database
     client.command(f"DROP DATABASE IF EXISTS `{database}`", use_database=False)

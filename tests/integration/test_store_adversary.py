@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetscope.sinks import ClickHouseConfig, connect, migrate
-from fleetscope.storeserver import StoreServer, Tokens
+from fleetscope.sinks import StoreConfig, connect, migrate
+from fleetscope.sinks.clickhouse.server import StoreServer, Tokens
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ class Listener:
 @pytest.fixture(scope="module")
 def served(chdb_path: Path) -> Iterator[tuple[StoreServer, str]]:
     database = f"adv_{uuid.uuid4().hex[:10]}"
-    migrate(connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database)), database)
+    migrate(connect(StoreConfig(url=f"chdb://{chdb_path}", database=database)), database)
     server = StoreServer(str(chdb_path), TOKENS, database=database).start()
     yield server, database
     server.stop()

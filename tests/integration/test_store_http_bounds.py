@@ -20,9 +20,9 @@ import pytest
 from backports import zstd
 
 from fleetscope.config import ConfigError, load_config
-from fleetscope.sinks import ClickHouseConfig, connect, migrate
-from fleetscope.storehttp import StoreServerBounds
-from fleetscope.storeserver import StoreServer, Tokens
+from fleetscope.sinks import StoreConfig, connect, migrate
+from fleetscope.sinks.clickhouse.server import StoreServer, Tokens
+from fleetscope.sinks.store_config import StoreServerBounds
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ CODECS: dict[str, Callable[[bytes], bytes]] = {
 @pytest.fixture(scope="module")
 def served(chdb_path: Path) -> Iterator[tuple[StoreServer, str]]:
     database = f"bnd_{uuid.uuid4().hex[:10]}"
-    migrate(connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database)), database)
+    migrate(connect(StoreConfig(url=f"chdb://{chdb_path}", database=database)), database)
     server = StoreServer(str(chdb_path), TOKENS, database=database, bounds=BOUNDS).start()
     yield server, database
     server.stop()

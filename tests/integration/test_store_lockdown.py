@@ -1,6 +1,6 @@
 """The read-only lockdown on the real chDB engine, served (read token) and direct (``run_sql``): no file
 outside the store's tables (the token file first), and every read query bounded in time, memory and
-result size by ``ClickHouseConfig.read_*``, which neither a URL setting nor a query's SETTINGS lifts."""
+result size by ``StoreConfig.read_*``, which neither a URL setting nor a query's SETTINGS lifts."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
 from fleetscope.endpoint import store_tokens
-from fleetscope.sinks import ClickHouseConfig, connect, migrate, run_sql
-from fleetscope.storeserver import StoreServer
+from fleetscope.sinks import StoreConfig, connect, migrate, run_sql
+from fleetscope.sinks.clickhouse.server import StoreServer
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ BOUNDED = {"read_max_execution_time_s": 1.0, "read_max_memory_bytes": 64 << 20, 
 @pytest.fixture(scope="module")
 def served(chdb_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StoreServer, str, Path]]:
     database = f"lock_{uuid.uuid4().hex[:10]}"
-    config = ClickHouseConfig(url=f"chdb://{chdb_path}", database=database, **BOUNDED)  # type: ignore[arg-type]
+    config = StoreConfig(url=f"chdb://{chdb_path}", database=database, **BOUNDED)  # type: ignore[arg-type]
     migrate(connect(config), database)
     data_dir = tmp_path_factory.mktemp("lock-data")
     server = StoreServer(str(chdb_path), store_tokens(data_dir), database=database, config=config).start()
@@ -55,7 +55,7 @@ def test_the_read_token_cannot_read_the_token_file(served: tuple[StoreServer, st
 
 def test_run_sql_direct_refuses_file_functions(chdb_path: Path) -> None:
     database = f"lockd_{uuid.uuid4().hex[:10]}"
-    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
+    client = connect(StoreConfig(url=f"chdb://{chdb_path}", database=database))
     with pytest.raises(PermissionError, match="file"):
         run_sql(client, database, "SELECT file('/etc/passwd')")
     assert run_sql(client, database, "SELECT countIf(number > 1) FROM numbers(4)") == (
@@ -81,7 +81,7 @@ def test_a_runaway_read_query_is_stopped_by_the_bounds(served: tuple[StoreServer
 
 def test_run_sql_direct_is_bounded_by_the_configuration(chdb_path: Path) -> None:
     database = f"lockb_{uuid.uuid4().hex[:10]}"
-    config = ClickHouseConfig(url=f"chdb://{chdb_path}", database=database, **BOUNDED)  # type: ignore[arg-type]
+    config = StoreConfig(url=f"chdb://{chdb_path}", database=database, **BOUNDED)  # type: ignore[arg-type]
     client = connect(config)
     t0 = time.monotonic()
     with pytest.raises(Exception, match="TIMEOUT_EXCEEDED"):

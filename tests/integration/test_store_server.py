@@ -18,8 +18,8 @@ import clickhouse_connect
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from fleetscope.sinks import ClickHouseConfig, connect, migrate, run_sql
-from fleetscope.storeserver import StoreServer, Tokens
+from fleetscope.sinks import StoreConfig, connect, migrate, run_sql
+from fleetscope.sinks.clickhouse.server import StoreServer, Tokens
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ TOKENS = Tokens(read="read-secret", write="write-secret")
 @pytest.fixture(scope="module")
 def served(chdb_path: Path) -> Iterator[tuple[StoreServer, str]]:
     database = f"srv_{uuid.uuid4().hex[:10]}"
-    migrate(connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database)), database)
+    migrate(connect(StoreConfig(url=f"chdb://{chdb_path}", database=database)), database)
     server = StoreServer(str(chdb_path), TOKENS, database=database).start()
     yield server, database
     server.stop()

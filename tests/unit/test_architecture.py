@@ -84,28 +84,72 @@ STORE_INTERNALS = re.compile(
     r"current_findings|table_counts|readonly_\w+))(\.|$)"
 )
 """The ClickHouse driver, chDB and the adapter's internals: what only ``sinks/clickhouse/`` may import."""
-SERVES_CHDB = {"fleetscope/storeserver.py"}
-"""ClickHouse's HTTP interface over chDB for ``up``: speaks the engine's protocol by nature."""
+ADAPTER = "sinks/clickhouse/"
 
 
 def test_the_store_seam_holds() -> None:
     """Only the ClickHouse adapter knows ClickHouse: the sink, the alerts, the retry policy and the CLI reach
-    the store through ``sinks/store.py`` (``Store``, ``open_store``), and ``open_store`` is the one place that
-    imports the adapter (when a store is opened). Swapping the store then touches the adapter and that line."""
+    the store through ``sinks/store.py`` (``Store``, ``open_store``, ``adapter``), which finds the adapter by
+    the URL's scheme in ``store_config.STORE_KINDS`` and imports it by that name: no module imports it."""
     bad = []
-    for folder in ("sinks", "fleetscope"):
+    for folder in PACKAGES:
         for path in _sources(folder):
             where = path.relative_to(ROOT).as_posix()
-            if where.startswith("sinks/clickhouse/") or where in SERVES_CHDB:
+            if where.startswith(ADAPTER):
                 continue
-            for name in sorted(_imports(path)):
-                if where == "sinks/store.py" and name == "fleetscope.sinks.clickhouse":
-                    continue
-                if STORE_INTERNALS.match(name):
-                    bad.append(f"{where} imports {name}")
+            bad += [f"{where} imports {name}" for name in sorted(_imports(path)) if STORE_INTERNALS.match(name)]
     assert bad == []
     sink = _imports(ROOT / "sinks" / "sink.py")
     assert "fleetscope.sinks.store.RecordWriter" in sink, "the sink writes through the seam"
+
+
+SQL_STATEMENT = re.compile(
+    r"^\s*(SELECT|WITH|INSERT|ALTER|CREATE|DELETE|DROP|OPTIMIZE|SYSTEM|KILL|EXPLAIN|TRUNCATE|RENAME|USE)\s"
+    r"[\s\S]*?(\b(FROM|INTO|TABLE|DATABASE|VIEW|QUERY|AST|WHERE)\b|\{\w+:[A-Z]\w*)|^\s*USE\s"
+)
+"""A string that reads as a SQL statement: a statement keyword first, then what it acts on or a server-side
+parameter (``{job:String}``), in capitals as SQL is written here (prose that starts with "Select" or says
+"delete from" does not match)."""
+
+
+def _sql_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of each string literal (an f-string's constant parts joined) that reads as SQL, except
+    the next checks of ``schemas/categories.py`` (``NextChecks(sql=...)``): text handed to people to run
+    with ``fleetscope sql``, in the store's own dialect, never sent by the code."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    handed_over: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "NextChecks":
+            handed_over.update(id(n) for kw in node.keywords if kw.arg == "sql" for n in ast.walk(kw.value))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in handed_over:
+            continue
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        else:
+            continue
+        if SQL_STATEMENT.match(text):
+            found.append((node.lineno, " ".join(text.split())[:60]))
+    return found
+
+
+def test_no_module_outside_the_store_adapter_builds_sql() -> None:
+    """Every read a command makes is a ``Store`` method, so its SQL lives in the adapter: no module of the
+    packages outside ``sinks/clickhouse/`` holds a SQL statement (a literal starting with a statement
+    keyword and naming what it acts on). ``fleetscope sql`` passes the user's own text through."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {text}"
+        for folder in PACKAGES
+        for path in _sources(folder)
+        if not path.relative_to(ROOT).as_posix().startswith(ADAPTER)
+        for line, text in _sql_literals(path)
+    ]
+    assert bad == []
+    adapter = ROOT / "sinks" / "clickhouse" / "queries.py"
+    assert _sql_literals(adapter), "the rule sees the adapter's own statements"
 
 
 def test_a_training_rank_loads_neither_the_store_driver_nor_the_stream_engine_nor_the_simulator() -> None:

@@ -18,7 +18,7 @@ import yaml
 from fleetscope.cli import build_parser
 from fleetscope.config import load_config
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
-from fleetscope.sinks import ClickHouseConfig, ClickHouseWriter, connect, migrate, run_sql
+from fleetscope.sinks import ClickHouseWriter, StoreConfig, connect, migrate, run_sql
 from fleetscope.streams.offline import OfflinePipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
 def store(chdb_path: Path) -> Iterator[tuple[Any, str]]:
     """A job with a slow GPU on rank 2, one hour ago, written straight into the tables."""
     database = f"dash_{uuid.uuid4().hex[:10]}"
-    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
+    client = connect(StoreConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     pipeline = OfflinePipeline(keep_patterns=True)
     sim = SimulatorConfig(

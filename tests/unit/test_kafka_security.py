@@ -23,7 +23,7 @@ from fleetscope.producers import control as control_module
 from fleetscope.producers import torch_hook
 from fleetscope.producers.publisher import PublisherConfig
 from fleetscope.producers.publisher import delivery as publisher_delivery
-from fleetscope.sinks import ClickHouseConfig, ClickHouseWriter, Sink, connect
+from fleetscope.sinks import ClickHouseWriter, Sink, StoreConfig, connect
 from fleetscope.sinks import alerts as alerts_module
 from fleetscope.sinks import sink as sink_module
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess, sink_config, stream_app_config
@@ -100,7 +100,7 @@ def test_sink_consumer_and_dead_letter_producer_get_the_settings(
 ) -> None:
     consumers = recorded(sink_module, "Consumer", real=True)
     producers = recorded(sink_module, "Producer")
-    store = ClickHouseConfig(url=f"chdb://{chdb_path}", database=database)
+    store = StoreConfig(url=f"chdb://{chdb_path}", database=database)
     sink = Sink(sink_config(config), ClickHouseWriter(connect(store), database))
     with pytest.raises(Built):
         sink._ensure_clients()

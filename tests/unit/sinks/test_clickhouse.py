@@ -14,9 +14,9 @@ from clickhouse_connect.driver import Client
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError, ProgrammingError
 
 from fleetscope.sinks import (
-    ClickHouseConfig,
     ClickHouseWriter,
     RetryPolicy,
+    StoreConfig,
     connect,
     current_findings,
     migrate,
@@ -35,7 +35,7 @@ def database() -> str:
 
 @pytest.fixture()
 def client(chdb_path: Path, database: str) -> Iterator[Client]:
-    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
+    client = connect(StoreConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     yield client
     client.command(f"DROP DATABASE IF EXISTS `{database}`", use_database=False)
@@ -111,25 +111,25 @@ def test_ddl_substitutes_only_the_validated_database_name() -> None:
 
 def test_config_reports_every_error_at_once_and_hides_the_password(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
-        ClickHouseConfig(url="ftp://x", database="1bad", flush_rows=0, flush_interval_ms=-1)
+        StoreConfig(url="ftp://x", database="1bad", flush_rows=0, flush_interval_ms=-1)
     message = str(info.value)
     for key in ("url:", "database:", "flush_rows:", "flush_interval_ms:"):
         assert key in message
     with pytest.raises(ValueError, match="password"):
-        ClickHouseConfig(url="http://u:secret@host:8123")
-    config = ClickHouseConfig(url="chdb://rel/store", password="hunter2")
+        StoreConfig(url="http://u:secret@host:8123")
+    config = StoreConfig(url="chdb://rel/store", password="hunter2")
     assert "hunter2" not in repr(config)
-    assert config.chdb_path is not None and Path(config.chdb_path).is_absolute()
-    assert ClickHouseConfig(url="chdb://memory").chdb_path == ":memory:"
-    assert ClickHouseConfig(url="http://localhost:8123").chdb_path is None
+    assert config.local_path is not None and Path(config.local_path).is_absolute()
+    assert StoreConfig(url="chdb://memory").local_path == ":memory:"
+    assert StoreConfig(url="http://localhost:8123").local_path is None
 
 
 def test_connect_reuses_clients_and_refuses_a_second_chdb_path(
     client: Client, chdb_path: Path, database: str, tmp_path: Path
 ) -> None:
-    assert connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database)) is client
+    assert connect(StoreConfig(url=f"chdb://{chdb_path}", database=database)) is client
     with pytest.raises(ValueError, match="only one chDB path"):
-        connect(ClickHouseConfig(url=f"chdb://{tmp_path / 'other'}", database=database))
+        connect(StoreConfig(url=f"chdb://{tmp_path / 'other'}", database=database))
 
 
 def test_iterations_round_trip_every_field(client: Client, writer: ClickHouseWriter, database: str) -> None:
@@ -300,15 +300,15 @@ def test_connect_to_a_server_url_creates_and_selects_the_database(monkeypatch: p
     class _Server:
         database: str | None = None
 
-        def command(self, sql: str, use_database: bool = True) -> None:
-            calls["command"] = (sql, use_database)
+        def command(self, sql: str, parameters: dict[str, str] | None = None, use_database: bool = True) -> None:
+            calls["command"] = (sql, parameters, use_database)
 
     def fake_get_client(**kwargs: Any) -> _Server:
         calls["kwargs"] = kwargs
         return _Server()
 
     monkeypatch.setattr("clickhouse_connect.get_client", fake_get_client)
-    config = ClickHouseConfig(url="https://ch.example:9443", database="fleet", username="ro", password="pw")
+    config = StoreConfig(url="https://ch.example:9443", database="fleet", username="ro", password="pw")
     client = connect(config)
     assert calls["kwargs"] == {
         "host": "ch.example",
@@ -317,7 +317,7 @@ def test_connect_to_a_server_url_creates_and_selects_the_database(monkeypatch: p
         "password": "pw",
         "secure": True,
     }
-    assert calls["command"] == ("CREATE DATABASE IF NOT EXISTS `fleet`", False)
+    assert calls["command"] == ("CREATE DATABASE IF NOT EXISTS {db:Identifier}", {"db": "fleet"}, False)
     assert client.database == "fleet"
 
 

@@ -12,8 +12,8 @@ from clickhouse_connect.driver import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
 from fleetscope.sinks import (
-    ClickHouseConfig,
     ClickHouseWriter,
+    StoreConfig,
     connect,
     current_findings,
     migrate,
@@ -124,7 +124,7 @@ def database() -> str:
 
 @pytest.fixture()
 def client(chdb_path: Path, database: str) -> Iterator[Client]:
-    client = connect(ClickHouseConfig(url=f"chdb://{chdb_path}", database=database))
+    client = connect(StoreConfig(url=f"chdb://{chdb_path}", database=database))
     migrate(client, database)
     writer = ClickHouseWriter(client, database)
     writer.write_iterations([iteration(r, 0) for r in range(4)])
@@ -313,10 +313,10 @@ def test_the_function_catalog_allows_pure_categories_aliases_and_combinators_onl
 
 
 def test_the_lockdown_drops_unlisted_client_settings_and_freezes_last() -> None:
-    from fleetscope.sinks import ClickHouseConfig
+    from fleetscope.sinks import StoreConfig
     from fleetscope.sinks.clickhouse.user_sql import lockdown_settings
 
-    config = ClickHouseConfig(read_max_execution_time_s=2.5, read_max_result_rows=7)
+    config = StoreConfig(read_max_execution_time_s=2.5, read_max_result_rows=7)
     client = {"format_template_resultset": "/etc/passwd", "readonly": "0", "max_execution_time": "0",
               "output_format_json_quote_64bit_integers": "0"}  # fmt: skip
     steps = lockdown_settings(config, client)
@@ -329,7 +329,7 @@ def test_the_lockdown_drops_unlisted_client_settings_and_freezes_last() -> None:
 @pytest.mark.parametrize("field", ["read_max_execution_time_s", "read_max_memory_bytes", "read_max_result_rows"])
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf")])
 def test_read_bounds_must_be_finite_and_positive(field: str, value: float) -> None:
-    from fleetscope.sinks import ClickHouseConfig
+    from fleetscope.sinks import StoreConfig
 
     with pytest.raises(ValueError, match=field):
-        ClickHouseConfig(**{field: value})  # type: ignore[arg-type]
+        StoreConfig(**{field: value})  # type: ignore[arg-type]

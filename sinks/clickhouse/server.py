@@ -8,7 +8,7 @@ parameters, any output format chDB writes (Native, RowBinary, JSON...), request 
 the client negotiates (lz4, zstd, gzip, deflate) or chunked, and inserts (``INSERT ... FORMAT X``
 followed by the data).
 
-Bounded by construction (``fleetscope.storehttp``, ``embedded.store_server``): the token is checked before
+Bounded by construction (``http_framing``, ``embedded.store_server``): the token is checked before
 a body is read; a body is read and inflated incrementally under its token's caps (413 once over); malformed
 framing is 400 and one log line; a silent connection is closed after the idle timeout, and connections over
 the limit are answered 503 by the accepting thread. While the engine runs a statement its client's socket is
@@ -40,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from fleetscope.endpoint import Tokens
+from fleetscope.sinks.clickhouse.http_framing import BodyRefused, BodyTooLarge, ClientWatch, inflate, raw_body
 from fleetscope.sinks.clickhouse.user_sql import (
     FUNCTION_CATALOG_QUERY,
     FunctionCatalog,
@@ -49,8 +49,8 @@ from fleetscope.sinks.clickhouse.user_sql import (
     sql_string,
     vet_canonical,
 )
-from fleetscope.sinks.store_config import ClickHouseConfig
-from fleetscope.storehttp import BodyRefused, BodyTooLarge, ClientWatch, StoreServerBounds, inflate, raw_body
+from fleetscope.sinks.store import Tokens
+from fleetscope.sinks.store_config import StoreConfig, StoreServerBounds
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +129,12 @@ class ChdbExecutor:
     """Runs one request on a fresh chDB connection to the process's engine (0.1 ms to open), so the
     settings it SETs, read-only mode included, die with it. ``config`` bounds the read-only requests."""
 
-    def __init__(self, path: str, config: ClickHouseConfig | None = None) -> None:
+    def __init__(self, path: str, config: StoreConfig | None = None) -> None:
         import chdb
 
         connect: Callable[[str], Any] = chdb.connect
         self._connect: Callable[[], Any] = lambda: connect(path)
-        self._config = config or ClickHouseConfig()
+        self._config = config or StoreConfig()
         conn = self._connect()  # fail now, not on the first request
         try:
             rows = (conn.query(FUNCTION_CATALOG_QUERY, "TabSeparated").bytes() or b"").decode().splitlines()
@@ -161,7 +161,7 @@ class ChdbExecutor:
         tmp_name = ""
         try:
             if database:
-                conn.query(f"USE `{database.replace('`', '')}`", "TabSeparated")
+                conn.query("USE {db:Identifier}", "TabSeparated", params={"db": database})
             for name in settings:
                 if not _SETTING_NAME.match(name):
                     raise QueryRefused(115, "UNKNOWN_SETTING", f"setting name {name!r} is not an identifier")
@@ -191,7 +191,8 @@ class ChdbExecutor:
         its own: the engine checks for it between blocks and gives the cores back within milliseconds)."""
         conn = self._connect()
         try:
-            conn.query(f"KILL QUERY WHERE Settings['log_comment'] = {sql_string(query_id)} ASYNC", "TabSeparated")
+            conn.query("KILL QUERY WHERE Settings['log_comment'] = {id:String} ASYNC", "TabSeparated",
+                       params={"id": query_id})  # fmt: skip
         finally:
             conn.close()
 
@@ -437,7 +438,7 @@ class StoreServer:
         database: str = "default",
         port: int = 0,
         bounds: StoreServerBounds | None = None,
-        config: ClickHouseConfig | None = None,
+        config: StoreConfig | None = None,
     ) -> None:
         executor = ChdbExecutor(chdb_path, config)
         self._httpd = StoreHTTPServer(("127.0.0.1", port), executor, tokens, database, bounds)

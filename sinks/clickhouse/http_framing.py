@@ -17,55 +17,17 @@ import socket
 import threading
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
 
-log = logging.getLogger("fleetscope.storeserver")
+log = logging.getLogger("fleetscope.sinks.clickhouse.server")
 
 READ_PIECE = 65536
 """Bytes read from the socket (and inflated) at a time."""
 _MAX_LINE = 1024
 """A chunk-size line, extensions included, is no longer than this."""
-MiB = 1 << 20
+
 _HEX = re.compile(rb"^[0-9A-Fa-f]{1,16}$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class StoreServerBounds:
-    """What one request and the server as a whole may cost. A read token's body is a statement, of which the
-    engine parses at most ``max_query_size`` (256 KiB), so 1 MiB raw and decompressed is room enough (a 200 MB
-    statement took ``up`` to 4.6 GB before the engine refused it); the write token's bodies may be insert
-    batches: 64 MiB raw, 256 MiB decompressed, their statement still under the read cap. 30 s of silence
-    closes a connection; 64 connections at once (more are answered 503 at once, never a thread each).
-    Defaults that keep ``up`` alive on a laptop."""
-
-    read_body_bytes: int = 1 * MiB
-    read_decoded_bytes: int = 1 * MiB
-    write_body_bytes: int = 64 * MiB
-    write_decoded_bytes: int = 256 * MiB
-    idle_timeout_s: float = 30.0
-    """A connection that sends nothing for this long (a half-sent request, an idle keep-alive) is closed."""
-    max_connections: int = 64
-
-    def __post_init__(self) -> None:
-        errors = [
-            f"{name} must be >= 1, got {getattr(self, name)}"
-            for name in ("read_body_bytes", "read_decoded_bytes", "write_body_bytes", "write_decoded_bytes")
-            if getattr(self, name) < 1
-        ]
-        if not 0 < self.idle_timeout_s <= 3600:  # refuses NaN and infinity too
-            errors.append(f"idle_timeout_s must be > 0 and <= 3600, got {self.idle_timeout_s}")
-        if not 1 <= self.max_connections <= 4096:
-            errors.append(f"max_connections must be between 1 and 4096, got {self.max_connections}")
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    def caps(self, access: str) -> tuple[int, int]:
-        """(raw, decompressed) body caps of a token's access ("read" or "write")."""
-        if access == "write":
-            return self.write_body_bytes, self.write_decoded_bytes
-        return self.read_body_bytes, self.read_decoded_bytes
 
 
 class BodyRefused(Exception):
