@@ -106,7 +106,7 @@ class NoiseConfig:
     last_misses: int = 2
     """...in all but this many of its last ``level_iterations + 1`` iterations. Chance alone (a random rank
     late by that much in 6 of 8 iterations) is then about one in 100,000 windows on 4 ranks (fewer on
-    more; tests/unit/streams/test_noise.py); a slow rank that contention overtook twice is still named."""
+    more; tests/unit/streams/analysis/test_noise.py); a slow rank that contention overtook twice is still named."""
     sign_iterations: int = 12
     """Or it arrived after each peer, on its own, in all of its last this many iterations..."""
     sign_misses: int = 1
