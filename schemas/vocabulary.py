@@ -28,6 +28,7 @@ GC_PAUSE = "gc.collect"
 
 
 def step_marker_name(step: int) -> str:
+    """The profiler's name of a step's span (``ProfilerStep#<step>``), which ``parse_step_marker`` reads back."""
     return f"ProfilerStep#{step}"
 
 

@@ -244,6 +244,7 @@ class JobDifferential:
         return out
 
     def open_findings(self) -> int:
+        """How many of the job's findings are open now."""
         return self.tracker.open_findings()
 
     def _complete(self, it: int) -> bool:

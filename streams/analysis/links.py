@@ -317,14 +317,15 @@ which ``SteadyTransfers`` holds to its history."""
 class SteadyTransfers:
     """A job's transfers judged among few groups, kept only where the same subject was slower in all but one
     of its latest ``iterations``. A degraded link slows its ring at every step; contention slows one group now
-    and another next (a real 4-rank gloo job sharing 2 cores: each of its four pairs slower than its
-    equivalent by half, in turn, 3 iterations at a time), which two or three groups cannot tell from a link
-    without that history. Signals judged among more groups pass: their peers' spread is the yardstick."""
+    and another next, which two or three groups cannot tell from a link without that history. Signals judged
+    among more groups pass: their peers' spread is the yardstick."""
 
     iterations: int = 5
     _flagged: dict[tuple[str, str], deque[int]] = field(default_factory=dict)
 
     def keep(self, signals: list[RankSignal], iteration: int) -> list[RankSignal]:
+        """The signals, less few-groups ``link_slow`` ones whose subject was not slower in all but one of its
+        latest ``iterations``."""
         out = []
         for sig in signals:
             if sig.category != "link_slow" or not sig.evidence.get(FEW_GROUPS, False):
