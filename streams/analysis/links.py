@@ -178,8 +178,7 @@ class RingGroups:
     linked: npt.NDArray[np.bool_]
     """Whether a link carries the group's data. Not where no rank runs a kernel and the members share one
     host: a CPU job's collective there is a copy through the host's memory, which the host's CPUs do, so its
-    pace is theirs, slowed by any contention, and no link can be slow (a real healthy tp2 x dp2 gloo job on 2
-    shared cores: one data-parallel pair's all-reduce 4 times the other's for 8 steps, a false link_slow)."""
+    pace is theirs, slowed by any contention, and no link can be slow."""
 
 
 def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups | None:
@@ -187,9 +186,8 @@ def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups
     (which groups do the same work is then unknown) or without ring collectives.
 
     Where no rank runs a kernel (gloo on CPUs), a collective's transfer is CPU work that runs beside its
-    stage's own: groups of different pipeline stages are then not equivalent (a real healthy pp2 x dp2 gloo
-    job on 2 shared cores: the second stage's data-parallel all-reduce slower per byte than the first's in
-    every step, a false link_slow). A GPU's transfer runs on its links, whatever its stage computes."""
+    stage's own: groups of different pipeline stages are then not equivalent (each stage's compute slows
+    its own transfers). A GPU's transfer runs on its links, whatever its stage computes."""
     if not pm.functions:
         return None
     mean_ns, calls, nbytes = pm.features["mean_ns"], pm.features["calls"], pm.features["nbytes"]

@@ -255,9 +255,8 @@ class JobNoise:
         """Whether one rank arrived late at its collectives by half the job's slowdown or more in all but one
         of the latest ``min_history`` iterations (jobs of up to ``max_ranks``): the others waited for it, so
         the slowdown is that rank's (a fault, or contention on its host), not the job's own regression, which
-        slows every rank alike. The same rank: a job that shares its cores descheduled a different rank each
-        iteration (a real 4-rank job: 25-39 ms late, once each, during a 60 ms regression), and that is no
-        rank's fault."""
+        slows every rank alike. The same rank: a job that shares its cores has a different rank descheduled
+        each iteration, and that is no rank's fault."""
         if self._ranks > self.config.max_ranks or len(self._latest) < 2:
             return False
         late: dict[int, int] = {}
@@ -286,8 +285,7 @@ class JobNoise:
         the next step's): one that does not yet is held for one iteration and kept then if it does.
         Where no rank runs a kernel (a CPU job), none is kept before its noise is known: its ranks take
         turns on shared cores, so any rank is late by more than the budget in about every other
-        iteration (real 4-rank gloo traces, judged from their first iteration: a rank's first three
-        chance spikes, in three functions, were a host_slow finding in 3 of 13 healthy traces)."""
+        iteration."""
         held, self._held = self._held, []
         out: list[RankSignal] = []
         if self._ranks > self.config.max_ranks:

@@ -79,6 +79,8 @@ def _job(extra_ms: float, extra_is_wait: bool, seed: int, wait_known: bool = Tru
 
 
 def test_a_job_slowed_by_waiting_for_the_cpu_is_no_regression_one_whose_own_work_grew_is() -> None:
+    # As a real 4-rank job on 2 cores beside the pipeline: steps 80 ms, then 100-155 ms for 20 iterations,
+    # every extra ms of it run-queue wait while CPU time stayed at 35-45 ms.
     """Its finding says so: the metric is the steps' time less their wait, the evidence has both, and the
     sentence a user reads says the wait was left out."""
     for seed in range(3):
@@ -226,7 +228,8 @@ def test_ranks_wait_for_a_cpu_compared_within_their_pipeline_stage() -> None:
 def test_a_job_whose_own_work_grew_and_starved_two_of_its_ranks_is_a_regression_named_in_time() -> None:
     """From iteration 30 every rank's own work takes 40 ms more, and on their shared cores ranks 1 and 3 wait
     60 ms more for a CPU, ranks 0 and 2 25 ms (a real 4-rank job on 2 cores whose forward grew 4 times: two
-    ranks 60 ms late, 45 ms of it their longer wait): they arrive late at every all-reduce by more than half
+    ranks 60 ms late for 6 iterations, 45 ms of it their longer wait, which held its regression back past
+    the bar): they arrive late at every all-reduce by more than half
     the slowdown, by their longer wait alone, and every rank's work outside the all-reduce grew. A
     job_regression, named within 5 iterations, that says so; no rank named."""
     for seed in range(3):
@@ -258,8 +261,8 @@ def test_a_rank_above_its_peers_in_the_median_of_a_window_but_not_in_its_iterati
 def test_a_rank_whose_own_work_grew_explains_the_jobs_slowdown_though_it_also_waits_longer_for_a_cpu() -> None:
     """From iteration 30 rank 1's own work takes 60 ms more and, runnable that much longer on the shared
     cores, it waits 40 ms more for a CPU (a real job, one rank's forward 3 times over: 45 ms longer waits,
-    80 ms late). The others wait for it in the all-reduce, their work outside it unchanged: no
-    job_regression, and no rank but 1 named."""
+    80 ms late; the others' work outside collectives 34 ms before and after). The others wait for it in
+    the all-reduce, their work outside it unchanged: no job_regression, and no rank but 1 named."""
     for seed in range(3):
         found = _synchronous_job({1: 40.0}, range(30, 70), seed, grown_ms={1: 60.0})
         opened = [(f["category"], f["rank"]) for f in found if f["status"] == "open"]
