@@ -439,9 +439,8 @@ def install_p2p_patches() -> None:
     """Wrap ``dist.send/recv/batch_isend_irecv`` (their peers, and their times while a monitor records),
     ``Work.wait`` (Gloo's batched works) and, where the job imported torch.distributed.pipelining, its
     ``_batch_p2p``: it issues a batch of sends alone, or of receives alone, with ``isend``/``irecv`` themselves,
-    and only sends and receives all timed tell a stage held up from one that is late (partly timed, a real
-    1F1B job's next stage, whose wait for its first activations went untimed, was named a straggler in its
-    stead); idempotent."""
+    and only sends and receives all timed tell a stage held up from one that is late (an untimed wait makes
+    the stage that waited look late in the stead of the one it waited for); idempotent."""
     for fname in P2P_FUNCTIONS:
         orig = getattr(dist, fname, None)
         if orig is not None and not hasattr(orig, "__fleetscope_original__"):

@@ -78,18 +78,22 @@ class SchemaCatalog:
         return latest
 
     def by_id(self, schema_id: int) -> SchemaEntry | None:
+        """The schema of this id, or None when the catalog has none."""
         return self._by_id.get(schema_id)
 
     def latest(self, subject: str) -> SchemaEntry:
+        """The newest version of the subject's schema: what writers use (``KeyError`` for an unknown one)."""
         try:
             return self._latest[subject]
         except KeyError:
             raise KeyError(f"no schema for subject {subject!r}") from None
 
     def subjects(self) -> list[str]:
+        """Every subject, sorted."""
         return sorted(self._latest)
 
     def entries(self) -> list[SchemaEntry]:
+        """Every schema version the catalog holds: readers accept all of them."""
         return list(self._by_id.values())
 
 

@@ -83,6 +83,8 @@ def encode(
 
 
 def schema_id_of(message: bytes) -> int:
+    """The schema id in a message's wire-format prefix; ``SchemaError`` where the prefix is short or its
+    magic byte wrong."""
     if len(message) < _PREFIX.size:
         raise SchemaError(f"message of {len(message)} bytes is shorter than the wire-format prefix")
     magic, schema_id = _PREFIX.unpack_from(message)
@@ -172,6 +174,7 @@ def _read_record(message: bytes, schema_id: int, writer: SchemaEntry, reader: Sc
 
 
 def encode_event_batch(batch: EventBatch, catalog: SchemaCatalog = CATALOG) -> bytes:
+    """A raw event batch as a wire-format message of its kind's subject."""
     return encode(batch.kind.value, batch.to_record(), catalog)
 
 

@@ -114,12 +114,14 @@ class BatchHeader:
     sent_ns: int = 0
 
     def to_record(self) -> dict[str, Any]:
+        """The header as an Avro record (``streams`` a list)."""
         record = asdict(self)
         record["streams"] = list(self.streams)
         return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> BatchHeader:
+        """Inverse of ``to_record``; fields this version does not know are left out."""
         values = {k: v for k, v in record.items() if k in _HEADER_FIELDS}
         values["streams"] = tuple(values.get("streams", ()))
         return cls(**values)
@@ -165,6 +167,7 @@ class EventBatch:
         return self.columns[column]
 
     def to_record(self) -> dict[str, Any]:
+        """The batch as an Avro record: its header, names, and each column as a list."""
         record: dict[str, Any] = {"header": self.header.to_record(), "names": list(self.names)}
         for name, col in self.columns.items():
             record[name] = col.tolist()
@@ -172,6 +175,7 @@ class EventBatch:
 
     @classmethod
     def from_record(cls, kind: EventKind, record: dict[str, Any]) -> EventBatch:
+        """Inverse of ``to_record``; a column the record lacks is empty."""
         return cls(
             kind=kind,
             header=BatchHeader.from_record(record["header"]),

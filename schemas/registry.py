@@ -53,9 +53,11 @@ class CatalogResolver:
         self._catalog = catalog
 
     def schema_id(self, subject: str) -> int:
+        """The subject's schema id: the catalog's own, no network."""
         return self._catalog.latest(subject).schema_id
 
     def writer_schema(self, schema_id: int) -> SchemaEntry:
+        """The schema a message of this id was written with (``SchemaError`` for an unknown id)."""
         entry = self._catalog.by_id(schema_id)
         if entry is None:
             raise SchemaError(f"unknown schema id {schema_id}")
@@ -154,6 +156,7 @@ class RegistryResolver:
         return f"{self.config.topic_prefix}.{subject}-value"
 
     def schema_id(self, subject: str) -> int:
+        """The id the registry gives the subject's latest schema, registered on first use and cached."""
         with self._lock:
             cached = self._ids.get(subject)
         if cached is not None:
@@ -173,6 +176,7 @@ class RegistryResolver:
         return schema_id
 
     def writer_schema(self, schema_id: int) -> SchemaEntry:
+        """The schema a message of this id was written with, fetched from the registry once and cached."""
         with self._lock:
             cached = self._writers.get(schema_id)
         if cached is not None:

@@ -28,6 +28,7 @@ GC_PAUSE = "gc.collect"
 
 
 def step_marker_name(step: int) -> str:
+    """The profiler's name of a step's span (``ProfilerStep#<step>``), which ``parse_step_marker`` reads back."""
     return f"ProfilerStep#{step}"
 
 
@@ -173,5 +174,5 @@ def stable_function_name(name: str) -> str:
     """A host function's name as every rank writes it. Python's repr of a built-in method carries its
     object's address (``<built-in method get of dict object at 0x7f9d3c370800>``, the names of
     ``torch.profiler``'s ``with_stack`` events), which differs by process: left in, every rank has functions
-    no peer has, each an outlier of its own (a real healthy 4-rank trace: ``host_slow`` on every rank)."""
+    no peer has, each an outlier of its own."""
     return _ADDRESS_RE.sub("", name) if " at 0x" in name else name

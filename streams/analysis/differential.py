@@ -239,6 +239,7 @@ class JobDifferential:
         return out
 
     def open_findings(self) -> int:
+        """How many of the job's findings are open now."""
         return self.tracker.open_findings()
 
     def _complete(self, it: int) -> bool:
@@ -295,10 +296,8 @@ class JobDifferential:
     def _late_rank_explains(self, regression: RankSignal) -> bool:
         """A rank late at its collectives explains the job's slowdown (``JobNoise.late_explains``) unless the
         work outside collectives stepped too, of the rank that did least (``IterationTimes.work_ns``): then
-        every rank's own work grew, and on a shared host the ranks it starved of a CPU arrive late (a real
-        4-rank job on 2 cores whose forward grew 4 times: two ranks 60 ms late for 6 iterations, which held
-        its regression back past the bar). A late rank's peers wait for it inside a collective, so their work
-        outside does not grow (one rank's forward 3 times over: the others' 34 ms before and after)."""
+        every rank's own work grew, and on a shared host the ranks it starved of a CPU arrive late. A late
+        rank's peers wait for it inside a collective, so their work outside does not grow."""
         return not regression.evidence.get("work_stepped", False) and self._noise.late_explains(regression.loss_ns)
 
     def _alive(self, rank: int, it: int) -> bool:
@@ -455,10 +454,9 @@ class IterationTimes(NamedTuple):
 
 def iteration_times(records: Sequence[dict[str, Any]], work: bool = True) -> IterationTimes:
     """The iteration's times (``work``: with the work outside collectives, a pass over every record's
-    functions). Why less the wait: on a shared host the whole job slows when other processes take the CPU (a real
-    4-rank job on 2 cores beside the pipeline: steps 80 ms, then 100-155 ms for 20 iterations, every extra ms
-    of it run-queue wait while CPU time stayed at 35-45 ms); that is no regression of the job, and the step
-    test on its time less the wait does not see it. A regression of the job's own work (more compute, slower
+    functions). Why less the wait: on a shared host the whole job slows when other processes take the CPU;
+    that is no regression of the job, and the step test on its time less the wait does not see it. A
+    regression of the job's own work (more compute, slower
     I/O or GPU) adds CPU or blocked time to every rank, which stays in. The paced time as well: a
     synchronous step ends when its latest rank arrives, so the ranks that waited for one starved of a CPU
     hold its wait as blocked time in a collective (a pair of ranks starved together on one core: the median

@@ -38,6 +38,7 @@ def kept_columns(batch: EventBatch, lut: npt.NDArray[np.int32], size: int) -> Co
 
 
 def held_events(buffers: dict[EventKind, Cols]) -> int:
+    """Events the buffers still hold, all kinds together: what a rank costs in memory."""
     return sum(int(buf[TIME_COLUMN[kind]].size) for kind, buf in buffers.items())
 
 

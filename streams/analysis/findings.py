@@ -146,6 +146,7 @@ class FindingTracker:
         return out
 
     def is_open(self, key: tuple[str, str]) -> bool:
+        """Whether the subject's finding of this category is open (opened, and not closed since)."""
         tr = self._tracks.get(key)
         return tr is not None and bool(tr.finding_id)
 

@@ -75,6 +75,8 @@ def stalled_ns(hb: Heartbeat) -> int:
 
 
 def stall_threshold_ns(mean_iteration_ns: float, stall_factor: float, min_stall_ms: int) -> float:
+    """A rank is stalled after ``stall_factor`` of its mean iterations without progress, never sooner
+    than ``min_stall_ms``: a slow job's ranks are not stalled for being slow."""
     return max(stall_factor * mean_iteration_ns, min_stall_ms * 1e6)
 
 

@@ -3,9 +3,8 @@
 A CPU annotation's duration includes whatever runs inside it and the time it blocks on the GPU or on
 its peers; comparing durations would make the ranks that wait look host-slow. Self time is what is
 left once nested spans and blocking calls are taken out, and the time its thread waited for a CPU where
-the producer measured it (``SPAN_CPU_WAIT_DEPTH`` rows): on a shared host a rank descheduled inside its
-``optimizer.step`` for 2.5 ms did no more work (a healthy real 4-rank job on 2 cores: ``host_slow`` on a
-0.25 ms optimizer step, 2.7 ms in three iterations).
+the producer measured it (``SPAN_CPU_WAIT_DEPTH`` rows): on a shared host a rank descheduled inside a
+span did no more work, so the time it waited for a CPU is no host slowness.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ class StepTest:
     """The slowest usual baseline iteration (its slowest eighth left out)."""
 
     def flagged(self, segment: int) -> bool:
+        """A regression: the segment's relative step is past the threshold and all its iterations but one
+        are slower than every usual baseline iteration (one slow iteration is no regression)."""
         return self.step >= self.threshold and self.above_baseline >= segment - 1
 
     def suspect(self, segment: int, min_step: float) -> bool:
@@ -270,6 +272,8 @@ class HangCheck:
         self.reported = False
 
     def observe(self, record: dict[str, Any]) -> RankSignal | None:
+        """One stall or resume report; the hang signal the first time every rank is stalled at once, naming
+        the rank stalled longest (the others stopped because they wait for it), else None."""
         rank = int(record["rank"])
         if record["stalled"]:
             self._stalls[rank] = record

@@ -178,8 +178,7 @@ class RingGroups:
     linked: npt.NDArray[np.bool_]
     """Whether a link carries the group's data. Not where no rank runs a kernel and the members share one
     host: a CPU job's collective there is a copy through the host's memory, which the host's CPUs do, so its
-    pace is theirs, slowed by any contention, and no link can be slow (a real healthy tp2 x dp2 gloo job on 2
-    shared cores: one data-parallel pair's all-reduce 4 times the other's for 8 steps, a false link_slow)."""
+    pace is theirs, slowed by any contention, and no link can be slow."""
 
 
 def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups | None:
@@ -187,9 +186,8 @@ def ring_groups(pm: PeerMatrix, records: Sequence[dict[str, Any]]) -> RingGroups
     (which groups do the same work is then unknown) or without ring collectives.
 
     Where no rank runs a kernel (gloo on CPUs), a collective's transfer is CPU work that runs beside its
-    stage's own: groups of different pipeline stages are then not equivalent (a real healthy pp2 x dp2 gloo
-    job on 2 shared cores: the second stage's data-parallel all-reduce slower per byte than the first's in
-    every step, a false link_slow). A GPU's transfer runs on its links, whatever its stage computes."""
+    stage's own: groups of different pipeline stages are then not equivalent (each stage's compute slows
+    its own transfers). A GPU's transfer runs on its links, whatever its stage computes."""
     if not pm.functions:
         return None
     mean_ns, calls, nbytes = pm.features["mean_ns"], pm.features["calls"], pm.features["nbytes"]
@@ -317,14 +315,15 @@ which ``SteadyTransfers`` holds to its history."""
 class SteadyTransfers:
     """A job's transfers judged among few groups, kept only where the same subject was slower in all but one
     of its latest ``iterations``. A degraded link slows its ring at every step; contention slows one group now
-    and another next (a real 4-rank gloo job sharing 2 cores: each of its four pairs slower than its
-    equivalent by half, in turn, 3 iterations at a time), which two or three groups cannot tell from a link
-    without that history. Signals judged among more groups pass: their peers' spread is the yardstick."""
+    and another next, which two or three groups cannot tell from a link without that history. Signals judged
+    among more groups pass: their peers' spread is the yardstick."""
 
     iterations: int = 5
     _flagged: dict[tuple[str, str], deque[int]] = field(default_factory=dict)
 
     def keep(self, signals: list[RankSignal], iteration: int) -> list[RankSignal]:
+        """The signals, less few-groups ``link_slow`` ones whose subject was not slower in all but one of its
+        latest ``iterations``."""
         out = []
         for sig in signals:
             if sig.category != "link_slow" or not sig.evidence.get(FEW_GROUPS, False):

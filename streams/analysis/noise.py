@@ -11,14 +11,12 @@ host_slow or straggler signal is kept only when its rank's excess stands out fro
 - a host signal stands out in this iteration when its excess is ``z`` times that noise and larger than
   any rise a peer showed over the history, and the rank stood out so in two separate runs of iterations
   of the history (an intermittent fault hits its own rank only, and comes back; one burst of contention,
-  a rank descheduled for a few iterations in a row, does not: seen on a real 4-rank job under load,
-  iterations 15-17 of rank 2's data loader); a host or straggler signal stands out persistently (the
-  rank's median over its last iterations exceeds its peers' by ``level_z`` times that noise: a fault about
-  as large as the noise, on the same rank every time), where that usual excess is at least half the
-  signal's, or the function is the rank's alone (a real healthy 4-rank trace under another process's
-  load: rank 2 spent a steady 14 µs more than its peers in ``ones_like``, 4 times their jitter, and that
-  vouched for a 6.8 ms descheduling there as a fault). A single late arrival is no evidence: a rank
-  descheduled for a moment on a shared host arrives late by as much as the whole iteration;
+  a rank descheduled for a few iterations in a row, does not); a host or straggler signal stands out
+  persistently (the rank's median over its last iterations exceeds its peers' by ``level_z`` times that
+  noise: a fault about as large as the noise, on the same rank every time), where that usual excess is at
+  least half the signal's, or the function is the rank's alone (a steady excess of microseconds vouches
+  for no spike of milliseconds). A single late arrival is no evidence: a rank descheduled for a moment on
+  a shared host arrives late by as much as the whole iteration;
 - a straggler also stands out when it arrived ``last_z`` times its peers' typical jitter later than their
   median, and than each peer on its own, in all but ``last_misses`` of its last ``level_iterations + 1``
   iterations (and by ``level_z`` times it in their median), or arrived after every peer so steadily that
@@ -39,11 +37,10 @@ above every peer's by ``level_z`` times their jitter, and by the step's budget, 
 ``level_iterations + 1`` iterations, is ``host_slow`` on ``CPU_WAIT_FUNCTION`` (``contended``): its host's
 cores are taken by others. The margin is taken in each iteration, then its median: when the job's own work
 grows, every rank's wait grows with it within an iteration or two, and medians of a window that spans the
-change land anywhere between the two levels (a real 4-rank job on 2 cores whose forward grew 4 times: one
-rank's median 16 ms above every peer's, its margin in the same iterations 0). Host self times leave that
-wait out where the producer measured it (one descheduling inside a short span is no slow host), so this is
-where sustained contention is named; a pair of ranks starved together on one core is named by neither rule
-(each one's core mate waits as long).
+change land anywhere between the two levels, above every peer's where no single iteration is. Host self
+times leave that wait out where the producer measured it (one descheduling inside a short span is no slow
+host), so this is where sustained contention is named; a pair of ranks starved together on one core is
+named by neither rule (each one's core mate waits as long).
 
 Only jobs of up to ``max_ranks`` ranks are judged so: with more, the peers' spread in one iteration is
 itself a reliable yardstick. The job's first ``warmup_iterations`` raise no such signal (ranks start apart);
@@ -106,7 +103,7 @@ class NoiseConfig:
     last_misses: int = 2
     """...in all but this many of its last ``level_iterations + 1`` iterations. Chance alone (a random rank
     late by that much in 6 of 8 iterations) is then about one in 100,000 windows on 4 ranks (fewer on
-    more; tests/unit/streams/test_noise.py); a slow rank that contention overtook twice is still named."""
+    more; tests/unit/streams/analysis/test_noise.py); a slow rank that contention overtook twice is still named."""
     sign_iterations: int = 12
     """Or it arrived after each peer, on its own, in all of its last this many iterations..."""
     sign_misses: int = 1
@@ -258,9 +255,8 @@ class JobNoise:
         """Whether one rank arrived late at its collectives by half the job's slowdown or more in all but one
         of the latest ``min_history`` iterations (jobs of up to ``max_ranks``): the others waited for it, so
         the slowdown is that rank's (a fault, or contention on its host), not the job's own regression, which
-        slows every rank alike. The same rank: a job that shares its cores descheduled a different rank each
-        iteration (a real 4-rank job: 25-39 ms late, once each, during a 60 ms regression), and that is no
-        rank's fault."""
+        slows every rank alike. The same rank: a job that shares its cores has a different rank descheduled
+        each iteration, and that is no rank's fault."""
         if self._ranks > self.config.max_ranks or len(self._latest) < 2:
             return False
         late: dict[int, int] = {}
@@ -289,8 +285,7 @@ class JobNoise:
         the next step's): one that does not yet is held for one iteration and kept then if it does.
         Where no rank runs a kernel (a CPU job), none is kept before its noise is known: its ranks take
         turns on shared cores, so any rank is late by more than the budget in about every other
-        iteration (real 4-rank gloo traces, judged from their first iteration: a rank's first three
-        chance spikes, in three functions, were a host_slow finding in 3 of 13 healthy traces)."""
+        iteration."""
         held, self._held = self._held, []
         out: list[RankSignal] = []
         if self._ranks > self.config.max_ranks:
@@ -918,6 +913,7 @@ class RankValues:
 
     @classmethod
     def of(cls, values: RankValues | dict[int, float]) -> RankValues:
+        """The values as ``RankValues`` (a dict by rank is converted; ``RankValues`` pass as they are)."""
         if isinstance(values, RankValues):
             return values
         ranks = np.fromiter(values.keys(), dtype=np.int64, count=len(values))

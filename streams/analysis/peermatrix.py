@@ -99,6 +99,7 @@ class FunctionIndex:
         return (FunctionIndex, (self.max_names,))
 
     def clear(self) -> None:
+        """Forget every name: ids start again from 0."""
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self._by_rank: dict[int, _Layout] = {}

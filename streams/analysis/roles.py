@@ -82,8 +82,7 @@ def absent_as_zero(total: np.ndarray, role: I64, functions: Sequence[str] = ()) 
     """Per-iteration totals (NaN = the function is absent on that rank) with an absence read as zero
     only where another rank of the same role runs the function; elsewhere it stays NaN (not compared).
     A GC pause (``GC_PAUSE`` among the columns' ``functions``) is no role's work: every Python process
-    collects, so its absence is zero on every rank (a real tp2 x dp2 job whose one rank collected: its
-    slot's pair alone was too few to compare)."""
+    collects, so its absence is zero on every rank (within its slot, a pair is too few to compare)."""
     present = ~np.isnan(total)
     n_roles = int(role.max()) + 1 if role.size else 0
     runs = np.zeros((n_roles, total.shape[1]), dtype=bool)

@@ -138,6 +138,7 @@ class Change:
 
     @property
     def delta_ns(self) -> float:
+        """B's time less A's."""
         return self.b_ns - self.a_ns
 
     @property
@@ -312,9 +313,12 @@ class StepTable:
             self._kinds.setdefault(function, kind_name(int(kind)))
 
     def role_iterations(self) -> list[RoleIterations]:
+        """Per role and iteration, in order: how many of its ranks reported, and their mean time."""
         return [RoleIterations(role, it, int(n), total / n) for (role, it), (n, total) in sorted(self._ranks.items())]
 
     def moments(self, first_iteration: int, last_iteration: int) -> list[FunctionMoments]:
+        """Per role and function, the moments (count, sum, sum of squares, calls) of its per-rank time over
+        the iterations from ``first_iteration`` to ``last_iteration`` (both included)."""
         out: dict[tuple[Role, str], list[float]] = {}
         for (role, function, it), (total, calls) in self._time.items():
             if not first_iteration <= it <= last_iteration:

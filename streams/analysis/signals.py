@@ -137,13 +137,18 @@ class RankSignal:
     subject: str = ""
 
     def key(self) -> tuple[str, str]:
+        """What a finding tracks the signal by: its subject (the rank if none) and category, so a rank's
+        finding and its host's never merge."""
         return (self.subject or f"rank:{self.rank}", self.category)
 
     def member_ranks(self) -> tuple[int, ...]:
+        """The ranks the signal is about: a group's members, or its one rank."""
         return self.ranks or (self.rank,)
 
 
 def top_functions(functions: list[str], excess: F64, value: F64, med: F64, z: F64, k: int = 5) -> list[dict[str, Any]]:
+    """The ``k`` functions of largest excess, each with its value, the peers' median and score: the
+    evidence a finding shows."""
     order = np.argsort(-np.nan_to_num(excess))[:k]
     return [
         {

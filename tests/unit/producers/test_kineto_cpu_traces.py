@@ -118,7 +118,8 @@ def test_a_gpu_jobs_gloo_calls_leave_its_nccl_collectives_alone(tmp_path: Path) 
 
 def test_python_functions_named_with_their_objects_addresses_are_one_function_on_every_rank(tmp_path: Path) -> None:
     """``with_stack``: a built-in method's name carries its object's address, which differs by process.
-    Two ranks' traces of the same call give the same function; a name without an address is kept as is."""
+    Two ranks' traces of the same call give the same function; a name without an address is kept as is.
+    Left in, a real healthy 4-rank trace had ``host_slow`` on every rank."""
     names = []
     for rank, address in ((0, "0x7f9d3c370800"), (1, "0x7fe7f4da7000")):
         call = f"<built-in method run_backward of torch._C._EngineBase object at {address}>"

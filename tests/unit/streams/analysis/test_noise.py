@@ -414,7 +414,8 @@ def test_a_pairs_lateness_is_read_over_all_its_collectives_not_each_alone() -> N
 
 def test_a_slowdown_is_a_late_ranks_only_where_the_same_rank_is_late_again_and_again() -> None:
     """``late_explains``: a job slowed by 40 ms whose ranks are descheduled 25-35 ms in turn, a different one
-    each iteration (a real job sharing its cores), has no late rank to blame: its slowdown is its own. One
+    each iteration (a real 4-rank job sharing its cores: 25-39 ms late, once each, during a 60 ms
+    regression), has no late rank to blame: its slowdown is its own. One
     rank late by 25 ms in 3 of the latest 4 iterations explains it, and so does a rank late in a pair,
     where the median of both would halve its lateness."""
 
@@ -503,7 +504,8 @@ def test_a_cpu_traces_first_chance_spikes_before_its_noise_is_known_are_no_findi
     another function, and late by more than the budget then, as any rank of a CPU job often is. Before
     the noise is known, a CPU job's lateness is no cost to go by: no finding. A GPU job's rank whose host
     adds 4 ms from the trace's first iteration costs its peers that wait, and is named within its first
-    iterations as before."""
+    iterations as before. Seen on real 4-rank gloo traces judged from their first iteration: a rank's
+    first three chance spikes, in three functions, were a host_slow finding in 3 of 13 healthy traces."""
     chance = {0: ("DistributedDataParallel.forward", 2.8), 1: ("DistributedDataParallel.forward", 0.6)}
     chance |= {2: ("Optimizer.zero_grad#SGD.zero_grad", 3.7), 3: ("DistributedDataParallel.forward", 1.8)}
     for seed in range(4):

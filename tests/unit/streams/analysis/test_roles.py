@@ -378,7 +378,8 @@ def test_a_gc_pause_only_one_rank_takes_is_compared_with_every_rank_whatever_its
     """16 ranks as 8 tensor slots of 2 (each slot's pair the only ranks of its role): rank 8 alone collects,
     for a tenth of the step. A function only some slots run is compared within its slot, where rank 8's
     pair is too few to judge; a GC pause is no slot's work (every Python process collects): host_slow on
-    ``gc.collect``. The simulated iteration (rank 8 collecting briefly) stays clean."""
+    ``gc.collect``. The simulated iteration (rank 8 collecting briefly) stays clean. Seen on a real
+    tp2 x dp2 job whose one rank collected: its slot's pair alone was too few to compare."""
     records = [dict(r, pp_rank=0, tp_rank=r["rank"] % 8, dp_rank=r["rank"] // 8) for r in _iteration(pipeline_job, 2)]
     assert score_iteration(records) == []
     (at,) = [i for i, r in enumerate(records) if GC_PAUSE in list(r["function"])]  # rank 8 collects, briefly

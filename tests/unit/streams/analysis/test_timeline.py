@@ -24,7 +24,7 @@ from fleetscope.streams.analysis.patterns import IterationEvents, size_bucket_la
 from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS, timeline_of
 from fleetscope.streams.analysis.windowing import RankWindower
 
-sys.path.insert(0, str(Path(__file__).parents[2]))
+sys.path.insert(0, str(Path(__file__).parents[3]))
 from harness import CollectingPublisher  # noqa: E402
 from recorded_jobs import recordings  # noqa: E402
 

@@ -22,7 +22,7 @@ from fleetscope.sinks import (
     run_sql,
 )
 from fleetscope.sinks.clickhouse.user_sql import IN_STORE_TABLE_FUNCTIONS, check_read_query, table_functions
-from tests.unit.sinks.test_clickhouse import iteration, pattern_batch
+from tests.unit.sinks.clickhouse.test_clickhouse import iteration, pattern_batch
 
 _S3 = "http://127.0.0.1:1/bucket-name/x.csv"
 TABLE_FUNCTION_CALLS: dict[str, str] = {
