@@ -9,6 +9,7 @@ import importlib
 import re
 from collections.abc import Iterable, Mapping
 from enum import Enum
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,8 @@ def _named_files(section: str) -> set[str]:
     return set(_NAMED_FILE.findall(section))
 
 
-def _members_named(path: Path, enum: type[Enum]) -> set[str]:
+@cache
+def _members_named(path: Path, enum: type[Enum]) -> frozenset[str]:
     """The members of ``enum`` a module names: as ``Enum.MEMBER`` or as their value in a string literal."""
     by_value = {str(m.value): m.name for m in enum}
     found: set[str] = set()
@@ -45,7 +47,7 @@ def _members_named(path: Path, enum: type[Enum]) -> set[str]:
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == enum.__name__:
             if node.attr in enum.__members__:
                 found.add(node.attr)
-    return found
+    return frozenset(found)
 
 
 def _enumerating(enum: type[Enum], files: Iterable[Path]) -> set[str]:
