@@ -173,8 +173,13 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     block = cuts.searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
-    figures = np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
+    figures = np.empty((m, 4), dtype=np.int64)
+    figures[:, :3], figures[:, 3] = per_class[:, _BUSY_COMPUTE_COLLECTIVE], max_gap
     return figures, CoveredTime.of(seg_s, seg_e, lo, hi, shift[:, 0])
+
+
+_BUSY_COMPUTE_COLLECTIVE = [2, 0, 1]
+"""``_gpu_times``'s figures from its classes (compute, collective, all): busy, compute, collective."""
 
 
 _REL_BITS = 41
@@ -555,7 +560,9 @@ def _collective_keys(
         key = ((it.astype(np.int64) * n_names + op) * n_names + pg) * 64 + exp
         uniq, inv = _unique(key)
         pair = uniq // 64
-        rows = np.stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64), axis=1)
+        within = pair // n_names
+        rows = np.empty((uniq.size, 4), dtype=np.int64)
+        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = within // n_names, within % n_names, pair % n_names, uniq % 64
         return rows, inv
     rows = np.stack([it.astype(np.int64), op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
     uniq_rows, inv = np.unique(rows, axis=0, return_inverse=True)
