@@ -30,6 +30,7 @@ I64 = npt.NDArray[np.int64]
 LINK_FAMILIES = ("nvlink", "pcie")
 THROUGHPUT_SUFFIX = "_bytes_per_s"
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
+_FAMILY_IDS = np.arange(len(LINK_FAMILIES) + 1)
 ACTIVE_SHARE = 0.05
 """A link sample counts as active (moving data) above this share of the rank's peak in the iteration."""
 
@@ -454,19 +455,22 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     # by family, then iteration, then time (stable, like a per-iteration sort), times shifted by
     # iteration into consecutive ranges so each search only finds its own iteration's samples.
     family = family_of[s["metric_id"] + name_base[s.it]]
-    order = np.lexsort((s["t_ns"], s.it, family))
-    order = order[int(family[order].searchsorted(0)) :]
-    family, t_it, value = family[order], s.it[order], s["value"][order]
-    t = s["t_ns"][order] if shift is None else s["t_ns"][order] + shift[t_it]
-    bounds = family.searchsorted(np.arange(len(LINK_FAMILIES) + 1)).tolist()
+    links = (family >= 0).nonzero()[0]  # the other metrics left out before the sort, not after
+    family, t_it, t = family[links], s.it[links], s["t_ns"][links]
+    order = np.lexsort((t, t_it, family))
+    family, t_it, value = family[order], t_it[order], s["value"][links[order]]
+    t = t[order] if shift is None else t[order] + shift[t_it]
+    bounds = family.searchsorted(_FAMILY_IDS).tolist()
     # Mean while the link moves data (waiting inside a collective shows ~0 and would make every
     # waiter look slow); fluctuation over every sample, so on/off stalls of congestion count.
     active = np.zeros(value.size, dtype=bool)
     if value.size:
         block = family.astype(np.int64) * m + t_it
-        starts = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
-        peak = np.maximum.reduceat(value, starts)
-        active = value >= np.repeat(ACTIVE_SHARE * peak, np.diff(np.concatenate((starts, [value.size]))))
+        new_block = np.empty(block.size, dtype=bool)
+        new_block[0] = True
+        np.not_equal(block[1:], block[:-1], out=new_block[1:])
+        peak = np.maximum.reduceat(value, new_block.nonzero()[0])
+        active = value >= (ACTIVE_SHARE * peak)[new_block.cumsum() - 1]
     ev_it = np.concatenate([k.it, c.it, p.it])
     end = start + dur
     if shift is not None:
