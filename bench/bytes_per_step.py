@@ -304,7 +304,7 @@ def _profiled_share(topic: str, value: bytes, windows: dict[int, list[tuple[int,
     if not topic.startswith("raw:"):
         return 0.0
     batch = decode_event_batch(value)
-    times = batch["t_ns"] if batch.kind is EventKind.THROUGHPUT else batch["start_ns"]  # near enough to split
+    times = batch["t_ns"] if batch.kind is EventKind.SAMPLES else batch["start_ns"]  # near enough to split
     spans = windows.get(batch.header.rank, [])
     if not len(times) or not spans:
         return 0.0

@@ -9,7 +9,7 @@ with ``encode_event_batch``. Then, on the same messages:
 
 (a) decode only with fastavro (``decode_event_batch(fast=False)``: fastavro + numpy columns), one
     core: the reference the ratios are taken against; (a') the same with the numpy decoder
-    (``decode_event_batch``, ``schemas/fastdecode.py``), which every other stage uses;
+    (``decode_event_batch``, ``schemas/columnar_decode.py``), which every other stage uses;
 (b) decode + windowing + pattern statistics (``RankWindower.add`` per rank, then ``flush``; the
     iterations each message closes summarized together), one core; (b take) the same ``--take``
     messages at a time, as the worker's agent does with its ``take_events`` batch: one vector pass

@@ -358,7 +358,7 @@ def real_steps(steps: int, slow: int = -1, slow_s: float = 0.0) -> dict[int, Ste
         mp.start_processes(_real_rank, args=(port, steps, slow, slow_s, out), nprocs=4, join=True,
                            start_method="fork")  # fmt: skip
         batches = [b for r in range(4) for b in pickle.loads(Path(f"{out}/{r}.pkl").read_bytes())]
-    batches.sort(key=lambda b: b.kind is EventKind.PYTHON)  # a step closes after its events
+    batches.sort(key=lambda b: b.kind is EventKind.HOST)  # a step closes after its events
     return job_steps(batches)
 
 

@@ -42,6 +42,7 @@ from fleetscope.schemas import (
 )
 from fleetscope.schemas import parse_step_marker as _step
 from fleetscope.schemas.layout import PP, ProcessGroup, role_of_name
+from fleetscope.schemas.records import ID_COLUMNS
 from fleetscope.schemas.vocabulary import is_sync_call, stable_function_name
 
 DEFAULT_BATCH_EVENTS = 4096
@@ -514,14 +515,13 @@ def _columns(ex: _Extractor, coll: dict[str, Any]) -> dict[EventKind, Cols]:
         order = np.lexsort((cols["start_ns"], t))
         out[kind] = {c: v[order] if v.size else v for c, v in cols.items()}
     order = np.argsort(python["start_ns"], kind="stable")
-    out[EventKind.PYTHON] = {c: v[order].astype(COLUMNS[EventKind.PYTHON][c]) for c, v in python.items()}
+    out[EventKind.HOST] = {c: v[order].astype(COLUMNS[EventKind.HOST][c]) for c, v in python.items()}
     return out
 
 
-_ID_COLUMNS = ("name_id", "op_id", "pg_id")
 # Host spans first, then the GPU streams: the windower closes a step on the GPU streams' watermarks, so
 # every marker and host span of the file is already there when steps start closing (nothing is late).
-_PUBLISH_ORDER = (EventKind.PYTHON, EventKind.COLLECTIVES, EventKind.KERNELS)
+_PUBLISH_ORDER = (EventKind.HOST, EventKind.COLLECTIVES, EventKind.KERNELS)
 
 
 def _batches(header: BatchHeader, names: list[str], columns: dict[EventKind, Cols], size: int) -> Iterator[EventBatch]:
@@ -532,7 +532,7 @@ def _batches(header: BatchHeader, names: list[str], columns: dict[EventKind, Col
         cols = columns[kind]
         for lo in range(0, int(cols["start_ns"].size), size):
             chunk = {c: v[lo : lo + size] for c, v in cols.items()}
-            id_cols = [c for c in _ID_COLUMNS if c in chunk]
+            id_cols = [c for c in ID_COLUMNS if c in chunk]
             uniq, inverse = np.unique(np.concatenate([chunk[c] for c in id_cols]), return_inverse=True)
             for j, c in enumerate(id_cols):
                 chunk[c] = inverse[j * len(chunk[c]) : (j + 1) * len(chunk[c])].astype(np.int32)

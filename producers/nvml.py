@@ -140,7 +140,7 @@ class NvmlSampler:
         api: NvmlApi | None = None,
         sink: Callable[[EventBatch], object] | None = None,
         targets: Targets | None = None,
-        streams: tuple[str, ...] = (EventKind.THROUGHPUT.value,),
+        streams: tuple[str, ...] = (EventKind.SAMPLES.value,),
     ) -> None:
         self.config = config or NvmlSamplerConfig()
         self._api = api
@@ -392,7 +392,7 @@ class NvmlSampler:
             "metric_id": ids,
             "value": np.asarray(value, np.float64),
         }
-        batch = EventBatch(kind=EventKind.THROUGHPUT, header=header, names=list(table), columns=columns)
+        batch = EventBatch(kind=EventKind.SAMPLES, header=header, names=list(table), columns=columns)
         if self._sink is None:
             return
         try:

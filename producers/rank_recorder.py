@@ -174,7 +174,7 @@ class Recorder:
         config: RecorderConfig | None = None,
         *,
         producer_id: str = "",
-        streams: Iterable[str] = (EventKind.PYTHON.value,),
+        streams: Iterable[str] = (EventKind.HOST.value,),
     ) -> None:
         self.identity = identity
         self.config = config or RecorderConfig()
@@ -183,8 +183,8 @@ class Recorder:
         self._events: deque[tuple[Any, ...]] = deque()
         self._batches: deque[Callable[[], list[EventBatch]]] = deque()
         self._streams = set(streams)
-        self._held = False
-        self._held_until_ns: int | None = None
+        self._host_events_held = False
+        self._host_events_held_until_ns: int | None = None
         self._staged: dict[int, list[tuple[Any, ...]]] = {_PY: [], _COLL: []}
         self._seq = 0
         self._recorded = 0
@@ -223,7 +223,7 @@ class Recorder:
                 return
             self._stop.set()
             thread.join(self.config.stop_timeout_s)
-            self._held = False
+            self._host_events_held = False
             self.guard("flush", self._flush)
             self._publisher.stop(self.config.stop_timeout_s)
         s = self.stats
@@ -288,8 +288,8 @@ class Recorder:
     def streams(self) -> tuple[str, ...]:
         return tuple(sorted(self._streams))
 
-    def hold(self, until_ns: int | None = None) -> None:
-        """Keep host events back (a profiling window runs) until ``release`` is submitted after its kernels.
+    def hold_host_events(self, until_ns: int | None = None) -> None:
+        """Keep host events back (a profiling window runs) until ``release_host_events`` is submitted after its kernels.
 
         Why: the window's kernels are known only when the profiler stops; if the step markers went out
         first, the windower would close those steps and drop the kernels as late. Heartbeats say
@@ -297,17 +297,17 @@ class Recorder:
         planned end ``until_ns``: a window closes at a step boundary, so a rank blocked for good inside
         one would otherwise look busy profiling forever, and its hang would never be reported.
         """
-        self._held = True
-        self._held_until_ns = until_ns
+        self._host_events_held = True
+        self._host_events_held_until_ns = until_ns
 
-    def release(self) -> None:
-        self._held = False
+    def release_host_events(self) -> None:
+        self._host_events_held = False
 
     @property
     def profiling(self) -> bool:
-        """Whether host events are held back for a window that may still be running (see ``hold``)."""
-        until = self._held_until_ns
-        return self._held and (until is None or time.time_ns() < until + HOLD_GRACE_NS)
+        """Whether host events are held back for a window that may still be running (see ``hold_host_events``)."""
+        until = self._host_events_held_until_ns
+        return self._host_events_held and (until is None or time.time_ns() < until + HOLD_GRACE_NS)
 
     def guard(self, site: str, fn: Callable[..., T], *args: Any, default: Any = None) -> T | Any:
         """Run our own code on a hook: an exception is counted, logged once, and ``default`` returned."""
@@ -388,7 +388,7 @@ class Recorder:
             event = self._events.popleft()
             self._staged[event[0]].append(event)
         staged = sum(len(v) for v in self._staged.values())
-        if self._held and staged < self.config.queue_max_events:
+        if self._host_events_held and staged < self.config.queue_max_events:
             return
         for kind, events in self._staged.items():
             self._staged[kind] = []
@@ -409,7 +409,7 @@ class Recorder:
     def _python(self, events: list[tuple[Any, ...]]) -> EventBatch:
         names, ids = _intern([e[1] for e in events])
         return EventBatch(
-            kind=EventKind.PYTHON,
+            kind=EventKind.HOST,
             header=self.next_header(),
             names=names,
             columns={

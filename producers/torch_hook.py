@@ -192,11 +192,11 @@ class Monitor:
         if torch.autograd.profiler._is_profiler_enabled:
             logger.warning("a profiler is already running in this process; profiling request skipped")
             return
-        self.recorder.hold(request.end_at_ns)
+        self.recorder.hold_host_events(request.end_at_ns)
         try:
             self._window = ProfilingWindow(request.end_at_ns, cuda=torch.cuda.is_available())
         except Exception:
-            self.recorder.release()
+            self.recorder.release_host_events()
             raise
         if torch.cuda.is_available():  # the windower then waits for the window's kernels
             self.recorder.declare(EventKind.KERNELS)
@@ -210,7 +210,7 @@ class Monitor:
         try:
             results = window.stop()
         except Exception:
-            recorder.release()
+            recorder.release_host_events()
             raise
         finally:  # the steps it covers ran under the profiler: the windower marks them profiled
             recorder.python_span(PROFILING_WINDOW, window.started_ns, time.time_ns() - window.started_ns, 0)
@@ -221,10 +221,10 @@ class Monitor:
                 events = results.events() if results is not None else []
                 return window_batches(events, recorder.next_header, config)
             finally:
-                recorder.release()
+                recorder.release_host_events()
 
         if not recorder.submit(build):
-            recorder.release()
+            recorder.release_host_events()
         logger.info("profiling window closed after %d steps", window.steps)
 
 
@@ -251,12 +251,12 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     if job:
         identity = replace(identity, job=job)
     publisher = Publisher(PublisherConfig.from_config(cfg, client_id=f"fleetscope-torch-{identity.rank}"))
-    streams = {EventKind.PYTHON.value}
+    streams = {EventKind.HOST.value}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         streams.add(EventKind.COLLECTIVES.value)
     nvml = _nvml_mode()
     if nvml != "off":
-        streams.add(EventKind.THROUGHPUT.value)
+        streams.add(EventKind.SAMPLES.value)
     recorder_config = RecorderConfig(heartbeat_interval_ms=cfg.producer.heartbeat_interval_ms)
     recorder = Recorder(identity, publisher, recorder_config, streams=streams)
     sampler = _sampler(identity, recorder) if nvml == "process" else None

@@ -140,7 +140,7 @@ def _kernels(
 def _python(rows: list[tuple[str, int, int, int]], next_header: Callable[[], BatchHeader]) -> EventBatch:
     names, ids = _intern([r[0] for r in rows])
     return EventBatch(
-        kind=EventKind.PYTHON,
+        kind=EventKind.HOST,
         header=next_header(),
         names=names,
         columns={

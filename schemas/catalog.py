@@ -32,7 +32,7 @@ _ENTRIES: tuple[tuple[int, str, int, str], ...] = (
     (701, "findings", 1, "findings.v1.avsc"),
     (702, "findings", 2, "findings.v2.avsc"),
     (801, "control", 1, "control.v1.avsc"),
-    (901, "progress", 1, "progress.v1.avsc"),
+    (901, "stall", 1, "stall.v1.avsc"),
     (1001, "heartbeat", 1, "heartbeat.v1.avsc"),
 )
 

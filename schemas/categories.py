@@ -45,6 +45,15 @@ class Noise(enum.StrEnum):
     """The job's own iteration-time history: a sustained step of several standard errors of its noise."""
 
 
+class Credit(enum.StrEnum):
+    """Which what-if cause of the replay credits a category's signal: the rank's own work or its transfers."""
+
+    WORK = "work"
+    TRANSFER = "transfer"
+    NONE = "none"
+    """Not priced by the replay (job-level: no rank's change to try)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class NextChecks:
     """What to look at next: the store query that shows it, the NVML fields, the usual causes."""
@@ -72,6 +81,10 @@ class CategoryInfo:
     job_level: bool
     """About the job as a whole, not some of its ranks: opens without the rank persistence rule."""
     noise: Noise
+    credited_by: Credit
+    bounded_by_lateness: bool
+    """Its time lost is at most the rank's arrival lateness: its peers gain only what they wait for it (a slow
+    link paces every member instead, a straggler's loss is its lateness already)."""
     profiler_blind: bool
     """Not judged in iterations a profiler window disturbs: its evidence is host times or arrivals, which a
     profiler's per-op overhead changes by rank; kernels still compare."""
@@ -92,6 +105,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             cause=True,
             job_level=False,
             noise=Noise.STAGE_COMPUTE,
+            credited_by=Credit.WORK,
+            bounded_by_lateness=True,
             profiler_blind=False,
             color="#d62728",
             checks=NextChecks(
@@ -126,6 +141,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             cause=True,
             job_level=False,
             noise=Noise.NONE,
+            credited_by=Credit.TRANSFER,
+            bounded_by_lateness=False,
             profiler_blind=False,
             color="#9467bd",
             checks=NextChecks(
@@ -164,6 +181,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             cause=True,
             job_level=False,
             noise=Noise.JOB,
+            credited_by=Credit.WORK,
+            bounded_by_lateness=True,
             profiler_blind=True,
             color="#ff7f0e",
             checks=NextChecks(
@@ -192,6 +211,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             cause=False,
             job_level=False,
             noise=Noise.JOB,
+            credited_by=Credit.WORK,
+            bounded_by_lateness=False,
             profiler_blind=True,
             color="#8c564b",
             checks=NextChecks(
@@ -216,6 +237,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             cause=False,
             job_level=False,
             noise=Noise.NONE,
+            credited_by=Credit.WORK,
+            bounded_by_lateness=False,
             profiler_blind=False,
             color="#17becf",
             checks=NextChecks(
@@ -239,6 +262,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             cause=False,
             job_level=True,
             noise=Noise.HISTORY,
+            credited_by=Credit.NONE,
+            bounded_by_lateness=False,
             profiler_blind=False,
             color="#1f77b4",
             checks=NextChecks(
@@ -265,6 +290,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             cause=False,
             job_level=True,
             noise=Noise.NONE,
+            credited_by=Credit.NONE,
+            bounded_by_lateness=False,
             profiler_blind=False,
             color="#111111",
             checks=NextChecks(
@@ -288,6 +315,8 @@ CAUSES: tuple[str, ...] = tuple(c.value for c, i in REGISTRY.items() if i.cause)
 """Rank findings with evidence on the rank itself; a straggler has none (it only arrives late)."""
 JOB_LEVEL: frozenset[str] = frozenset(c.value for c, i in REGISTRY.items() if i.job_level)
 PROFILER_BLIND: tuple[str, ...] = tuple(c.value for c, i in REGISTRY.items() if i.profiler_blind)
+"""Categories not judged in iterations a profiler window disturbs: a profiler's per-op overhead differs by
+rank and op, so host times and arrivals there are no evidence; kernels still compare."""
 
 
 def judged_against(noise: Noise) -> tuple[str, ...]:

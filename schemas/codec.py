@@ -2,7 +2,7 @@
 
 Schema ids come from the embedded catalog unless a resolver (a schema registry, see ``registry.py``) is
 installed for the process with ``use_resolver`` or passed to one call. Raw event batches and pattern
-records are decoded by ``fastdecode`` (numbers in bulk, straight into numpy); fastavro stays the reference
+records are decoded by ``columnar_decode`` (numbers in bulk, straight into numpy); fastavro stays the reference
 and reads any message that decoder does not vouch for, so both give the same values or the same
 ``SchemaError``.
 """
@@ -18,9 +18,9 @@ import numpy as np
 from fastavro import schemaless_reader, schemaless_writer
 
 from fleetscope.schemas.catalog import CATALOG, SchemaCatalog, SchemaEntry
-from fleetscope.schemas.fastdecode import decode_columns, decode_many, decode_scalars
-from fleetscope.schemas.fastencode import encode_columns
-from fleetscope.schemas.records import EventBatch, EventKind
+from fleetscope.schemas.columnar_decode import decode_columns, decode_many, decode_scalars
+from fleetscope.schemas.columnar_encode import encode_columns
+from fleetscope.schemas.records import ID_COLUMNS, EventBatch, EventKind
 
 if TYPE_CHECKING:
     from fleetscope.schemas.registry import SchemaResolver
@@ -35,7 +35,6 @@ COLUMNS_FROM_FUNCTIONS = 16
 COLUMNS_FROM_BYTES = 4_000
 """Where the numpy encoder and decoder start to pay (a record of this many functions; a message of this many
 bytes, about 24 functions): below, their fixed cost per field exceeds fastavro's per value (bench/scale)."""
-_ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
 
 
 _resolver: SchemaResolver | None = None
@@ -62,7 +61,7 @@ def encode(
     fast: bool = True,
 ) -> bytes:
     """Serialise a record with the newest schema of its subject. A pattern record of ``COLUMNS_FROM_FUNCTIONS``
-    functions or more is written by ``fastencode`` (the same bytes); ``fast=False``, or a record it does not
+    functions or more is written by ``columnar_encode`` (the same bytes); ``fast=False``, or a record it does not
     vouch for: by fastavro."""
     entry = catalog.latest(subject)
     r = resolver or _resolver
@@ -101,7 +100,7 @@ def decode(
 ) -> tuple[str, dict[str, Any]]:
     """Return (subject, record), resolving the writer schema to the newest version of its subject.
 
-    A pattern record's per-function columns come as numpy arrays (``fastdecode``; integers as int64), as
+    A pattern record's per-function columns come as numpy arrays (``columnar_decode``; integers as int64), as
     the windower builds them, from ``COLUMNS_FROM_BYTES``; ``fast=False`` reads it with fastavro only (the
     reference: lists)."""
     schema_id, writer = _writer_of(message, catalog, resolver)
@@ -225,7 +224,7 @@ def _event_batch(
     except (ValueError, TypeError, OverflowError) as exc:
         raise SchemaError(f"bad {subject} batch: {exc}") from exc
     n_names = len(batch.names)
-    for column in _ID_COLUMNS:
+    for column in ID_COLUMNS:
         ids = batch.columns.get(column)
         # a negative id reads as >= 2**31 unsigned, so one maximum checks both ends
         if ids is not None and ids.size and int(np.maximum.reduce(ids.view(np.uint32))) >= n_names:

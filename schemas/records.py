@@ -11,12 +11,16 @@ import numpy.typing as npt
 
 
 class EventKind(enum.StrEnum):
-    """The four raw event kinds, one topic and one Avro record type each."""
+    """The four raw event kinds, one topic and one Avro record type each.
+
+    The values are wire names (topic ``<prefix>.<value>``, catalog subject, the header's ``streams``) that
+    ranks already running write, so they stay; the members say what the events are: host spans (Python
+    functions, annotations, step markers) and hardware samples of the rank's GPU (NVML: links, clocks)."""
 
     KERNELS = "kernels"
     COLLECTIVES = "collectives"
-    PYTHON = "python"
-    THROUGHPUT = "throughput"
+    HOST = "python"
+    SAMPLES = "throughput"
 
 
 class FunctionKind(enum.IntEnum):
@@ -49,13 +53,13 @@ COLUMNS: dict[EventKind, dict[str, type[np.generic]]] = {
         "nbytes": np.int64,
         "launch_ns": np.int64,
     },
-    EventKind.PYTHON: {
+    EventKind.HOST: {
         "start_ns": np.int64,
         "dur_ns": np.int64,
         "name_id": np.int32,
         "depth": np.int32,
     },
-    EventKind.THROUGHPUT: {
+    EventKind.SAMPLES: {
         "t_ns": np.int64,
         "metric_id": np.int32,
         "value": np.float64,
@@ -63,6 +67,9 @@ COLUMNS: dict[EventKind, dict[str, type[np.generic]]] = {
 }
 
 OPTIONAL_COLUMNS = frozenset({"launch_ns"})
+ID_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys(c for cols in COLUMNS.values() for c in cols if c.endswith("_id")))
+"""The columns that index a batch's ``names`` dictionary: the codec, the windower and the trace reader remap
+them together."""
 
 PATTERN_TIMELINE_FIELDS = (
     "sync_function", "sync_seq", "sync_gap_us", "sync_dur_us", "sync_compute_less_gap_us", "sync_tail_compute_us",

@@ -1,7 +1,7 @@
 """The stream stages: raw event batches in, iterations, patterns and findings out.
 
 In: Avro event batches from the raw topics (key ``job/rank``). Out: iteration and pattern records
-(``<prefix>.iterations``, ``<prefix>.patterns``), rank stall reports (``<prefix>.stalls``), findings
+(``<prefix>.iterations``, ``<prefix>.patterns``), rank stall records (``<prefix>.stalls``), findings
 (``<prefix>.findings``) and profiling requests (``<prefix>.control``). ``windower`` and ``differential`` hold
 each stage (a class without I/O, and its Faust agent), ``app`` declares the app, topics and agents,
 ``recovery`` saves and restores their state; ``analysis`` holds the pure maths they call. ``offline`` runs

@@ -137,7 +137,7 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
 
     @app.timer(interval=10.0)
     async def report() -> None:
-        counters.held_messages = len(windower.recovery.holds) + len(differential.recovery.holds)
+        counters.held_messages = len(windower.recovery.unacked) + len(differential.recovery.unacked)
         counters.iterations_scored_in_pool = pool.submitted if pool is not None else 0
         counters.profile_requests_suppressed = profiles.suppressed
         counters.state_writes = windower_state.writes + differential_state.writes

@@ -1,4 +1,4 @@
-"""The differential stage: pattern records, stall reports and heartbeats in (key job), findings out.
+"""The differential stage: pattern records, stall records and heartbeats in (key job), findings out.
 
 ``DifferentialStage`` is the stage without Kafka (decode, check the subject, feed the job's
 ``JobDifferential``; what fails, the analysis included, becomes a dead-letter reason, never an exception):
@@ -39,8 +39,8 @@ from fleetscope.streams.scoring import InlineScoring, IterationScoring, PoolScor
 
 log = logging.getLogger(__name__)
 
-SUBJECTS = ("patterns", "progress", "heartbeat")
-"""What the differential reads: windowers' pattern records and stall reports, producers' heartbeats."""
+SUBJECTS = ("patterns", "stall", "heartbeat")
+"""What the differential reads: windowers' pattern records and stall records, producers' heartbeats."""
 _PAYLOAD, _WRITER, _SOURCE = "_payload", "_writer", "_source"
 """A record placed by its head (``decode_head``): its message, the message's writer schema, and its source."""
 
@@ -49,7 +49,7 @@ _PAYLOAD, _WRITER, _SOURCE = "_payload", "_writer", "_source"
 class Taken:
     """What one message did: the finding records it produced, or why it goes to the dead-letter topic.
 
-    ``replayed``: a stall report the job's state record applied already (nothing done)."""
+    ``replayed``: a stall record the job's state record applied already (nothing done)."""
 
     findings: list[dict[str, Any]] = field(default_factory=list)
     job: str = ""
@@ -125,7 +125,7 @@ class DifferentialStage:
         except SchemaError as exc:
             return Taken(reason=f"schema: {exc}")
         if subject not in SUBJECTS:
-            return Taken(reason=f"subject: expected patterns, progress or heartbeat, got {subject}")
+            return Taken(reason=f"subject: expected patterns, stall or heartbeat, got {subject}")
         return self.apply(subject, record, now_ns, replayed, offset)
 
     def apply(
@@ -137,17 +137,17 @@ class DifferentialStage:
         offset: int = -1,
     ) -> Taken:
         """Feed one decoded record to its job. ``now_ns``: the worker's input clock (None offline: an iteration
-        waits for all its ranks); ``replayed(job, offset)``: whether a stall report was applied already."""
+        waits for all its ranks); ``replayed(job, offset)``: whether a stall record was applied already."""
         job = str(record["job"])
         jd = self.job(job)
         try:
             if subject == "heartbeat":
                 return Taken(jd.add_heartbeat(record), job, subject)
-            if subject == "progress":
+            if subject == "stall":
                 if replayed is not None and replayed(job, offset):
                     return Taken([], job, subject, replayed=True)
-                tracked = self.collect(wait={job})  # a stall report is rare: after the iterations before it
-                return Taken(tracked + jd.add_progress(record), job, subject)
+                tracked = self.collect(wait={job})  # a stall record is rare: after the iterations before it
+                return Taken(tracked + jd.add_stall(record), job, subject)
             for it, records in jd.gather(record, now_ns):
                 self._send(job, it, records)
             return Taken(self.collect(), job, subject, iteration=int(record["iteration"]))
@@ -261,9 +261,9 @@ class DifferentialAgent:
         self.counters, self.dead, self.gate, self.clock = counters, dead, gate, clock
         self.job_idle_ns, self.job_end_ns = job_idle_ms * 1_000_000, job_end_ms * 1_000_000
         self.seen: dict[str, int] = {}
-        """Input-clock time of each job's last pattern record or stall report: idle jobs are flushed."""
+        """Input-clock time of each job's last pattern record or stall record: idle jobs are flushed."""
         self.input: dict[str, int] = {}
-        """Input-clock time of each job's last pattern, stall report or heartbeat: its end closes its findings."""
+        """Input-clock time of each job's last pattern, stall record or heartbeat: its end closes its findings."""
         self.loading = asyncio.Lock()
         """Restoring partitions' jobs (on assignment and at a batch) happens once per partition."""
         self.adopting: asyncio.Task[None] | None = None
@@ -294,7 +294,7 @@ class DifferentialAgent:
             for event in events:
                 msg = event.message
                 taken = self.stage.take(
-                    event.value, self.clock.now_ns(), self.recovery.replayed_progress, msg.offset, source=msg
+                    event.value, self.clock.now_ns(), self.recovery.replayed_stall, msg.offset, source=msg
                 )
                 if taken.job:
                     self.recovery.place(taken.job, msg.partition)
@@ -312,7 +312,7 @@ class DifferentialAgent:
                 if taken.replayed:
                     self.counters.replayed_skipped += 1
                     self.recovery.skipped(job, msg)
-                elif taken.subject == "progress":
+                elif taken.subject == "stall":
                     self.recovery.took(job, msg, None)
                 else:
                     self.counters.pattern_records += 1

@@ -121,7 +121,7 @@ def horizon_ns(batch: EventBatch) -> int:
     if batch.kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
         launch = batch["launch_ns"]
         times = launch if launch.size == len(batch) else batch["start_ns"]
-    elif batch.kind is EventKind.PYTHON:
+    elif batch.kind is EventKind.HOST:
         times = batch["start_ns"]
     else:
         times = batch["t_ns"]

@@ -18,7 +18,7 @@ from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
 from fleetscope.streams.differential import DifferentialStage
 from fleetscope.streams.scoring import ScoringPool
-from fleetscope.streams.windower import WindowerStage, stall_reports, summarized
+from fleetscope.streams.windower import WindowerStage, stall_records, summarized
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class OfflinePipeline:
             return
         self._take(taken.closed)
         if taken.windower is not None:
-            self._take_progress(taken.windower)
+            self._take_stalls(taken.windower)
 
     def add_all(self, batches: Iterable[EventBatch]) -> OfflinePipeline:
         for batch in batches:
@@ -90,7 +90,7 @@ class OfflinePipeline:
         closed, w = self.windower.close_rank((job, rank))
         if w is not None:
             self._take(closed)
-            self._take_progress(w)
+            self._take_stalls(w)
             self.result.late_events += w.counters.late_events
 
     def finish(self) -> OfflineResult:
@@ -120,9 +120,9 @@ class OfflinePipeline:
             log.warning("refused %s (the worker would dead-letter it): %s", what, reason)
         self.result.dead_letters.append(reason)
 
-    def _take_progress(self, w: RankWindower) -> None:
-        for rec in stall_reports([w]):
-            self._apply("progress", rec)
+    def _take_stalls(self, w: RankWindower) -> None:
+        for rec in stall_records([w]):
+            self._apply("stall", rec)
 
     def _take(self, closed: list[ClosedIteration]) -> None:
         for c in summarized(closed)[0]:  # a failed one is logged where it failed

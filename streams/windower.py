@@ -1,4 +1,4 @@
-"""The windower stage: raw event batches in, iteration and pattern records and stall reports out.
+"""The windower stage: raw event batches in, iteration and pattern records and stall records out.
 
 ``WindowerStage`` is the stage without Kafka (decode, validate, window, summarize; what fails becomes a
 dead-letter reason, never an exception): the worker and ``offline`` both run it. ``WindowerAgent`` is its
@@ -29,7 +29,7 @@ _DEFAULT_LIMITS = IntakeLimits()
 
 
 class WindowerStage:
-    """Every rank's windower; messages in, closed iterations and stall reports out (no I/O)."""
+    """Every rank's windower; messages in, closed iterations and stall records out (no I/O)."""
 
     def __init__(self, config: WindowerConfig | None = None, limits: IntakeLimits = _DEFAULT_LIMITS) -> None:
         self.config = config
@@ -69,9 +69,9 @@ class WindowerStage:
         return sum(w.counters.incomplete for w in self.windowers.values())
 
 
-def stall_reports(windowers: Iterable[RankWindower]) -> list[dict[str, Any]]:
+def stall_records(windowers: Iterable[RankWindower]) -> list[dict[str, Any]]:
     """The stall/resume reports the windowers produced since they were last asked."""
-    return [rec for w in windowers for rec in w.take_progress()]
+    return [rec for w in windowers for rec in w.take_stalls()]
 
 
 def summarized(closed: list[ClosedIteration]) -> tuple[list[ClosedIteration], int]:
@@ -127,7 +127,7 @@ class WindowerAgent:
                 continue
             if result.key is not None and result.windower is not None:
                 touched[result.key] = result.windower
-                self.recovery.holds.hold(result.key, result.horizon_ns, event.message)
+                self.recovery.unacked.keep(result.key, result.horizon_ns, event.message)
             self.counters.raw_batches += 1
             self.counters.raw_events += result.events
             closed += result.closed
@@ -179,8 +179,8 @@ class WindowerAgent:
         return self.recovery.release({*touched, *await self.recovery.record(fresh)})
 
     async def emit_stalls(self, windowers: Iterable[RankWindower]) -> None:
-        for rec in stall_reports(windowers):
-            await self.stalls.send(key=job_key(rec["job"]), value=encode("progress", rec))
+        for rec in stall_records(windowers):
+            await self.stalls.send(key=job_key(rec["job"]), value=encode("stall", rec))
 
     def revoke(self, partitions: Collection[int]) -> None:
         """Forget the ranks of revoked partitions (their next owner restores them)."""

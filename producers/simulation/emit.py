@@ -132,7 +132,7 @@ class Emitter:
             pr = p_ok[r]
             yield from self._emit(
                 r,
-                EventKind.PYTHON,
+                EventKind.HOST,
                 py_names,
                 {
                     "start_ns": ps[r, pr],
@@ -146,7 +146,7 @@ class Emitter:
             t_ns = np.repeat(t_grid[lo:hi] + self.offset[r], len(METRICS))
             yield from self._emit(
                 r,
-                EventKind.THROUGHPUT,
+                EventKind.SAMPLES,
                 list(METRICS),
                 {
                     "t_ns": t_ns,

@@ -30,12 +30,13 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import Category, FunctionKind
+from fleetscope.schemas.categories import REGISTRY, Credit
 from fleetscope.streams.analysis.links import RING_PACE_METRIC
 from fleetscope.streams.analysis.patterns import collective_class, process_group_of
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.whatif import Cause
 
-WORK, TRANSFER = "work", "transfer"
+WORK, TRANSFER = Credit.WORK.value, Credit.TRANSFER.value
 CAUSE_KINDS: Mapping[str, tuple[str, ...]] = {
     WORK: ("rank_compute", "rank_host", "stage_compute"),
     TRANSFER: ("rank_transfer", "group_transfer", "host_transfer"),
@@ -44,13 +45,9 @@ CAUSE_KINDS: Mapping[str, tuple[str, ...]] = {
 starved of a CPU launches late, so its GPU's compute shows the gap too; which part grew is the detectors'
 evidence), or its transfers."""
 CREDITED_BY: Mapping[str, str] = {
-    Category.GPU_SLOW: WORK,
-    Category.HOST_SLOW: WORK,
-    Category.STRAGGLER: WORK,
-    Category.STAGE_IMBALANCE: WORK,
-    Category.LINK_SLOW: TRANSFER,
+    c: i.credited_by.value for c, i in REGISTRY.items() if i.credited_by is not Credit.NONE
 }
-"""What credits each category's signal; a category not listed is not priced by the replay (job-level)."""
+"""What credits each category's signal (``CategoryInfo.credited_by``); a category not listed is not priced."""
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
 
 

@@ -34,11 +34,6 @@ from fleetscope.streams.analysis.timeline import timeline_of
 from fleetscope.streams.analysis.whatif import Cause, what_if
 
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
-PROFILER_BLIND = categories.PROFILER_BLIND
-"""Categories not judged in iterations a profiler window disturbs (``ProfilerAftermath``): a profiler
-records every CPU op, and its overhead per op differs by rank and op (x3 to x300 on a shared host); the
-trace's export and the held-back events after it cost each rank its own time. Host times and arrivals
-then are no evidence; kernels still compare."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +214,7 @@ class JobDifferential:
         self._hang_reported_step = step
         return self.tracker.emit_now(sig, max(step, 0))
 
-    def add_progress(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+    def add_stall(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one rank's stall/resume report (producers without heartbeats: simulator, replay); return a
         hang finding when the whole job stopped. Jobs with heartbeats are diagnosed from those instead."""
         if self._heartbeats:
@@ -347,7 +342,7 @@ class JobDifferential:
         signals = self._transfers.keep(scored.signals, it)
         blind: tuple[str, ...] = ()
         if disturbed:  # by a window on every rank, or after one: kernels compare, host times and arrivals not
-            blind = PROFILER_BLIND
+            blind = categories.PROFILER_BLIND
             signals = [s for s in signals if s.category not in blind]
         else:
             self._noise.apply(scored.noise)

@@ -11,19 +11,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import COLUMNS, EventBatch, EventKind
+from fleetscope.schemas.records import COLUMNS, ID_COLUMNS, EventBatch, EventKind
 
 Cols = dict[str, npt.NDArray[Any]]
 
 TIME_COLUMN = {
     EventKind.KERNELS: "assign_ns",
     EventKind.COLLECTIVES: "assign_ns",
-    EventKind.PYTHON: "start_ns",
-    EventKind.THROUGHPUT: "t_ns",
+    EventKind.HOST: "start_ns",
+    EventKind.SAMPLES: "t_ns",
 }
 """The time each kind's events are filed by: GPU work by launch (``assign_ns``), host spans by start."""
-_ID_COLUMNS = ("name_id", "op_id", "pg_id", "metric_id")
-_KEPT = {kind: [(c, c in _ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
+_KEPT = {kind: [(c, c in ID_COLUMNS) for c in COLUMNS[kind] if c != "launch_ns"] for kind in EventKind}
 """Per kind, the batch columns the windower buffers and whether each indexes the name dictionary."""
 
 
@@ -60,7 +59,7 @@ def take_step(buffers: dict[EventKind, Cols], start: int, end: int, gpu_end: int
     parts: dict[EventKind, Cols] = {}
     for kind, buf in buffers.items():
         t = buf[TIME_COLUMN[kind]]
-        samples = kind is EventKind.THROUGHPUT
+        samples = kind is EventKind.SAMPLES
         if t.size < 2 or bool((t[1:] >= t[:-1]).all()):  # in time order, as sent: slices, not masks
             first = int(t.searchsorted(start, side="left"))
             stop = int(t.searchsorted(gpu_end if samples else end, side="right" if samples else "left"))

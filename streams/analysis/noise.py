@@ -71,9 +71,9 @@ from fleetscope.streams.analysis.stages import P2P_PREFIXES
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
 
 _PYTHON, _COLLECTIVE, _COMPUTE = int(FunctionKind.PYTHON), int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
-JUDGED = judged_against(Noise.JOB)
+AGAINST_JOB_NOISE = judged_against(Noise.JOB)
 """Categories judged against the job's noise: the host's own work and the arrival it delays."""
-(GPU_JUDGED,) = judged_against(Noise.STAGE_COMPUTE)
+(AGAINST_STAGE_COMPUTE_NOISE,) = judged_against(Noise.STAGE_COMPUTE)
 """Judged against its stage's compute noise once known (``gpu_stands_out``), also in the job's warm-up (a GPU
 slow from the start is slow in it): work that varies from step to step (sequences of varying length, a
 different rank's batch the longest each time) makes a different rank slowest each time, a slow GPU the
@@ -295,11 +295,11 @@ class JobNoise:
         out: list[RankSignal] = []
         if self._ranks > self.config.max_ranks:
             return list(signals)
-        signals = [sig for sig in signals if sig.category != GPU_JUDGED or self._gpu_kept(sig)]
+        signals = [sig for sig in signals if sig.category != AGAINST_STAGE_COMPUTE_NOISE or self._gpu_kept(sig)]
         if self._recorded <= self.config.warmup_iterations:
-            return [sig for sig in signals if sig.category not in JUDGED or sig.rank < 0]
+            return [sig for sig in signals if sig.category not in AGAINST_JOB_NOISE or sig.rank < 0]
         for sig in signals:
-            if sig.category not in JUDGED or sig.rank < 0:
+            if sig.category not in AGAINST_JOB_NOISE or sig.rank < 0:
                 out.append(sig)
                 continue
             verdict = self.stands_out(sig)

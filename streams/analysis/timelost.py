@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from fleetscope.schemas.categories import REGISTRY
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import F64
 
-BOUNDED_CATEGORIES = ("gpu_slow", "host_slow")
+BOUNDED_CATEGORIES = tuple(c.value for c, i in REGISTRY.items() if i.bounded_by_lateness)
 
 
 def bound_by_lateness(signals: dict[int, RankSignal], lateness: F64) -> dict[int, RankSignal]:

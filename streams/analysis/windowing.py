@@ -35,7 +35,7 @@ from fleetscope.schemas.vocabulary import (
     is_step_marker_name,
 )
 from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS
-from fleetscope.streams.analysis.closed import ClosedIteration, summarize_closed
+from fleetscope.streams.analysis.closed_iterations import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
     Cols,
@@ -164,7 +164,7 @@ class RankWindower:
     _host_phases_seen: bool = False
     _pgs: set[int] = field(default_factory=set)
     _collectives_seen: int = 0
-    _progress: list[dict[str, Any]] = field(default_factory=list)
+    _stalls: list[dict[str, Any]] = field(default_factory=list)
     _table: NameTable = field(default_factory=NameTable)
     _luts: dict[EventKind, tuple[list[str], npt.NDArray[np.int32]]] = field(default_factory=dict)
     """Per kind, the last batch's name dictionary and its ids in ``_names``: producers resend the same one."""
@@ -202,7 +202,7 @@ class RankWindower:
         latest = self._track_progress(batch, now_ns)
         cols = self._columns(batch, size=n)
         kind = batch.kind
-        if kind is EventKind.PYTHON:
+        if kind is EventKind.HOST:
             if self._mode != "step_marker" and cols["start_ns"].size:  # read only until markers come
                 seen = int(np.maximum.reduce(cols["start_ns"] + np.maximum(cols["dur_ns"], 0)))
                 self._host_seen_ns = max(self._host_seen_ns, seen)
@@ -219,9 +219,9 @@ class RankWindower:
             cols = {k: v[~late] for k, v in cols.items()}
             latest = None
         if cols[time_col].size:
-            if kind is EventKind.PYTHON:
+            if kind is EventKind.HOST:
                 latest = int(np.maximum.reduce(cols["start_ns"] + cols["dur_ns"]))
-            elif latest is None or kind is not EventKind.THROUGHPUT:
+            elif latest is None or kind is not EventKind.SAMPLES:
                 latest = int(np.maximum.reduce(cols[time_col]))
             self._watermark[kind] = max(self._watermark.get(kind, -(2**62)), latest)
             buf = self._buffers.get(kind)
@@ -238,9 +238,9 @@ class RankWindower:
         """Mean duration of the rank's recent closed iterations (0.0 before the first)."""
         return self._mean_ns
 
-    def take_progress(self) -> list[dict[str, Any]]:
+    def take_stalls(self) -> list[dict[str, Any]]:
         """Stall/resume reports produced since the last call (for the job's hang check)."""
-        out, self._progress = self._progress, []
+        out, self._stalls = self._stalls, []
         return out
 
     def poll(self, now_ns: int) -> list[ClosedIteration]:
@@ -279,7 +279,7 @@ class RankWindower:
     def _track_progress(self, batch: EventBatch, now_ns: int) -> int | None:
         """Move the rank's clock on; return the latest sample time of a hardware batch."""
         latest = None
-        if batch.kind is EventKind.THROUGHPUT:
+        if batch.kind is EventKind.SAMPLES:
             latest = int(np.maximum.reduce(batch["t_ns"]))
             self._clock_ns = max(self._clock_ns, latest)
         else:
@@ -306,7 +306,7 @@ class RankWindower:
             return
         self._stalled = stalled
         h = self.header
-        self._progress.append(
+        self._stalls.append(
             stall_record(h.job, h.rank, h.host, h.world_size, self._closed_step, self._last_progress_ns,
                          clock_ns, mean_ns, stalled)
         )  # fmt: skip
@@ -444,9 +444,9 @@ class RankWindower:
                 return False
         if self._mode == "collective_period" and -(2**62) < self._host_seen_ns < end:
             return False  # a step marker in host events not in yet replaces boundaries inferred from collectives
-        if EventKind.THROUGHPUT in waited:
+        if EventKind.SAMPLES in waited:
             gpu_end = self._gpu_end(start, end)
-            if self._watermark[EventKind.THROUGHPUT] < gpu_end:
+            if self._watermark[EventKind.SAMPLES] < gpu_end:
                 return False
         return True
 
@@ -505,8 +505,8 @@ class RankWindower:
             names=self._names,
             kernels=parts.get(EventKind.KERNELS, {}),
             collectives=parts.get(EventKind.COLLECTIVES, {}),
-            python=parts.get(EventKind.PYTHON, {}),
-            samples=parts.get(EventKind.THROUGHPUT, {}),
+            python=parts.get(EventKind.HOST, {}),
+            samples=parts.get(EventKind.SAMPLES, {}),
             table=self._table,
             max_functions=self.config.max_functions,
             max_function_chars=self.config.max_function_chars,

@@ -26,11 +26,11 @@ worker killed in between would resume after offsets whose contribution was never
 """
 
 from fleetscope.streams.recovery.differential import DifferentialRecovery, JobState, dump_job_state, load_job_state
-from fleetscope.streams.recovery.holds import EARLIEST, Holds
 from fleetscope.streams.recovery.statelog import RecoveryError, StateLog
+from fleetscope.streams.recovery.unacked import EARLIEST, UnackedMessages
 from fleetscope.streams.recovery.windower import RankId, WindowerRecovery
 
 __all__ = [
-    "EARLIEST", "DifferentialRecovery", "Holds", "JobState", "RankId", "RecoveryError", "StateLog",
+    "EARLIEST", "DifferentialRecovery", "JobState", "RankId", "RecoveryError", "StateLog", "UnackedMessages",
     "WindowerRecovery", "dump_job_state", "load_job_state",
 ]  # fmt: skip

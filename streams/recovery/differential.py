@@ -21,8 +21,8 @@ from faust.types import Message
 
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.recovery.holds import EARLIEST, Holds
 from fleetscope.streams.recovery.statelog import StateLog
+from fleetscope.streams.recovery.unacked import EARLIEST, UnackedMessages
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ _JOB_STATE_FORMAT = b"\x03"
 arrays of a few ranks each are mostly pickle framing), 15 MB of float64 durations (a 1,024-rank job's noise
 history) to 45 % in 0.06 CPU s (zlib: 49 % in 0.20 s). 2 (still read): uncompressed;
 ``progress_offset`` counts on ``<prefix>.stalls``. 1 (still read): it counted on the patterns topic, where
-stall reports travelled before, so it means nothing on the stalls topic and restarts at -1."""
+stall records travelled before, so it means nothing on the stalls topic and restarts at -1."""
 _UNCOMPRESSED = b"\x02"
 _PATTERNS_TOPIC_OFFSETS = b"\x01"
 _COMPRESSION_LEVEL = 1
@@ -41,7 +41,7 @@ _COMPRESSION_LEVEL = 1
 @dataclass(frozen=True)
 class JobState:
     """A job's state record: the differential without its waiting pattern records (replay brings them
-    back), the offset of the last stall report it applied, and whether it was flushed since."""
+    back), the offset of the last stall record it applied, and whether it was flushed since."""
 
     job: JobDifferential
     progress_offset: int
@@ -117,7 +117,7 @@ def record_due(credit: float, last_bytes: int, since_s: float, interval_s: float
     the last record (a 1,024-rank job's record is 15 MB and 0.1 CPU s to pickle and compress, in the one
     process that tracks the job), once the job's credit (``share`` of the pattern bytes it took, less the
     state bytes written) covers the last record twice: once for the next record, once held for a record
-    that must go at once (a finding opened or closed, a stall report, the flush at the job's end), so that
+    that must go at once (a finding opened or closed, a stall record, the flush at the job's end), so that
     over a run state bytes stay within ``share`` of the pattern bytes; and in any case ``stale_s`` after the
     last record (a job whose patterns come slowly: the messages a record covers are held until it is
     written, and must still be on the broker for a crash to replay them)."""
@@ -157,7 +157,7 @@ class DifferentialRecovery:
         """Per job: the size of its last state record uncompressed (the next one's estimate)."""
         self._written_at: dict[str, float] = {}
         """Per job: when its last state record was written or read (monotonic seconds)."""
-        self.holds: Holds[str] = Holds()
+        self.unacked: UnackedMessages[str] = UnackedMessages()
         self.restored = 0
         self.unreadable = 0
         self._partition: dict[str, int] = {}
@@ -205,13 +205,13 @@ class DifferentialRecovery:
         """The job's source partition (where its state record goes)."""
         self._partition[job] = partition
 
-    def replayed_progress(self, job: str, offset: int) -> bool:
-        """A stall report the job's state record applied already (re-read after a restart)."""
+    def replayed_stall(self, job: str, offset: int) -> bool:
+        """A stall record the job's state record applied already (re-read after a restart)."""
         return offset <= self._progress_offset.get(job, -1)
 
     def took(self, job: str, message: Message, iteration: int | None) -> None:
         """``message`` was applied to ``job``: a pattern record of ``iteration`` (held until it is scored) or,
-        with None, a stall report (held until the next state record)."""
+        with None, a stall record (held until the next state record)."""
         self._flushed[job] = False
         horizon = EARLIEST
         if iteration is None:
@@ -219,11 +219,11 @@ class DifferentialRecovery:
         else:
             horizon = iteration
             self._credit[job] = self._credit.get(job, 0.0) + self.share * len(message.value or b"")
-        self.holds.hold(job, horizon, message)
+        self.unacked.keep(job, horizon, message)
 
     def skipped(self, job: str, message: Message) -> None:
-        """``message`` was not applied (a replayed stall report): ack it with the job's next release."""
-        self.holds.hold(job, EARLIEST, message)
+        """``message`` was not applied (a replayed stall record): ack it with the job's next release."""
+        self.unacked.keep(job, EARLIEST, message)
 
     def flushed(self, job: str) -> None:
         self._flushed[job] = True
@@ -238,7 +238,7 @@ class DifferentialRecovery:
             mark = self._mark(job)
             written = self._written.get(job)
             if mark == written:
-                out += self.holds.release(job, jd.scored_upto + 1)
+                out += self.unacked.take_harmless(job, jd.scored_upto + 1)
                 continue
             if written is not None and mark[2:] == written[2:]:  # only iterations scored since the last record
                 since_s = time.monotonic() - self._written_at.get(job, 0.0)
@@ -251,13 +251,13 @@ class DifferentialRecovery:
             self._written[job] = mark
             self._last_bytes[job], self._written_at[job] = len(pickled), time.monotonic()
             self._credit[job] = self._credit.get(job, 0.0) - len(pickled)
-            out += self.holds.release(job, jd.scored_upto + 1)
+            out += self.unacked.take_harmless(job, jd.scored_upto + 1)
         return out
 
     def revoke(self, partitions: Collection[int]) -> list[str]:
         """Forget the jobs of revoked partitions; return them."""
         jobs = [j for j, p in self._partition.items() if p in partitions]
-        self.holds.forget(jobs)
+        self.unacked.forget(jobs)
         for job in jobs:
             tables = (self.jobs, self._partition, self._progress_offset, self._flushed, self._written)
             for table in (*tables, self._credit, self._last_bytes, self._written_at):
@@ -267,7 +267,7 @@ class DifferentialRecovery:
 
     def _mark(self, job: str) -> tuple[int, int, int, bool, int]:
         """What a state record must follow: iterations taken to score and tracked (apart with scoring
-        processes, which track an iteration later), stall reports, flushes and open findings (a hang opened
+        processes, which track an iteration later), stall records, flushes and open findings (a hang opened
         from heartbeats, findings closed when the job ended)."""
         return (
             self.jobs[job].iterations_scored,

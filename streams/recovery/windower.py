@@ -11,8 +11,8 @@ from faust.types import Message
 
 from fleetscope.schemas.topics import rank_key
 from fleetscope.streams.analysis.windowing import ClosedIteration
-from fleetscope.streams.recovery.holds import Holds
 from fleetscope.streams.recovery.statelog import StateLog
+from fleetscope.streams.recovery.unacked import UnackedMessages
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class WindowerRecovery:
 
     def __init__(self, log: StateLog) -> None:
         self.log = log
-        self.holds: Holds[RankId] = Holds()
+        self.unacked: UnackedMessages[RankId] = UnackedMessages()
         self.emitted: dict[RankId, tuple[int, int]] = {}
         """(step, end_ns) of the last emitted iteration of each rank."""
         self.restored = 0
@@ -107,21 +107,21 @@ class WindowerRecovery:
         for key in keys:
             last = self.emitted.get(key)
             if last is not None:
-                out += self.holds.release(key, last[1])
+                out += self.unacked.take_harmless(key, last[1])
         return out
 
     def release_idle(self, keys: Iterable[RankId]) -> list[Message]:
         """Everything held for ranks that went idle: their steps were flushed, what is left is in no step."""
-        return [m for key in keys for m in self.holds.release_all(key)]
+        return [m for key in keys for m in self.unacked.take_all(key)]
 
     def jobs_in_progress(self) -> set[str]:
         """Jobs with raw messages still held: some of their iterations are not emitted yet."""
-        return {job for job, _ in self.holds.owners()}
+        return {job for job, _ in self.unacked.owners()}
 
     def revoke(self, partitions: Collection[int]) -> list[RankId]:
         """Forget the ranks of revoked partitions; return them (the caller drops their windowers)."""
         keys = [k for k, p in self._partition.items() if p in partitions]
-        self.holds.forget(keys)
+        self.unacked.forget(keys)
         for key in keys:
             self.emitted.pop(key, None)
             del self._partition[key]

@@ -51,7 +51,7 @@ def _bad_messages(start_ns: int) -> list[bytes]:
     """Implausible batches of every rule plus mutated valid messages that no longer decode or validate."""
     batches = list(simulate(SimulatorConfig(job="dl-bad", ranks=2, iterations=2, start_ns=start_ns)))
     kernels = next(b for b in batches if b.kind is EventKind.KERNELS)
-    samples = next(b for b in batches if b.kind is EventKind.THROUGHPUT)
+    samples = next(b for b in batches if b.kind is EventKind.SAMPLES)
     future = time.time_ns() + 10 * 86_400 * 10**9
     bad = [
         b"",

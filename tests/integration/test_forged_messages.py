@@ -43,10 +43,10 @@ def forged(finding_id: str) -> dict[str, Any]:
 def marker_23_hours_ahead(sim: SimulatorConfig, rank: int) -> bytes:
     """A host batch of ``rank`` holding one step marker 23 h past the rank's last event (the intake's day
     allows it): on 4dd2932 it became a step of its own and made the rank's later events late."""
-    like = [b for b in simulate(sim) if b.kind is EventKind.PYTHON and b.header.rank == rank][-1]
+    like = [b for b in simulate(sim) if b.kind is EventKind.HOST and b.header.rank == rank][-1]
     start = int(like["start_ns"].max()) + 23 * 3_600 * 10**9
     return encode_event_batch(EventBatch(
-        kind=EventKind.PYTHON, header=replace(like.header, seq=like.header.seq + 1), names=["ProfilerStep#900"],
+        kind=EventKind.HOST, header=replace(like.header, seq=like.header.seq + 1), names=["ProfilerStep#900"],
         columns={"start_ns": [start], "dur_ns": [10**6], "name_id": [0], "depth": [0]},
     ))  # fmt: skip
 
@@ -78,7 +78,7 @@ def test_forged_findings_and_a_forged_clock_jump_are_dead_lettered_and_cost_the_
             producer.produce(topics.findings, key=job_key(JOB), value=wrong, headers=[(MAC_HEADER, mac)])
             assert producer.flush(10) == 0
             publish_simulation(stack.config, sim, Progress(enabled=False))
-            producer.produce(topics.raw(EventKind.PYTHON), key=rank_key(JOB, 2), value=marker_23_hours_ahead(sim, 2))
+            producer.produce(topics.raw(EventKind.HOST), key=rank_key(JOB, 2), value=marker_23_hours_ahead(sim, 2))
             assert producer.flush(10) == 0
             real = wait_until(lambda: stack.store.findings(job=JOB) if stack.sink.stats["dead_letters"] >= 2 else [],
                               timeout_s=90)  # fmt: skip

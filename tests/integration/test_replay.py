@@ -54,7 +54,7 @@ def test_replay_publishes_every_batch_of_the_hta_pair(
     want_batches = sum(v for k, v in expected.items() if k[2] == "batches")
     consumer = Consumer({"bootstrap.servers": broker, "group.id": prefix, "enable.auto.commit": False})
     try:  # assigned partitions, no group join: Tansu holds a join for half the session timeout
-        raw = [topics.raw(k) for k in (EventKind.KERNELS, EventKind.COLLECTIVES, EventKind.PYTHON)]
+        raw = [topics.raw(k) for k in (EventKind.KERNELS, EventKind.COLLECTIVES, EventKind.HOST)]
         consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t in raw for p in range(2)])
         deadline = time.monotonic() + 30
         received = 0

@@ -1,4 +1,4 @@
-"""The windower's stall reports travel on ``<prefix>.stalls`` to the differential (real broker, worker,
+"""The windower's stall records travel on ``<prefix>.stalls`` to the differential (real broker, worker,
 store): a simulated job hangs, its ranks' hardware samples go on after their events stopped, the hang is
 found from the reports, and the patterns topic carries pattern records only."""
 
@@ -26,12 +26,12 @@ def _tail(batches: list[EventBatch]) -> set[int]:
     """Indices of the sample batches that lie wholly after their rank's last event: the hang's aftermath."""
     last: dict[int, int] = {}
     for b in batches:
-        if b.kind is not EventKind.THROUGHPUT and len(b):
+        if b.kind is not EventKind.SAMPLES and len(b):
             last[b.header.rank] = max(last.get(b.header.rank, 0), int((b["start_ns"] + b["dur_ns"]).max()))
     return {
         i
         for i, b in enumerate(batches)
-        if b.kind is EventKind.THROUGHPUT and len(b) and int(b["t_ns"].min()) > last[b.header.rank]
+        if b.kind is EventKind.SAMPLES and len(b) and int(b["t_ns"].min()) > last[b.header.rank]
     }
 
 
@@ -50,7 +50,7 @@ def _subjects(broker: str, topic: str, wait_s: float = 5.0) -> list[tuple[str, d
     return out
 
 
-def test_stall_reports_reach_the_differential_on_their_own_topic(
+def test_stall_records_reach_the_differential_on_their_own_topic(
     tmp_path: Path, chdb_path: Path, database: str, broker: str
 ) -> None:
     tag = uuid.uuid4().hex[:8]
@@ -86,6 +86,6 @@ def test_stall_reports_reach_the_differential_on_their_own_topic(
         assert [f["rank"] for f in hangs] == [2]
         stalls = _subjects(broker, topics.stalls)
         patterns = _subjects(broker, topics.patterns)
-    assert {s for s, _ in stalls} == {"progress"}
+    assert {s for s, _ in stalls} == {"stall"}
     assert {int(r["rank"]) for _, r in stalls if r["stalled"]} == set(range(sim.ranks))
     assert patterns and {s for s, _ in patterns} == {"patterns"}

@@ -193,7 +193,7 @@ def test_new_relative_timestamps_with_base_time(tmp_path: Path) -> None:
     (kb,) = [b for b in trace.batches if b.kind is EventKind.KERNELS]
     assert kb["start_ns"].tolist() == [BASE_NS + 4458677009853422] and kb["dur_ns"].tolist() == [2636669]
     assert kb["launch_ns"].size == 0  # no cuda_runtime event: launch time unknown
-    (pb,) = [b for b in trace.batches if b.kind is EventKind.PYTHON]
+    (pb,) = [b for b in trace.batches if b.kind is EventKind.HOST]
     assert pb["start_ns"].tolist() == [BASE_NS + 4458676416788066] and trace.time_base == "base_time_ns"
     gz = write(tmp_path / "z" / "t.json", {})
     gz.write_bytes(gzip.compress(json.dumps(doc).encode()))
@@ -254,7 +254,7 @@ def test_host_spans_and_memory_ops(tmp_path: Path) -> None:
     ]
     trace = parse_trace(write(tmp_path / "trace_rank-2.json", {"traceEvents": events}))
     assert trace.rank == 2 and trace.host == "trace_rank-2" and trace.memory_ops == 2 and trace.kernels == 0
-    (pb,) = [b for b in trace.batches if b.kind is EventKind.PYTHON]
+    (pb,) = [b for b in trace.batches if b.kind is EventKind.HOST]
     depth = {pb.names[n]: int(d) for n, d in zip(pb["name_id"], pb["depth"], strict=True)}
     assert depth == {
         "ProfilerStep#3": 0,

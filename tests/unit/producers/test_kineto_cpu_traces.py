@@ -127,7 +127,7 @@ def test_python_functions_named_with_their_objects_addresses_are_one_function_on
         doc = {"distributedInfo": {"rank": rank, "world_size": 2}, "traceEvents": events}
         path = tmp_path / f"rank{rank}.json"
         path.write_text(json.dumps(doc))
-        (b,) = [b for b in parse_trace(path).batches if b.kind is EventKind.PYTHON]
+        (b,) = [b for b in parse_trace(path).batches if b.kind is EventKind.HOST]
         names.append(sorted(b.names[i] for i in b["name_id"].tolist() if not b.names[i].startswith("fleetscope")))
     assert names[0] == names[1] == [
         "<built-in function sleep>", "<built-in method run_backward of torch._C._EngineBase object>",

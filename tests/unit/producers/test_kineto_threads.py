@@ -80,7 +80,7 @@ def test_a_thread_s_dropped_ops_are_sent_as_its_busy_time_outside_its_spans(tmp_
     write_job(tmp_path, "")
     trace = parse_trace(tmp_path / "rank-0.pt.trace.json")
     rows = [(b.names[b["name_id"][i]], int(b["start_ns"][i]), int(b["dur_ns"][i]), int(b["depth"][i]))
-            for b in trace.batches if b.kind is EventKind.PYTHON for i in range(len(b))]  # fmt: skip
+            for b in trace.batches if b.kind is EventKind.HOST for i in range(len(b))]  # fmt: skip
     busy = [r for r in rows if r[3] == THREAD_BUSY_DEPTH]
     # the autograd thread's outermost op, once per step; the main thread's ops lie inside its spans
     assert len(busy) == STEPS

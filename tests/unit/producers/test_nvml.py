@@ -65,7 +65,7 @@ def test_link_rates_come_from_counter_deltas_over_the_field_timestamps() -> None
     assert np.diff(t).tolist() == [500_000_000]  # sample time = the field's timestamp
     header = batches[0].header
     assert (header.job, header.rank, header.gpu_uuid, header.streams) == ("j", 3, "GPU-fake", ("throughput",))
-    assert batches[0].kind is EventKind.THROUGHPUT and header.seq == 0
+    assert batches[0].kind is EventKind.SAMPLES and header.seq == 0
     sampler.stop()
 
 

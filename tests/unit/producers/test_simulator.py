@@ -61,7 +61,7 @@ def kernel_ms(ev: Events, rank: int, name: str = "ampere_bf16_s16816gemm_bf16_25
 
 def python_ms(ev: Events, rank: int, name: str) -> np.ndarray:
     """Durations of every call of a host function on one rank."""
-    p = ev[rank][EventKind.PYTHON]
+    p = ev[rank][EventKind.HOST]
     return p["dur_ns"][p["name"] == name] / 1e6
 
 
@@ -83,7 +83,7 @@ def dp_matrix(ev: Events, column: str) -> np.ndarray:
 
 def steps(ev: Events, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step numbers, start_ns, end_ns) of a rank's completed ProfilerStep markers."""
-    p = ev[rank][EventKind.PYTHON]
+    p = ev[rank][EventKind.HOST]
     mark = np.char.startswith(p["name"].astype(str), "ProfilerStep#")
     numbers = np.array([parse_step_marker(n) for n in p["name"][mark]])
     return numbers, p["start_ns"][mark], p["start_ns"][mark] + p["dur_ns"][mark]
@@ -95,7 +95,7 @@ def iteration_ms(ev: Events) -> float:
 
 
 def samples(ev: Events, rank: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
-    th = ev[rank][EventKind.THROUGHPUT]
+    th = ev[rank][EventKind.SAMPLES]
     sel = th["metric"] == metric
     return th["t_ns"][sel], th["value"][sel]
 
@@ -163,8 +163,8 @@ def test_each_rank_iteration_yields_four_kinds_in_order_with_a_gapless_producer_
     assert [b.kind for b in batches[:4]] == [
         EventKind.KERNELS,
         EventKind.COLLECTIVES,
-        EventKind.PYTHON,
-        EventKind.THROUGHPUT,
+        EventKind.HOST,
+        EventKind.SAMPLES,
     ]
     seqs: dict[str, list[int]] = defaultdict(list)
     for b in batches:
@@ -192,7 +192,7 @@ def test_step_markers_cover_every_iteration_and_contain_its_host_functions() -> 
     for rank in ranks_of(ev):
         numbers, lo, hi = steps(ev, rank)
         assert numbers.tolist() == list(range(ITERATIONS))
-        p = ev[rank][EventKind.PYTHON]
+        p = ev[rank][EventKind.HOST]
         inner = p["depth"] == 1
         s, e = p["start_ns"][inner], p["start_ns"][inner] + p["dur_ns"][inner]
         assert during(s, lo, hi + 1).all() and during(e - 1, lo, hi + 1).all()
@@ -322,7 +322,7 @@ def test_host_slow_is_a_gc_pause_of_a_share_of_the_iteration_that_idles_the_gpu_
     gc = python_ms(ev, 3, "gc.collect")
     assert gc.size == ITERATIONS and np.median(gc) == pytest.approx(0.1 * iteration_ms(healthy), rel=0.05)
     assert iteration_ms(ev) / iteration_ms(healthy) == pytest.approx(1.1, abs=0.02)  # about 10 % of a step
-    p = ev[3][EventKind.PYTHON]
+    p = ev[3][EventKind.HOST]
     names = [n for n in p["name"] if not n.startswith("Profiler")][: 5 + 1]
     assert names == [
         "dataloader.next",
@@ -407,8 +407,8 @@ def test_a_hang_stops_the_job_inside_the_iteration_while_samples_continue() -> N
         k = ev[r][EventKind.KERNELS]
         assert (k["dur_ns"] > 0).all() and k["start_ns"].size > 3 * 101  # work of step 3 was done
     assert len(set(last_seq.values())) == 1 and last_seq[0] < 4 * 6 - 1  # everyone stuck at one bucket
-    python = ev[5][EventKind.PYTHON]["name"]
-    assert "backward" not in python[-3:] and "backward" in ev[4][EventKind.PYTHON]["name"][-3:]
+    python = ev[5][EventKind.HOST]["name"]
+    assert "backward" not in python[-3:] and "backward" in ev[4][EventKind.HOST]["name"][-3:]
     t, _ = samples(ev, 4, "nvlink_tx_bytes_per_s")
     step2_end = steps(ev, 4)[2][-1]
     assert (t.max() - step2_end) / 1e6 > 7 * iteration_ms(events())  # the sampler keeps running
@@ -461,11 +461,11 @@ def test_clock_skew_shifts_every_timestamp_of_a_host_by_one_offset() -> None:
     plain, skewed = run(), run(clock_skew_ms=5.0)
     offsets: dict[str, set[int]] = defaultdict(set)
     for a, b in zip(plain, skewed, strict=True):
-        time_col = "t_ns" if a.kind == EventKind.THROUGHPUT else "start_ns"
+        time_col = "t_ns" if a.kind == EventKind.SAMPLES else "start_ns"
         diff = np.unique(b[time_col] - a[time_col])
         assert diff.size == 1
         offsets[a.header.host].add(int(diff[0]))
-        if a.kind != EventKind.THROUGHPUT:
+        if a.kind != EventKind.SAMPLES:
             np.testing.assert_array_equal(a["dur_ns"], b["dur_ns"])
     values = [s.pop() for s in offsets.values() if len(s) == 1]
     assert len(values) == len(offsets) and all(abs(v) <= 5_000_000 for v in values)
@@ -480,13 +480,13 @@ def test_large_batches_are_split_and_keep_the_sequence() -> None:
     rank0 = [b for b in batches if b.header.rank == 0]
     assert all(len(b) <= MAX_BATCH_EVENTS for b in rank0)
     assert [b.header.seq for b in rank0] == list(range(len(rank0)))
-    th = [b for b in rank0 if b.kind == EventKind.THROUGHPUT][0]
+    th = [b for b in rank0 if b.kind == EventKind.SAMPLES][0]
     assert th.names == list(METRICS) and len(METRICS) == 8
 
 
 def test_producer_shaped_batches_hold_the_same_events_in_fewer_messages_with_a_gapless_sequence() -> None:
     def span_ns(b: EventBatch) -> int:
-        return b.header.sent_ns - int(b["t_ns" if b.kind == EventKind.THROUGHPUT else "start_ns"].min())
+        return b.header.sent_ns - int(b["t_ns" if b.kind == EventKind.SAMPLES else "start_ns"].min())
 
     per_iteration, shaped = run(), run(flush_interval_ms=500)
     assert len(shaped) < len(per_iteration) / 2
@@ -509,7 +509,7 @@ def test_producer_shaped_batches_hold_the_same_events_in_fewer_messages_with_a_g
 
 def test_first_step_numbers_markers_and_collective_sequence() -> None:
     batches = list(simulate(SimulatorConfig(ranks=2, iterations=2, first_step=100, buckets=3)))
-    py = [b for b in batches if b.kind == EventKind.PYTHON and b.header.rank == 1]
+    py = [b for b in batches if b.kind == EventKind.HOST and b.header.rank == 1]
     assert [b.names[0] for b in py] == ["ProfilerStep#100", "ProfilerStep#101"]
     coll = [b for b in batches if b.kind == EventKind.COLLECTIVES and b.header.rank == 1]
     assert coll[0]["seq"].tolist() == [300, 301, 302]

@@ -135,7 +135,7 @@ def test_batches_carry_the_rank_the_declared_streams_and_gapless_sequence_number
     recorder.stop()
     recorder.stop()  # idempotent
     kinds = [b.kind for b in publisher.batches]
-    assert kinds == [EventKind.PYTHON] * 3 + [EventKind.COLLECTIVES]
+    assert kinds == [EventKind.HOST] * 3 + [EventKind.COLLECTIVES]
     assert [b.header.seq for b in publisher.batches] == [0, 1, 2, 3]
     assert {b.header.streams for b in publisher.batches} == {("collectives", "python")}
     first = publisher.batches[0]
@@ -165,13 +165,13 @@ def test_guard_counts_and_logs_each_failing_site_once(caplog: pytest.LogCaptureF
 def test_a_held_recorder_publishes_the_window_batches_before_its_host_events() -> None:
     publisher = FakePublisher()
     recorder = Recorder(ME, publisher, RecorderConfig(flush_interval_ms=10_000))
-    recorder.hold()
+    recorder.hold_host_events()
     recorder.python_span("ProfilerStep#0", 0, 10)
     recorder._flush()
     assert publisher.batches == []
 
     def window() -> list[EventBatch]:
-        recorder.release()
+        recorder.release_host_events()
         return [
             EventBatch(
                 kind=EventKind.KERNELS,
@@ -183,7 +183,7 @@ def test_a_held_recorder_publishes_the_window_batches_before_its_host_events() -
 
     recorder.submit(window)
     recorder._flush()
-    assert [b.kind for b in publisher.batches] == [EventKind.KERNELS, EventKind.PYTHON]
+    assert [b.kind for b in publisher.batches] == [EventKind.KERNELS, EventKind.HOST]
 
 
 def test_heartbeats_go_out_on_time_while_the_training_thread_is_blocked_inside_a_collective() -> None:
@@ -199,7 +199,7 @@ def test_heartbeats_go_out_on_time_while_the_training_thread_is_blocked_inside_a
         time.sleep(0.3)
         inside = publisher.heartbeats()
         recorder.state.leave(entry)
-        recorder.hold()
+        recorder.hold_host_events()
         time.sleep(0.1)
     finally:
         recorder.stop()
@@ -303,7 +303,7 @@ def test_step_markers_optimizer_spans_and_collectives_with_sequence_numbers(hook
     finally:
         dist.destroy_process_group()
     recorder._flush()
-    spans = [b for b in publisher.batches if b.kind is EventKind.PYTHON]
+    spans = [b for b in publisher.batches if b.kind is EventKind.HOST]
     names = [b.names[i] for b in spans for i, depth in zip(b["name_id"], b["depth"], strict=True) if depth >= 0]
     assert [parse_step_marker(n) for n in names if parse_step_marker(n) is not None] == [0, 1, 2]
     assert names.count("optimizer.step") == 3  # spans; a descheduled one also has its wait row (depth -2)
@@ -334,12 +334,12 @@ def test_a_profiling_window_adds_host_ops_from_the_profilers_memory(hooked) -> N
     spans = [
         (b.names[i], int(start), int(dur))
         for b in publisher.batches
-        if b.kind is EventKind.PYTHON
+        if b.kind is EventKind.HOST
         for i, start, dur in zip(b["name_id"], b["start_ns"], b["dur_ns"], strict=True)
     ]
     names = {name for name, _, _ in spans}
     assert "user_region" in names and any(n.startswith("aten::") for n in names)
-    assert recorder.stats.hook_errors == 0 and not recorder._held
+    assert recorder.stats.hook_errors == 0 and not recorder._host_events_held
     # one span covers the window, and the profiler's own events keep their real (epoch) timestamps inside it
     (window,) = [(start, start + dur) for name, start, dur in spans if is_profiling_window(name)]
     profiled = [(start, start + dur) for name, start, dur in spans if name == "user_region"]
@@ -364,7 +364,7 @@ def test_garbage_collections_are_host_spans(hooked) -> None:
     rows = [
         (int(start), int(dur), int(depth))
         for b in publisher.batches
-        if b.kind is EventKind.PYTHON
+        if b.kind is EventKind.HOST
         for i, start, dur, depth in zip(b["name_id"], b["start_ns"], b["dur_ns"], b["depth"], strict=True)
         if b.names[i] == GC_PAUSE
     ]
@@ -404,7 +404,7 @@ def test_a_host_span_carries_the_run_queue_wait_its_thread_had_in_it_and_a_neste
     rows = {
         (b.names[i], int(depth)): (int(start), int(dur))
         for b in publisher.batches
-        if b.kind is EventKind.PYTHON
+        if b.kind is EventKind.HOST
         for i, start, dur, depth in zip(b["name_id"], b["start_ns"], b["dur_ns"], b["depth"], strict=True)
     }
     outer, inner = rows[("outer", 0)], rows[("inner", 0)]
@@ -602,11 +602,11 @@ def test_a_rank_blocked_inside_a_window_stops_saying_profiling_once_the_window_s
     reported."""
     recorder = Recorder(ME, FakePublisher(), RecorderConfig(flush_interval_ms=10_000))
     now = time.time_ns()
-    recorder.hold(now + 1_000_000_000)
+    recorder.hold_host_events(now + 1_000_000_000)
     assert recorder.profiling
-    recorder.hold(now - HOLD_GRACE_NS - 1)  # planned to end longer ago than the grace
+    recorder.hold_host_events(now - HOLD_GRACE_NS - 1)  # planned to end longer ago than the grace
     assert not recorder.profiling
-    recorder.release()
+    recorder.release_host_events()
     assert not recorder.profiling
 
 

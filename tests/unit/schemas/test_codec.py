@@ -104,7 +104,7 @@ def test_ids_outside_the_name_dictionary_are_rejected():
 def test_columns_of_unequal_length_are_rejected():
     with pytest.raises(ValueError, match="expected"):
         EventBatch(
-            kind=EventKind.PYTHON,
+            kind=EventKind.HOST,
             header=HEADER,
             names=["f"],
             columns={"start_ns": [1, 2], "dur_ns": [1], "name_id": [0, 0], "depth": [0, 0]},

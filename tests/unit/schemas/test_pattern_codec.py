@@ -1,8 +1,8 @@
 """Pattern records through the numpy encoder and decoder: fastavro's bytes and values (the reference).
 
 The windower writes one pattern record per rank and iteration, each with hundreds of functions, and the
-differential and the sink read them; ``encode`` and ``decode`` take them with ``fastencode`` and
-``fastdecode`` (docs/scaling.md). What either does not vouch for is fastavro's, so both end alike on every
+differential and the sink read them; ``encode`` and ``decode`` take them with ``columnar_encode`` and
+``columnar_decode`` (docs/scaling.md). What either does not vouch for is fastavro's, so both end alike on every
 input: the same bytes, the same values (as numpy columns), or the same error.
 """
 
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import CATALOG, SchemaError, codec, decode, encode
-from fleetscope.schemas.fastdecode import decode_columns
-from fleetscope.schemas.fastencode import encode_columns
+from fleetscope.schemas.columnar_decode import decode_columns
+from fleetscope.schemas.columnar_encode import encode_columns
 from fleetscope.schemas.records import PATTERN_TIMELINE_FIELDS
 from fleetscope.sinks.records import avro_fields
 from fleetscope.streams.offline import OfflinePipeline
@@ -264,9 +264,9 @@ def test_older_pattern_schemas_have_the_head_other_subjects_none_and_a_cut_head_
         )
         _, whole = decode(buf.getvalue())
         assert codec.decode_head(buf.getvalue())[1] == {name: whole[name] for name, _ in codec.PATTERN_HEAD}
-    progress = {"job": "j", "rank": 0, "host": "h", "world_size": 1, "last_step": 1, "last_progress_ns": 1,
+    stall = {"job": "j", "rank": 0, "host": "h", "world_size": 1, "last_step": 1, "last_progress_ns": 1,
                 "clock_ns": 2, "stalled_ns": 1, "mean_iteration_ns": 1, "stalled": True}  # fmt: skip
-    assert codec.decode_head(encode("progress", progress, fast=False))[1] is None
+    assert codec.decode_head(encode("stall", stall, fast=False))[1] is None
     message = encode("patterns", PATTERNS[0])
     for cut in (5, 8, 12, 30):
         with pytest.raises(SchemaError, match="its head"):

@@ -24,7 +24,7 @@ from fleetscope.verdict import sentence
 def _wait_batch(like: EventBatch, spans: list[tuple[int, int]]) -> EventBatch:
     cols = {"start_ns": np.array([s for s, _ in spans]), "dur_ns": np.array([w for _, w in spans]),
             "name_id": np.zeros(len(spans), dtype=np.int32), "depth": np.zeros(len(spans), dtype=np.int32)}  # fmt: skip
-    return EventBatch(kind=EventKind.PYTHON, header=like.header, names=[CPU_WAIT], columns=cols)
+    return EventBatch(kind=EventKind.HOST, header=like.header, names=[CPU_WAIT], columns=cols)
 
 
 def _closed(batches: list[EventBatch]) -> list[Any]:
@@ -38,7 +38,7 @@ def test_each_iteration_gets_the_wait_published_at_its_start_and_the_span_is_no_
     plain = {c.step: c for c in _closed(batches)}
     assert all(c.iteration["cpu_wait_ns"] == -1 == c.patterns["cpu_wait_ns"] for c in plain.values())
     starts = {step: c.iteration["start_ns"] for step, c in plain.items()}
-    first = next(b for b in batches if b.kind is EventKind.PYTHON)
+    first = next(b for b in batches if b.kind is EventKind.HOST)
     waits = [(starts[step], 1_000 * (step + 1)) for step in sorted(starts) if step != 3]
     closed = {c.step: c for c in _closed([_wait_batch(first, waits), *batches])}
     assert {s: c.iteration["cpu_wait_ns"] for s, c in closed.items()} == {

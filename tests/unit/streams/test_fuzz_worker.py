@@ -186,7 +186,7 @@ def test_the_worker_step_never_raises_and_gives_every_bad_message_a_reason(messa
         for c in w.poll(10**15) + w.flush():
             encode("iterations", c.iteration)
             encode("patterns", c.patterns)
-        w.take_progress()
+        w.take_stalls()
 
 
 @FUZZ

@@ -33,7 +33,7 @@ def host_batch(rank: int, names: list[str], start_ns: int, dur_ns: int, like: Ev
     """A host batch keyed as ``rank`` of ``like``'s job: one span per name at ``start_ns``."""
     n = len(names)
     return EventBatch(
-        kind=EventKind.PYTHON,
+        kind=EventKind.HOST,
         header=replace(like.header, rank=rank, seq=like.header.seq + 10_000),
         names=names,
         columns={
@@ -77,7 +77,7 @@ def test_a_step_marker_of_5000_digits_is_no_step_and_never_raises():
 def test_a_5000_digit_step_marker_costs_its_event_not_the_ranks_later_batches():
     batches = job_batches()
     healthy, _ = closed_steps(WindowerStage(), batches, rank=1)
-    host = [i for i, b in enumerate(batches) if b.kind is EventKind.PYTHON and b.header.rank == 1]
+    host = [i for i, b in enumerate(batches) if b.kind is EventKind.HOST and b.header.rank == 1]
     at = host[2]
     bad = host_batch(1, ["ProfilerStep#" + "7" * 5000], int(batches[at]["start_ns"].min()), 1_000, batches[at])
     steps, reasons = closed_steps(WindowerStage(), [*batches[:at], bad, *batches[at:]], rank=1)
@@ -88,7 +88,7 @@ def test_a_5000_digit_step_marker_costs_its_event_not_the_ranks_later_batches():
 def test_a_marker_stamped_23_hours_ahead_is_refused_and_the_rank_keeps_every_step():
     batches = job_batches()
     healthy, _ = closed_steps(WindowerStage(), batches, rank=1)
-    host = [i for i, b in enumerate(batches) if b.kind is EventKind.PYTHON and b.header.rank == 1]
+    host = [i for i, b in enumerate(batches) if b.kind is EventKind.HOST and b.header.rank == 1]
     at = host[3]
     ahead = int(batches[at]["start_ns"].max()) + 23 * 3_600 * 10**9
     forged = [host_batch(1, [f"ProfilerStep#{900 + i}"], ahead + i * 10**9, 10**6, batches[at]) for i in range(4)]

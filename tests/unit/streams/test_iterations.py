@@ -76,7 +76,7 @@ def strip(batches, drop_kinds=()):
     for b in batches:
         if b.kind in drop_kinds:
             continue
-        if b.kind is EventKind.PYTHON:
+        if b.kind is EventKind.HOST:
             keep = np.array([parse_step_marker(b.names[i]) is None for i in b["name_id"]])
             b = EventBatch(
                 kind=b.kind,
@@ -100,7 +100,7 @@ def test_without_step_markers_the_optimizer_sequence_cuts_iterations_and_detecti
 
 def test_without_any_host_stream_the_collective_period_cuts_iterations():
     cfg = SimulatorConfig(ranks=8, iterations=12, faults=(parse_fault("slow_link:5"),))
-    result = OfflinePipeline().add_all(strip(simulate(cfg), drop_kinds=(EventKind.PYTHON,))).finish()
+    result = OfflinePipeline().add_all(strip(simulate(cfg), drop_kinds=(EventKind.HOST,))).finish()
     assert {i["detected_by"] for i in result.iterations} == {"collective_period"}
     per_rank = {}
     for i in result.iterations:

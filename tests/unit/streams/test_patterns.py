@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind, classify_kernel, encode
 from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION
-from fleetscope.streams.analysis import closed as closed_module
+from fleetscope.streams.analysis import closed_iterations as closed_module
 from fleetscope.streams.analysis.patterns import (
     ACTIVE_SHARE,
     LINK_FAMILIES,

@@ -21,7 +21,7 @@ def job_batches(iterations: int = 10, ranks: int = 4, **kw):
 def window_batch(like: EventBatch, start_ns: int, dur_ns: int) -> EventBatch:
     cols = {"start_ns": np.array([start_ns]), "dur_ns": np.array([dur_ns]), "name_id": np.array([0]),
             "depth": np.array([0])}  # fmt: skip
-    return EventBatch(kind=EventKind.PYTHON, header=like.header, names=[PROFILING_WINDOW], columns=cols)
+    return EventBatch(kind=EventKind.HOST, header=like.header, names=[PROFILING_WINDOW], columns=cols)
 
 
 def step_spans(batches, rank: int = 0) -> dict[int, tuple[int, int]]:
@@ -40,7 +40,7 @@ def with_window(batches, ranks, start_ns: int, end_ns: int):
     """The window's span first (as the producer publishes it), then the rank's events."""
     out = []
     for rank in ranks:
-        first = next(b for b in batches if b.header.rank == rank and b.kind is EventKind.PYTHON)
+        first = next(b for b in batches if b.header.rank == rank and b.kind is EventKind.HOST)
         out.append(window_batch(first, start_ns, end_ns - start_ns))
     return out + batches
 
@@ -66,7 +66,7 @@ def test_silence_inside_a_window_is_no_stall():
     mean = spans[1][1] - spans[0][1]
     before = [b for b in batches if b.columns.get("start_ns", b.columns.get("t_ns")).max() < spans[5][1]]
     # the window opens after step 5 and lasts 20 mean iterations; its events arrive when it closes
-    samples = [b for b in batches if b.kind is EventKind.THROUGHPUT]
+    samples = [b for b in batches if b.kind is EventKind.SAMPLES]
     late_clock = replace(samples[-1], columns={**samples[-1].columns, "t_ns": samples[-1]["t_ns"] + 20 * mean})
 
     def stalls(window: bool):
@@ -74,7 +74,7 @@ def test_silence_inside_a_window_is_no_stall():
         feed = before + ([window_batch(batches[0], spans[5][1], 25 * mean)] if window else []) + [late_clock]
         for b in feed:
             w.add(b, 0)
-        return [r["stalled"] for r in w.take_progress()]
+        return [r["stalled"] for r in w.take_stalls()]
 
     assert stalls(window=False) == [True]  # the same silence without a window: a stalled rank
     assert stalls(window=True) == []
@@ -110,8 +110,8 @@ def test_iterations_profiled_on_some_ranks_only_are_not_compared_across_ranks():
 
 def test_samples_read_ahead_of_a_lagging_partition_are_a_backlog_not_a_stall():
     batches = [b for b in job_batches(iterations=40) if b.header.rank == 0]
-    samples = [b for b in batches if b.kind is EventKind.THROUGHPUT]
-    progress = [b for b in batches if b.kind is not EventKind.THROUGHPUT]
+    samples = [b for b in batches if b.kind is EventKind.SAMPLES]
+    progress = [b for b in batches if b.kind is not EventKind.SAMPLES]
 
     def stalls(gap_ns: int) -> list[bool]:
         """The first iterations, then every sample batch at once, then the lagging host and GPU batches,
@@ -124,7 +124,7 @@ def test_samples_read_ahead_of_a_lagging_partition_are_a_backlog_not_a_stall():
         for b in samples:
             now += gap_ns
             w.add(b, now)
-        return [r["stalled"] for r in w.take_progress()]
+        return [r["stalled"] for r in w.take_stalls()]
 
     assert stalls(gap_ns=10**6) == []  # the rank's other partitions are still being read: a backlog
     assert stalls(gap_ns=2 * 10**9) == [True]  # nothing else came for seconds: the rank stopped

@@ -27,9 +27,9 @@ from fleetscope.streams.rebalance import InputClock
 from fleetscope.streams.recovery import (
     EARLIEST,
     DifferentialRecovery,
-    Holds,
     JobState,
     StateLog,
+    UnackedMessages,
     WindowerRecovery,
     dump_job_state,
     load_job_state,
@@ -60,22 +60,22 @@ def test_a_batch_horizon_is_its_latest_event_by_the_windowers_filing_time() -> N
     column = {
         EventKind.KERNELS: "launch_ns",
         EventKind.COLLECTIVES: "launch_ns",
-        EventKind.PYTHON: "start_ns",
-        EventKind.THROUGHPUT: "t_ns",
+        EventKind.HOST: "start_ns",
+        EventKind.SAMPLES: "t_ns",
     }
     for batch in batches:
         assert horizon_ns(batch) == int(batch[column[batch.kind]].max())
 
 
 def test_held_messages_come_back_in_horizon_order_and_only_below_the_bound() -> None:
-    holds: Holds[str] = Holds()
+    unacked: UnackedMessages[str] = UnackedMessages()
     for horizon, name in [(30, "c"), (10, "a"), (20, "b"), (EARLIEST, "early")]:
-        holds.hold("job", horizon, _message(name))
-    assert holds.release("job", 20) == ["early", "a"]
-    assert holds.release("other", 100) == []
-    assert len(holds) == 2
-    holds.forget(["job"])
-    assert len(holds) == 0 and holds.release_all("job") == []
+        unacked.keep("job", horizon, _message(name))
+    assert unacked.take_harmless("job", 20) == ["early", "a"]
+    assert unacked.take_harmless("other", 100) == []
+    assert len(unacked) == 2
+    unacked.forget(["job"])
+    assert len(unacked) == 0 and unacked.take_all("job") == []
 
 
 def test_the_idle_clock_stands_still_while_an_agent_works(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,7 +105,7 @@ def test_a_restarted_windower_emits_only_iterations_after_the_restored_ones_and_
     closed = [_rank_iteration(0, 6, 600), _rank_iteration(0, 8, 800), _rank_iteration(1, 0, 100)]
     assert [(c.iteration["rank"], c.iteration["iteration"]) for c in wrec.fresh(closed)] == [(0, 8), (1, 0)]
     for horizon, name in [(650, "old"), (700, "at-end"), (750, "open")]:
-        wrec.holds.hold(("j", 0), horizon, _message(name))
+        wrec.unacked.keep(("j", 0), horizon, _message(name))
     assert wrec.release([("j", 0), ("j", 1)]) == ["old"]
     assert wrec.jobs_in_progress() == {"j"}
 
@@ -133,7 +133,7 @@ def test_a_job_restored_from_its_state_record_and_replayed_continues_exactly_lik
     assert restored.progress_offset == 41 and not restored.flushed
     pickled = bytes(cramjam.zstd.decompress(record[1:]))
     assert record[:1] == b"\x03" and load_job_state(b"\x02" + pickled).progress_offset == 41  # uncompressed
-    older = load_job_state(b"\x01" + pickled)  # written when stall reports shared the patterns topic
+    older = load_job_state(b"\x01" + pickled)  # written when stall records shared the patterns topic
     assert older.progress_offset == -1 and older.job.iterations_scored == original.iterations_scored
     replayed = restored.job
     for rec in records[:cut]:  # the replay: scored iterations are skipped, waiting ones come back
@@ -281,7 +281,7 @@ def test_a_state_record_of_scored_iterations_alone_waits_for_the_interval_and_it
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Scored iterations alone wait for both the interval and the pattern bytes that pay for the record (the
-    messages they cover stay held), or for ``stale_s``; a finding opened and a stall report are written at
+    messages they cover stay held), or for ``stale_s``; a finding opened and a stall record are written at
     once."""
 
     class Log:

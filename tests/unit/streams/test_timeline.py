@@ -169,7 +169,7 @@ def test_a_real_gloo_ranks_timeline_is_its_collective_events() -> None:
         monitor.stop()
     recorder._flush()
     windower = RankWindower()
-    batches = sorted(publisher.batches, key=lambda b: b.kind is EventKind.PYTHON)  # steps close after their events
+    batches = sorted(publisher.batches, key=lambda b: b.kind is EventKind.HOST)  # steps close after their events
     closed = [c for b in batches for c in windower.add(b, 0)] + windower.flush()
     coll = [b for b in publisher.batches if b.kind is EventKind.COLLECTIVES]
     start = np.concatenate([b["start_ns"] for b in coll])

@@ -29,7 +29,7 @@ def kernels(start=(T, T + 10), dur=(5, 5), launch=(), **header_changes) -> Event
 def samples(t_ns) -> EventBatch:
     n = len(t_ns)
     return EventBatch(
-        kind=EventKind.THROUGHPUT,
+        kind=EventKind.SAMPLES,
         header=header(),
         names=["nvlink_tx_bps"],
         columns={"t_ns": t_ns, "metric_id": [0] * n, "value": [1.0] * n},

@@ -19,7 +19,7 @@ def collectives_per_iteration(closed):
 
 def test_a_lagging_declared_stream_holds_steps_open_until_it_arrives():
     batches = rank0_batches()
-    order = [EventKind.KERNELS, EventKind.PYTHON, EventKind.THROUGHPUT, EventKind.COLLECTIVES]
+    order = [EventKind.KERNELS, EventKind.HOST, EventKind.SAMPLES, EventKind.COLLECTIVES]
     w = RankWindower()
     closed = []
     for i, kind in enumerate(order):  # a whole topic at a time, seconds apart
@@ -112,14 +112,14 @@ def test_collectives_ahead_of_the_host_stream_wait_for_its_step_markers():
     ``job_regression``. Boundaries inferred from collectives now wait for the host stream to pass them: a
     step marker there replaces them."""
     batches = rank0_batches(8)
-    host = [b for b in batches if b.kind is EventKind.PYTHON]
+    host = [b for b in batches if b.kind is EventKind.HOST]
     first = host[0]
     names = [first.names[i] for i in first.columns["name_id"]]
     early = names.index("forward")  # the host stream's first batch: one span, no step marker, no phase
     w = RankWindower()
     closed = w.add(replace(first, columns={k: v[early : early + 1] for k, v in first.columns.items()}), now_ns=0)
     for b in batches:
-        if b.kind is not EventKind.PYTHON:
+        if b.kind is not EventKind.HOST:
             closed += w.add(b, now_ns=0)
     assert closed == []
     for b in host:
@@ -138,7 +138,7 @@ def test_steps_inferred_from_collectives_close_as_a_host_stream_without_markers_
     w = RankWindower()
     closed = []
     for n, b in enumerate(b for b in rank0_batches(8)):
-        if b.kind is EventKind.PYTHON:
+        if b.kind is EventKind.HOST:
             names = [CPU_WAIT if name == "backward" else name for name in b.names]
             rows = [b.names[i] for i in b.columns["name_id"]]
             keep = np.array([row == ("forward" if n == 2 else "backward") for row in rows])

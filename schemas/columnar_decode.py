@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas.fastplan import (
+from fleetscope.schemas.columnar_plan import (
     BOOLEAN,
     DOUBLE,
     DOUBLES,

@@ -12,20 +12,20 @@ from faust.types import Message
 K = TypeVar("K")
 
 EARLIEST = -(2**63)
-"""Horizon of a message that nothing later depends on: released by the next release call."""
+"""Horizon of a message that nothing later depends on: taken by the next ``take_harmless``."""
 
 
-class Holds(Generic[K]):
+class UnackedMessages(Generic[K]):
     """Messages kept un-acked per owner (a rank, a job), each with the horizon past which it is harmless."""
 
     def __init__(self) -> None:
         self._held: dict[K, list[tuple[int, int, Message]]] = {}
         self._order = itertools.count()
 
-    def hold(self, owner: K, horizon: int, message: Message) -> None:
+    def keep(self, owner: K, horizon: int, message: Message) -> None:
         heapq.heappush(self._held.setdefault(owner, []), (horizon, next(self._order), message))
 
-    def release(self, owner: K, below: int) -> list[Message]:
+    def take_harmless(self, owner: K, below: int) -> list[Message]:
         """Pop the owner's messages whose horizon is below ``below``."""
         heap = self._held.get(owner)
         out: list[Message] = []
@@ -35,7 +35,7 @@ class Holds(Generic[K]):
             del self._held[owner]
         return out
 
-    def release_all(self, owner: K) -> list[Message]:
+    def take_all(self, owner: K) -> list[Message]:
         return [m for _, _, m in self._held.pop(owner, [])]
 
     def forget(self, owners: Iterable[K]) -> None:

@@ -1,4 +1,4 @@
-"""How ``fastdecode`` reads one record: a plan compiled from a writer/reader schema pair, and the memo of
+"""How ``columnar_decode`` reads one record: a plan compiled from a writer/reader schema pair, and the memo of
 the field runs that repeat from batch to batch.
 
 A plan is a tuple of steps (a code, the output name or None to skip, an argument) per written field, then
@@ -38,7 +38,7 @@ class Plan:
 
 
 class Walk(Protocol):
-    """The decoder's position in one message (``fastdecode._Message``), as a run reads it."""
+    """The decoder's position in one message (``columnar_decode._Message``), as a run reads it."""
 
     data: bytes
     pos: int

@@ -25,7 +25,7 @@ from fleetscope.schemas import (
     decode_event_batches,
     encode_event_batch,
 )
-from fleetscope.schemas.fastdecode import decode_columns, decode_many, plan_for
+from fleetscope.schemas.columnar_decode import decode_columns, decode_many, plan_for
 from tests.unit.schemas import mutations
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
