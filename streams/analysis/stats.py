@@ -48,7 +48,8 @@ def group_duration_stats(group: npt.NDArray[np.integer], dur: I64, n_groups: int
     calls_1 = np.maximum(calls, 1)  # empty groups divide by 1 and are masked after: no warnings to silence
     mean = total / calls_1
     var = np.maximum(sq / calls_1 - mean**2, 0.0)
-    cv = np.where(mean > 0, np.sqrt(var) / np.where(mean > 0, mean, 1.0), 0.0)
+    positive = mean > 0
+    cv = np.where(positive, np.sqrt(var) / np.where(positive, mean, 1.0), 0.0)
     # p50 and p99 at once: the group's offset + q (calls - 1), interpolated between its two neighbours;
     # empty groups read the NaN after the sorted durations. The fraction is taken within the group, so
     # a group's percentiles do not depend on its offset (summaries of one or many iterations agree).
@@ -157,9 +158,9 @@ def link_stats(
     samples ``bounds[i]:bounds[i + 1]`` are signal i, each sorted by time.
 
     1. ``searchsorted`` gives each interval's samples as an index range, per signal;
-    2. one ``reduceat`` per sum (value, square, active flag, active value) over the interleaved range
-       bounds sums every range of every signal (its even entries; an empty range reads one element and
-       is masked), another takes the peaks;
+    2. one ``reduceat`` per sum (value, square, active value) over the interleaved range bounds sums
+       every range of every signal (its even entries; an empty range reads one element and is masked),
+       another takes the peaks; the active samples are counted by a difference of running counts;
     3. one ``bincount`` pools the (signal, group) pairs.
     Sums run over each range's own samples, so a sample far from an interval cannot round it away.
     """
@@ -174,8 +175,6 @@ def link_stats(
     v = np.empty(t.size + 1)
     v[:-1] = value
     v[-1] = 0.0
-    on = np.zeros(t.size + 1)
-    on[:-1] = active
     ranges = np.empty(2 * k * m, dtype=np.intp)
     ranges[0::2] = lo
     ranges[1::2] = hi
@@ -183,10 +182,13 @@ def link_stats(
     sums = np.zeros((5, k * m))
     peak_each = np.full(k * m, np.nan)
     if ranges.size:
-        for row, x in enumerate((v, v * v, on, np.where(on > 0, v, 0.0))):
+        for row, x in ((0, v), (1, v * v), (3, np.where(np.append(active, False), v, 0.0))):
             np.copyto(sums[row], np.add.reduceat(x, ranges)[0::2], where=some)
         v[-1] = -np.inf
         np.copyto(peak_each, np.maximum.reduceat(v, ranges)[0::2], where=some)
+    on = np.zeros(t.size + 1, dtype=np.int64)  # active samples counted exactly: a difference of counts
+    np.cumsum(active, out=on[1:])
+    np.subtract(on[hi], on[lo], out=sums[2], casting="unsafe")
     np.subtract(hi, lo, out=sums[4], casting="unsafe")
     size = k * n_groups
     pair = np.asarray(group, dtype=np.int64) + (np.arange(5 * k) * n_groups)[:, None]
