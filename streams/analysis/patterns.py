@@ -234,8 +234,10 @@ class _Intervals:
 
 
 def _distinct(keys: I64, size: int) -> tuple[I64, I64]:
-    """``np.unique(keys, return_inverse=True)`` for keys in [0, size): a presence table when it is small."""
-    if size > 1 << 22:
+    """``np.unique(keys, return_inverse=True)`` for keys in [0, size): a presence table when it is small
+    beside the keys (a rank's names grow by a step marker a step: after 100,000 steps a table of them cost
+    18.5 us for 100 keys, a sort 6.5 us), else one sort."""
+    if size > min(1 << 22, max(128 * keys.size, 1 << 15)):
         return _unique(keys)
     present = np.zeros(size, dtype=bool)
     present[keys] = True
