@@ -286,16 +286,16 @@ def _joined(arrays: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDAr
     return np.concatenate(arrays or [np.zeros(0, dtype)]).astype(dtype, copy=False)
 
 
-def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 | None:
-    """Per iteration, what moves every time its link statistics compare (samples, function intervals,
-    the step) into a range of its own, the ranges consecutive in iteration order; None when iterations
-    are too wide for that, or for ``_gpu_times``'s shifts (they then go one by one)."""
-    k, c, p, s = batches
+def _link_shifts(spans: tuple[I64, I64, I64], s: _Batch, lo: I64, width: list[int]) -> I64 | None:
+    """Per iteration, what moves every time its link statistics compare (samples, function intervals
+    ``spans``: start, end, iteration, the step) into a range of its own, the ranges consecutive in iteration
+    order; None when iterations are too wide for that, or for ``_gpu_times``'s shifts (they then go one by
+    one)."""
+    start, end, ev_it = spans
     t_lo, t_hi = lo.copy(), lo + np.maximum(np.asarray(width), 0)
-    spans = (k, c, p)
-    it = np.concatenate([b.it for b in spans] + [s.it])
-    np.minimum.at(t_lo, it, np.concatenate([b["start_ns"] for b in spans] + [s["t_ns"]]))
-    np.maximum.at(t_hi, it, np.concatenate([b["start_ns"] + b["dur_ns"] for b in spans] + [s["t_ns"]]))
+    it = np.concatenate((ev_it, s.it))
+    np.minimum.at(t_lo, it, np.concatenate((start, s["t_ns"])))
+    np.maximum.at(t_hi, it, np.concatenate((end, s["t_ns"])))
     low = t_lo.tolist()
     ranges = [b - a for a, b in zip(low, t_hi.tolist(), strict=True)]
     if min(low) < -_MAX_SHIFTED or not all(0 <= w < _MAX_SHIFTED for w in width + ranges):
@@ -354,7 +354,12 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     width = [ev.end_ns - ev.start_ns for ev in evs]
     duration = [max(w, 1) for w in width]
 
-    shift = _link_shifts((k, c, p, s), lo, width) if m > 1 else None
+    # Every span (kernels, collectives, host functions: the functions' events, in that order) at once.
+    start = np.concatenate([k["start_ns"], c["start_ns"], p["start_ns"]])
+    dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
+    end = start + dur
+    ev_it = np.concatenate([k.it, c.it, p.it])
+    shift = _link_shifts((start, end, ev_it), s, lo, width) if m > 1 else None
     if m > 1 and shift is None:
         return [summarize_iterations([ev])[0] for ev in evs]
 
@@ -376,8 +381,9 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     n_names = max(max(len(ev.names) for ev in evs), 1)
 
     # 1. Iteration figures.
-    k_start, k_end = k["start_ns"], k["start_ns"] + k["dur_ns"]
-    c_start, c_end = c["start_ns"], c["start_ns"] + c["dur_ns"]
+    n_k, n_c = k["start_ns"].size, c["start_ns"].size
+    k_start, k_end = k["start_ns"], end[:n_k]
+    c_start, c_end = c["start_ns"], end[n_k : n_k + n_c]
     is_comm = kind_of[k["name_id"] + name_base[k.it]] == _COLLECTIVE
     comp = _Intervals(k_start[~is_comm], k_end[~is_comm], k.it[~is_comm])
     comm = _Intervals(np.concatenate([c_start, k_start[is_comm]]), np.concatenate([c_end, k_end[is_comm]]),
@@ -420,8 +426,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     wait_fn = (first_fn + nk + nc + npy)[launch_known]
     fn_kind[wait_fn] = int(FunctionKind.PYTHON)
     group = np.concatenate([k_fn[k_inv], c_fn[c_inv], p_fn[p_inv]])
-    start = np.concatenate([k_start, c_start, p["start_ns"]])
-    dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
     fn_it = np.repeat(np.arange(m), n_fn)
 
     # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
@@ -473,8 +477,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         np.not_equal(block[1:], block[:-1], out=new_block[1:])
         peak = np.maximum.reduceat(value, new_block.nonzero()[0])
         active = value >= (ACTIVE_SHARE * peak)[new_block.cumsum() - 1]
-    ev_it = np.concatenate([k.it, c.it, p.it])
-    end = start + dur
     if shift is not None:
         start, end = start + shift[ev_it], end + shift[ev_it]
     ls = link_stats(t, value, bounds, active, start, end, group, n)
