@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             "(c full) + differential + ClickHouse sink", events, e2e["c_full"]["wall_s"], e2e["c_full"]["cores"]
         )
     print(
-        f"\n(a) to (b'): CPU seconds, median of {args.repeat} rounds (best in brackets); (c): wall, CPU per core"
+        f"\n(a) to (b'): CPU seconds, median of {args.repeat} rounds, and the best; (c): wall (median), cores"
         f"\n{'stage':<42} {'seconds':>8} {'best':>6} {'events/s':>11} {'cores':>5} {'events/s/core':>13} "
         f"{'us/event':>8}"
     )
@@ -476,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"wall {e2e['c_n']['wall_s']:.2f} s against {c['wall_s']:.2f} s; broker CPU s "
                 f"{e2e['c_n']['cpu_broker']:.2f} against {c['cpu_broker']:.2f}"
             )
-        for key, r in (("c", c), ("c full", full), *((f"c {n} workers", e2e["c_n"]),) * ("c_n" in e2e)):
+        shown = [("c", c), ("c full", full)] + ([(f"c {n} workers", e2e["c_n"])] if "c_n" in e2e else [])
+        for key, r in shown:
             print(
                 f"({key}): publish {r['publish_s']:.2f} s, all iterations but the last stored at "
                 f"{r['all_but_last_s']:.2f} s, all at {r['wall_s']:.2f} s (the last closes on the idle timeout); "
