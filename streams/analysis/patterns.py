@@ -30,6 +30,7 @@ I64 = npt.NDArray[np.int64]
 LINK_FAMILIES = ("nvlink", "pcie")
 THROUGHPUT_SUFFIX = "_bytes_per_s"
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
+_FAMILY_IDS = np.arange(len(LINK_FAMILIES) + 1)
 ACTIVE_SHARE = 0.05
 """A link sample counts as active (moving data) above this share of the rank's peak in the iteration."""
 
@@ -173,8 +174,13 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     block = cuts.searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
-    figures = np.stack((per_class[:, 2], per_class[:, 0], per_class[:, 1], max_gap), axis=1)
+    figures = np.empty((m, 4), dtype=np.int64)
+    figures[:, :3], figures[:, 3] = per_class[:, _BUSY_COMPUTE_COLLECTIVE], max_gap
     return figures, CoveredTime.of(seg_s, seg_e, lo, hi, shift[:, 0])
+
+
+_BUSY_COMPUTE_COLLECTIVE = [2, 0, 1]
+"""``_gpu_times``'s figures from its classes (compute, collective, all): busy, compute, collective."""
 
 
 _REL_BITS = 41
@@ -228,8 +234,10 @@ class _Intervals:
 
 
 def _distinct(keys: I64, size: int) -> tuple[I64, I64]:
-    """``np.unique(keys, return_inverse=True)`` for keys in [0, size): a presence table when it is small."""
-    if size > 1 << 22:
+    """``np.unique(keys, return_inverse=True)`` for keys in [0, size): a presence table when it is small
+    beside the keys (a rank's names grow by a step marker a step: after 100,000 steps a table of them cost
+    18.5 us for 100 keys, a sort 6.5 us), else one sort."""
+    if size > min(1 << 22, max(128 * keys.size, 1 << 15)):
         return _unique(keys)
     present = np.zeros(size, dtype=bool)
     present[keys] = True
@@ -278,16 +286,16 @@ def _joined(arrays: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDAr
     return np.concatenate(arrays or [np.zeros(0, dtype)]).astype(dtype, copy=False)
 
 
-def _link_shifts(batches: tuple[_Batch, ...], lo: I64, width: list[int]) -> I64 | None:
-    """Per iteration, what moves every time its link statistics compare (samples, function intervals,
-    the step) into a range of its own, the ranges consecutive in iteration order; None when iterations
-    are too wide for that, or for ``_gpu_times``'s shifts (they then go one by one)."""
-    k, c, p, s = batches
+def _link_shifts(spans: tuple[I64, I64, I64], s: _Batch, lo: I64, width: list[int]) -> I64 | None:
+    """Per iteration, what moves every time its link statistics compare (samples, function intervals
+    ``spans``: start, end, iteration, the step) into a range of its own, the ranges consecutive in iteration
+    order; None when iterations are too wide for that, or for ``_gpu_times``'s shifts (they then go one by
+    one)."""
+    start, end, ev_it = spans
     t_lo, t_hi = lo.copy(), lo + np.maximum(np.asarray(width), 0)
-    spans = (k, c, p)
-    it = np.concatenate([b.it for b in spans] + [s.it])
-    np.minimum.at(t_lo, it, np.concatenate([b["start_ns"] for b in spans] + [s["t_ns"]]))
-    np.maximum.at(t_hi, it, np.concatenate([b["start_ns"] + b["dur_ns"] for b in spans] + [s["t_ns"]]))
+    it = np.concatenate((ev_it, s.it))
+    np.minimum.at(t_lo, it, np.concatenate((start, s["t_ns"])))
+    np.maximum.at(t_hi, it, np.concatenate((end, s["t_ns"])))
     low = t_lo.tolist()
     ranges = [b - a for a, b in zip(low, t_hi.tolist(), strict=True)]
     if min(low) < -_MAX_SHIFTED or not all(0 <= w < _MAX_SHIFTED for w in width + ranges):
@@ -346,7 +354,12 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     width = [ev.end_ns - ev.start_ns for ev in evs]
     duration = [max(w, 1) for w in width]
 
-    shift = _link_shifts((k, c, p, s), lo, width) if m > 1 else None
+    # Every span (kernels, collectives, host functions: the functions' events, in that order) at once.
+    start = np.concatenate([k["start_ns"], c["start_ns"], p["start_ns"]])
+    dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
+    end = start + dur
+    ev_it = np.concatenate([k.it, c.it, p.it])
+    shift = _link_shifts((start, end, ev_it), s, lo, width) if m > 1 else None
     if m > 1 and shift is None:
         return [summarize_iterations([ev])[0] for ev in evs]
 
@@ -368,8 +381,9 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     n_names = max(max(len(ev.names) for ev in evs), 1)
 
     # 1. Iteration figures.
-    k_start, k_end = k["start_ns"], k["start_ns"] + k["dur_ns"]
-    c_start, c_end = c["start_ns"], c["start_ns"] + c["dur_ns"]
+    n_k, n_c = k["start_ns"].size, c["start_ns"].size
+    k_start, k_end = k["start_ns"], end[:n_k]
+    c_start, c_end = c["start_ns"], end[n_k : n_k + n_c]
     is_comm = kind_of[k["name_id"] + name_base[k.it]] == _COLLECTIVE
     comp = _Intervals(k_start[~is_comm], k_end[~is_comm], k.it[~is_comm])
     comm = _Intervals(np.concatenate([c_start, k_start[is_comm]]), np.concatenate([c_end, k_end[is_comm]]),
@@ -412,8 +426,6 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     wait_fn = (first_fn + nk + nc + npy)[launch_known]
     fn_kind[wait_fn] = int(FunctionKind.PYTHON)
     group = np.concatenate([k_fn[k_inv], c_fn[c_inv], p_fn[p_inv]])
-    start = np.concatenate([k_start, c_start, p["start_ns"]])
-    dur = np.concatenate([k["dur_ns"], c["dur_ns"], p["dur_ns"]])
     fn_it = np.repeat(np.arange(m), n_fn)
 
     # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
@@ -449,21 +461,22 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     # by family, then iteration, then time (stable, like a per-iteration sort), times shifted by
     # iteration into consecutive ranges so each search only finds its own iteration's samples.
     family = family_of[s["metric_id"] + name_base[s.it]]
-    order = np.lexsort((s["t_ns"], s.it, family))
-    order = order[int(family[order].searchsorted(0)) :]
-    family, t_it, value = family[order], s.it[order], s["value"][order]
-    t = s["t_ns"][order] if shift is None else s["t_ns"][order] + shift[t_it]
-    bounds = family.searchsorted(np.arange(len(LINK_FAMILIES) + 1)).tolist()
+    links = (family >= 0).nonzero()[0]  # the other metrics left out before the sort, not after
+    family, t_it, t = family[links], s.it[links], s["t_ns"][links]
+    order = np.lexsort((t, t_it, family))
+    family, t_it, value = family[order], t_it[order], s["value"][links[order]]
+    t = t[order] if shift is None else t[order] + shift[t_it]
+    bounds = family.searchsorted(_FAMILY_IDS).tolist()
     # Mean while the link moves data (waiting inside a collective shows ~0 and would make every
     # waiter look slow); fluctuation over every sample, so on/off stalls of congestion count.
     active = np.zeros(value.size, dtype=bool)
     if value.size:
         block = family.astype(np.int64) * m + t_it
-        starts = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
-        peak = np.maximum.reduceat(value, starts)
-        active = value >= np.repeat(ACTIVE_SHARE * peak, np.diff(np.concatenate((starts, [value.size]))))
-    ev_it = np.concatenate([k.it, c.it, p.it])
-    end = start + dur
+        new_block = np.empty(block.size, dtype=bool)
+        new_block[0] = True
+        np.not_equal(block[1:], block[:-1], out=new_block[1:])
+        peak = np.maximum.reduceat(value, new_block.nonzero()[0])
+        active = value >= (ACTIVE_SHARE * peak)[new_block.cumsum() - 1]
     if shift is not None:
         start, end = start + shift[ev_it], end + shift[ev_it]
     ls = link_stats(t, value, bounds, active, start, end, group, n)
@@ -555,7 +568,9 @@ def _collective_keys(
         key = ((it.astype(np.int64) * n_names + op) * n_names + pg) * 64 + exp
         uniq, inv = _unique(key)
         pair = uniq // 64
-        rows = np.stack((pair // n_names // n_names, pair // n_names % n_names, pair % n_names, uniq % 64), axis=1)
+        within = pair // n_names
+        rows = np.empty((uniq.size, 4), dtype=np.int64)
+        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = within // n_names, within % n_names, pair % n_names, uniq % 64
         return rows, inv
     rows = np.stack([it.astype(np.int64), op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
     uniq_rows, inv = np.unique(rows, axis=0, return_inverse=True)

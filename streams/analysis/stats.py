@@ -48,7 +48,8 @@ def group_duration_stats(group: npt.NDArray[np.integer], dur: I64, n_groups: int
     calls_1 = np.maximum(calls, 1)  # empty groups divide by 1 and are masked after: no warnings to silence
     mean = total / calls_1
     var = np.maximum(sq / calls_1 - mean**2, 0.0)
-    cv = np.where(mean > 0, np.sqrt(var) / np.where(mean > 0, mean, 1.0), 0.0)
+    positive = mean > 0
+    cv = np.where(positive, np.sqrt(var) / np.where(positive, mean, 1.0), 0.0)
     # p50 and p99 at once: the group's offset + q (calls - 1), interpolated between its two neighbours;
     # empty groups read the NaN after the sorted durations. The fraction is taken within the group, so
     # a group's percentiles do not depend on its offset (summaries of one or many iterations agree).
@@ -157,37 +158,38 @@ def link_stats(
     samples ``bounds[i]:bounds[i + 1]`` are signal i, each sorted by time.
 
     1. ``searchsorted`` gives each interval's samples as an index range, per signal;
-    2. the signals go into the rows of one zero-padded array (value, square, active flag, active
-       value), and one ``reduceat`` over the interleaved range bounds sums every range of every row
-       (its even entries; an empty range reads one element and is masked), another takes the peaks;
+    2. one ``reduceat`` per sum (value, square, active value) over the interleaved range bounds sums
+       every range of every signal (its even entries; an empty range reads one element and is masked),
+       another takes the peaks; the active samples are counted by a difference of running counts;
     3. one ``bincount`` pools the (signal, group) pairs.
     Sums run over each range's own samples, so a sample far from an interval cannot round it away.
     """
     k, m = len(bounds) - 1, start.size
-    width = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
-    lo = np.empty((k, m), dtype=np.intp)
-    hi = np.empty((k, m), dtype=np.intp)
-    rows = np.zeros((4, k * width + 1))  # + a last column, so a range may end at the last sample
-    peaks_in = np.full(k * width + 1, -np.inf)
+    lo = np.empty(k * m, dtype=np.intp)
+    hi = np.empty(k * m, dtype=np.intp)
     for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         ts = t[a:b]
-        lo[i] = ts.searchsorted(start, side="left") + i * width
-        hi[i] = ts.searchsorted(end, side="right") + i * width
-        rows[0, i * width : i * width + b - a] = value[a:b]
-        rows[2, i * width : i * width + b - a] = active[a:b]
-    np.multiply(rows[0], rows[0], out=rows[1])
-    np.copyto(rows[3], rows[0], where=rows[2] > 0)
-    peaks_in[:-1] = rows[0, :-1]
+        lo[i * m : (i + 1) * m] = ts.searchsorted(start, side="left") + a
+        hi[i * m : (i + 1) * m] = ts.searchsorted(end, side="right") + a
+    # The signals' samples as they lie, plus a last element, so a range may end at the last sample.
+    v = np.empty(t.size + 1)
+    v[:-1] = value
+    v[-1] = 0.0
     ranges = np.empty(2 * k * m, dtype=np.intp)
-    ranges[0::2] = lo.ravel()
-    ranges[1::2] = hi.ravel()
-    some = (hi > lo).ravel()
+    ranges[0::2] = lo
+    ranges[1::2] = hi
+    some = hi > lo
     sums = np.zeros((5, k * m))
     peak_each = np.full(k * m, np.nan)
     if ranges.size:
-        np.copyto(sums[:4], np.add.reduceat(rows, ranges, axis=1)[:, 0::2], where=some)
-        np.copyto(peak_each, np.maximum.reduceat(peaks_in, ranges)[0::2], where=some)
-    np.subtract(hi.ravel(), lo.ravel(), out=sums[4], casting="unsafe")
+        for row, x in ((0, v), (1, v * v), (3, np.where(np.append(active, False), v, 0.0))):
+            np.copyto(sums[row], np.add.reduceat(x, ranges)[0::2], where=some)
+        v[-1] = -np.inf
+        np.copyto(peak_each, np.maximum.reduceat(v, ranges)[0::2], where=some)
+    on = np.zeros(t.size + 1, dtype=np.int64)  # active samples counted exactly: a difference of counts
+    np.cumsum(active, out=on[1:])
+    np.subtract(on[hi], on[lo], out=sums[2], casting="unsafe")
+    np.subtract(hi, lo, out=sums[4], casting="unsafe")
     size = k * n_groups
     pair = np.asarray(group, dtype=np.int64) + (np.arange(5 * k) * n_groups)[:, None]
     pooled = np.bincount(pair.ravel(), weights=sums.ravel(), minlength=5 * size).reshape(5, size)

@@ -191,7 +191,7 @@ def build_timelines(
     add up exactly (no rounding error accumulates along the iteration)."""
     m = int(compute_ns.size)
     order = np.lexsort((enter_ns, it))  # stable: ties in the order given
-    times = np.stack((enter_ns, leave_ns, compute_at_enter_ns, function))[:, order]
+    times = np.array((enter_ns, leave_ns, compute_at_enter_ns, function), dtype=np.int64)[:, order]
     times[:3] //= US
     it, function, seq = it[order], times[3], seq[order]
     first = np.ones(it.size, dtype=bool)
@@ -200,7 +200,8 @@ def build_timelines(
     enter_us, leave_us, compute_us = times[0], times[1], times[2]
     gap = enter_us - leave_us + steps[1]
     counts = np.bincount(it, minlength=m)
-    bounds = np.concatenate(([0], np.cumsum(counts)))
+    bounds = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
     last_compute = np.concatenate((compute_us, [0]))[np.where(counts > 0, bounds[1:] - 1, it.size)]
     tail = np.where(counts > 0, compute_ns // US - last_compute, -1)
     return TimelineBatch(
@@ -215,6 +216,10 @@ def build_timelines(
         tail_compute_us=tail.tolist(),
         known=known.tolist(),
     )
+
+
+_BEFORE_ALL = np.array([np.iinfo(np.int64).min])
+"""The empty segment a union starts with, so that every time has a segment at or before it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,10 +239,10 @@ class CoveredTime:
     @classmethod
     def of(cls, start: I64, end: I64, lo: I64, hi: I64, shift: I64) -> CoveredTime:
         """From the segments; an empty one before them all, so every time has a segment at or before it."""
-        length = end - start
-        first = np.array([np.iinfo(np.int64).min])
-        return cls(np.concatenate((first, start)), np.concatenate((first, end)),
-                   np.concatenate(([0], np.cumsum(length) - length)), lo, hi, shift)  # fmt: skip
+        before = np.zeros(start.size + 1, dtype=np.int64)
+        np.cumsum(end - start, out=before[1:])
+        before[1:] -= end - start
+        return cls(np.concatenate((_BEFORE_ALL, start)), np.concatenate((_BEFORE_ALL, end)), before, lo, hi, shift)
 
     def since_start(self, t: I64, it: npt.NDArray[np.integer]) -> I64:
         """Iteration ``it``'s compute from its start up to ``t`` (clipped to the iteration)."""
