@@ -44,6 +44,8 @@ Floats = npt.NDArray[np.floating[Any]]
 
 P2P_OPS = ("send", "recv")
 """The point-to-point ops: a call of one matches a call of the other on another rank."""
+FEW_MEMBERS = 16
+"""Instances of at most this many members are reduced member by member (a pair: one maximum)."""
 _OP_RE = re.compile(r"^[^:\[]*:([^\[]*)")
 
 
@@ -64,24 +66,37 @@ class Level:
     hi: int
     deps: I64
     """Where each call's dependency is in the order (``len(calls) + record``: the record's start)."""
-    starts: I64
-    """Offsets of each instance's members among the level's calls (for ``reduceat``)."""
-    instances: I64
-    member: I64
-    """Per call of the level: its instance's index among ``instances``."""
+    blocks: tuple[tuple[int, int, int, int, int], ...]
+    """Runs of the level's instances of one size: (first call, end call, first instance, end instance, members
+    each), calls in the order, instances in ``Levels.instances``; an instance's members are contiguous, so a
+    run's latest arrivals are one reduction over a (instances, members) view."""
 
 
 @dataclass(frozen=True, slots=True)
 class Levels:
-    """The calls in dependency order, level by level, so that a replay reads and writes each level as one slice."""
+    """The calls in dependency order, level by level (within a level by instance size, then instance), so that
+    a replay reads and writes each level as one slice."""
 
     order: I64
     position: I64
     """Per call: where it is in ``order``."""
+    instances: I64
+    """Every instance once, in the order its calls take."""
     rounds: tuple[Level, ...]
+    given: tuple[I64, I64, I64]
+    """What the order was built from (each call's dependency, its instance and its record): a graph of the same
+    takes the order as it is (``call_graph``'s ``like``)."""
+    cut: bool
+    """Whether a cycle was cut (which call was released depends on the times: the order is not to be reused)."""
 
     def __len__(self) -> int:
         return len(self.rounds)
+
+    def same_structure(self, dep: I64, instance: I64, row: I64) -> bool:
+        """Whether a graph of these dependencies, instances and records has this order."""
+        return not self.cut and all(
+            a.shape == b.shape and np.array_equal(a, b) for a, b in zip(self.given, (dep, instance, row), strict=True)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +323,7 @@ def _latest_ended(row: I64, enter: F64, leave: F64, eligible: npt.NDArray[np.boo
 def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tuple[I64, Levels]:
     """Instances in dependency order, one level per round of Kahn's algorithm. An instance on a cycle
     (inconsistent input: a wrong match) has its members' dependencies cut: they enter when measured."""
+    given = (dep, instance, row)
     n = dep.size
     n_inst = members.size
     dep = dep.copy()
@@ -320,16 +336,15 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     i_start = np.concatenate(([0], np.cumsum(members)))
     level = np.full(n_inst, -1, dtype=np.int64)
     frontier = np.flatnonzero(waits == 0)
-    done, lv = 0, 0
+    done, lv, cut = 0, 0, False
     while done < n_inst:
         if frontier.size == 0:  # a cycle: release the pending instance entered first
             pending = np.flatnonzero(level < 0)
             first_enter = np.full(n_inst, np.inf)
             np.minimum.at(first_enter, instance, enter)
             stuck = pending[np.argmin(first_enter[pending])]
-            cut = by_inst[i_start[stuck] : i_start[stuck + 1]]
-            dep[cut] = n
-            frontier = np.array([stuck])
+            dep[by_inst[i_start[stuck] : i_start[stuck + 1]]] = n
+            frontier, cut = np.array([stuck]), True
         level[frontier] = lv
         done += frontier.size
         lv += 1
@@ -343,19 +358,26 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
         waits[touched] -= hit
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
     dep = np.where(dep == n, n + row, dep)  # each record's own start
-    order = np.lexsort((instance, level[instance]))
+    order = np.lexsort((instance, members[instance], level[instance]))
     position = np.empty(n + row.size, dtype=np.int64)  # where each call (then each start) is in that order
     position[order] = np.arange(n)
     position[n:] = np.arange(n, n + row.size)
-    lv_of = level[instance[order]]
-    bounds = np.r_[0, np.flatnonzero(np.diff(lv_of)) + 1, order.size]
+    inst = instance[order]
+    heads = np.r_[0, np.flatnonzero(np.diff(inst)) + 1] if n else np.zeros(0, dtype=np.int64)
+    lv_of, size = level[inst[heads]], members[inst[heads]]
+    new_level = np.r_[True, lv_of[1:] != lv_of[:-1]] if heads.size else np.zeros(0, dtype=bool)
+    new_block = new_level | np.r_[True, size[1:] != size[:-1]] if heads.size else new_level
+    b_inst = np.r_[np.flatnonzero(new_block), heads.size]  # each block's first instance
+    b_call = np.r_[heads, n][b_inst]
+    b_level = np.cumsum(new_level)[b_inst[:-1]] - 1
+    blocks = list(zip(b_call[:-1].tolist(), b_call[1:].tolist(), b_inst[:-1].tolist(), b_inst[1:].tolist(),
+                      size[b_inst[:-1]].tolist(), strict=True))  # fmt: skip
+    l_block = np.r_[np.searchsorted(b_level, np.arange(int(new_level.sum()))), len(blocks)].tolist()
     out = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        inst = instance[order[a:b]]
-        starts = np.r_[0, np.flatnonzero(np.diff(inst)) + 1]
-        member = np.cumsum(np.r_[0, (np.diff(inst) != 0).astype(np.int64)])
-        out.append(Level(int(a), int(b), position[dep[order[a:b]]], starts, inst[starts], member))
-    return dep, Levels(order, position[:n], tuple(out))
+    for k in range(len(l_block) - 1):
+        lo, hi = blocks[l_block[k]][0], blocks[l_block[k + 1] - 1][1]
+        out.append(Level(lo, hi, position[dep[order[lo:hi]]], tuple(blocks[l_block[k] : l_block[k + 1]])))
+    return dep, Levels(order, position[:n], inst[heads], tuple(out), given, cut)
 
 
 def _ranges(values: I64, lo: I64, hi: I64) -> I64:
@@ -375,29 +397,47 @@ def replay_times(
     transfer_ns: Floats | None = None,
     tail_ns: Floats | None = None,
     start_ns: Floats | None = None,
+    ordered: bool = False,
 ) -> Floats:
     """Each record's replayed end, (records,) or (records, S) where any of ``work_ns`` (calls, S),
     ``transfer_ns`` (instances, S), ``tail_ns`` or ``start_ns`` (records, S) give S scenarios; in the work's
-    precision (what-if scenarios run in float32: half the memory traffic, 8 ns at 100 ms)."""
+    precision (what-if scenarios run in float32: half the memory traffic, 8 ns at 100 ms). ``ordered``: the
+    given work and transfers are in the levels' order already (``Levels.order``, ``Levels.instances``: what-if
+    builds its scenarios so, once for all its passes)."""
     given = [x for x in (work_ns, transfer_ns, tail_ns, start_ns) if x is not None and x.ndim == 2]
     s = given[0].shape[1] if given else 0
 
-    def cols(x: Floats | None, default: F64) -> Floats:
-        v = default if x is None else x
+    def cols(v: Floats) -> Floats:
         return v if not s or v.ndim == 2 else np.repeat(v[:, None], s, axis=1)
 
-    work, transfer = cols(work_ns, graph.work_ns), cols(transfer_ns, graph.transfer_ns)
-    tail, start = cols(tail_ns, graph.tail_ns), cols(start_ns, graph.start_ns)
     lv = graph.levels
-    leave = np.concatenate([np.zeros((graph.calls, s) if s else graph.calls, dtype=work.dtype),
-                            start.astype(work.dtype)])  # fmt: skip  # in level order
-    work = work[lv.order]
+    work = cols(graph.work_ns[lv.order] if work_ns is None else work_ns if ordered else work_ns[lv.order])
+    transfer = cols(graph.transfer_ns[lv.instances] if transfer_ns is None else
+                    transfer_ns if ordered else transfer_ns[lv.instances])  # fmt: skip
+    tail, start = cols(graph.tail_ns if tail_ns is None else tail_ns), cols(
+        graph.start_ns if start_ns is None else start_ns)  # fmt: skip
+    leave = np.empty((graph.calls + start.shape[0], *work.shape[1:]), dtype=work.dtype)  # in level order
+    leave[graph.calls :] = start
+    arrive = np.empty((max((r.hi - r.lo for r in lv.rounds), default=0), *work.shape[1:]), dtype=work.dtype)
     for r in lv.rounds:
-        arrive = leave[r.deps] + work[r.lo : r.hi]
-        end = np.maximum.reduceat(arrive, r.starts, axis=0) + transfer[r.instances]
-        leave[r.lo : r.hi] = end[r.member]
+        here = arrive[: r.hi - r.lo]
+        np.take(leave, r.deps, axis=0, out=here)
+        here += work[r.lo : r.hi]
+        for c_lo, c_hi, i_lo, i_hi, size in r.blocks:
+            members = here[c_lo - r.lo : c_hi - r.lo].reshape(i_hi - i_lo, size, *work.shape[1:])
+            out = leave[c_lo:c_hi].reshape(members.shape)
+            if size > FEW_MEMBERS:
+                out[...] = (members.max(axis=1) + transfer[i_lo:i_hi])[:, None]
+                continue
+            end = members[:, 0].copy()
+            for j in range(1, size):  # a few members: one maximum each beats a reduction over a short axis
+                np.maximum(end, members[:, j], out=end)
+            end += transfer[i_lo:i_hi]
+            for j in range(size):
+                out[:, j] = end
     last = np.where(graph.last >= 0, lv.position[np.maximum(graph.last, 0)], graph.calls + np.arange(graph.last.size))
-    return leave[last] + tail
+    out: Floats = leave[last] + tail
+    return out
 
 
 STEADY_PASSES = 2
@@ -410,17 +450,18 @@ def steady_period(
     transfer_ns: Floats | None = None,
     tail_ns: Floats | None = None,
     passes: int = STEADY_PASSES,
+    ordered: bool = False,
 ) -> tuple[Floats, Floats]:
     """The job's iteration time when the iteration repeats, (S,) or a scalar, and the first pass's ends.
 
     Each rank starts the next iteration where it ended this one, so a rank that ends late (its tail) holds
     the others at the next iteration's first collective; the period is the median rank's advance in the
-    last pass (a max-plus system reaches its cycle time in a few passes)."""
+    last pass (a max-plus system reaches its cycle time in a few passes). ``ordered``: as ``replay_times``'s."""
     start: Floats | None = None
     first: Floats = np.zeros(0)
     prev: Floats = np.zeros(0)
     for k in range(passes):
-        ends = replay_times(graph, work_ns, transfer_ns, tail_ns, start)
+        ends = replay_times(graph, work_ns, transfer_ns, tail_ns, start, ordered)
         prev = graph.start_ns if start is None else start
         if k == 0:
             first = ends
