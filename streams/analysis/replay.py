@@ -425,16 +425,16 @@ def replay_times(
         here += work[r.lo : r.hi]
         for c_lo, c_hi, i_lo, i_hi, size in r.blocks:
             members = here[c_lo - r.lo : c_hi - r.lo].reshape(i_hi - i_lo, size, *work.shape[1:])
-            out = leave[c_lo:c_hi].reshape(members.shape)
+            ends = leave[c_lo:c_hi].reshape(members.shape)
             if size > FEW_MEMBERS:
-                out[...] = (members.max(axis=1) + transfer[i_lo:i_hi])[:, None]
+                ends[...] = (members.max(axis=1) + transfer[i_lo:i_hi])[:, None]
                 continue
             end = members[:, 0].copy()
             for j in range(1, size):  # a few members: one maximum each beats a reduction over a short axis
                 np.maximum(end, members[:, j], out=end)
             end += transfer[i_lo:i_hi]
             for j in range(size):
-                out[:, j] = end
+                ends[:, j] = end
     last = np.where(graph.last >= 0, lv.position[np.maximum(graph.last, 0)], graph.calls + np.arange(graph.last.size))
     out: Floats = leave[last] + tail
     return out
