@@ -168,11 +168,17 @@ class Replay:
 
 
 def call_graph(
-    records: Sequence[Mapping[str, Any]], timelines: Sequence[RankTimeline | None] | None = None
+    records: Sequence[Mapping[str, Any]],
+    timelines: Sequence[RankTimeline | None] | None = None,
+    like: CallGraph | None = None,
 ) -> CallGraph:
     """The call graph of one iteration's pattern records (one per rank; records without a timeline have no
     calls and end at their measured iteration time); ``timelines``: the records' own, already read. A record
-    whose timeline no windower writes raises ``timeline_of``'s ``ValueError`` (its one reason)."""
+    whose timeline no windower writes raises ``timeline_of``'s ``ValueError`` (its one reason).
+
+    ``like``: a graph of an earlier iteration of the job (the caller keeps it): where this one has the same
+    dependencies and instances (a job repeats its calls), its order is taken as it is rather than sorted
+    again. The result is the same either way."""
     n_rec = len(records)
     pg_codes: dict[str, int] = {}
     class_codes: dict[str, int] = {}
@@ -191,11 +197,11 @@ def call_graph(
         used = sorted(set(tl.function.tolist()))
         lut = np.zeros((used[-1] + 1, 4))  # per function index: group, kind, class, bytes per call
         for f in used:
-            group, op_kind, like = call_kind(names[f])
+            group, op_kind, klass = call_kind(names[f])
             known = f < len(calls) and f < len(total) and calls[f]
             per_call = float(total[f]) / float(calls[f]) if known else 0.0
             lut[f] = (pg_codes.setdefault(group, len(pg_codes)), op_kind,
-                      class_codes.setdefault(like, len(class_codes)), per_call)  # fmt: skip
+                      class_codes.setdefault(klass, len(class_codes)), per_call)  # fmt: skip
         counts[r] = len(tl)
         parts["enter"].append(tl.enter_ns)
         parts["leave"].append(tl.leave_ns)
@@ -216,7 +222,7 @@ def call_graph(
     kind, pg, seq = cat["kind"].astype(np.int64), cat["pg"].astype(np.int64), cat["seq"].astype(np.int64)
     m = match_calls(records, row, leave, kind, pg, seq)
     graph = _graph(records, row, first, enter, leave, cat, dep, work, m.instance, iteration, pg_codes, class_codes,
-                   m.matched_p2p, m.unmatched_p2p)  # fmt: skip
+                   m.matched_p2p, m.unmatched_p2p, like)  # fmt: skip
     return dataclasses.replace(graph, tail_compute_ns=np.minimum(tail_compute, graph.tail_ns), start_ns=m.start_ns)
 
 
@@ -241,6 +247,7 @@ def _graph(
     class_codes: dict[str, int],
     matched: int,
     unmatched: int,
+    like: CallGraph | None,
 ) -> CallGraph:
     n_inst = int(instance.max()) + 1 if instance.size else 0
     members = np.bincount(instance, minlength=n_inst).astype(np.int64)
@@ -257,7 +264,10 @@ def _graph(
         last[row[order[ends]]] = order[ends]
         has = last >= 0
         tail[has] = np.maximum(iteration[has] - leave[last[has]], 0.0)
-    dep, levels = _levels(dep, instance, members, enter, row)
+    if like is not None and like.levels.same_structure(dep, instance, row):
+        dep, levels = like.dep, like.levels
+    else:
+        dep, levels = _levels(dep, instance, members, enter, row)
     work = np.where(dep >= row.size, enter, work)
     leads = np.ones(row.size, dtype=bool)
     leads[1:] = (row[1:] != row[:-1]) | (dep[1:] != dep[:-1]) | (enter[1:] != enter[:-1])

@@ -173,14 +173,35 @@ def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
     return out
 
 
+def like_rings(graph: CallGraph) -> tuple[I64, I64]:
+    """The instances whose pace can be compared (two or more members) and, per each, what it shares with its
+    like ones: the op and size class (``replay.call_kind``) and the bytes per call within 1/16 of an octave.
+    Rings of different stages move different bytes: only like is compared with like."""
+    multi = np.flatnonzero(graph.members >= 2)
+    octave = np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
+    like: I64 = graph.klass[multi] * 4096 + octave
+    return multi, like
+
+
+def compared_rings(graph: CallGraph) -> npt.NDArray[np.bool_]:
+    """Per instance: whether another process group runs instances like it (``like_rings``), so that its pace
+    has a level to be brought to."""
+    multi, like = like_rings(graph)
+    out = np.zeros(graph.members.size, dtype=bool)
+    if multi.size:
+        cells = np.unique(like * (len(graph.groups) + 1) + graph.group[multi]) // (len(graph.groups) + 1)
+        kinds, groups = np.unique(cells, return_counts=True)
+        out[multi] = np.isin(like, kinds[groups >= 2])
+    return out
+
+
 def _transfer_candidates(graph: CallGraph, hosts: npt.NDArray[np.str_], top: int) -> list[_Candidate]:
     """Per process group: its transfers at the median pace of the other groups of the same op and bytes; per
     rank and per host, every such group it is in (has a member on), where two or more are slow. Only the
     ``top`` of each kind by excess are built."""
-    multi = np.flatnonzero(graph.members >= 2)
+    multi, like = like_rings(graph)
     if multi.size == 0:
         return []
-    like = graph.klass[multi] * 4096 + np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
     groups_n = len(graph.groups) + 1
     cells, which = np.unique(like * groups_n + graph.group[multi], return_inverse=True)
     which = which.reshape(-1)

@@ -42,10 +42,11 @@ def _judged(job: ToyJob, signals: list[RankSignal], iterations: int = 6) -> list
     for records, timelines in run(job, iterations):
         records = [{**r, "kind": [int(FunctionKind.COLLECTIVE)] * len(r["function"])} for r in records]
         roles = role_codes(records)
-        credits = credits_of(what_if(records, roles, call_graph(records, timelines)))
+        graph = call_graph(records, timelines)
+        credits = credits_of(what_if(records, roles, graph))
         history.observe(int(records[0].get("iteration", len(kept))), credits)
         budget = BUDGET_SHARE * float(np.median([r["iteration_ns"] for r in records]))
-        kept = attribute(signals, credits, history, budget, priced_ranks(records, roles))
+        kept = attribute(signals, credits, history, budget, priced_ranks(records, roles, graph))
     return kept
 
 
