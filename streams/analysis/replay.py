@@ -42,6 +42,7 @@ F64 = npt.NDArray[np.float64]
 Floats = npt.NDArray[np.floating[Any]]
 """Times of a replay: float64, or float32 for what-if scenarios."""
 
+_NO_CALL = (0.0, 0.0, 0.0, 0.0)
 P2P_OPS = ("send", "recv")
 """The point-to-point ops: a call of one matches a call of the other on another rank."""
 FEW_MEMBERS = 16
@@ -182,11 +183,11 @@ def call_graph(
     n_rec = len(records)
     pg_codes: dict[str, int] = {}
     class_codes: dict[str, int] = {}
-    parts: dict[str, list[Any]] = {k: [] for k in ("enter", "leave", "comp", "seq", "fn", "lut")}
+    parts: dict[str, list[Any]] = {k: [] for k in ("enter", "leave", "comp", "seq", "fn")}
     counts = np.zeros(n_rec, dtype=np.int64)
     iteration = np.zeros(n_rec, dtype=np.float64)
     tail_compute = np.full(n_rec, np.nan)
-    lut_size = 0
+    lut: list[tuple[float, float, float, float]] = []  # per function index of each record: group, kind, class, bytes
     for r, rec in enumerate(records):
         iteration[r] = float(rec.get("iteration_ns", 0))
         tail_compute[r] = _tail_compute(tl := timeline_of(rec) if timelines is None else timelines[r])
@@ -195,23 +196,26 @@ def call_graph(
         names = rec["function"]
         calls, total = rec.get("calls", ()), rec.get("nbytes", ())  # lists, or numpy arrays (the fast decoder's)
         used = sorted(set(tl.function.tolist()))
-        lut = np.zeros((used[-1] + 1, 4))  # per function index: group, kind, class, bytes per call
+        base = len(lut)
+        lut.extend([_NO_CALL] * (used[-1] + 1))
         for f in used:
             group, op_kind, klass = call_kind(names[f])
             known = f < len(calls) and f < len(total) and calls[f]
             per_call = float(total[f]) / float(calls[f]) if known else 0.0
-            lut[f] = (pg_codes.setdefault(group, len(pg_codes)), op_kind,
-                      class_codes.setdefault(klass, len(class_codes)), per_call)  # fmt: skip
-        counts[r] = len(tl)
+            lut[base + f] = (pg_codes.setdefault(group, len(pg_codes)), op_kind,
+                             class_codes.setdefault(klass, len(class_codes)), per_call)  # fmt: skip
+        counts[r] = tl.function.size
         parts["enter"].append(tl.enter_ns)
         parts["leave"].append(tl.leave_ns)
-        parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else np.full(len(tl), np.nan))
+        parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else tl.function.size)  # a size: unknown
         parts["seq"].append(tl.seq)
-        parts["fn"].append(tl.function + lut_size)
-        parts["lut"].append(lut)
-        lut_size += lut.shape[0]
+        parts["fn"].append(tl.function + base)
+    unknown = np.full(int(counts.max()) if n_rec else 0, np.nan)
+    parts["comp"] = [unknown[:c] if isinstance(c, int) else c for c in parts["comp"]]
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
-    codes = cat["lut"].reshape(-1, 4)[cat["fn"].astype(np.int64)] if parts["fn"] else np.zeros((0, 4))
+    codes = (
+        np.array(lut, dtype=np.float64).reshape(-1, 4)[cat["fn"].astype(np.int64)] if parts["fn"] else np.zeros((0, 4))
+    )
     cat |= {"row": np.repeat(np.arange(n_rec), counts), "pg": codes[:, 0], "kind": codes[:, 1], "cls": codes[:, 2],
             "by": codes[:, 3]}  # fmt: skip
     row = cat["row"].astype(np.int64)
@@ -258,11 +262,12 @@ def _graph(
     n_rec = len(records)
     last = np.full(n_rec, -1, dtype=np.int64)
     tail = iteration.copy()
-    if row.size:
-        order = np.lexsort((leave, row))
-        ends = np.r_[np.flatnonzero(np.diff(row[order])), row.size - 1]
-        last[row[order[ends]]] = order[ends]
-        has = last >= 0
+    if row.size:  # each rank's latest leave, the last of its calls that has it (the rank's calls are contiguous)
+        has = first[1:] > first[:-1]
+        starts = first[:-1][has]
+        latest = np.maximum.reduceat(leave, starts)
+        at_latest = np.where(leave == np.repeat(latest, np.diff(np.r_[starts, row.size])), np.arange(row.size), -1)
+        last[has] = np.maximum.reduceat(at_latest, starts)
         tail[has] = np.maximum(iteration[has] - leave[last[has]], 0.0)
     if like is not None and like.levels.same_structure(dep, instance, row):
         dep, levels = like.dep, like.levels
