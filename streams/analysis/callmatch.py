@@ -319,9 +319,10 @@ def _nearest(neighbours: I64, row: I64, aligned: F64, kind: I64, pg: I64) -> tup
     unknown = neighbours[row, 0] == -2
     # receives sorted by (group, rank where known, end); one search per candidate rank
     r_rank = np.where(unknown[recvs], n_rec, row[recvs])
-    order = np.lexsort((aligned[recvs], r_rank, pg[recvs]))
+    r_group = pg[recvs] * (n_rec + 1) + r_rank
+    order = np.lexsort((aligned[recvs], r_group))
     r_sorted = recvs[order]
-    g_key = pg[r_sorted] * (n_rec + 1) + r_rank[order]
+    g_key = r_group[order]
     best = np.full(sends.size, np.inf)
     pick = np.full(sends.size, -1, dtype=np.int64)
     s_row = row[sends]

@@ -373,7 +373,15 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
         waits[touched] -= hit
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
     dep = np.where(dep == n, n + row, dep)  # each record's own start
-    order = np.lexsort((instance, members[instance], level[instance]))
+    # instances by (level, size, instance), then each one's calls in their order (``by_inst``): the calls
+    # sorted by (level, size, instance, index) without sorting every call
+    span = (int(level.max()) + 1 if n_inst else 1) * (int(members.max()) + 1 if n_inst else 1) * max(n_inst, 1)
+    by_level = (  # each key once: any sort; one int key where it fits
+        np.argsort((level * (int(members.max()) + 1) + members) * n_inst + np.arange(n_inst))
+        if span < 2**62
+        else np.lexsort((np.arange(n_inst), members, level))
+    )
+    order = _ranges(by_inst, i_start[by_level], i_start[by_level + 1])
     position = np.empty(n + row.size, dtype=np.int64)  # where each call (then each start) is in that order
     position[order] = np.arange(n)
     position[n:] = np.arange(n, n + row.size)
