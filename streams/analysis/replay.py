@@ -95,9 +95,7 @@ class Levels:
 
     def same_structure(self, dep: I64, instance: I64, row: I64) -> bool:
         """Whether a graph of these dependencies, instances and records has this order."""
-        return not self.cut and all(
-            a.shape == b.shape and np.array_equal(a, b) for a, b in zip(self.given, (dep, instance, row), strict=True)
-        )
+        return not self.cut and all(map(np.array_equal, self.given, (dep, instance, row)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,25 +371,20 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
         waits[touched] -= hit
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
     dep = np.where(dep == n, n + row, dep)  # each record's own start
-    # instances by (level, size, instance), then each one's calls in their order (``by_inst``): the calls
-    # sorted by (level, size, instance, index) without sorting every call
-    span = (int(level.max()) + 1 if n_inst else 1) * (int(members.max()) + 1 if n_inst else 1) * max(n_inst, 1)
-    by_level = (  # each key once: any sort; one int key where it fits
-        np.argsort((level * (int(members.max()) + 1) + members) * n_inst + np.arange(n_inst))
-        if span < 2**62
-        else np.lexsort((np.arange(n_inst), members, level))
-    )
+    # instances by (level, size, instance) (one int key where it fits), then each one's calls in their order
+    # (``by_inst``): the calls sorted by (level, size, instance, index) without sorting every call
+    m1 = int(members.max()) + 1 if n_inst else 1
+    fits = (int(level.max()) + 1 if n_inst else 1) * m1 * max(n_inst, 1) < 2**62
+    ids = np.arange(n_inst)
+    by_level = np.argsort((level * m1 + members) * n_inst + ids) if fits else np.lexsort((ids, members, level))
     order = _ranges(by_inst, i_start[by_level], i_start[by_level + 1])
     position = np.empty(n + row.size, dtype=np.int64)  # where each call (then each start) is in that order
     position[order] = np.arange(n)
     position[n:] = np.arange(n, n + row.size)
-    inst = instance[order]
-    heads = np.r_[0, np.flatnonzero(np.diff(inst)) + 1] if n else np.zeros(0, dtype=np.int64)
-    lv_of, size = level[inst[heads]], members[inst[heads]]
-    new_level = np.r_[True, lv_of[1:] != lv_of[:-1]] if heads.size else np.zeros(0, dtype=bool)
-    new_block = new_level | np.r_[True, size[1:] != size[:-1]] if heads.size else new_level
-    b_inst = np.r_[np.flatnonzero(new_block), heads.size]  # each block's first instance
-    b_call = np.r_[heads, n][b_inst]
+    lv_of, size = level[by_level], members[by_level]
+    new_level = np.r_[True, lv_of[1:] != lv_of[:-1]][:n_inst]
+    b_inst = np.r_[np.flatnonzero(new_level | np.r_[True, size[1:] != size[:-1]][:n_inst]), n_inst]  # blocks' firsts
+    b_call = np.r_[np.cumsum(size) - size, n][b_inst]
     b_level = np.cumsum(new_level)[b_inst[:-1]] - 1
     blocks = list(zip(b_call[:-1].tolist(), b_call[1:].tolist(), b_inst[:-1].tolist(), b_inst[1:].tolist(),
                       size[b_inst[:-1]].tolist(), strict=True))  # fmt: skip
@@ -400,7 +393,7 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     for k in range(len(l_block) - 1):
         lo, hi = blocks[l_block[k]][0], blocks[l_block[k + 1] - 1][1]
         out.append(Level(lo, hi, position[dep[order[lo:hi]]], tuple(blocks[l_block[k] : l_block[k + 1]])))
-    return dep, Levels(order, position[:n], inst[heads], tuple(out), given, cut)
+    return dep, Levels(order, position[:n], by_level, tuple(out), given, cut)
 
 
 def _ranges(values: I64, lo: I64, hi: I64) -> I64:
@@ -434,11 +427,12 @@ def replay_times(
         return v if not s or v.ndim == 2 else np.repeat(v[:, None], s, axis=1)
 
     lv = graph.levels
-    work = cols(graph.work_ns[lv.order] if work_ns is None else work_ns if ordered else work_ns[lv.order])
-    transfer = cols(graph.transfer_ns[lv.instances] if transfer_ns is None else
-                    transfer_ns if ordered else transfer_ns[lv.instances])  # fmt: skip
-    tail, start = cols(graph.tail_ns if tail_ns is None else tail_ns), cols(
-        graph.start_ns if start_ns is None else start_ns)  # fmt: skip
+    work = cols(work_ns if ordered and work_ns is not None else
+                (graph.work_ns if work_ns is None else work_ns)[lv.order])  # fmt: skip
+    transfer = cols(transfer_ns if ordered and transfer_ns is not None else
+                    (graph.transfer_ns if transfer_ns is None else transfer_ns)[lv.instances])  # fmt: skip
+    tail = cols(graph.tail_ns if tail_ns is None else tail_ns)
+    start = cols(graph.start_ns if start_ns is None else start_ns)
     leave = np.empty((graph.calls + start.shape[0], *work.shape[1:]), dtype=work.dtype)  # in level order
     leave[graph.calls :] = start
     arrive = np.empty((max((r.hi - r.lo for r in lv.rounds), default=0), *work.shape[1:]), dtype=work.dtype)
