@@ -13,10 +13,10 @@ stage's), or its transfers (its rings, its host's NIC). Then:
    stage is named (from the stage's cause where the stage test named none), not the rank; a stage finding
    one of whose ranks saves as much is that rank's.
 A signal the what-if cannot price passes with its own evidence and loss: a rank with no peer of its role
-(nothing to bring it to), a rank's link samples where its rings have no like ring (the same op and size
-class in another process group: a flat job's one ring). A ring's pace against other rings' is always the
-what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to. Job-level signals
-(regression, hang) and iterations without timelines pass unchanged.
+(nothing to bring it to), a rank's link samples where its rings have no like ring (the same op and bytes in
+another process group, ``whatif.compared_rings``: a flat job's one ring). A ring's pace against other rings'
+is always the what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to.
+Job-level signals (regression, hang) and iterations without timelines pass unchanged.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetscope.schemas import Category, FunctionKind
+from fleetscope.schemas import Category
 from fleetscope.schemas.categories import REGISTRY, Credit
 from fleetscope.streams.analysis.links import RING_PACE_METRIC
-from fleetscope.streams.analysis.patterns import collective_class, process_group_of
+from fleetscope.streams.analysis.replay import CallGraph
 from fleetscope.streams.analysis.signals import RankSignal
-from fleetscope.streams.analysis.whatif import Cause
+from fleetscope.streams.analysis.whatif import Cause, compared_rings
 
 WORK, TRANSFER = Credit.WORK.value, Credit.TRANSFER.value
 CAUSE_KINDS: Mapping[str, tuple[str, ...]] = {
@@ -47,8 +47,8 @@ evidence), or its transfers."""
 CREDITED_BY: Mapping[str, str] = {
     c: i.credited_by.value for c, i in REGISTRY.items() if i.credited_by is not Credit.NONE
 }
-"""What credits each category's signal (``CategoryInfo.credited_by``); a category not listed is not priced."""
-_COLLECTIVE = int(FunctionKind.COLLECTIVE)
+"""What credits each category's signal (``CategoryInfo.credited_by``); a category not listed is not priced by
+the replay (job-level)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,22 +76,14 @@ class Priced:
         return self.work if what == WORK else self.transfer
 
 
-def priced_ranks(records: Sequence[Mapping[str, Any]], roles: npt.NDArray[np.int64]) -> Priced:
-    """Work: ranks with another rank of their role. Transfers: ranks in a process group whose collectives of
-    some op and size class another group also runs."""
+def priced_ranks(records: Sequence[Mapping[str, Any]], roles: npt.NDArray[np.int64], graph: CallGraph) -> Priced:
+    """Work: ranks with another rank of their role. Transfers: ranks in a ring the what-if compares with other
+    rings (``whatif.compared_rings``; ``graph``: the call graph of ``records``, in their order)."""
     ranks = [int(r["rank"]) for r in records]
     _, inverse, counts = np.unique(roles, return_inverse=True, return_counts=True)
     work = frozenset(r for r, k in zip(ranks, inverse.reshape(-1).tolist(), strict=True) if counts[k] >= 2)
-    groups_of: dict[str, set[str]] = {}
-    members: dict[str, set[int]] = {}
-    for rank, rec in zip(ranks, records, strict=True):
-        names = rec["function"]
-        for j in np.flatnonzero(np.asarray(rec["kind"]) == _COLLECTIVE).tolist():
-            pg = process_group_of(names[j])
-            groups_of.setdefault(collective_class(names[j]), set()).add(pg)
-            members.setdefault(pg, set()).add(rank)
-    like = {pg for pgs in groups_of.values() if len(pgs) >= 2 for pg in pgs}
-    return Priced(work=work, transfer=frozenset(r for pg in like for r in members.get(pg, ())))
+    rows = np.unique(graph.row[compared_rings(graph)[graph.instance]]).tolist()
+    return Priced(work=work, transfer=frozenset(ranks[i] for i in rows))
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,14 +75,15 @@ def match_calls(records: Sequence[Mapping[str, Any]], row: I64, leave: F64, kind
         seq_edges = (seq_edges[0][kept], seq_edges[1][kept], seq_edges[2][kept])
         start = _aligned(neighbours, row, leave, kind, pg, within, comp, seq_edges, settled[kept])
         sends, recvs = _nearest(neighbours, row, leave + start[row], kind, pg)
-    base = int(key.max()) + 1 if coll.any() else 0
-    key[sends] = key[recvs] = base + np.arange(sends.size)
+    # instances numbered as the sorted keys would: the collectives', then each transfer, then the calls alone
+    instance = np.empty(row.size, dtype=np.int64)
+    instance[coll] = coll_inst.reshape(-1)
+    base = int(coll_inst.max()) + 1 if coll.any() else 0
+    instance[sends] = instance[recvs] = base + np.arange(sends.size)
     alone = kind != COLLECTIVE
     alone[sends] = alone[recvs] = False
-    key[alone] = base + sends.size + np.arange(int(alone.sum()))
-    _, instance = np.unique(key, return_inverse=True)
-    return Matched(instance.astype(np.int64).reshape(-1), start - start.min() if n_rec else start, int(sends.size),
-                   int(alone.sum()))  # fmt: skip
+    instance[alone] = base + sends.size + np.arange(int(alone.sum()))
+    return Matched(instance, start - start.min() if n_rec else start, int(sends.size), int(alone.sum()))
 
 
 def _lifted(edges: Edges, within: F64, comp: I64) -> Edges:
@@ -319,9 +320,10 @@ def _nearest(neighbours: I64, row: I64, aligned: F64, kind: I64, pg: I64) -> tup
     unknown = neighbours[row, 0] == -2
     # receives sorted by (group, rank where known, end); one search per candidate rank
     r_rank = np.where(unknown[recvs], n_rec, row[recvs])
-    order = np.lexsort((aligned[recvs], r_rank, pg[recvs]))
+    r_group = pg[recvs] * (n_rec + 1) + r_rank
+    order = np.lexsort((aligned[recvs], r_group))
     r_sorted = recvs[order]
-    g_key = pg[r_sorted] * (n_rec + 1) + r_rank[order]
+    g_key = r_group[order]
     best = np.full(sends.size, np.inf)
     pick = np.full(sends.size, -1, dtype=np.int64)
     s_row = row[sends]

@@ -27,6 +27,7 @@ from fleetscope.streams.analysis.links import SteadyTransfers
 from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, NoiseReading, read_noise
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.replay import call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 from fleetscope.streams.analysis.stages import runs_kernels
@@ -528,10 +529,18 @@ def score_records(
     signals = score_iteration(records, config.scoring, score, functions)
     # the replay prices suspicions: an iteration whose detectors raised none has nothing to judge
     suspected = any(s.category in CREDITED_BY for s in signals)
-    replayed = suspected and len(records) >= 2 and all(timeline_of(r) is not None for r in records)
-    by_rank = sorted(range(len(records)), key=lambda i: int(records[i]["rank"]))  # arrival order is no input
-    causes = what_if([records[i] for i in by_rank], roles[by_rank]) if replayed else []
-    priced = priced_ranks(records, roles) if replayed else None
+    timelines = []  # each read once, for the call graph: up to the first record without one
+    for r in records if suspected and len(records) >= 2 else ():
+        if (timeline := timeline_of(r)) is None:
+            break
+        timelines.append(timeline)
+    causes, priced = [], None
+    if len(timelines) == len(records):
+        by_rank = sorted(range(len(records)), key=lambda i: int(records[i]["rank"]))  # arrival order is no input
+        ordered = [records[i] for i in by_rank]
+        graph = call_graph(ordered, [timelines[i] for i in by_rank])
+        causes = what_if(ordered, roles[by_rank], graph)
+        priced = priced_ranks(ordered, roles[by_rank], graph)
     return IterationScore(
         hosts=hosts,
         gpus=gpus,

@@ -42,8 +42,11 @@ F64 = npt.NDArray[np.float64]
 Floats = npt.NDArray[np.floating[Any]]
 """Times of a replay: float64, or float32 for what-if scenarios."""
 
+_NO_CALL = (0.0, 0.0, 0.0, 0.0)
 P2P_OPS = ("send", "recv")
 """The point-to-point ops: a call of one matches a call of the other on another rank."""
+FEW_MEMBERS = 16
+"""Instances of at most this many members are reduced member by member (a pair: one maximum)."""
 _OP_RE = re.compile(r"^[^:\[]*:([^\[]*)")
 
 
@@ -64,24 +67,35 @@ class Level:
     hi: int
     deps: I64
     """Where each call's dependency is in the order (``len(calls) + record``: the record's start)."""
-    starts: I64
-    """Offsets of each instance's members among the level's calls (for ``reduceat``)."""
-    instances: I64
-    member: I64
-    """Per call of the level: its instance's index among ``instances``."""
+    blocks: tuple[tuple[int, int, int, int, int], ...]
+    """Runs of the level's instances of one size: (first call, end call, first instance, end instance, members
+    each), calls in the order, instances in ``Levels.instances``; an instance's members are contiguous, so a
+    run's latest arrivals are one reduction over a (instances, members) view."""
 
 
 @dataclass(frozen=True, slots=True)
 class Levels:
-    """The calls in dependency order, level by level, so that a replay reads and writes each level as one slice."""
+    """The calls in dependency order, level by level (within a level by instance size, then instance), so that
+    a replay reads and writes each level as one slice."""
 
     order: I64
     position: I64
     """Per call: where it is in ``order``."""
+    instances: I64
+    """Every instance once, in the order its calls take."""
     rounds: tuple[Level, ...]
+    given: tuple[I64, I64, I64]
+    """What the order was built from (each call's dependency, its instance and its record): a graph of the same
+    takes the order as it is (``call_graph``'s ``like``)."""
+    cut: bool
+    """Whether a cycle was cut (which call was released depends on the times: the order is not to be reused)."""
 
     def __len__(self) -> int:
         return len(self.rounds)
+
+    def same_structure(self, dep: I64, instance: I64, row: I64) -> bool:
+        """Whether a graph of these dependencies, instances and records has this order."""
+        return not self.cut and all(map(np.array_equal, self.given, (dep, instance, row)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,19 +167,25 @@ class Replay:
 
 
 def call_graph(
-    records: Sequence[Mapping[str, Any]], timelines: Sequence[RankTimeline | None] | None = None
+    records: Sequence[Mapping[str, Any]],
+    timelines: Sequence[RankTimeline | None] | None = None,
+    like: CallGraph | None = None,
 ) -> CallGraph:
     """The call graph of one iteration's pattern records (one per rank; records without a timeline have no
     calls and end at their measured iteration time); ``timelines``: the records' own, already read. A record
-    whose timeline no windower writes raises ``timeline_of``'s ``ValueError`` (its one reason)."""
+    whose timeline no windower writes raises ``timeline_of``'s ``ValueError`` (its one reason).
+
+    ``like``: a graph of an earlier iteration of the job (the caller keeps it): where this one has the same
+    dependencies and instances (a job repeats its calls), its order is taken as it is rather than sorted
+    again. The result is the same either way."""
     n_rec = len(records)
     pg_codes: dict[str, int] = {}
     class_codes: dict[str, int] = {}
-    parts: dict[str, list[Any]] = {k: [] for k in ("enter", "leave", "comp", "seq", "fn", "lut")}
+    parts: dict[str, list[Any]] = {k: [] for k in ("enter", "leave", "comp", "seq", "fn")}
     counts = np.zeros(n_rec, dtype=np.int64)
     iteration = np.zeros(n_rec, dtype=np.float64)
     tail_compute = np.full(n_rec, np.nan)
-    lut_size = 0
+    lut: list[tuple[float, float, float, float]] = []  # per function index of each record: group, kind, class, bytes
     for r, rec in enumerate(records):
         iteration[r] = float(rec.get("iteration_ns", 0))
         tail_compute[r] = _tail_compute(tl := timeline_of(rec) if timelines is None else timelines[r])
@@ -174,23 +194,26 @@ def call_graph(
         names = rec["function"]
         calls, total = rec.get("calls", ()), rec.get("nbytes", ())  # lists, or numpy arrays (the fast decoder's)
         used = sorted(set(tl.function.tolist()))
-        lut = np.zeros((used[-1] + 1, 4))  # per function index: group, kind, class, bytes per call
+        base = len(lut)
+        lut.extend([_NO_CALL] * (used[-1] + 1))
         for f in used:
-            group, op_kind, like = call_kind(names[f])
+            group, op_kind, klass = call_kind(names[f])
             known = f < len(calls) and f < len(total) and calls[f]
             per_call = float(total[f]) / float(calls[f]) if known else 0.0
-            lut[f] = (pg_codes.setdefault(group, len(pg_codes)), op_kind,
-                      class_codes.setdefault(like, len(class_codes)), per_call)  # fmt: skip
-        counts[r] = len(tl)
+            lut[base + f] = (pg_codes.setdefault(group, len(pg_codes)), op_kind,
+                             class_codes.setdefault(klass, len(class_codes)), per_call)  # fmt: skip
+        counts[r] = tl.function.size
         parts["enter"].append(tl.enter_ns)
         parts["leave"].append(tl.leave_ns)
-        parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else np.full(len(tl), np.nan))
+        parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else tl.function.size)  # a size: unknown
         parts["seq"].append(tl.seq)
-        parts["fn"].append(tl.function + lut_size)
-        parts["lut"].append(lut)
-        lut_size += lut.shape[0]
+        parts["fn"].append(tl.function + base)
+    unknown = np.full(int(counts.max()) if n_rec else 0, np.nan)
+    parts["comp"] = [unknown[:c] if isinstance(c, int) else c for c in parts["comp"]]
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
-    codes = cat["lut"].reshape(-1, 4)[cat["fn"].astype(np.int64)] if parts["fn"] else np.zeros((0, 4))
+    codes = (
+        np.array(lut, dtype=np.float64).reshape(-1, 4)[cat["fn"].astype(np.int64)] if parts["fn"] else np.zeros((0, 4))
+    )
     cat |= {"row": np.repeat(np.arange(n_rec), counts), "pg": codes[:, 0], "kind": codes[:, 1], "cls": codes[:, 2],
             "by": codes[:, 3]}  # fmt: skip
     row = cat["row"].astype(np.int64)
@@ -201,7 +224,7 @@ def call_graph(
     kind, pg, seq = cat["kind"].astype(np.int64), cat["pg"].astype(np.int64), cat["seq"].astype(np.int64)
     m = match_calls(records, row, leave, kind, pg, seq)
     graph = _graph(records, row, first, enter, leave, cat, dep, work, m.instance, iteration, pg_codes, class_codes,
-                   m.matched_p2p, m.unmatched_p2p)  # fmt: skip
+                   m.matched_p2p, m.unmatched_p2p, like)  # fmt: skip
     return dataclasses.replace(graph, tail_compute_ns=np.minimum(tail_compute, graph.tail_ns), start_ns=m.start_ns)
 
 
@@ -226,6 +249,7 @@ def _graph(
     class_codes: dict[str, int],
     matched: int,
     unmatched: int,
+    like: CallGraph | None,
 ) -> CallGraph:
     n_inst = int(instance.max()) + 1 if instance.size else 0
     members = np.bincount(instance, minlength=n_inst).astype(np.int64)
@@ -236,13 +260,17 @@ def _graph(
     n_rec = len(records)
     last = np.full(n_rec, -1, dtype=np.int64)
     tail = iteration.copy()
-    if row.size:
-        order = np.lexsort((leave, row))
-        ends = np.r_[np.flatnonzero(np.diff(row[order])), row.size - 1]
-        last[row[order[ends]]] = order[ends]
-        has = last >= 0
+    if row.size:  # each rank's latest leave, the last of its calls that has it (the rank's calls are contiguous)
+        has = first[1:] > first[:-1]
+        starts = first[:-1][has]
+        latest = np.maximum.reduceat(leave, starts)
+        at_latest = np.where(leave == np.repeat(latest, np.diff(np.r_[starts, row.size])), np.arange(row.size), -1)
+        last[has] = np.maximum.reduceat(at_latest, starts)
         tail[has] = np.maximum(iteration[has] - leave[last[has]], 0.0)
-    dep, levels = _levels(dep, instance, members, enter, row)
+    if like is not None and like.levels.same_structure(dep, instance, row):
+        dep, levels = like.dep, like.levels
+    else:
+        dep, levels = _levels(dep, instance, members, enter, row)
     work = np.where(dep >= row.size, enter, work)
     leads = np.ones(row.size, dtype=bool)
     leads[1:] = (row[1:] != row[:-1]) | (dep[1:] != dep[:-1]) | (enter[1:] != enter[:-1])
@@ -308,6 +336,7 @@ def _latest_ended(row: I64, enter: F64, leave: F64, eligible: npt.NDArray[np.boo
 def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tuple[I64, Levels]:
     """Instances in dependency order, one level per round of Kahn's algorithm. An instance on a cycle
     (inconsistent input: a wrong match) has its members' dependencies cut: they enter when measured."""
+    given = (dep, instance, row)
     n = dep.size
     n_inst = members.size
     dep = dep.copy()
@@ -320,16 +349,15 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     i_start = np.concatenate(([0], np.cumsum(members)))
     level = np.full(n_inst, -1, dtype=np.int64)
     frontier = np.flatnonzero(waits == 0)
-    done, lv = 0, 0
+    done, lv, cut = 0, 0, False
     while done < n_inst:
         if frontier.size == 0:  # a cycle: release the pending instance entered first
             pending = np.flatnonzero(level < 0)
             first_enter = np.full(n_inst, np.inf)
             np.minimum.at(first_enter, instance, enter)
             stuck = pending[np.argmin(first_enter[pending])]
-            cut = by_inst[i_start[stuck] : i_start[stuck + 1]]
-            dep[cut] = n
-            frontier = np.array([stuck])
+            dep[by_inst[i_start[stuck] : i_start[stuck + 1]]] = n
+            frontier, cut = np.array([stuck]), True
         level[frontier] = lv
         done += frontier.size
         lv += 1
@@ -343,19 +371,29 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
         waits[touched] -= hit
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
     dep = np.where(dep == n, n + row, dep)  # each record's own start
-    order = np.lexsort((instance, level[instance]))
+    # instances by (level, size, instance) (one int key where it fits), then each one's calls in their order
+    # (``by_inst``): the calls sorted by (level, size, instance, index) without sorting every call
+    m1 = int(members.max()) + 1 if n_inst else 1
+    fits = (int(level.max()) + 1 if n_inst else 1) * m1 * max(n_inst, 1) < 2**62
+    ids = np.arange(n_inst)
+    by_level = np.argsort((level * m1 + members) * n_inst + ids) if fits else np.lexsort((ids, members, level))
+    order = _ranges(by_inst, i_start[by_level], i_start[by_level + 1])
     position = np.empty(n + row.size, dtype=np.int64)  # where each call (then each start) is in that order
     position[order] = np.arange(n)
     position[n:] = np.arange(n, n + row.size)
-    lv_of = level[instance[order]]
-    bounds = np.r_[0, np.flatnonzero(np.diff(lv_of)) + 1, order.size]
+    lv_of, size = level[by_level], members[by_level]
+    new_level = np.r_[True, lv_of[1:] != lv_of[:-1]][:n_inst]
+    b_inst = np.r_[np.flatnonzero(new_level | np.r_[True, size[1:] != size[:-1]][:n_inst]), n_inst]  # blocks' firsts
+    b_call = np.r_[np.cumsum(size) - size, n][b_inst]
+    b_level = np.cumsum(new_level)[b_inst[:-1]] - 1
+    blocks = list(zip(b_call[:-1].tolist(), b_call[1:].tolist(), b_inst[:-1].tolist(), b_inst[1:].tolist(),
+                      size[b_inst[:-1]].tolist(), strict=True))  # fmt: skip
+    l_block = np.r_[np.searchsorted(b_level, np.arange(int(new_level.sum()))), len(blocks)].tolist()
     out = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        inst = instance[order[a:b]]
-        starts = np.r_[0, np.flatnonzero(np.diff(inst)) + 1]
-        member = np.cumsum(np.r_[0, (np.diff(inst) != 0).astype(np.int64)])
-        out.append(Level(int(a), int(b), position[dep[order[a:b]]], starts, inst[starts], member))
-    return dep, Levels(order, position[:n], tuple(out))
+    for k in range(len(l_block) - 1):
+        lo, hi = blocks[l_block[k]][0], blocks[l_block[k + 1] - 1][1]
+        out.append(Level(lo, hi, position[dep[order[lo:hi]]], tuple(blocks[l_block[k] : l_block[k + 1]])))
+    return dep, Levels(order, position[:n], by_level, tuple(out), given, cut)
 
 
 def _ranges(values: I64, lo: I64, hi: I64) -> I64:
@@ -375,29 +413,48 @@ def replay_times(
     transfer_ns: Floats | None = None,
     tail_ns: Floats | None = None,
     start_ns: Floats | None = None,
+    ordered: bool = False,
 ) -> Floats:
     """Each record's replayed end, (records,) or (records, S) where any of ``work_ns`` (calls, S),
     ``transfer_ns`` (instances, S), ``tail_ns`` or ``start_ns`` (records, S) give S scenarios; in the work's
-    precision (what-if scenarios run in float32: half the memory traffic, 8 ns at 100 ms)."""
+    precision (what-if scenarios run in float32: half the memory traffic, 8 ns at 100 ms). ``ordered``: the
+    given work and transfers are in the levels' order already (``Levels.order``, ``Levels.instances``: what-if
+    builds its scenarios so, once for all its passes)."""
     given = [x for x in (work_ns, transfer_ns, tail_ns, start_ns) if x is not None and x.ndim == 2]
     s = given[0].shape[1] if given else 0
 
-    def cols(x: Floats | None, default: F64) -> Floats:
-        v = default if x is None else x
+    def cols(v: Floats) -> Floats:
         return v if not s or v.ndim == 2 else np.repeat(v[:, None], s, axis=1)
 
-    work, transfer = cols(work_ns, graph.work_ns), cols(transfer_ns, graph.transfer_ns)
-    tail, start = cols(tail_ns, graph.tail_ns), cols(start_ns, graph.start_ns)
     lv = graph.levels
-    leave = np.concatenate([np.zeros((graph.calls, s) if s else graph.calls, dtype=work.dtype),
-                            start.astype(work.dtype)])  # fmt: skip  # in level order
-    work = work[lv.order]
+    work = cols(work_ns if ordered and work_ns is not None else
+                (graph.work_ns if work_ns is None else work_ns)[lv.order])  # fmt: skip
+    transfer = cols(transfer_ns if ordered and transfer_ns is not None else
+                    (graph.transfer_ns if transfer_ns is None else transfer_ns)[lv.instances])  # fmt: skip
+    tail = cols(graph.tail_ns if tail_ns is None else tail_ns)
+    start = cols(graph.start_ns if start_ns is None else start_ns)
+    leave = np.empty((graph.calls + start.shape[0], *work.shape[1:]), dtype=work.dtype)  # in level order
+    leave[graph.calls :] = start
+    arrive = np.empty((max((r.hi - r.lo for r in lv.rounds), default=0), *work.shape[1:]), dtype=work.dtype)
     for r in lv.rounds:
-        arrive = leave[r.deps] + work[r.lo : r.hi]
-        end = np.maximum.reduceat(arrive, r.starts, axis=0) + transfer[r.instances]
-        leave[r.lo : r.hi] = end[r.member]
+        here = arrive[: r.hi - r.lo]
+        np.take(leave, r.deps, axis=0, out=here)
+        here += work[r.lo : r.hi]
+        for c_lo, c_hi, i_lo, i_hi, size in r.blocks:
+            members = here[c_lo - r.lo : c_hi - r.lo].reshape(i_hi - i_lo, size, *work.shape[1:])
+            ends = leave[c_lo:c_hi].reshape(members.shape)
+            if size > FEW_MEMBERS:
+                ends[...] = (members.max(axis=1) + transfer[i_lo:i_hi])[:, None]
+                continue
+            end = members[:, 0].copy()
+            for j in range(1, size):  # a few members: one maximum each beats a reduction over a short axis
+                np.maximum(end, members[:, j], out=end)
+            end += transfer[i_lo:i_hi]
+            for j in range(size):
+                ends[:, j] = end
     last = np.where(graph.last >= 0, lv.position[np.maximum(graph.last, 0)], graph.calls + np.arange(graph.last.size))
-    return leave[last] + tail
+    out: Floats = leave[last] + tail
+    return out
 
 
 STEADY_PASSES = 2
@@ -410,17 +467,18 @@ def steady_period(
     transfer_ns: Floats | None = None,
     tail_ns: Floats | None = None,
     passes: int = STEADY_PASSES,
+    ordered: bool = False,
 ) -> tuple[Floats, Floats]:
     """The job's iteration time when the iteration repeats, (S,) or a scalar, and the first pass's ends.
 
     Each rank starts the next iteration where it ended this one, so a rank that ends late (its tail) holds
     the others at the next iteration's first collective; the period is the median rank's advance in the
-    last pass (a max-plus system reaches its cycle time in a few passes)."""
+    last pass (a max-plus system reaches its cycle time in a few passes). ``ordered``: as ``replay_times``'s."""
     start: Floats | None = None
     first: Floats = np.zeros(0)
     prev: Floats = np.zeros(0)
     for k in range(passes):
-        ends = replay_times(graph, work_ns, transfer_ns, tail_ns, start)
+        ends = replay_times(graph, work_ns, transfer_ns, tail_ns, start, ordered)
         prev = graph.start_ns if start is None else start
         if k == 0:
             first = ends

@@ -101,11 +101,12 @@ def median_of_others(values: F64) -> F64:
     return 0.5 * (others_at(m // 2 - 1) + others_at(m // 2))
 
 
-def _rank_candidates(graph: CallGraph, roles: I64) -> list[_Candidate]:
-    """Per rank: its compute and its other work above its peers' at each call (peers: same role, same count)."""
+def _rank_candidates(graph: CallGraph, roles: I64, top: int) -> list[_Candidate]:
+    """Per rank: its compute and its other work above its peers' at each call (peers: same role, same count);
+    only the ``top`` by excess are built (in the order they come, among equals)."""
     counts = np.diff(graph.first)
-    out: list[_Candidate] = []
     key = roles * (int(counts.max()) + 2 if counts.size else 1) + counts
+    parts: list[tuple[str, I64, I64, F64]] = []  # (kind, rows, calls, cut) of each role and part
     for k in np.unique(key):
         rows = np.flatnonzero(key == k)
         n = int(counts[rows[0]])
@@ -116,15 +117,25 @@ def _rank_candidates(graph: CallGraph, roles: I64) -> list[_Candidate]:
         tail_comp = np.nan_to_num(graph.tail_compute_ns[rows], nan=0.0)[:, None]  # unknown: host work
         comp = np.concatenate([graph.compute_ns[calls], tail_comp], axis=1)
         known = bool(n) and not np.isnan(comp).any()
-        parts = [("rank_host", work)]
+        split = [("rank_host", work)]
         if known:
             comp = np.minimum(comp, work)
-            parts = [("rank_compute", comp), ("rank_host", work - comp)]
-        for kind, values in parts:
-            cut = np.maximum(values - median_of_others(values), 0.0)
-            for i in np.flatnonzero(cut.sum(axis=1) > 0):
-                out.append(_Candidate(kind, rows[i : i + 1], calls=calls[i], work_cut=cut[i, :n],
-                                      tail_cut=cut[i, n:]))  # fmt: skip
+            split = [("rank_compute", comp), ("rank_host", work - comp)]
+        parts += [(kind, rows, calls, np.maximum(values - median_of_others(values), 0.0)) for kind, values in split]
+    if not parts:
+        return []
+    # each candidate's excess as its property sums it (the calls', then the tail's), in the order they come
+    which = [np.flatnonzero(cut.sum(axis=1) > 0) for _, _, _, cut in parts]
+    excess = np.concatenate(
+        [cut[i, :-1].sum(axis=1) + cut[i, -1] for (_, _, _, cut), i in zip(parts, which, strict=True)]
+    )
+    part = np.repeat(np.arange(len(parts)), [i.size for i in which])
+    at = np.concatenate(which)
+    out: list[_Candidate] = []
+    for j in np.argsort(-excess, kind="stable")[:top].tolist():
+        kind, rows, calls, cut = parts[int(part[j])]
+        i = int(at[j])
+        out.append(_Candidate(kind, rows[i : i + 1], calls=calls[i], work_cut=cut[i, :-1], tail_cut=cut[i, -1:]))
     return out
 
 
@@ -162,14 +173,35 @@ def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
     return out
 
 
+def like_rings(graph: CallGraph) -> tuple[I64, I64]:
+    """The instances whose pace can be compared (two or more members) and, per each, what it shares with its
+    like ones: the op and size class (``replay.call_kind``) and the bytes per call within 1/16 of an octave.
+    Rings of different stages move different bytes: only like is compared with like."""
+    multi = np.flatnonzero(graph.members >= 2)
+    octave = np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
+    like: I64 = graph.klass[multi] * 4096 + octave
+    return multi, like
+
+
+def compared_rings(graph: CallGraph) -> npt.NDArray[np.bool_]:
+    """Per instance: whether another process group runs instances like it (``like_rings``), so that its pace
+    has a level to be brought to."""
+    multi, like = like_rings(graph)
+    out = np.zeros(graph.members.size, dtype=bool)
+    if multi.size:
+        cells = np.unique(like * (len(graph.groups) + 1) + graph.group[multi]) // (len(graph.groups) + 1)
+        kinds, groups = np.unique(cells, return_counts=True)
+        out[multi] = np.isin(like, kinds[groups >= 2])
+    return out
+
+
 def _transfer_candidates(graph: CallGraph, hosts: npt.NDArray[np.str_], top: int) -> list[_Candidate]:
     """Per process group: its transfers at the median pace of the other groups of the same op and bytes; per
     rank and per host, every such group it is in (has a member on), where two or more are slow. Only the
     ``top`` of each kind by excess are built."""
-    multi = np.flatnonzero(graph.members >= 2)
+    multi, like = like_rings(graph)
     if multi.size == 0:
         return []
-    like = graph.klass[multi] * 4096 + np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
     groups_n = len(graph.groups) + 1
     cells, which = np.unique(like * groups_n + graph.group[multi], return_inverse=True)
     which = which.reshape(-1)
@@ -239,24 +271,36 @@ def _cuts(graph: CallGraph, c: _Candidate | None, into: tuple[F64, F64, F64] | N
 
 def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidate | None = None) -> F64:
     """The job's replayed iteration time with ``base`` fixed (None: as measured) minus with each candidate
-    fixed too, several candidates per pass (float32 columns, the baseline alike)."""
+    fixed too, several candidates per pass (float32 columns, the baseline alike). Each column is the base's
+    (built once, in the levels' order) with the candidate's own entries cut: a candidate touches a few."""
     f32 = np.float32
     fixed = _cuts(graph, base)
     now = float(steady_period(graph, (graph.work_ns - fixed[0]).astype(f32), (graph.transfer_ns - fixed[2]).astype(f32),
                               (graph.tail_ns - fixed[1]).astype(f32))[0])  # fmt: skip
+    lv = graph.levels
+    where = np.empty(graph.transfer_ns.size, dtype=np.int64)  # each instance's place in the levels' order
+    where[lv.instances] = np.arange(lv.instances.size)
+    measured = (
+        graph.work_ns[lv.order].astype(f32),
+        graph.tail_ns.astype(f32),
+        graph.transfer_ns[lv.instances].astype(f32),
+    )
+    fixed_ordered = (fixed[0][lv.order], fixed[1], fixed[2][lv.instances])
+    columns = [m - f.astype(f32) for m, f in zip(measured, fixed_ordered, strict=True)]
     out = np.zeros(len(candidates))
     for lo in range(0, len(candidates), SCENARIOS_PER_PASS):
         chunk = candidates[lo : lo + SCENARIOS_PER_PASS]
-        s = len(chunk)
-        work = np.repeat(graph.work_ns[:, None].astype(f32), s, axis=1)
-        transfer = np.repeat(graph.transfer_ns[:, None].astype(f32), s, axis=1)
-        tail = np.repeat(graph.tail_ns[:, None].astype(f32), s, axis=1)
+        work, tail, transfer = (np.repeat(c[:, None], len(chunk), axis=1) for c in columns)
         for j, c in enumerate(chunk):
-            w_cut, t_cut, x_cut = _cuts(graph, c, fixed)
-            work[:, j] -= w_cut.astype(f32)
-            tail[:, j] -= t_cut.astype(f32)
-            transfer[:, j] -= x_cut.astype(f32)
-        out[lo : lo + s] = now - steady_period(graph, work, transfer, tail)[0]
+            for m, f, col, at, place, cut in (
+                (measured[0], fixed[0], work, c.calls, lv.position, c.work_cut),
+                (measured[1], fixed[1], tail, c.rows, None, c.tail_cut),
+                (measured[2], fixed[2], transfer, c.instances, where, c.transfer_cut),
+            ):
+                if at is not None and cut is not None:
+                    p = at if place is None else place[at]
+                    col[p, j] = m[p] - np.maximum(f[at], cut).astype(f32)
+        out[lo : lo + len(chunk)] = now - steady_period(graph, work, transfer, tail, ordered=True)[0]
     return out
 
 
@@ -285,7 +329,7 @@ def what_if(
     role = role_codes([dict(r) for r in records]) if roles is None else roles
     stages = np.array([int(r.get("pp_rank", -1)) for r in records], dtype=np.int64)
     hosts = np.array([str(r.get("host", "")) for r in records])
-    ranked = sorted(_rank_candidates(g, role) + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
+    ranked = sorted(_rank_candidates(g, role, top) + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
     chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
     if not chosen:
         return []

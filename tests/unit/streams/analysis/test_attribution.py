@@ -23,7 +23,7 @@ from fleetscope.streams.analysis.links import RING_PACE_METRIC
 from fleetscope.streams.analysis.replay import call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
-from fleetscope.streams.analysis.whatif import what_if
+from fleetscope.streams.analysis.whatif import compared_rings, what_if
 
 BUDGET_SHARE = 0.01
 
@@ -42,10 +42,11 @@ def _judged(job: ToyJob, signals: list[RankSignal], iterations: int = 6) -> list
     for records, timelines in run(job, iterations):
         records = [{**r, "kind": [int(FunctionKind.COLLECTIVE)] * len(r["function"])} for r in records]
         roles = role_codes(records)
-        credits = credits_of(what_if(records, roles, call_graph(records, timelines)))
+        graph = call_graph(records, timelines)
+        credits = credits_of(what_if(records, roles, graph))
         history.observe(int(records[0].get("iteration", len(kept))), credits)
         budget = BUDGET_SHARE * float(np.median([r["iteration_ns"] for r in records]))
-        kept = attribute(signals, credits, history, budget, priced_ranks(records, roles))
+        kept = attribute(signals, credits, history, budget, priced_ranks(records, roles, graph))
     return kept
 
 
@@ -102,3 +103,17 @@ def test_the_saving_history_is_a_mean_over_its_window_and_forgets_ranks_that_sto
     for it in range(4, 9):
         history.observe(it, credits_of([]))
     assert history.mean(("work", 3)) == 0.0 and not history._entries
+
+
+def test_transfers_are_priced_exactly_where_the_what_if_compares_rings() -> None:
+    """One like-ring rule (``whatif.compared_rings``): two stages' rings moving the same bytes are compared, so
+    a slow one is a candidate and its ranks' transfers are priced; moving different bytes, neither ring is
+    (the pipeline's transfers, alike in every replica, still are)."""
+    for ring_bytes, compared in (((32 << 20, 32 << 20), True), ((64 << 20, 32 << 20), False)):
+        records, timelines = run(ToyJob(dp=4, ring={0: 3.0}, allreduce_bytes=ring_bytes), 1)[-1]
+        graph = call_graph(records, timelines)
+        rings = graph.members == 4
+        assert rings.sum() == 2 and (compared_rings(graph)[rings] == compared).all()
+        transfers = [c for c in what_if(records, graph=graph) if c.kind == "group_transfer"]
+        assert bool(transfers) is compared
+        assert priced_ranks(records, role_codes(records), graph).transfer == frozenset(range(8))

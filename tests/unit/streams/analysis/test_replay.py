@@ -7,7 +7,14 @@ import numpy as np
 from pipeline_toy import ToyJob, run
 
 from fleetscope.streams.analysis.callmatch import MATCH_TOLERANCE_NS
-from fleetscope.streams.analysis.replay import call_graph, call_kind, replay, replay_times, steady_period
+from fleetscope.streams.analysis.replay import (
+    FEW_MEMBERS,
+    call_graph,
+    call_kind,
+    replay,
+    replay_times,
+    steady_period,
+)
 from fleetscope.streams.analysis.timeline import RankTimeline
 
 AR = "nccl:allreduce[pg=0,<=1MiB]"
@@ -97,3 +104,32 @@ def test_call_kinds_come_from_the_function_name() -> None:
     assert call_kind("nccl:recv[pg=pp3,<=8MiB]") == ("pp3", 2, "p2p")
     assert call_kind("nccl:send[pg=7,<=1KiB]")[:2] == ("7", 1)
     assert call_kind("nccl:allreduce[pg=dp1,<=32MiB]") == ("dp1", 0, "nccl:allreduce[<=32MiB]")
+
+
+def test_scenarios_replayed_together_equal_each_replayed_alone() -> None:
+    """dp18 x pp2: p2p pairs, and rings of 18 members (reduced as one block past ``FEW_MEMBERS``): every
+    column of a many-scenario replay, given in the graph's order or in the levels', is that scenario's own
+    replay, to the bit."""
+    records, timelines = run(ToyJob(dp=18, pp=2, jitter=0.02, seed=3), 1)[-1]
+    g = call_graph(records, timelines)
+    assert int(g.members.max()) > FEW_MEMBERS and 2 in g.members
+    rng = np.random.default_rng(0)
+    work = (g.work_ns[:, None] * rng.uniform(0.5, 1.0, (g.calls, 3))).astype(np.float32)
+    transfer = (g.transfer_ns[:, None] * rng.uniform(0.5, 1.0, (g.transfer_ns.size, 3))).astype(np.float32)
+    together = replay_times(g, work, transfer)
+    ordered = replay_times(g, work[g.levels.order], transfer[g.levels.instances], ordered=True)
+    alone = np.stack([replay_times(g, work[:, j], transfer[:, j]) for j in range(3)], axis=1)
+    assert np.array_equal(together, alone) and np.array_equal(ordered, alone)
+    assert not np.array_equal(alone[:, 0], alone[:, 1])  # the scenarios differ
+
+
+def test_a_graph_like_the_last_iterations_takes_its_order_and_replays_the_same() -> None:
+    """The next iteration of a job (other times, the same calls) takes the previous graph's order; a graph of
+    other calls does not; either way the replay is the one built afresh."""
+    (r0, t0), (r1, t1) = run(ToyJob(dp=4, pp=4, jitter=0.02, seed=1), 2)
+    first, fresh = call_graph(r0, t0), call_graph(r1, t1)
+    warm = call_graph(r1, t1, like=first)
+    assert warm.levels is first.levels and fresh.levels is not first.levels
+    assert np.array_equal(replay(r1, warm).replayed_ns, replay(r1, fresh).replayed_ns)
+    other_records, other_timelines = run(ToyJob(dp=2, pp=4), 1)[-1]
+    assert call_graph(other_records, other_timelines, like=first).levels is not first.levels

@@ -7,8 +7,19 @@ import numpy as np
 import pytest
 from pipeline_toy import ToyJob, period_ns, run
 
-from fleetscope.streams.analysis.replay import call_graph, replay
-from fleetscope.streams.analysis.whatif import Cause, culprit, median_of_others, others_named, what_if
+from fleetscope.streams.analysis.replay import call_graph, replay, steady_period
+from fleetscope.streams.analysis.roles import role_codes
+from fleetscope.streams.analysis.whatif import (
+    Cause,
+    _cuts,
+    _rank_candidates,
+    _savings,
+    _stage_candidates,
+    culprit,
+    median_of_others,
+    others_named,
+    what_if,
+)
 
 
 def _priced(job: ToyJob) -> tuple[list[Cause], float, float]:
@@ -65,3 +76,25 @@ def test_the_median_of_the_others_leaves_each_value_out() -> None:
     values = np.array([[1.0, 5.0], [2.0, 5.0], [10.0, 5.0]])
     assert median_of_others(values).tolist() == [[6.0, 5.0], [5.5, 5.0], [1.5, 5.0]]
     assert median_of_others(np.array([[1.0], [3.0]])).tolist() == [[3.0], [1.0]]
+
+
+def test_each_saving_is_its_cause_fixed_alone_and_a_like_graph_prices_the_same() -> None:
+    """The savings of candidates priced together (float32 columns, each cutting only its own entries) are each
+    candidate's own dense replay in float64, to float32 rounding; with the top fixed as the base, likewise; and
+    the next iteration's graph built from the previous one's prices exactly as one built afresh."""
+    job = ToyJob(dp=4, pp=4, compute={5: 2.0}, jitter=0.01)
+    (r0, t0), (records, timelines) = run(job, 2)
+    g = call_graph(records, timelines)
+    roles = role_codes(records)
+    stages = np.array([r["pp_rank"] for r in records])
+    chosen = _rank_candidates(g, roles, 4) + _stage_candidates(g, stages)
+    now = float(steady_period(g)[0])
+    for base in (None, chosen[0]):
+        fixed = _cuts(g, base)
+        base_ns = float(steady_period(g, g.work_ns - fixed[0], g.transfer_ns - fixed[2], g.tail_ns - fixed[1])[0])
+        for c, saving in zip(chosen, _savings(g, chosen, base), strict=True):
+            work, tail, transfer = _cuts(g, c, fixed)
+            alone = float(steady_period(g, g.work_ns - work, g.transfer_ns - transfer, g.tail_ns - tail)[0])
+            assert saving == pytest.approx(base_ns - alone, abs=1e-6 * now)
+    assert max(_savings(g, chosen)) > 0.1 * now  # the slow worker's fix saves much
+    assert what_if(records, graph=call_graph(records, timelines, like=call_graph(r0, t0))) == what_if(records, graph=g)
