@@ -34,6 +34,7 @@ functions in < 1 s and < 2 GB, cost per rank flat (no worse than linear in ranks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import pickle
@@ -519,6 +520,8 @@ def bench_replay(ranks: int, microbatches: int, repeat: int) -> bool:
         wall = phases[f"graph, {kind}"][1] + sum(p[1] for p in rest)
         print(f"{'total, ' + kind:<22} {cpu:>6.3f} {wall:>6.3f}  (target 1 s)")
     print(f"  the warm graph's what-if equals the cold one's: {'yes' if same else 'NO'}")
+    held = sum(v.nbytes for f in dataclasses.fields(g) if isinstance(v := getattr(g, f.name), np.ndarray))
+    print(f"  the graph a job keeps for its next iteration (``ScoringCache``): {held / 2**20:.0f} MiB")
     return same
 
 

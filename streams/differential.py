@@ -27,8 +27,7 @@ from fleetscope.schemas.codec import decode_head
 from fleetscope.schemas.signing import MAC_HEADER, findings_mac
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams import reasons
-from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
-from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential, ScoringCache
 from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.counters import StageCounters
 from fleetscope.streams.deadletter import DeadLetters
@@ -91,7 +90,7 @@ class DifferentialStage:
             raise ValueError("a scoring pool scores with the configured scorer: pass no scorer with it")
         self.config = config or DifferentialConfig()
         self.jobs: dict[str, JobDifferential] = {}
-        self.pool: IterationScoring = pool or InlineScoring(self.config, scorer, self._function_index)
+        self.pool: IterationScoring = pool or InlineScoring(self.config, scorer, self._scoring_cache)
         self.scoring: dict[str, deque[_Scoring]] = {}
         """Per job, the iterations handed to the pool and not yet tracked, oldest first."""
         self.rejected: list[Taken] = []
@@ -103,8 +102,8 @@ class DifferentialStage:
             jd = self.jobs[name] = JobDifferential(name, self.config)
         return jd
 
-    def _function_index(self, job: str) -> FunctionIndex:
-        return self.job(job).function_index
+    def _scoring_cache(self, job: str) -> ScoringCache:
+        return self.job(job).scoring_cache
 
     def take(
         self,

@@ -25,8 +25,7 @@ from typing import Any, Protocol
 from fleetscope.lifetime import die_with_parent
 from fleetscope.schemas import SchemaError, decode
 from fleetscope.schemas.catalog import SchemaEntry
-from fleetscope.streams.analysis.differential import DifferentialConfig, IterationScore, score_records
-from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.differential import DifferentialConfig, IterationScore, ScoringCache, score_records
 from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.reasons import reason
 
@@ -68,13 +67,13 @@ class InlineScoring:
         self,
         config: DifferentialConfig,
         scorer: OutlierScorer | None = None,
-        index_of: Callable[[str], FunctionIndex] | None = None,
+        cache_of: Callable[[str], ScoringCache] | None = None,
     ) -> None:
         self._config = config
         self._scorer = scorer
         """Overrides the scorer ``config`` names (tests, experiments); None: the configured one."""
-        self._index_of = index_of
-        """Each job's function index (its differential's: kept with its state); None: this process's cache."""
+        self._cache_of = cache_of
+        """Each job's scoring cache (its differential's); None: this process's."""
         self.submitted = 0
 
     def submit(
@@ -83,8 +82,8 @@ class InlineScoring:
         """Score one iteration now; its future is done."""
         self.submitted += 1
         future: Future[PoolScore] = Future()
-        index = self._index_of(job) if self._index_of is not None else None
-        future.set_result(score_payloads(job, payloads, writers, self._config, self._scorer, index))
+        cache = self._cache_of(job) if self._cache_of is not None else None
+        future.set_result(score_payloads(job, payloads, writers, self._config, self._scorer, cache))
         return future
 
     def close(self) -> None:
@@ -204,7 +203,7 @@ class _Writers:
 
 
 _config = DifferentialConfig()
-_indexes: OrderedDict[str, FunctionIndex] = OrderedDict()
+_caches: OrderedDict[str, ScoringCache] = OrderedDict()
 
 
 def _configure(config: DifferentialConfig) -> None:
@@ -245,12 +244,12 @@ def score_payloads(
     writers: dict[int, SchemaEntry],
     config: DifferentialConfig | None = None,
     scorer: OutlierScorer | None = None,
-    index: FunctionIndex | None = None,
+    cache: ScoringCache | None = None,
 ) -> PoolScore:
     """Decode and score one iteration (in a scoring process, or the worker: ``InlineScoring``). A message that
     does not decode is left out and returned with its reason; a failure of the analysis costs the iteration,
-    reported on its last message. ``config``: None, the process's (``_configure``); ``index``: None, the
-    process's cache of each job's function index."""
+    reported on its last message. ``config``: None, the process's (``_configure``); ``cache``: None, the
+    process's cache of each job's."""
     resolver = _Writers(writers)
     records: list[dict[str, Any]] = []
     rejected: list[tuple[int, str]] = []
@@ -266,13 +265,13 @@ def score_payloads(
         records.append(record)
     if not records:
         return PoolScore(None, rejected)
-    if index is None:
-        index = _indexes.pop(job, None) or FunctionIndex()
-        _indexes[job] = index
-        while len(_indexes) > _MAX_JOBS:
-            _indexes.popitem(last=False)
+    if cache is None:
+        cache = _caches.pop(job, None) or ScoringCache()
+        _caches[job] = cache
+        while len(_caches) > _MAX_JOBS:
+            _caches.popitem(last=False)
     try:
-        return PoolScore(score_records(records, config or _config, scorer, index), rejected)
+        return PoolScore(score_records(records, config or _config, scorer, cache), rejected)
     except Exception as exc:  # an analysis bug must cost one iteration, not the pool
         log.warning("scoring an iteration of job %r failed: %r", job, exc)
         return PoolScore(None, [*rejected, (len(payloads) - 1, reason("differential", exc))])

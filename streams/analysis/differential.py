@@ -27,7 +27,7 @@ from fleetscope.streams.analysis.links import SteadyTransfers
 from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, NoiseReading, read_noise
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
-from fleetscope.streams.analysis.replay import call_graph
+from fleetscope.streams.analysis.replay import CallGraph, call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 from fleetscope.streams.analysis.stages import runs_kernels
@@ -91,7 +91,7 @@ class JobDifferential:
         partitions move, so a rank whose partition is changing hands is not silent either."""
         self._first_input_ns: int | None = None
         self._unseen: tuple[int, list[int]] = (-1, [])
-        self._functions = FunctionIndex()
+        self._cache = ScoringCache()
         self.iterations_scored = 0
         self.late_records = 0
         self.skipped_profiled = 0
@@ -108,9 +108,9 @@ class JobDifferential:
         self._savings = SavingHistory(self.config.attribution.window)
 
     @property
-    def function_index(self) -> FunctionIndex:
-        """The job's function names as the scoring's matrices number them (a cache, kept with the state)."""
-        return self._functions
+    def scoring_cache(self) -> ScoringCache:
+        """What scoring the job's iterations keeps from one to the next (a cache, never part of the state)."""
+        return self._cache
 
     @property
     def scored_upto(self) -> int:
@@ -121,6 +121,7 @@ class JobDifferential:
         """Pickled state leaves out the records still waiting for ranks: a replay of their messages brings them back."""
         state = self.__dict__.copy()
         state["_pending"] = {}
+        state["_cache"] = ScoringCache()
         state["_gathered_upto"] = self._scored_upto  # iterations still being scored elsewhere: replayed
         clocks = ("_last_seen_ns", "_first_seen_ns", "_unseen", "_newest_ns", "_last_input_ns", "_first_input_ns")
         for clock_field in clocks:  # rebuilt from replay
@@ -130,7 +131,8 @@ class JobDifferential:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """State records written before the function index existed restore with an empty one."""
         self.__dict__.update(state)
-        self.__dict__.setdefault("_functions", FunctionIndex())
+        self.__dict__.pop("_functions", None)  # records of format 3 and before kept the function index
+        self.__dict__.setdefault("_cache", ScoringCache())
         self.__dict__.setdefault("_gathered_upto", self._scored_upto)
         self.__dict__.setdefault("_last_seen_ns", OrderedDict())
         self.__dict__.setdefault("_first_seen_ns", None)
@@ -322,7 +324,7 @@ class JobDifferential:
         """Score one iteration here (``score_records``) and track it (``apply``)."""
         self.skip(it)  # a scoring that fails costs this iteration, not the job's later ones
         scorer = self.scorer or scorer_named(self.config.scorer, self.config.scoring)
-        return self.apply(it, score_records(records, self.config, scorer, self._functions))
+        return self.apply(it, score_records(records, self.config, scorer, self._cache))
 
     def skip(self, it: int) -> None:
         """Iteration ``it`` will not be tracked (its scoring failed): the job's state covers it all the same."""
@@ -509,14 +511,24 @@ class IterationScore:
     its records carry no timelines, or its detectors raised nothing the replay prices."""
 
 
+@dataclass(slots=True)
+class ScoringCache:
+    """What scoring a job's iterations may keep from one to the next, its results unchanged: the function
+    names as the scoring's matrices number them, and the last replayed call graph (``call_graph``'s
+    ``like``: a job repeats its calls, so the next one is ordered like it). Never part of the job's state."""
+
+    functions: FunctionIndex = field(default_factory=FunctionIndex)
+    graph: CallGraph | None = None
+
+
 def score_records(
     records: Sequence[dict[str, Any]],
     config: DifferentialConfig,
     scorer: OutlierScorer | None = None,
-    functions: FunctionIndex | None = None,
+    cache: ScoringCache | None = None,
 ) -> IterationScore:
-    """Score one iteration's records: a pure function of the records (``functions`` is a cache), so a job's
-    iterations can be scored anywhere, in any order, and tracked in order (``JobDifferential.apply``).
+    """Score one iteration's records: a pure function of the records (``cache`` changes no result), so a
+    job's iterations can be scored anywhere, in any order, and tracked in order (``JobDifferential.apply``).
     ``scorer``: None, the one ``config`` names."""
     hosts = {int(r["rank"]): str(r["host"]) for r in records}
     gpus = {int(r["rank"]): (int(r["local_rank"]), str(r["gpu_uuid"])) for r in records if "gpu_uuid" in r}
@@ -526,7 +538,7 @@ def score_records(
     score = scorer or scorer_named(config.scorer, config.scoring)
     roles = role_codes(records)
     iteration_ns = float(np.median([r["iteration_ns"] for r in records]))
-    signals = score_iteration(records, config.scoring, score, functions)
+    signals = score_iteration(records, config.scoring, score, cache.functions if cache is not None else None)
     # the replay prices suspicions: an iteration whose detectors raised none has nothing to judge
     suspected = any(s.category in CREDITED_BY for s in signals)
     timelines = []  # each read once, for the call graph: up to the first record without one
@@ -538,7 +550,9 @@ def score_records(
     if len(timelines) == len(records):
         by_rank = sorted(range(len(records)), key=lambda i: int(records[i]["rank"]))  # arrival order is no input
         ordered = [records[i] for i in by_rank]
-        graph = call_graph(ordered, [timelines[i] for i in by_rank])
+        graph = call_graph(ordered, [timelines[i] for i in by_rank], like=cache.graph if cache is not None else None)
+        if cache is not None:
+            cache.graph = graph
         causes = what_if(ordered, roles[by_rank], graph)
         priced = priced_ranks(ordered, roles[by_rank], graph)
     return IterationScore(

@@ -104,19 +104,18 @@ def test_a_column_shorter_than_the_functions_is_rejected():
         gather_matrices(records)
 
 
-def test_the_function_index_pickles_empty_and_the_job_state_restores_without_it():
+def test_the_scoring_cache_pickles_empty_and_the_job_state_restores_without_it():
     jd = JobDifferential("j")
     for rec in simulated()[0]:
         jd.add(rec)
-    assert jd._functions.names
+    assert jd.scoring_cache.functions.names
     restored = pickle.loads(pickle.dumps(jd))
-    assert restored._functions.names == [] and restored.iterations_scored == 1
-    old = pickle.loads(pickle.dumps(jd))
-    del old.__dict__["_functions"]
-    state = old.__dict__.copy()
-    older = JobDifferential.__new__(JobDifferential)
-    older.__setstate__(state)
-    assert isinstance(older._functions, FunctionIndex)
+    assert restored.scoring_cache.functions.names == [] and restored.scoring_cache.graph is None
+    assert restored.iterations_scored == 1
+    older = JobDifferential.__new__(JobDifferential)  # a record of format 3 or before: the index, no cache
+    state = {k: v for k, v in pickle.loads(pickle.dumps(jd)).__dict__.items() if k != "_cache"}
+    older.__setstate__({**state, "_functions": FunctionIndex()})
+    assert isinstance(older.scoring_cache.functions, FunctionIndex) and "_functions" not in older.__dict__
 
 
 def test_the_index_forgets_its_names_when_they_keep_changing():
