@@ -57,6 +57,7 @@ from fleetscope.streams.analysis.outliers import (
 )
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.shards import split_records
+from fleetscope.streams.analysis.signals import robust_z
 from fleetscope.streams.analysis.windowing import RankWindower, summarize_closed
 from fleetscope.streams.differential import DifferentialStage
 from fleetscope.streams.scoring import ScoringPool
@@ -252,7 +253,7 @@ def bench_shards(ranks: int, f: int, counts: list[int], repeat: int, interleave:
     first = make_records(ranks, f, slow, interleave=interleave)
     second = make_records(ranks, f, slow, iteration=1, interleave=interleave)
     cfg = ScoringConfig()
-    scorer = cfg.scorer()
+    scorer = robust_z(cfg)
     index = FunctionIndex()
     score_iteration(first, cfg, scorer, index)
     want = [asdict(s) for s in score_iteration(second, cfg, scorer, index)]

@@ -27,9 +27,8 @@ from fleetscope.schemas.limits import IntakeLimits
 from fleetscope.sinks.store_config import ClickHouseConfig
 from fleetscope.storehttp import StoreServerBounds
 from fleetscope.streams import STAGES
-from fleetscope.streams.analysis.differential import DifferentialConfig
-from fleetscope.streams.analysis.windowing import WindowerConfig
 from fleetscope.streams.profiling import ProfileRequestConfig
+from fleetscope.streams.settings import DifferentialConfig, WindowerConfig
 
 if TYPE_CHECKING:  # faust is imported only where a worker runs (not in training ranks)
     from fleetscope.streams.appconfig import BrokerCredentials

@@ -122,7 +122,7 @@ class OfflinePipeline:
 
     def _take_progress(self, w: RankWindower) -> None:
         for rec in stall_reports([w]):
-            self._apply("progress", rec)
+            self._apply("progress", dict(rec))
 
     def _take(self, closed: list[ClosedIteration]) -> None:
         for c in summarized(closed)[0]:  # a failed one is logged where it failed

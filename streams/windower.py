@@ -18,6 +18,7 @@ from faust.types import Message
 
 from fleetscope.schemas import EventBatch, IntakeLimits, Topics, encode
 from fleetscope.schemas.topics import job_key, rank_key
+from fleetscope.streams.analysis.stalls import StallRecord
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig, summarize_closed
 from fleetscope.streams.counters import StageCounters
 from fleetscope.streams.deadletter import DeadLetters
@@ -69,7 +70,7 @@ class WindowerStage:
         return sum(w.counters.incomplete for w in self.windowers.values())
 
 
-def stall_reports(windowers: Iterable[RankWindower]) -> list[dict[str, Any]]:
+def stall_reports(windowers: Iterable[RankWindower]) -> list[StallRecord]:
     """The stall/resume reports the windowers produced since they were last asked."""
     return [rec for w in windowers for rec in w.take_progress()]
 

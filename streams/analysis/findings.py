@@ -16,22 +16,7 @@ from typing import Any
 
 from fleetscope.schemas.categories import JOB_LEVEL
 from fleetscope.streams.analysis.outliers import RankSignal
-
-
-@dataclass(frozen=True, kw_only=True)
-class LifecycleConfig:
-    persist_iterations: int = 3
-    window_iterations: int = 8
-    recover_iterations: int = 8
-    update_every: int = 10
-
-    def __post_init__(self) -> None:
-        for name in ("persist_iterations", "window_iterations", "recover_iterations", "update_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.persist_iterations > self.window_iterations:
-            raise ValueError("persist_iterations must be <= window_iterations")
-
+from fleetscope.streams.settings import LifecycleConfig
 
 _JOB_LEVEL = JOB_LEVEL
 """Categories about the job as a whole rather than some of its ranks."""
