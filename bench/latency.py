@@ -20,10 +20,10 @@ import time
 from collections import defaultdict
 
 from fleetscope.config import load_config
-from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventBatch
 from fleetscope.stack import EmbeddedStack
+from fleetscope.wiring import bulk_publisher_config
 
 
 def paced_run(sim: SimulatorConfig, speed: float, store: str, run: int, settle_s: float) -> list[float]:
@@ -54,7 +54,7 @@ def paced_run(sim: SimulatorConfig, speed: float, store: str, run: int, settle_s
                 for fid, it in rows:
                     seen_at.setdefault(fid, (now, int(it)))
 
-            with Publisher(publisher_config(stack.config)) as publisher:
+            with Publisher(bulk_publisher_config(stack.config)) as publisher:
                 t0 = time.perf_counter()
                 for b in batches:
                     due = t0 + (b.header.sent_ns - first_ns) / 1e9 / speed

@@ -58,7 +58,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fleetscope.config import load_config
-from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode, encode_event_batch
 from fleetscope.sinks import current_findings
@@ -68,6 +67,7 @@ from fleetscope.streams.analysis import patterns as patterns_module
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
+from fleetscope.wiring import bulk_publisher_config
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -254,7 +254,7 @@ def end_to_end(
             expected = sim.ranks * sim.expected_iterations
             link, child_link = PRODUCER.Pipe()
             producer = PRODUCER.Process(
-                target=publish_batches, args=(publisher_config(stack.config), batches, child_link)
+                target=publish_batches, args=(bulk_publisher_config(stack.config), batches, child_link)
             )
             producer.start()
             link.recv()

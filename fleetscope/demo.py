@@ -8,13 +8,10 @@ from typing import Any
 
 from fleetscope.config import Config
 from fleetscope.errors import BrokerUnreachable
-from fleetscope.producers import Publisher, PublisherConfig, PublisherStats, SimulatorConfig, simulate
+from fleetscope.producers import Publisher, PublisherStats, SimulatorConfig, simulate
 from fleetscope.progress import Progress
 from fleetscope.stack import EmbeddedStack
-
-
-def publisher_config(config: Config) -> PublisherConfig:
-    return PublisherConfig.from_config(config, queue_max_messages=1_000_000)
+from fleetscope.wiring import bulk_publisher_config
 
 
 def check_delivered(stats: PublisherStats, servers: str) -> None:
@@ -32,7 +29,7 @@ def check_delivered(stats: PublisherStats, servers: str) -> None:
 def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress) -> int:
     """Publish a simulated job to the configured broker; return the number of batches published."""
     published = 0
-    with Publisher(publisher_config(config)) as publisher:
+    with Publisher(bulk_publisher_config(config)) as publisher:
         for batch in simulate(sim):
             publisher.publish(batch)
             published += 1

@@ -84,9 +84,10 @@ def replay_traces(
 ) -> list[RankSummary]:
     """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
     from fleetscope.broker import ensure_topics
-    from fleetscope.demo import check_delivered, publisher_config
+    from fleetscope.demo import check_delivered
     from fleetscope.producers import Publisher
     from fleetscope.schemas import Topics
+    from fleetscope.wiring import bulk_publisher_config
 
     k = config.kafka
     if not k.bootstrap_servers:
@@ -99,7 +100,7 @@ def replay_traces(
     traces = deque(
         parsed_traces(paths, options, "replay", layouts)
     )  # parsed (the pool forked) before any client thread
-    with Publisher(publisher_config(config)) as publisher:
+    with Publisher(bulk_publisher_config(config)) as publisher:
         while traces:
             trace = traces.popleft()
             for batch in trace.batches:

@@ -127,11 +127,6 @@ class ControlListenerConfig:
     poll_timeout_s: float = 0.5
     extra: Mapping[str, str] = field(default_factory=dict, repr=False)
 
-    @classmethod
-    def from_config(cls, config: Any) -> ControlListenerConfig:
-        servers, prefix, security = _kafka_settings(config)
-        return cls(bootstrap_servers=servers, topic_prefix=prefix, extra=security)
-
 
 class ControlListener:
     """Follows the control topic in a daemon thread; calls ``on_request`` for live requests of ``job``.

@@ -51,9 +51,9 @@ except ImportError as _exc:  # torch is an optional extra
     ) from _exc
 
 from fleetscope.producers import torch_layout, torch_patches
-from fleetscope.producers.control import ControlListener, ControlListenerConfig, ControlRequest
+from fleetscope.producers.control import ControlListener, ControlRequest
 from fleetscope.producers.cpu_wait import CpuWaitClock, SpanMark, SpanWaits
-from fleetscope.producers.publisher import Publisher, PublisherConfig
+from fleetscope.producers.publisher import Publisher
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig, RecorderStats
 from fleetscope.producers.torch_profiling import ProfilingWindow, WindowConfig, window_batches
 from fleetscope.schemas import CPU_WAIT, PROFILING_WINDOW, SPAN_CPU_WAIT_DEPTH, EventKind, step_marker_name
@@ -240,7 +240,8 @@ def _current() -> Monitor | None:
 
 
 def _build(job: str | None, config: Any) -> Monitor | None:
-    from fleetscope.config import load_config  # lazily: the config module pulls in the analysis settings
+    from fleetscope.config import load_config  # lazily: a rank that never starts monitoring reads no config
+    from fleetscope.wiring import control_listener_config, publisher_config
 
     cfg = config if config is not None else load_config(os.environ.get("FLEETSCOPE_CONFIG") or None)
     k = cfg.kafka
@@ -250,7 +251,7 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     identity = RankIdentity.from_env()
     if job:
         identity = replace(identity, job=job)
-    publisher = Publisher(PublisherConfig.from_config(cfg, client_id=f"fleetscope-torch-{identity.rank}"))
+    publisher = Publisher(publisher_config(cfg, client_id=f"fleetscope-torch-{identity.rank}"))
     streams = {EventKind.PYTHON.value}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         streams.add(EventKind.COLLECTIVES.value)
@@ -262,7 +263,7 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     sampler = _sampler(identity, recorder) if nvml == "process" else None
     listener = None
     if os.environ.get(ENV_CONTROL, "on").lower() not in _OFF:
-        listener_config = ControlListenerConfig.from_config(cfg)
+        listener_config = control_listener_config(cfg)
         listener = ControlListener(listener_config, identity.job, _on_request)
     return Monitor(recorder, auto_step=_auto, listener=listener, sampler=sampler)
 

@@ -194,9 +194,9 @@ def cmd_inspector(args: argparse.Namespace, config: Config) -> int:
     from confluent_kafka import Producer
 
     from fleetscope.broker import ensure_topics
-    from fleetscope.demo import publisher_config
     from fleetscope.producers import Publisher
     from fleetscope.schemas import Topics
+    from fleetscope.wiring import bulk_publisher_config
 
     k = config.kafka
     if not k.bootstrap_servers:
@@ -221,7 +221,7 @@ def cmd_inspector(args: argparse.Namespace, config: Config) -> int:
             tailer.stats.dropped += 1
         letters.poll(0)
 
-    with Publisher(publisher_config(config)) as publisher:
+    with Publisher(bulk_publisher_config(config)) as publisher:
         tailer = InspectorTailer([Path(p) for p in args.paths], args.job, publisher.publish, dead_letter)
         tailer.poll(final=args.once)
         while tailer.behind or not (args.once or stop.wait(args.interval_ms / 1000)):

@@ -52,7 +52,7 @@ def _violations(folder: str, allowed: re.Pattern[str]) -> list[str]:
 @pytest.mark.parametrize(
     ("folder", "allowed"),
     [
-        ("producers", r"^fleetscope(\.producers|\.schemas|\.telemetry|\.config)?(\.|$)"),
+        ("producers", r"^fleetscope(\.producers|\.schemas|\.telemetry|\.config|\.wiring)?(\.|$)"),
         ("sinks", r"^fleetscope(\.sinks|\.schemas|\.telemetry)?(\.|$)"),
         ("schemas", r"^fleetscope\.schemas(\.|$)"),
         ("streams", r"^fleetscope(\.streams|\.schemas|\.telemetry|\.lifetime)(\.|$)"),
