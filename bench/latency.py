@@ -36,7 +36,8 @@ def paced_run(sim: SimulatorConfig, speed: float, store: str, run: int, settle_s
             overrides={"data_dir": tmp, "store.url": f"chdb://{store}", "store.database": f"latency{run}"}
         )
         with EmbeddedStack(config) as stack:
-            assert stack.sink is not None and stack.client is not None
+            if stack.sink is None or stack.client is None:
+                raise SystemExit("the embedded stack started without its sink or store client")
             db = stack.config.store.database
             seen_at: dict[str, tuple[float, int]] = {}  # finding_id -> (wall queryable, iteration_last)
             last_count = -1

@@ -242,7 +242,8 @@ def end_to_end(
             overrides["streams.take_max_events"] = take_max_events
         config = load_config(overrides=overrides)
         with EmbeddedStack(config) as stack, contextlib.ExitStack() as more:
-            assert stack.sink is not None and stack.worker is not None and stack.broker is not None
+            if stack.sink is None or stack.worker is None or stack.broker is None:
+                raise SystemExit("the embedded stack started without its sink, worker or broker")
             pids = {"worker": stack.worker._proc.pid, "broker": stack.broker._proc.pid}  # type: ignore[union-attr]
             for i in range(2, workers + 1):
                 worker = StreamWorkerProcess(stack.config, name=f"worker-{i}")
