@@ -41,7 +41,6 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
 
 import numpy as np
 
@@ -83,7 +82,7 @@ def function_mix(f: int) -> tuple[list[str], np.ndarray]:
 
 def make_records(
     ranks: int, f: int, slow_rank: int, seed: int = 0, iteration: int = 0, interleave: bool = False
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """One iteration's pattern records of ``ranks`` ranks (the windower's output shape, as lists).
 
     The same ``seed`` gives the same values and orders, in new objects, for any ``iteration``.
@@ -142,7 +141,7 @@ CPU_S: list[float] = []
 depend on how many other processes share the machine, where wall time does."""
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
+def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float, object]:
     """Median and least seconds of ``repeat`` runs (the least is the one other load disturbed least),
     and the last result; the median CPU seconds go to ``CPU_S``."""
     times, cpu, out = [], [], None
@@ -156,7 +155,7 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
     return statistics.median(times), min(times), out
 
 
-def peak_mib(fn: Callable[[], Any]) -> float:
+def peak_mib(fn: Callable[[], object]) -> float:
     """Peak memory allocated while ``fn`` runs (tracemalloc; numpy arrays included), MiB."""
     gc.collect()
     tracemalloc.start()
@@ -168,7 +167,7 @@ def peak_mib(fn: Callable[[], Any]) -> float:
     return (peak - base) / 2**20
 
 
-def add_next(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> Callable[[], JobDifferential]:
+def add_next(first: list[dict[str, object]], second: list[dict[str, object]]) -> Callable[[], JobDifferential]:
     """A job that has scored ``first``; the returned call adds every record of ``second`` (the last scores it)."""
     jd = JobDifferential("scale")
     for rec in first:
@@ -240,7 +239,7 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
     return all_found
 
 
-def cpu_s(fn: Callable[[], Any]) -> tuple[float, Any]:
+def cpu_s(fn: Callable[[], object]) -> tuple[float, object]:
     """CPU seconds of one call, and its result."""
     c0 = time.process_time()
     out = fn()
@@ -272,7 +271,7 @@ def bench_shards(ranks: int, f: int, counts: list[int], repeat: int, interleave:
             score_columns(sub, cfg, scorer, indexes[k])
         shard_runs: list[list[float]] = [[] for _ in range(n)]
         merges: list[float] = []
-        got: list[Any] = []
+        got: list[object] = []
         for _ in range(repeat):
             gc.collect()
             parts = []
@@ -310,7 +309,7 @@ def bench_windower(ranks: int, iterations: int, open_steps: int) -> None:
     cfg = SimulatorConfig(job="wscale", ranks=ranks, iterations=iterations, seed=1)
     batches = list(simulate(cfg))
     events = sum(len(b) for b in batches)
-    per_rank: dict[int, list[Any]] = {}
+    per_rank: dict[int, list[object]] = {}
     for b in batches:
         per_rank.setdefault(b.header.rank, []).append(b)
     gc.collect()
@@ -351,7 +350,7 @@ def bench_windower(ranks: int, iterations: int, open_steps: int) -> None:
     )
 
 
-def encodable(record: dict[str, Any]) -> dict[str, Any]:
+def encodable(record: dict[str, object]) -> dict[str, object]:
     """``record`` with every field the pattern schema has (those ``make_records`` leaves out: as the windower
     fills them for a function whose calls all took the same time, with no link samples)."""
     n, mean = len(record["function"]), record["mean_ns"]
@@ -377,7 +376,7 @@ def bench_messages(ranks: int, f: int, repeat: int, interleave: bool) -> bool:
     )
     print(f"{'step':<44} {'CPU s':>7} {'us/rank':>8} {'rank-it/CPU s':>13}")
     rows: dict[str, float] = {}
-    steps: dict[str, Callable[[], Any]] = {
+    steps: dict[str, Callable[[], object]] = {
         "decode, fastavro (before 2026-11-29)": lambda: [decode(m, fast=False) for m in second],
         "decode, numpy (decode())": lambda: [decode(m) for m in second],
     }
@@ -434,11 +433,11 @@ def bench_pool(ranks: int, f: int, processes: list[int], iterations: int, interl
     print(f"{'processes':>9} {'worker CPU s':>12} {'pool CPU s':>10} {'wall s':>7} {'worker us/rank-it':>17} "
           f"{'job rank-it/s (worker)':>22} {'all us/rank-it':>14} {'found':>5}")  # fmt: skip
     found = True
-    inline: list[dict[str, Any]] | None = None
+    inline: list[dict[str, object]] | None = None
     for n in processes:
         pool = ScoringPool(n, DifferentialConfig()) if n else None
         stage = DifferentialStage(pool=pool)
-        out: list[dict[str, Any]] = []
+        out: list[dict[str, object]] = []
         for m in its[0]:
             out += stage.take(m, None).findings
         out += stage.collect(wait={"scale"})

@@ -55,7 +55,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
 
 from fleetscope.config import load_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
@@ -134,7 +133,7 @@ def windowing(messages: list[bytes], differential: bool = False, take_messages: 
 
 
 class _NoTimeline:
-    def record(self, i: int, function_map: Any = None) -> dict[str, Any]:
+    def record(self, i: int, function_map: object = None) -> dict[str, object]:
         return {}
 
 
@@ -172,7 +171,7 @@ def timeline_bytes(sim: SimulatorConfig) -> tuple[float, float, float]:
     return calls / n, size / n, duration / n / 1e6
 
 
-def timed(stages: dict[str, tuple[str, Any]], events: int, repeat: int) -> dict[str, Rate]:
+def timed(stages: dict[str, tuple[str, object]], events: int, repeat: int) -> dict[str, Rate]:
     """Best wall time of each stage over ``repeat`` rounds, the stages taking turns within a round."""
     best = dict.fromkeys(stages, float("inf"))
     for _ in range(repeat):
@@ -232,7 +231,7 @@ def end_to_end(
     One process can open one chDB path only: every run uses the same ``store`` path, its own database.
     """
     with tempfile.TemporaryDirectory(prefix="fleetscope-bench-") as tmp:
-        overrides: dict[str, Any] = {
+        overrides: dict[str, object] = {
             "data_dir": tmp,
             "store.url": f"chdb://{store}",
             "store.database": f"bench{run}",

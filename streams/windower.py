@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Collection, Iterable, Sequence
-from typing import Any
 
 import faust
 from faust.types import Message
@@ -162,7 +161,7 @@ class WindowerAgent:
         self.counters.replayed_skipped += len(closed) - len(fresh)
         _, lost = summarized(fresh)  # a failed one is recorded as emitted all the same: its messages can be acked
         self.counters.lost_iterations += lost
-        sent: list[Awaitable[Any]] = []
+        sent: list[Awaitable[object]] = []
         send = self.app.producer.send  # straight to the Kafka producer: Faust's channel layer costs more than encoding
         for c in fresh:
             if c.error is not None:

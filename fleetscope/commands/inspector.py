@@ -18,7 +18,6 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.producers.nccl_inspector import (
@@ -70,7 +69,7 @@ class InspectorTailer:
 
     paths: Sequence[Path]
     job: str | None
-    publish: Callable[[Any], bool]
+    publish: Callable[[object], bool]
     dead_letter: DeadLetter
     stats: TailStats = field(default_factory=TailStats)
     behind: bool = False
@@ -172,7 +171,7 @@ def _first_line_is_inspector(path: Path) -> bool:
         return False
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "inspector",
         parents=[common],

@@ -14,14 +14,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from fleetscope.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "run",
         parents=[common],

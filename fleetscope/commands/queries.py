@@ -14,7 +14,7 @@ from fleetscope.schemas.categories import info, next_checks, sql_command
 from fleetscope.tables import findings_json, format_cell, print_findings, print_table
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """Add ``sql``, ``findings`` and ``report``."""
     p = sub.add_parser(
         "sql",

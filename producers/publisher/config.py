@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from confluent_kafka import KafkaError
 
@@ -106,7 +105,7 @@ class PublisherConfig:
         if p:
             raise ValueError("invalid publisher config: " + "; ".join(p))
 
-    def librdkafka(self) -> dict[str, Any]:
+    def librdkafka(self) -> dict[str, object]:
         """The librdkafka settings, callbacks excluded."""
         return {
             "reconnect.backoff.max.ms": 1000,  # a default: reconnect soon after a broker restart
