@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from fleetscope.config import Config
 from fleetscope.errors import BrokerUnreachable
@@ -41,7 +40,7 @@ def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress)
 
 @dataclass(frozen=True)
 class DemoResult:
-    findings: list[dict[str, Any]]
+    findings: list[dict[str, object]]
     iterations: int
     batches: int
     seconds: float

@@ -25,6 +25,7 @@ from fleetscope.config import Config, ConfigError
 from fleetscope.producers.kineto import TraceError, TraceLimits, TraceRank
 from fleetscope.progress import Progress
 from fleetscope.schemas import EventKind
+from fleetscope.schemas.fields import as_int
 from fleetscope.schemas.layout import JobLayout
 from fleetscope.trace_loading import LoadOptions, find_traces, parsed_traces, stderr_skip
 
@@ -174,8 +175,8 @@ def analyze_traces(
         its = pipeline.result.iterations[seen:]
         seen = len(pipeline.result.iterations)
         its = [it for it in its if it.get("job") == trace.job and it.get("rank") == trace.rank]
-        duration = sum(int(it["duration_ns"]) for it in its)
-        busy = sum(int(it["gpu_busy_ns"]) for it in its)
+        duration = sum(as_int(it["duration_ns"]) for it in its)
+        busy = sum(as_int(it["gpu_busy_ns"]) for it in its)
         summaries.append(
             replace(
                 RankSummary.of(trace, layouts[trace.job]),

@@ -6,7 +6,6 @@ import argparse
 import json
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.schemas import units
@@ -104,10 +103,10 @@ def cmd_findings(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def next_checks_lines(findings: Sequence[Mapping[str, Any]]) -> list[str]:
+def next_checks_lines(findings: Sequence[Mapping[str, object]]) -> list[str]:
     """Below the table, per category found: what it means, its likely causes and NVML fields (once), and
     for each of its findings the command that shows it in the store."""
-    by_category: dict[str, list[Mapping[str, Any]]] = {}
+    by_category: dict[str, list[Mapping[str, object]]] = {}
     for f in findings:
         if info(str(f.get("category"))) is not None:
             by_category.setdefault(str(f["category"]), []).append(f)
