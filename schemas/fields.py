@@ -21,6 +21,11 @@ def as_float(value: object) -> float:
     raise TypeError(f"expected a numeric field, got {type(value).__name__}")
 
 
+def as_float_or_none(value: object) -> float | None:
+    """An optional numeric field: None stays None (a value not measured), else ``as_float``."""
+    return None if value is None else as_float(value)
+
+
 def as_list(value: object) -> list[object]:
     """An array field (a list, tuple or numpy array) as a list (None: empty); ``TypeError`` for a scalar,
     a string or a mapping."""

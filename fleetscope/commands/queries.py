@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from fleetscope.config import Config, ConfigError
 from fleetscope.schemas import units
 from fleetscope.schemas.categories import info, next_checks, sql_command
+from fleetscope.schemas.fields import as_float_or_none
 from fleetscope.tables import findings_json, format_cell, print_findings, print_table
 
 
@@ -163,7 +164,7 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
         if lead is None:
             head = f"no findings; largest deviation: rank {rank} {function} {gap:+.0%}"
         else:
-            loss = units.duration(lead["est_loss_ns"])
+            loss = units.duration(as_float_or_none(lead["est_loss_ns"]))
             head = f"headline: {units.subject(lead)} {lead['category']}, {loss} per iteration"
         print(
             f"wrote {args.output} in {seconds:.2f} s: job {args.job}, {len(data.ranks)} ranks, "
