@@ -80,6 +80,8 @@ def test_analysis_imports_only_numpy_the_standard_library_and_schemas() -> None:
     assert bad == []
     settings = ROOT / "streams" / "settings.py"
     assert {n for n in _imports(settings) if n.split(".")[0] not in sys.stdlib_module_names} == set()
+    windower = _imports(ROOT / "streams" / "analysis" / "windowing.py")
+    assert not {n for n in windower if n.startswith("fleetscope.streams.analysis.joblevel")}, "differential side"
 
 
 STORE_INTERNALS = re.compile(
