@@ -21,7 +21,7 @@ DEFAULT_SCORER = "robust_z"
 
 @dataclass(frozen=True, kw_only=True)
 class WindowerConfig:
-    """When a rank's steps close (see module docstring)."""
+    """When a rank's steps close (the rules: ``streams/analysis/windowing.py``)."""
 
     idle_close_ms: int = 1500
     stream_discovery_ms: int = 5000
