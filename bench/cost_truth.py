@@ -22,7 +22,6 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,7 +33,7 @@ from fleetscope.streams.offline import OfflinePipeline  # noqa: E402
 WITHIN = 0.2
 
 
-def _sim_step_ms(cfg: Any, onset: int) -> tuple[float, list[dict[str, Any]]]:
+def _sim_step_ms(cfg: object, onset: int) -> tuple[float, list[dict[str, object]]]:
     result = OfflinePipeline().add_all(simulate(cfg)).finish()
     per_rank: dict[int, list[float]] = {}
     for rec in result.iterations:
@@ -43,7 +42,7 @@ def _sim_step_ms(cfg: Any, onset: int) -> tuple[float, list[dict[str, Any]]]:
     return max(statistics.mean(v) for v in per_rank.values()), result.findings
 
 
-def priced(scenario: Any) -> tuple[str, str, float, float] | None:
+def priced(scenario: object) -> tuple[str, str, float, float] | None:
     """(kind, name, true ms, estimated ms) of one single-fault scenario; None: healthy, double or free."""
     if scenario.kind in ("healthy", "double", "hang", "job_slowdown") or "every" in scenario.name:
         return None  # no single peer fault, or one acting on some iterations only (a finding's loss is per flagged one)

@@ -74,7 +74,8 @@ def run(ranks: int, functions: int, iterations: int, processes: int, store: str)
             worker = StreamWorkerProcess(stack.config)
             worker.start()
             pid = worker.pid
-            assert pid is not None
+            if pid is None:
+                raise SystemExit("the stream worker did not start")
             time.sleep(5)
             idle0, t_idle = cpu_s(pid)[0], time.perf_counter()
             time.sleep(10)

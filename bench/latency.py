@@ -20,10 +20,10 @@ import time
 from collections import defaultdict
 
 from fleetscope.config import load_config
-from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventBatch
 from fleetscope.stack import EmbeddedStack
+from fleetscope.wiring import bulk_publisher_config
 
 
 def paced_run(sim: SimulatorConfig, speed: float, store: str, run: int, settle_s: float) -> list[float]:
@@ -36,7 +36,8 @@ def paced_run(sim: SimulatorConfig, speed: float, store: str, run: int, settle_s
             overrides={"data_dir": tmp, "store.url": f"chdb://{store}", "store.database": f"latency{run}"}
         )
         with EmbeddedStack(config) as stack:
-            assert stack.sink is not None and stack.client is not None
+            if stack.sink is None or stack.client is None:
+                raise SystemExit("the embedded stack started without its sink or store client")
             db = stack.config.store.database
             seen_at: dict[str, tuple[float, int]] = {}  # finding_id -> (wall queryable, iteration_last)
             last_count = -1
@@ -54,7 +55,7 @@ def paced_run(sim: SimulatorConfig, speed: float, store: str, run: int, settle_s
                 for fid, it in rows:
                     seen_at.setdefault(fid, (now, int(it)))
 
-            with Publisher(publisher_config(stack.config)) as publisher:
+            with Publisher(bulk_publisher_config(stack.config)) as publisher:
                 t0 = time.perf_counter()
                 for b in batches:
                     due = t0 + (b.header.sent_ns - first_ns) / 1e9 / speed

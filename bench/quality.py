@@ -24,7 +24,6 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from fleetscope.config import load_config
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
@@ -49,7 +48,7 @@ class Scenario:
     flush_interval_ms: float = 0.0
 
     def config(self) -> SimulatorConfig:
-        extra: dict[str, Any] = {}
+        extra: dict[str, object] = {}
         if self.noise:  # one-off slow iterations in ~10 % of the job's iterations, checkpoints in 2 %
             extra = {"glitch_rate": min(0.1 / self.ranks, 0.005), "pause_rate": 0.02}
         return SimulatorConfig(
@@ -95,7 +94,7 @@ TRACE_MAGNITUDES = {
     "slow_link": 3.0,
     "late_start": 1.15,
 }
-TRACE_LAYOUTS: tuple[dict[str, Any], ...] = (
+TRACE_LAYOUTS: tuple[dict[str, object], ...] = (
     {"dp": 4, "pp": 4},
     {"dp": 4, "pp": 4, "names": "mesh"},
     {"dp": 2, "tp": 2, "pp": 4, "names": "none"},
@@ -153,7 +152,9 @@ def suite(quick: bool = False) -> list[Scenario]:
     s: list[Scenario] = []
     seed = 0
 
-    def add(kind: str, ranks: int, faults: tuple[str, ...], iterations: int = 16, mag: float = 0.0, **kw: Any) -> None:
+    def add(
+        kind: str, ranks: int, faults: tuple[str, ...], iterations: int = 16, mag: float = 0.0, **kw: object
+    ) -> None:
         nonlocal seed
         seed += 1
         spec = "+".join(faults).replace("/", "every").replace(":", "_") or "none"
@@ -198,15 +199,15 @@ def suite(quick: bool = False) -> list[Scenario]:
 @dataclass
 class Outcome:
     scenario: Scenario | TraceScenario
-    findings: list[dict[str, Any]]
-    expected: list[Any]
+    findings: list[dict[str, object]]
+    expected: list[object]
     rank_iterations: int
     seconds: float
-    matches: list[tuple[Any, dict[str, Any] | None]] = field(default_factory=list)
-    false_findings: list[dict[str, Any]] = field(default_factory=list)
+    matches: list[tuple[object, dict[str, object] | None]] = field(default_factory=list)
+    false_findings: list[dict[str, object]] = field(default_factory=list)
 
 
-def _opened_at(updates: list[dict[str, Any]]) -> dict[str, int]:
+def _opened_at(updates: list[dict[str, object]]) -> dict[str, int]:
     return {u["finding_id"]: u["iteration_last"] for u in updates if u["status"] == "open"}
 
 
@@ -247,14 +248,14 @@ FREE_FAULT_SHARE = 0.001
 """A generated fault whose job steps less than this share slower than its healthy twin costs nothing."""
 
 
-def _analyzed(job: TraceJob) -> Any:
+def _analyzed(job: TraceJob) -> object:
     with tempfile.TemporaryDirectory(prefix="fleetscope-quality-") as folder:
         write_traces(job, folder)
         pooled = {"streams.scoring_processes": _SCORING_PROCESSES}
         return analyze_traces([folder], load_config(env={}, overrides=pooled) if _SCORING_PROCESSES else None)
 
 
-def _step_ms(result: Any) -> float:
+def _step_ms(result: object) -> float:
     """The job's step time: its slowest rank's mean iteration (over a run, the others wait for it)."""
     return float(max(r.mean_iteration_ms for r in result.ranks))
 
@@ -278,8 +279,8 @@ def _run_traces(scenario: TraceScenario) -> Outcome:
     return Outcome(scenario, findings, expected, sum(r.iterations for r in result.ranks), 0.0)
 
 
-def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
-    kinds: dict[str, dict[str, Any]] = {}
+def summarize(outcomes: list[Outcome]) -> dict[str, object]:
+    kinds: dict[str, dict[str, object]] = {}
     for o in outcomes:
         if o.scenario.kind == "healthy":
             continue
@@ -314,7 +315,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
             "healthy_false_per_1000": 1000 * h_findings / max(h_rank_its, 1)}  # fmt: skip
 
 
-def _row(name: str, k: dict[str, Any]) -> str:
+def _row(name: str, k: dict[str, object]) -> str:
     tp = k["detected"]
     precision = tp / (tp + k["false"]) if tp + k["false"] else float("nan")
     recall = tp / k["expected"] if k["expected"] else float("nan")

@@ -27,7 +27,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
@@ -58,7 +57,7 @@ def _load(kind: str, seconds: float, seed: int) -> None:
             time.sleep(rng.uniform(0.2, 3.0))
 
 
-def _patterns(config: Any, job: str) -> list[Message]:
+def _patterns(config: object, job: str) -> list[Message]:
     """The job's pattern records and heartbeats (a rank in a profiling window says so in its heartbeats: its
     records are late, not missing), as the differential reads them."""
     topics = Topics(prefix=config.kafka.topic_prefix)
@@ -125,7 +124,7 @@ def record(folder: Path, jobs: list[str], load: str, layout: str = "") -> None:
             broker.stop()
 
 
-def verdict(fault: str, updates: list[dict[str, Any]]) -> str:
+def verdict(fault: str, updates: list[dict[str, object]]) -> str:
     """Opened findings as category:rank@iteration, then OK or BAD by the real-job test's bar."""
     opened = [u for u in updates if u["status"] == "open"]
     missed = recorded_jobs.missed_bar(fault, opened)
@@ -138,7 +137,7 @@ def replay(folder: Path) -> int:
     for path in sorted(folder.glob("*.pkl")):
         saved = pickle.loads(path.read_bytes())
         stage = DifferentialStage()
-        updates: list[dict[str, Any]] = []
+        updates: list[dict[str, object]] = []
         for _, _, ts_ms, value in sorted(saved["messages"], key=lambda m: (m[2], m[0], m[1])):
             taken = stage.take(value, ts_ms * 1_000_000)
             if taken.reason:

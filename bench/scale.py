@@ -44,7 +44,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -60,6 +60,7 @@ from fleetscope.streams.analysis.outliers import (
 )
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.shards import split_records
+from fleetscope.streams.analysis.signals import robust_z
 from fleetscope.streams.analysis.windowing import RankWindower, summarize_closed
 from fleetscope.streams.differential import DifferentialStage
 from fleetscope.streams.scoring import ScoringPool
@@ -85,7 +86,7 @@ def function_mix(f: int) -> tuple[list[str], np.ndarray]:
 
 def make_records(
     ranks: int, f: int, slow_rank: int, seed: int = 0, iteration: int = 0, interleave: bool = False
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """One iteration's pattern records of ``ranks`` ranks (the windower's output shape, as lists).
 
     The same ``seed`` gives the same values and orders, in new objects, for any ``iteration``.
@@ -144,7 +145,7 @@ CPU_S: list[float] = []
 depend on how many other processes share the machine, where wall time does."""
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
+def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float, object]:
     """Median and least seconds of ``repeat`` runs (the least is the one other load disturbed least),
     and the last result; the median CPU seconds go to ``CPU_S``."""
     times, cpu, out = [], [], None
@@ -158,7 +159,7 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
     return statistics.median(times), min(times), out
 
 
-def peak_mib(fn: Callable[[], Any]) -> float:
+def peak_mib(fn: Callable[[], object]) -> float:
     """Peak memory allocated while ``fn`` runs (tracemalloc; numpy arrays included), MiB."""
     gc.collect()
     tracemalloc.start()
@@ -170,7 +171,7 @@ def peak_mib(fn: Callable[[], Any]) -> float:
     return (peak - base) / 2**20
 
 
-def add_next(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> Callable[[], JobDifferential]:
+def add_next(first: list[dict[str, object]], second: list[dict[str, object]]) -> Callable[[], JobDifferential]:
     """A job that has scored ``first``; the returned call adds every record of ``second`` (the last scores it)."""
     jd = JobDifferential("scale")
     for rec in first:
@@ -242,7 +243,7 @@ def bench_differential(sizes: list[int], f: int, repeat: int, interleave: bool) 
     return all_found
 
 
-def cpu_s(fn: Callable[[], Any]) -> tuple[float, Any]:
+def cpu_s(fn: Callable[[], object]) -> tuple[float, object]:
     """CPU seconds of one call, and its result."""
     c0 = time.process_time()
     out = fn()
@@ -255,7 +256,7 @@ def bench_shards(ranks: int, f: int, counts: list[int], repeat: int, interleave:
     first = make_records(ranks, f, slow, interleave=interleave)
     second = make_records(ranks, f, slow, iteration=1, interleave=interleave)
     cfg = ScoringConfig()
-    scorer = cfg.scorer()
+    scorer = robust_z(cfg)
     index = FunctionIndex()
     score_iteration(first, cfg, scorer, index)
     want = [asdict(s) for s in score_iteration(second, cfg, scorer, index)]
@@ -274,7 +275,7 @@ def bench_shards(ranks: int, f: int, counts: list[int], repeat: int, interleave:
             score_columns(sub, cfg, scorer, indexes[k])
         shard_runs: list[list[float]] = [[] for _ in range(n)]
         merges: list[float] = []
-        got: list[Any] = []
+        got: list[object] = []
         for _ in range(repeat):
             gc.collect()
             parts = []
@@ -312,7 +313,7 @@ def bench_windower(ranks: int, iterations: int, open_steps: int) -> None:
     cfg = SimulatorConfig(job="wscale", ranks=ranks, iterations=iterations, seed=1)
     batches = list(simulate(cfg))
     events = sum(len(b) for b in batches)
-    per_rank: dict[int, list[Any]] = {}
+    per_rank: dict[int, list[object]] = {}
     for b in batches:
         per_rank.setdefault(b.header.rank, []).append(b)
     gc.collect()
@@ -353,7 +354,7 @@ def bench_windower(ranks: int, iterations: int, open_steps: int) -> None:
     )
 
 
-def encodable(record: dict[str, Any]) -> dict[str, Any]:
+def encodable(record: dict[str, object]) -> dict[str, object]:
     """``record`` with every field the pattern schema has (those ``make_records`` leaves out: as the windower
     fills them for a function whose calls all took the same time, with no link samples)."""
     n, mean = len(record["function"]), record["mean_ns"]
@@ -379,7 +380,7 @@ def bench_messages(ranks: int, f: int, repeat: int, interleave: bool) -> bool:
     )
     print(f"{'step':<44} {'CPU s':>7} {'us/rank':>8} {'rank-it/CPU s':>13}")
     rows: dict[str, float] = {}
-    steps: dict[str, Callable[[], Any]] = {
+    steps: dict[str, Callable[[], object]] = {
         "decode, fastavro (before 2026-11-29)": lambda: [decode(m, fast=False) for m in second],
         "decode, numpy (decode())": lambda: [decode(m) for m in second],
     }
@@ -436,11 +437,11 @@ def bench_pool(ranks: int, f: int, processes: list[int], iterations: int, interl
     print(f"{'processes':>9} {'worker CPU s':>12} {'pool CPU s':>10} {'wall s':>7} {'worker us/rank-it':>17} "
           f"{'job rank-it/s (worker)':>22} {'all us/rank-it':>14} {'found':>5}")  # fmt: skip
     found = True
-    inline: list[dict[str, Any]] | None = None
+    inline: list[dict[str, object]] | None = None
     for n in processes:
         pool = ScoringPool(n, DifferentialConfig()) if n else None
         stage = DifferentialStage(pool=pool)
-        out: list[dict[str, Any]] = []
+        out: list[dict[str, object]] = []
         for m in its[0]:
             out += stage.take(m, None).findings
         out += stage.collect(wait={"scale"})
@@ -473,16 +474,19 @@ def bench_pool(ranks: int, f: int, processes: list[int], iterations: int, interl
     return found
 
 
-def best_of(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
+T = TypeVar("T")
+
+
+def best_of(fn: Callable[[], T], repeat: int) -> tuple[float, float, T]:
     """Least CPU seconds and least wall seconds of ``repeat`` runs (the machine is shared), and the last result."""
-    cpu, wall, out = [], [], None
-    for _ in range(repeat):
+    cpu, wall, outs = [], [], []
+    for _ in range(max(1, repeat)):
         gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
-        out = fn()
+        outs[:] = [fn()]  # the last result only: a graph is tens of MB
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return min(cpu), min(wall), out
+    return min(cpu), min(wall), outs[-1]
 
 
 def bench_replay(ranks: int, microbatches: int, repeat: int) -> bool:

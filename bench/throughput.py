@@ -57,10 +57,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
 
 from fleetscope.config import load_config
-from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode, encode_event_batch
 from fleetscope.sinks import current_findings
@@ -70,6 +68,7 @@ from fleetscope.streams.analysis import patterns as patterns_module
 from fleetscope.streams.analysis.differential import JobDifferential
 from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, summarize_closed
+from fleetscope.wiring import bulk_publisher_config
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TARGETS = {"b": 0.9, "c": 0.5, "c_full": 0.6}
@@ -151,7 +150,7 @@ def windowing(messages: list[bytes], differential: bool = False, take_messages: 
 
 
 class _NoTimeline:
-    def record(self, i: int, function_map: Any = None) -> dict[str, Any]:
+    def record(self, i: int, function_map: object = None) -> dict[str, object]:
         return {}
 
 
@@ -190,7 +189,7 @@ def timeline_bytes(sim: SimulatorConfig) -> tuple[float, float, float]:
 
 
 def timed(
-    stages: dict[str, tuple[str, Any]], events: int, repeat: int
+    stages: dict[str, tuple[str, object]], events: int, repeat: int
 ) -> tuple[dict[str, Rate], dict[str, list[float]]]:
     """CPU seconds (``process_time``: a shared machine's other work is not counted) of each stage in each of
     ``repeat`` rounds, the stages taking turns within a round; rates at each stage's median."""
@@ -258,7 +257,7 @@ def end_to_end(
     One process can open one chDB path only: every run uses the same ``store`` path, its own database.
     """
     with tempfile.TemporaryDirectory(prefix="fleetscope-bench-") as tmp:
-        overrides: dict[str, Any] = {
+        overrides: dict[str, object] = {
             "data_dir": tmp,
             "store.url": f"chdb://{store}",
             "store.database": f"bench{run}",
@@ -268,7 +267,8 @@ def end_to_end(
             overrides["streams.take_max_events"] = take_max_events
         config = load_config(overrides=overrides)
         with EmbeddedStack(config) as stack, contextlib.ExitStack() as more:
-            assert stack.sink is not None and stack.worker is not None and stack.broker is not None
+            if stack.sink is None or stack.worker is None or stack.broker is None:
+                raise SystemExit("the embedded stack started without its sink, worker or broker")
             pids = {"worker": stack.worker._proc.pid, "broker": stack.broker._proc.pid}  # type: ignore[union-attr]
             for i in range(2, workers + 1):
                 worker = StreamWorkerProcess(stack.config, name=f"worker-{i}")
@@ -280,7 +280,7 @@ def end_to_end(
             expected = sim.ranks * sim.expected_iterations
             link, child_link = PRODUCER.Pipe()
             producer = PRODUCER.Process(
-                target=publish_batches, args=(publisher_config(stack.config), batches, child_link)
+                target=publish_batches, args=(bulk_publisher_config(stack.config), batches, child_link)
             )
             producer.start()
             link.recv()

@@ -24,7 +24,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -42,7 +41,7 @@ from harness import CollectingPublisher  # noqa: E402  (the tests' recording pub
 PERSISTENT = 0.8
 """A cause is named where it is the top cause in this share of the judged iterations (one replica of two
 being the slowest of a step by chance is not a fault)."""
-Step = tuple[list[dict[str, Any]], list[RankTimeline | None] | None]
+Step = tuple[list[dict[str, object]], list[RankTimeline | None] | None]
 """One iteration's records and their timelines (None: the records' own, ``timeline_of``)."""
 
 
@@ -52,7 +51,7 @@ def job_steps(batches: Iterable[EventBatch]) -> dict[int, Step]:
     pipeline = OfflinePipeline(keep_patterns=True)
     pipeline.add_all(batches)
     pipeline.finish()
-    by: dict[int, list[dict[str, Any]]] = {}
+    by: dict[int, list[dict[str, object]]] = {}
     for rec in pipeline.patterns:
         by.setdefault(int(rec["iteration"]), []).append(rec)
     ranks = max((len(v) for v in by.values()), default=0)
@@ -101,12 +100,12 @@ def priced(steps: dict[int, Step], keep: Sequence[int]) -> tuple[list[list[Cause
     return causes, worst
 
 
-def _identity(c: Cause) -> tuple[Any, ...]:
+def _identity(c: Cause) -> tuple[object, ...]:
     return (c.kind, c.ranks, c.group, c.stage)
 
 
 def judged(
-    source: str, fault: str, healthy: dict[int, Step], faulty: dict[int, Step], expected: Any, first: int = -1
+    source: str, fault: str, healthy: dict[int, Step], faulty: dict[int, Step], expected: object, first: int = -1
 ) -> Row:
     """One fault's row. A cause is named where it is the top cause, saving ``MIN_SAVING_SHARE`` of the
     iteration or more, in ``PERSISTENT`` of the judged iterations or more (a stand-in for the persistence test); its
@@ -133,7 +132,7 @@ def judged(
     return Row(source, fault, true, est, top, right, victims, healthy_err, it, False)
 
 
-def _sim_expected(f: Fault, cfg: SimulatorConfig) -> Any:
+def _sim_expected(f: Fault, cfg: SimulatorConfig) -> object:
     kind = f.kind
     if kind == "slow_gpu":
         return lambda c: c.kind == "rank_compute" and c.ranks == (f.rank,)
@@ -204,7 +203,7 @@ def tracegen_rows(iterations: int) -> list[Row]:
             continue
         job = TraceJob(**shape, fault=fault, fault_rank=2)  # type: ignore[arg-type]
         ranks = set(job.culprits())
-        exp: Any
+        exp: object
         if fault == "regression":
             exp = None
         elif fault == "slow_stage":

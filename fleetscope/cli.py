@@ -11,7 +11,6 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from fleetscope import lifetime, redaction
 from fleetscope.commands import register_all
@@ -53,7 +52,7 @@ BROKER_CLIENT_COMMANDS = frozenset(
 def _config(args: argparse.Namespace) -> Config:
     from fleetscope.endpoint import running_endpoint
 
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, object] = {}
     if args.data_dir:
         overrides["data_dir"] = args.data_dir
     if args.bootstrap:

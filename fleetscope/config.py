@@ -26,11 +26,12 @@ from fleetscope.producers.publisher.config import PublisherConfig
 from fleetscope.schemas.limits import IntakeLimits
 from fleetscope.sinks.store_config import StoreConfig, StoreServerBounds
 from fleetscope.streams import STAGES
-from fleetscope.streams.analysis.differential import DifferentialConfig
-from fleetscope.streams.analysis.windowing import WindowerConfig
 from fleetscope.streams.profiling import ProfileRequestConfig
+from fleetscope.streams.settings import DifferentialConfig, WindowerConfig
 
 if TYPE_CHECKING:  # faust is imported only where a worker runs (not in training ranks)
+    from _typeshed import DataclassInstance
+
     from fleetscope.streams.appconfig import BrokerCredentials
 
 ENV_PREFIX = "FLEETSCOPE__"
@@ -242,7 +243,7 @@ class Config:
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
@@ -252,10 +253,12 @@ def finite_float(value: float) -> bool:
     return math.isfinite(value)
 
 
-def _nonfinite_floats(obj: Any, prefix: str = "") -> list[str]:
+def _nonfinite_floats(obj: object, prefix: str = "") -> list[str]:
     """Every float field of a built configuration (defaults and given instances included) that breaks
     ``finite_float``, as 'key.path: message'."""
     out: list[str] = []
+    if not dataclasses.is_dataclass(obj):
+        return out
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -265,7 +268,7 @@ def _nonfinite_floats(obj: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
+def _coerce(tp: object, value: object, path: str, errors: list[str]) -> object:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, tp):
@@ -318,10 +321,10 @@ def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
     return None
 
 
-def _build(cls: type, data: Mapping[str, Any], prefix: str, errors: list[str]) -> Any:
+def _build(cls: type, data: Mapping[str, object], prefix: str, errors: list[str]) -> object:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in names:
@@ -339,24 +342,25 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, errors: list[str]) -
         return None
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, object], extra: Mapping[str, object]) -> dict[str, object]:
     out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+        existing = out.get(key)
+        if isinstance(value, Mapping) and isinstance(existing, dict):
+            out[key] = _merge(existing, value)
         else:
             out[key] = value
     return out
 
 
-def split_secrets(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
+def split_secrets(config: Config) -> tuple[dict[str, object], dict[str, str]]:
     """``config`` as a dict without its secrets (fields hidden from ``repr``), and those secrets as the
     ``FLEETSCOPE__...`` environment variables that put them back: a child process gets its password from
     the environment, never from a file."""
     env: dict[str, str] = {}
 
-    def walk(obj: Any, path: list[str]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def walk(obj: DataclassInstance, path: list[str]) -> dict[str, object]:
+        out: dict[str, object] = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -372,26 +376,34 @@ def split_secrets(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
     return walk(config, []), env
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _table(node: dict[str, object], key: str) -> dict[str, object]:
+    """``node[key]`` as a table of settings, made empty where it is absent or a value (the table wins)."""
+    child = node.get(key)
+    if not isinstance(child, dict):
+        child = node[key] = {}
+    return child
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         node = out
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            node = _table(node, part)
         node[parts[-1]] = value
     return out
 
 
-def _dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _dotted(overrides: Mapping[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for dotted, value in overrides.items():
         parts = dotted.split(".")
         node = out
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            node = _table(node, part)
         node[parts[-1]] = value
     return out
 
@@ -400,14 +412,14 @@ def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
     env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, object] | None = None,
 ) -> Config:
     """Build the validated configuration; raise ``ConfigError`` listing every problem.
 
     ``overrides`` use dotted keys (``{"kafka.bootstrap_servers": "host:9092"}``); environment
     variables use ``FLEETSCOPE__SECTION__KEY``.
     """
-    data: dict[str, Any] = {}
+    data: dict[str, object] = {}
     errors: list[str] = []
     if path:
         p = Path(path)
@@ -418,7 +430,8 @@ def load_config(
             raise ConfigError([f"{p}: {exc}"]) from exc
     data = _merge(data, _from_env(os.environ if env is None else env))
     data = _merge(data, _dotted(overrides or {}))
-    store = data.setdefault("store", {}) if isinstance(data.get("store", {}), dict) else {}
+    given = data.setdefault("store", {})
+    store = given if isinstance(given, dict) else {}
     if not store.get("url"):  # the embedded store lives in the data directory unless a URL is given
         store["url"] = f"chdb://{Path(str(data.get('data_dir', Config.data_dir))).resolve() / 'store'}"
     config = _build(Config, data, "", errors)

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from fleetscope.config import Config
 from fleetscope.errors import BrokerUnreachable
-from fleetscope.producers import Publisher, PublisherConfig, PublisherStats, SimulatorConfig, simulate
+from fleetscope.producers import Publisher, PublisherStats, SimulatorConfig, simulate
 from fleetscope.progress import Progress
 from fleetscope.stack import EmbeddedStack
-
-
-def publisher_config(config: Config) -> PublisherConfig:
-    return PublisherConfig.from_config(config, queue_max_messages=1_000_000)
+from fleetscope.wiring import bulk_publisher_config
 
 
 def check_delivered(stats: PublisherStats, servers: str) -> None:
@@ -32,7 +28,7 @@ def check_delivered(stats: PublisherStats, servers: str) -> None:
 def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress) -> int:
     """Publish a simulated job to the configured broker; return the number of batches published."""
     published = 0
-    with Publisher(publisher_config(config)) as publisher:
+    with Publisher(bulk_publisher_config(config)) as publisher:
         for batch in simulate(sim):
             publisher.publish(batch)
             published += 1
@@ -44,7 +40,7 @@ def publish_simulation(config: Config, sim: SimulatorConfig, progress: Progress)
 
 @dataclass(frozen=True)
 class DemoResult:
-    findings: list[dict[str, Any]]
+    findings: list[dict[str, object]]
     iterations: int
     batches: int
     seconds: float
@@ -56,16 +52,17 @@ def run_demo(config: Config, sim: SimulatorConfig, progress: Progress, timeout_s
     stack = EmbeddedStack(config)
     progress.update("starting broker, ClickHouse store and stream worker", force=True)
     with stack:
-        assert stack.store is not None
-        stack.store.forget_job(sim.job)
+        store, sink = stack.store, stack.sink
+        if store is None or sink is None:
+            raise RuntimeError("the embedded stack started without its store or its sink: nothing to demonstrate")
+        store.forget_job(sim.job)
         batches = publish_simulation(stack.config, sim, progress)
         expected = sim.ranks * sim.expected_iterations
         settle_s = (config.streams.job_idle_ms + config.streams.windower.idle_close_ms) / 1000 + 1.5
         deadline = time.monotonic() + timeout_s
         last_change, last_rows = time.monotonic(), -1
-        assert stack.sink is not None
         while time.monotonic() < deadline:
-            stats = stack.sink.stats
+            stats = sink.stats
             rows = stats["iterations"]
             total = rows + stats["function_patterns"] + stats["finding_updates"]
             if total != last_rows:
@@ -78,7 +75,7 @@ def run_demo(config: Config, sim: SimulatorConfig, progress: Progress, timeout_s
             time.sleep(0.2)
         else:
             raise TimeoutError(f"the job was not analysed within {timeout_s} s ({last_rows} rows stored)")
-        findings = stack.store.findings(job=sim.job)
+        findings = store.findings(job=sim.job)
     seconds = time.monotonic() - t0
     progress.done(f"done in {seconds:.1f} s: {expected} rank-iterations, {len(findings)} findings")
     return DemoResult(findings=findings, iterations=expected, batches=batches, seconds=seconds)

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.errors import StoreLocked
@@ -44,7 +44,7 @@ class Endpoint:
     write_token: str
 
 
-def _write_private(path: Path, payload: dict[str, Any]) -> None:
+def _write_private(path: Path, payload: dict[str, object]) -> None:
     """Write JSON readable by its owner only, atomically (no half-written file is ever read)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")

@@ -35,13 +35,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 PR_SET_PDEATHSIG = 1
 """``<linux/prctl.h>``: the signal a process gets when its parent dies."""
 
 
-def _find_prctl() -> Any:
+def _find_prctl() -> Callable[..., int] | None:
     """libc's ``prctl``, resolved once here (a child between fork and exec must not load libraries)."""
     if not sys.platform.startswith("linux"):
         return None

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from fleetscope.redaction import printable
 from fleetscope.schemas import units
+from fleetscope.schemas.fields import as_float, as_float_or_none
 
 
 class TerminalText:
@@ -39,7 +40,7 @@ FINDING_FIELDS = (
 """The fields of a finding in ``--json`` output (raw numbers: ns, bytes/s), plus its status."""
 
 
-def format_cell(value: Any) -> str:
+def format_cell(value: object) -> str:
     """One cell on one line: a newline in a value would break the table's rows."""
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -48,7 +49,7 @@ def format_cell(value: Any) -> str:
     return printable(str(value))
 
 
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     columns = [format_cell(c) for c in columns]
     cells = [[format_cell(v) for v in row] for row in rows]
@@ -58,15 +59,16 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Any 
         out.write("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
-def findings_json(findings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def findings_json(findings: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
     return [{k: f[k] for k in FINDING_FIELDS if k in f} | {"status": f.get("status")} for f in findings]
 
 
-def finding_row(f: dict[str, Any]) -> list[Any]:
+def finding_row(f: Mapping[str, object]) -> list[object]:
     """One finding as a person reads it: who, what, by how much, since when, what it costs."""
     metric = str(f.get("metric", ""))
     where = units.subject(f)
     device = units.gpu(f)
+    value, median = as_float_or_none(f.get("value")), as_float_or_none(f.get("peer_median"))
     return [
         f["job"],
         where + (f" {device}" if device else ""),
@@ -74,12 +76,12 @@ def finding_row(f: dict[str, Any]) -> list[Any]:
         f["category"],
         f["function"],
         units.metric_name(metric),
-        units.metric_value(metric, f.get("value")),
-        units.metric_value(metric, f.get("peer_median")) if f.get("peer_median") else "-",
-        units.gap(f.get("value"), f.get("peer_median")) or "-",
-        f"{float(f.get('score') or 0.0):.1f}",
+        units.metric_value(metric, value),
+        units.metric_value(metric, median) if median else "-",
+        units.gap(value, median) or "-",
+        f"{as_float(f.get('score') or 0.0):.1f}",
         f"{f['iteration_first']}-{f['iteration_last']}",
-        units.duration(f.get("est_loss_ns")),
+        units.duration(as_float_or_none(f.get("est_loss_ns"))),
         f.get("status", ""),
     ]
 
@@ -90,7 +92,7 @@ FINDING_COLUMNS = (
 )  # fmt: skip
 
 
-def print_findings(findings: list[dict[str, Any]], as_json: bool) -> None:
+def print_findings(findings: Sequence[Mapping[str, object]], as_json: bool) -> None:
     if as_json:
         print(json.dumps(findings_json(findings), indent=2, default=str))
         return

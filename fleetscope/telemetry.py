@@ -17,7 +17,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, SupportsFloat, TypeVar
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -133,7 +134,7 @@ METRICS: tuple[MetricDef, ...] = (
 SOURCES = frozenset(m.source for m in METRICS)
 
 _T = TypeVar("_T")
-Snapshot = Callable[[Any], Mapping[str, Any]]
+Snapshot = Callable[[Any], Mapping[str, object]]
 
 
 class _Sources(Collector):
@@ -142,11 +143,11 @@ class _Sources(Collector):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sources: dict[str, tuple[Callable[[], Any], Snapshot]] = {}
+        self._sources: dict[str, tuple[Callable[[], object], Snapshot]] = {}
 
-    def register(self, component: str, owner: Any, snapshot: Snapshot) -> None:
+    def register(self, component: str, owner: object, snapshot: Snapshot) -> None:
         try:
-            ref: Callable[[], Any] = weakref.ref(owner)
+            ref: Callable[[], object] = weakref.ref(owner)
         except TypeError:
             ref = lambda: owner  # noqa: E731
         with self._lock:
@@ -156,10 +157,10 @@ class _Sources(Collector):
         with self._lock:
             self._sources.pop(component, None)
 
-    def snapshots(self) -> dict[str, Mapping[str, Any]]:
+    def snapshots(self) -> dict[str, Mapping[str, object]]:
         with self._lock:
             sources = dict(self._sources)
-        out: dict[str, Mapping[str, Any]] = {}
+        out: dict[str, Mapping[str, object]] = {}
         for component, (ref, snapshot) in sources.items():
             owner = ref()
             if owner is None:
@@ -183,20 +184,30 @@ class _Sources(Collector):
             else:
                 family = GaugeMetricFamily(m.name, m.help, labels=labels)
             for label_values, value in _samples(m, snap):
-                family.add_metric(label_values, float(value) * m.scale)
+                family.add_metric(label_values, value * m.scale)
             yield family
 
 
-def _samples(m: MetricDef, snap: Mapping[str, Any]) -> Iterator[tuple[list[str], Any]]:
+def _samples(m: MetricDef, snap: Mapping[str, object]) -> Iterator[tuple[list[str], float]]:
     if m.keys:
         for key in m.keys:
             if key in snap:
-                yield [key], snap[key]
+                yield [key], _number(snap[key])
     elif m.label:
-        for key, value in sorted((snap.get(m.key) or {}).items()):
-            yield [str(key)], value
+        table = snap.get(m.key) or {}
+        if not isinstance(table, Mapping):
+            raise TypeError(f"metric {m.name}: snapshot key {m.key!r} must hold a table, got {type(table).__name__}")
+        for key, value in sorted(table.items()):
+            yield [str(key)], _number(value)
     elif m.key in snap:
-        yield [], snap[m.key]
+        yield [], _number(snap[m.key])
+
+
+def _number(value: object) -> float:
+    """A snapshot's value as a sample: anything ``float`` takes (numpy numbers included)."""
+    if not isinstance(value, SupportsFloat | str):
+        raise TypeError(f"a metrics snapshot value must be a number, got {type(value).__name__}")
+    return float(value)
 
 
 _SOURCES = _Sources()
@@ -205,7 +216,7 @@ REGISTRY.register(_SOURCES)
 REGISTRY.register(ProcessCollector(registry=None))  # the standard process_* names dashboards expect
 
 
-def register_source(component: str, owner: _T, snapshot: Callable[[_T], Mapping[str, Any]]) -> None:
+def register_source(component: str, owner: _T, snapshot: Callable[[_T], Mapping[str, object]]) -> None:
     """Export ``snapshot(owner)`` as ``component``'s metrics at every scrape (the newest owner wins).
 
     ``snapshot`` must be cheap and thread-safe: it runs in the HTTP server's thread."""
@@ -228,7 +239,7 @@ class MetricsServer:
     """A running ``/metrics`` endpoint (a daemon thread); ``close()`` is idempotent."""
 
     port: int
-    _server: Any
+    _server: WSGIServer
     _thread: threading.Thread
 
     def close(self) -> None:

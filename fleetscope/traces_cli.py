@@ -25,6 +25,7 @@ from fleetscope.config import Config, ConfigError
 from fleetscope.producers.kineto import TraceError, TraceLimits, TraceRank
 from fleetscope.progress import Progress
 from fleetscope.schemas import EventKind
+from fleetscope.schemas.fields import as_int
 from fleetscope.schemas.layout import JobLayout
 from fleetscope.trace_loading import LoadOptions, find_traces, parsed_traces, stderr_skip
 
@@ -84,9 +85,10 @@ def replay_traces(
 ) -> list[RankSummary]:
     """Publish every trace's batches to the raw topics of ``config``'s broker; one summary per file."""
     from fleetscope.broker import ensure_topics
-    from fleetscope.demo import check_delivered, publisher_config
+    from fleetscope.demo import check_delivered
     from fleetscope.producers import Publisher
     from fleetscope.schemas import Topics
+    from fleetscope.wiring import bulk_publisher_config
 
     k = config.kafka
     if not k.bootstrap_servers:
@@ -99,7 +101,7 @@ def replay_traces(
     traces = deque(
         parsed_traces(paths, options, "replay", layouts)
     )  # parsed (the pool forked) before any client thread
-    with Publisher(publisher_config(config)) as publisher:
+    with Publisher(bulk_publisher_config(config)) as publisher:
         while traces:
             trace = traces.popleft()
             for batch in trace.batches:
@@ -173,8 +175,8 @@ def analyze_traces(
         its = pipeline.result.iterations[seen:]
         seen = len(pipeline.result.iterations)
         its = [it for it in its if it.get("job") == trace.job and it.get("rank") == trace.rank]
-        duration = sum(int(it["duration_ns"]) for it in its)
-        busy = sum(int(it["gpu_busy_ns"]) for it in its)
+        duration = sum(as_int(it["duration_ns"]) for it in its)
+        busy = sum(as_int(it["gpu_busy_ns"]) for it in its)
         summaries.append(
             replace(
                 RankSummary.of(trace, layouts[trace.job]),

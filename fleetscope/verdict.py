@@ -8,24 +8,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from fleetscope.schemas import categories, units
+from fleetscope.schemas.fields import as_float, as_float_or_none
 from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 
 
-def headline(findings: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def headline(findings: Sequence[Mapping[str, object]]) -> Mapping[str, object] | None:
     """The finding to lead with: open before closed, then the largest estimated loss per iteration."""
     if not findings:
         return None
-    return max(findings, key=lambda f: (f.get("status") != "closed", float(f.get("est_loss_ns") or 0)))
+    return max(findings, key=lambda f: (f.get("status") != "closed", as_float(f.get("est_loss_ns") or 0)))
 
 
-def _what(f: Mapping[str, Any]) -> str:
+def _what(f: Mapping[str, object]) -> str:
     """The predicate after the subject: the category's phrase (``schemas.categories``) filled from the finding;
     a host function that measures a wait (a CPU's, a launch's) says what it waited for."""
     metric = str(f.get("metric") or "")
-    value, median = f.get("value"), f.get("peer_median")
+    value, median = as_float_or_none(f.get("value")), as_float_or_none(f.get("peer_median"))
     gap = units.gap(value, median)
     function = f.get("function") or "?"
     numbers = f"{units.metric_value(metric, value)} vs {units.metric_value(metric, median)}" if median else ""
@@ -47,7 +47,7 @@ def _what(f: Mapping[str, Any]) -> str:
     )
 
 
-def sentence(findings: Sequence[Mapping[str, Any]], median_iteration_ns: float | None) -> str:
+def sentence(findings: Sequence[Mapping[str, object]], median_iteration_ns: float | None) -> str:
     """E.g. "Rank 7 (node000, GPU 3) runs its GPU kernels slower than its peers (gemm +52%, 2.13 ms vs
     1.40 ms) since iteration 0: it costs the job about 40.6 ms per iteration (3.4 % of a 1.20 s iteration)."""
     f = headline(findings)
@@ -61,7 +61,7 @@ def sentence(findings: Sequence[Mapping[str, Any]], median_iteration_ns: float |
     who = units.subject(f)
     where = ", ".join(x for x in (str(f.get("host") or ""), units.gpu(f)) if x and x not in who)
     who = who[:1].upper() + who[1:] + (f" ({where})" if where else "")
-    loss = float(f.get("est_loss_ns") or 0)
+    loss = as_float(f.get("est_loss_ns") or 0)
     share = ""
     if median_iteration_ns and math.isfinite(median_iteration_ns) and median_iteration_ns > 0:
         share = f" ({loss / median_iteration_ns:.1%} of a {units.duration(median_iteration_ns)} iteration)"

@@ -1,4 +1,4 @@
-"""From the program's ``Config`` to each stream component's own config, typed: the one place that maps them.
+"""From the program's ``Config`` to each component's own config, typed: the one place that maps them.
 
 Components never read ``Config`` themselves: each takes its own frozen dataclass, built here, so a
 component can be run (tests, the offline path) without the rest of the program's settings.
@@ -7,13 +7,19 @@ component can be run (tests, the offline path) without the rest of the program's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleetscope.config import Config
+from fleetscope.producers.control import ControlListenerConfig
+from fleetscope.producers.publisher.config import PublisherConfig
 from fleetscope.schemas.signing import MIN_KEY_BYTES
-from fleetscope.streams.appconfig import StreamAppConfig
+
+if TYPE_CHECKING:  # faust is imported only where a worker runs: a training rank builds its publisher here
+    from fleetscope.streams.appconfig import StreamAppConfig
 
 FINDINGS_KEY_FILE = "findings.key"
 
@@ -62,6 +68,8 @@ def worker_compression(config: Config) -> str:
 
 def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
     """The stream worker's settings (``fleetscope worker``, the embedded stack)."""
+    from fleetscope.streams.appconfig import StreamAppConfig
+
     k, s = config.kafka, config.streams
     return StreamAppConfig(
         bootstrap_servers=k.bootstrap_servers,
@@ -87,4 +95,49 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         limits=config.limits,
         broker_credentials=k.faust_credentials(),
         findings_key=findings_key(config),
+    )
+
+
+BULK_QUEUE_MESSAGES = 1_000_000
+"""The client queue of a publisher that sends a whole job at once (``demo``, ``simulate``, ``replay``)."""
+
+
+def publisher_config(
+    config: Config, *, client_id: str = "fleetscope-producer", queue_max_messages: int | None = None
+) -> PublisherConfig:
+    """A producing process's publisher (torch hook, agent, replay, demo): the ``kafka`` and ``producer``
+    sections; the spool directory, when on disk, is ``<spool_dir or data_dir/spool>/<client_id>``: one per
+    producing process."""
+    k, prod = config.kafka, config.producer
+    spool_dir = ""
+    if prod.spool_on_disk:
+        spool_dir = f"{(prod.spool_dir or f'{config.data_dir}/spool').rstrip('/')}/{client_id}"
+    built = PublisherConfig(
+        bootstrap_servers=k.bootstrap_servers,
+        topic_prefix=k.topic_prefix,
+        compression=k.compression,
+        client_id=client_id,
+        delivery_timeout_ms=prod.delivery_timeout_ms,
+        spool_dir=spool_dir,
+        spool_max_bytes=prod.spool_max_bytes,
+        retry_backoff_max_ms=prod.retry_backoff_max_ms,
+        max_message_bytes=config.limits.max_message_bytes,
+        extra=k.client_settings(),
+    )
+    return built if queue_max_messages is None else dataclasses.replace(built, queue_max_messages=queue_max_messages)
+
+
+def bulk_publisher_config(config: Config) -> PublisherConfig:
+    """The publisher of a whole recorded or simulated job at once (``demo``, ``simulate``, ``replay``, the
+    inspector's dumps): its queue holds ``BULK_QUEUE_MESSAGES``."""
+    return publisher_config(config, queue_max_messages=BULK_QUEUE_MESSAGES)
+
+
+def control_listener_config(config: Config) -> ControlListenerConfig:
+    """A rank's or agent's follower of the control topic (profile requests): the ``kafka`` section."""
+    k = config.kafka
+    if not k.bootstrap_servers:
+        raise ValueError("no Kafka broker configured (kafka.bootstrap_servers / --bootstrap)")
+    return ControlListenerConfig(
+        bootstrap_servers=k.bootstrap_servers, topic_prefix=k.topic_prefix, extra=k.client_settings()
     )

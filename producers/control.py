@@ -16,12 +16,15 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from fleetscope.schemas import SchemaError, Topics, decode, encode
 from fleetscope.schemas.topics import job_key
+
+if TYPE_CHECKING:
+    from fleetscope.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class ControlRequest:
     def end_at_ns(self) -> int:
         return self.start_at_ns + int(self.duration_s * 1e9)
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
@@ -68,7 +71,7 @@ class ControlRequest:
         return cls(**{k: v for k, v in record.items() if k in names})
 
 
-def _kafka_settings(config: Any) -> tuple[str, str, dict[str, str]]:
+def _kafka_settings(config: Config) -> tuple[str, str, dict[str, str]]:
     """(bootstrap servers, topic prefix, security settings) from a ``fleetscope.config.Config``."""
     k = config.kafka
     if not k.bootstrap_servers:
@@ -76,13 +79,13 @@ def _kafka_settings(config: Any) -> tuple[str, str, dict[str, str]]:
     return k.bootstrap_servers, k.topic_prefix, k.client_settings()
 
 
-def publish_request(config: Any, request: ControlRequest, timeout_s: float = 10.0) -> None:
+def publish_request(config: Config, request: ControlRequest, timeout_s: float = 10.0) -> None:
     """Publish a request and wait for the broker's acknowledgement; raises ``RuntimeError`` otherwise."""
     servers, prefix, security = _kafka_settings(config)
     producer = Producer({**security, "bootstrap.servers": servers, "client.id": "fleetscope-control"})
     errors: list[str] = []
 
-    def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+    def on_delivery(err: KafkaError | None, _msg: object) -> None:
         if err is not None:
             errors.append(err.str())
 
@@ -97,7 +100,7 @@ def publish_request(config: Any, request: ControlRequest, timeout_s: float = 10.
 
 
 def request_profile(
-    config: Any,
+    config: Config,
     job: str,
     seconds: float,
     reason: str = "",
@@ -126,11 +129,6 @@ class ControlListenerConfig:
     """Requests published this long before the listener started still count (if not yet over)."""
     poll_timeout_s: float = 0.5
     extra: Mapping[str, str] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_config(cls, config: Any) -> ControlListenerConfig:
-        servers, prefix, security = _kafka_settings(config)
-        return cls(bootstrap_servers=servers, topic_prefix=prefix, extra=security)
 
 
 class ControlListener:
@@ -209,12 +207,13 @@ class ControlListener:
             self._stop.wait(2.0)
         return False
 
-    def _handle(self, msg: Any) -> None:
-        if msg.error() is not None:
-            self._problem(f"message:{msg.error().name()}", KafkaException(msg.error()))
+    def _handle(self, msg: Message) -> None:
+        error = msg.error()
+        if error is not None:
+            self._problem(f"message:{error.name()}", KafkaException(error))
             return
         try:
-            subject, record = decode(msg.value())
+            subject, record = decode(msg.value() or b"")
             if subject != SUBJECT:
                 raise SchemaError(f"subject {subject!r} on the control topic")
             request = ControlRequest.from_record(record)

@@ -30,7 +30,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fleetscope.producers.kineto_comms import canonical_op, dtype_bytes
 from fleetscope.producers.kineto_load import TraceError
@@ -48,7 +47,7 @@ _RANK_IN_NAME = re.compile(r"(\d+)(\.json|\.pkl|\.pickle|\.bin)?$")
 class _PlainUnpickler(pickle.Unpickler):
     """Dicts, lists, tuples, strings and numbers only: a dump never names a class, so none is loaded."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         raise pickle.UnpicklingError(f"it refers to {module}.{name}, which no Flight Recorder dump holds")
 
 
@@ -158,7 +157,7 @@ def load_dump(path: Path, max_bytes: int = MAX_DUMP_BYTES) -> RankDump:
     return parse_dump(data, str(path), stat.st_mtime_ns)
 
 
-def _decode(data: bytes, name: str) -> Any:
+def _decode(data: bytes, name: str) -> object:
     if is_dump(data[:HEAD_BYTES]) and data[:1] == b"\x80":
         try:
             return _PlainUnpickler(io.BytesIO(data)).load()
@@ -171,7 +170,7 @@ def _decode(data: bytes, name: str) -> Any:
         raise TraceError(f"{name}: neither a pickle nor JSON ({type(exc).__name__}: {exc})"[:300]) from None
 
 
-def _int(value: Any, default: int | None = None) -> int:
+def _int(value: object, default: int | None = None) -> int:
     """An int field (JSON dumps write some as strings); ``default`` for None/absent, else ValueError."""
     if value is None and default is not None:
         return default
@@ -180,7 +179,7 @@ def _int(value: Any, default: int | None = None) -> int:
     return int(value)
 
 
-def _entry(item: Any) -> DumpEntry:
+def _entry(item: object) -> DumpEntry:
     if not isinstance(item, dict):
         raise TypeError(f"a {type(item).__name__}, not a dict")
     pg = item["process_group"]
@@ -214,28 +213,36 @@ SHAPES_CHARS = 120
 """Shapes longer than this as JSON (a coalesced call of many tensors) are summed up: count and elements."""
 
 
-def _shapes(sizes: list[Any]) -> str:
+def _shapes(sizes: list[object]) -> str:
     text = json.dumps(sizes, separators=(",", ":"))
     if len(text) <= SHAPES_CHARS:
         return text
-    elements = sum(math.prod(s) for s in sizes if all(isinstance(d, int) for d in s))
+    elements = sum(math.prod(dims) for dims in map(_dims, sizes) if dims is not None)
     return f"{len(sizes)} tensors of {elements} elements"
 
 
-def _nbytes(sizes: list[Any], dtypes: list[Any]) -> int:
+def _nbytes(sizes: list[object], dtypes: list[object]) -> int:
     """Bytes of the inputs: each shape's elements times its dtype's size; -1 if a dtype is unknown."""
     if len(dtypes) != len(sizes):
         return -1
     total = 0
     for shape, dtype in zip(sizes, dtypes, strict=True):
         elem = dtype_bytes(dtype)
-        if elem is None or not all(isinstance(d, int) and d >= 0 for d in shape):
+        dims = _dims(shape)
+        if elem is None or dims is None or min(dims, default=0) < 0:
             return -1
-        total += math.prod(shape) * elem
+        total += math.prod(dims) * elem
     return total
 
 
-def _pg_ranks(config: Any) -> dict[str, tuple[int, ...]]:
+def _dims(shape: object) -> list[int] | None:
+    """A tensor shape's dimensions; None unless it is a list of integers."""
+    if not isinstance(shape, list | tuple) or not all(isinstance(d, int) for d in shape):
+        return None
+    return [int(d) for d in shape]
+
+
+def _pg_ranks(config: object) -> dict[str, tuple[int, ...]]:
     """Group name -> ranks from ``pg_config`` (its ranks written as ``"[0, 1]"``); groups with none skipped."""
     out: dict[str, tuple[int, ...]] = {}
     if not isinstance(config, dict):
@@ -252,7 +259,7 @@ def _pg_ranks(config: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def dump_heartbeats(dumps: Sequence[RankDump], job: str) -> dict[int, dict[str, Any]]:
+def dump_heartbeats(dumps: Sequence[RankDump], job: str) -> dict[int, dict[str, object]]:
     """Each rank's dump as the ``heartbeat`` record its live flight recorder would have sent when the
     dump was written: the collective it waits in (or last entered), its group's ranks and when it entered."""
     world = max([d.rank + 1 for d in dumps] + [r + 1 for d in dumps for rs in d.pg_ranks.values() for r in rs])
@@ -262,11 +269,11 @@ def dump_heartbeats(dumps: Sequence[RankDump], job: str) -> dict[int, dict[str, 
         listed |= d.pg_ranks
         for e in d.entries:
             named.setdefault(e.pg, set()).add(d.rank)
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, dict[str, object]] = {}
     for d in sorted(dumps, key=lambda d: d.rank):
         waiting = d.waiting()
         entry = waiting or (d.entries[-1] if d.entries else None)
-        hb: dict[str, Any] = {
+        hb: dict[str, object] = {
             "job": job, "rank": d.rank, "host": "", "world_size": world, "producer_id": d.path, "seq": 0,
             "sent_ns": d.as_of_ns, "last_step": -1, "last_step_ns": 0, "in_collective": waiting is not None,
             "profiling": False,

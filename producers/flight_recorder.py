@@ -12,7 +12,7 @@ entered a collective. Nothing here imports torch.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 
 class CollectiveEntry(NamedTuple):
@@ -66,11 +66,11 @@ def heartbeat_record(
     sent_ns: int,
     state: RankState,
     profiling: bool,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The ``heartbeat`` record (schema ``heartbeat.v1``) of ``state`` now."""
     inside = state.inside  # read once: the training thread may change it meanwhile
     entry = inside if inside is not None else state.last
-    record: dict[str, Any] = {
+    record: dict[str, object] = {
         "job": job,
         "rank": rank,
         "host": host,

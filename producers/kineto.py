@@ -45,6 +45,8 @@ from fleetscope.schemas.layout import PP, ProcessGroup, role_of_name
 from fleetscope.schemas.records import ID_COLUMNS
 from fleetscope.schemas.vocabulary import is_sync_call, stable_function_name
 
+Thread = tuple[int | str | None, int | str | None]
+"""A trace event's (pid, tid), each None where the trace gives neither a number nor a name."""
 DEFAULT_BATCH_EVENTS = 4096
 DEFAULT_PROCESS_GROUP = "0"  # PyTorch's name for the default (world) process group
 _LIMIT_NS = 2**62
@@ -109,7 +111,7 @@ def _text(s: str) -> str:
         return s.encode(errors="replace").decode()
 
 
-def _ns(value: Any, base: int) -> int | None:
+def _ns(value: object, base: int) -> int | None:
     """Chrome-trace microseconds (int or float) -> int ns + base; None when absent or absurd."""
     if type(value) is int:
         ns = value * 1000
@@ -137,14 +139,14 @@ class _Extractor:
         self.p = {c: array("q") for c in ("start", "dur", "name", "thread", "step")}
         self.busy = array("q")
         """(start, duration, thread) of every CPU op that is no host span, one after the other."""
-        self._raw_threads: dict[Any, int] = {}
+        self._raw_threads: dict[tuple[object, object], int] = {}
         self.nccl: list[tuple[int, int, str, int | None, int | None, Args]] = []
-        self.gloo: list[tuple[int, int, str, Args, Any]] = []
+        self.gloo: list[tuple[int, int, str, Args, Thread]] = []
         """(start, duration, name, args, thread) of each ``gloo:*`` annotation: a CPU job's collectives."""
-        self.launch: dict[int, tuple[int, Any]] = {}
+        self.launch: dict[int, tuple[int, Thread]] = {}
         self.comm_by_ext: dict[int, CommMeta] = {}
-        self.comm_by_thread: dict[Any, list[tuple[int, int, CommMeta]]] = {}
-        self.threads: dict[Any, int] = {}
+        self.comm_by_thread: dict[Thread, list[tuple[int, int, CommMeta]]] = {}
+        self.threads: dict[Thread, int] = {}
         self.gpu_device: int | None = None
         self.kernels = self.kernel_ns = self.memory_ops = self.skipped = 0
 
@@ -325,7 +327,7 @@ GLOO_PREFIX = "gloo:"
 the calling thread (``gloo:all_reduce``, ``gloo:send``)."""
 
 
-def gloo_groups(calls: Iterable[tuple[Any, int]], groups: Sequence[ProcessGroup]) -> dict[Any, str] | None:
+def gloo_groups(calls: Iterable[tuple[Thread, int]], groups: Sequence[ProcessGroup]) -> dict[Thread, str] | None:
     """Each gloo worker thread's process group, from its collectives ((thread, message bytes)), or None
     where the threads do not say.
 
@@ -338,7 +340,7 @@ def gloo_groups(calls: Iterable[tuple[Any, int]], groups: Sequence[ProcessGroup]
     ambiguous, and so are groups whose threads interleave or differ in number: two groups sending one
     size, merged.
     """
-    sizes: dict[Any, set[int]] = {}
+    sizes: dict[Thread, set[int]] = {}
     for thread, nbytes in calls:
         sizes.setdefault(thread, set()).add(nbytes)
     if len(groups) <= 1:
@@ -346,7 +348,7 @@ def gloo_groups(calls: Iterable[tuple[Any, int]], groups: Sequence[ProcessGroup]
     candidates = [g.name for g in groups if len(g.ranks) >= 2 and role_of_name(g.desc) != PP]
     if len(candidates) == 1:
         return dict.fromkeys(sizes, candidates[0])
-    clusters: list[tuple[list[Any], set[int]]] = []
+    clusters: list[tuple[list[Thread], set[int]]] = []
     for thread, seen in sizes.items():
         joined = [c for c in clusters if c[1] & seen]
         merged = ([thread] + [t for c in joined for t in c[0]], seen.union(*(c[1] for c in joined)))
@@ -372,7 +374,7 @@ def gloo_p2p_group(groups: Sequence[ProcessGroup]) -> str | None:
     return pipeline[0] if len(pipeline) == 1 else None
 
 
-def _thread_order(thread: Any) -> tuple[int, int]:
+def _thread_order(thread: Thread) -> tuple[int, int]:
     pid, tid = thread
     return (pid if type(pid) is int else -1, tid if type(tid) is int else -1)
 
@@ -383,9 +385,13 @@ def _blocks(name: str) -> bool:
     return is_sync_call(name)
 
 
-def _thread(e: Event) -> Any:
-    pid, tid = e.pid, e.tid
-    return (pid if type(pid) in (int, str) else None, tid if type(tid) in (int, str) else None)
+def _thread(e: Event) -> Thread:
+    return (_thread_part(e.pid), _thread_part(e.tid))
+
+
+def _thread_part(value: object) -> int | str | None:
+    """A pid or tid as the trace gives it: a number or a name (JSON's), else None."""
+    return value if isinstance(value, int | str) and not isinstance(value, bool) else None
 
 
 def _identity(
@@ -414,7 +420,7 @@ def _identity(
     for source in (top, info, metadata if isinstance(metadata, dict) else {}):
         for key in ("hostname", "host", "host_name"):
             if not host and type(source.get(key)) is str:
-                host = source[key].strip()
+                host = str(source[key]).strip()
     stem = path.name
     for suffix in (".gz", ".json", ".trace", ".pt"):
         stem = stem.removesuffix(suffix)

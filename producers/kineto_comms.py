@@ -12,7 +12,6 @@ import functools
 import json
 import math
 from dataclasses import dataclass, fields
-from typing import Any
 
 import msgspec
 
@@ -54,7 +53,7 @@ class CommMeta:
                     setattr(self, f.name, getattr(other, f.name))
 
 
-def int_or_none(v: Any) -> int | None:
+def int_or_none(v: object) -> int | None:
     return v if type(v) is int else None
 
 
@@ -66,7 +65,7 @@ def canonical_op(raw: str) -> str:
     return normalize_collective(op)
 
 
-def dtype_bytes(dtype: Any) -> int | None:
+def dtype_bytes(dtype: object) -> int | None:
     if type(dtype) is not str:
         return None
     return DTYPE_BYTES.get(dtype.strip().lower().removeprefix("c10::").removeprefix("at::"))
@@ -101,7 +100,7 @@ def meta_from_args(args: Args, op: str | None = None) -> CommMeta:
     return meta
 
 
-def _raw_json(raw: msgspec.Raw) -> Any:
+def _raw_json(raw: msgspec.Raw) -> object:
     try:
         return msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError):  # a raw field is bytes as found: they may not be UTF-8
@@ -117,13 +116,13 @@ def _rank_list(text: str) -> tuple[int, ...] | None:
         return None
 
 
-def _rank_tuple(value: Any) -> tuple[int, ...] | None:
+def _rank_tuple(value: object) -> tuple[int, ...] | None:
     if type(value) is not list or not value or not all(type(r) is int and 0 <= r < 2**31 for r in value):
         return None
     return tuple(value)
 
 
-def _input_dims_bytes(dims: Any, types: Any) -> int | None:
+def _input_dims_bytes(dims: object, types: object) -> int | None:
     """Bytes of the tensor inputs of an old-style CPU op (``Input Dims`` + ``Input type``); None if none."""
     if type(dims) is not list or type(types) is not list:
         return None

@@ -25,7 +25,7 @@ import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import msgspec
 
@@ -37,24 +37,24 @@ class TraceError(ValueError):
 class Args(msgspec.Struct, gc=False):
     """The ``args`` keys the parser reads: correlation and stream of GPU work, NCCL metadata."""
 
-    correlation: Any = None
-    stream: Any = None
-    device: Any = None
-    external_id: Any = msgspec.field(default=None, name="External id")
-    collective: Any = msgspec.field(default=None, name="Collective name")
-    dtype: Any = None
-    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
-    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    correlation: object = None
+    stream: object = None
+    device: object = None
+    external_id: object = msgspec.field(default=None, name="External id")
+    collective: object = msgspec.field(default=None, name="Collective name")
+    dtype: object = None
+    in_nelems: object = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: object = msgspec.field(default=None, name="Out msg nelems")
     input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
     """Kept undecoded: every ``cpu_op`` of a ``record_shapes`` trace has one; only comms ops read it."""
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
-    group_size: Any = msgspec.field(default=None, name="Group size")
-    pg_name: Any = msgspec.field(default=None, name="Process Group Name")
-    seq: Any = msgspec.field(default=None, name="Seq")
-    pg_desc: Any = msgspec.field(default=None, name="Process Group Description")
-    pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
-    dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
-    src_rank: Any = msgspec.field(default=None, name="Src Rank")
+    group_size: object = msgspec.field(default=None, name="Group size")
+    pg_name: object = msgspec.field(default=None, name="Process Group Name")
+    seq: object = msgspec.field(default=None, name="Seq")
+    pg_desc: object = msgspec.field(default=None, name="Process Group Description")
+    pg_ranks: object = msgspec.field(default=None, name="Process Group Ranks")
+    dst_rank: object = msgspec.field(default=None, name="Dst Rank")
+    src_rank: object = msgspec.field(default=None, name="Src Rank")
 
 
 NO_ARGS = Args()
@@ -63,13 +63,13 @@ NO_ARGS = Args()
 class Event(msgspec.Struct, gc=False):
     """One ``traceEvents`` entry, as far as the parser reads it."""
 
-    ph: Any = None
-    cat: Any = None
-    name: Any = None
-    ts: Any = None
-    dur: Any = None
-    pid: Any = None
-    tid: Any = None
+    ph: object = None
+    cat: object = None
+    name: object = None
+    ts: object = None
+    dur: object = None
+    pid: object = None
+    tid: object = None
     args: Args | None = None
 
 
@@ -77,12 +77,12 @@ class TraceDoc(msgspec.Struct, gc=False):
     """The top level of a trace file: events, identity and time base."""
 
     traceEvents: list[Event]  # noqa: N815 - the file's own key
-    distributedInfo: Any = None  # noqa: N815
-    baseTimeNanoseconds: Any = None  # noqa: N815
-    metadata: Any = None
-    hostname: Any = None
-    host: Any = None
-    host_name: Any = None
+    distributedInfo: object = None  # noqa: N815
+    baseTimeNanoseconds: object = None  # noqa: N815
+    metadata: object = None
+    hostname: object = None
+    host: object = None
+    host_name: object = None
     skipped: int = 0
     """Entries of ``traceEvents`` that are not objects (the typed path never has any)."""
 

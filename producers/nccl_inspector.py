@@ -29,7 +29,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -91,21 +90,21 @@ def looks_like_inspector(first_line: bytes) -> bool:
     return type(doc) is dict and type(doc.get("header")) is dict and ("coll_perf" in doc or "p2p_perf" in doc)
 
 
-def _int(doc: Mapping[str, Any], key: str, where: str, low: int = 0) -> int:
+def _int(doc: Mapping[str, object], key: str, where: str, low: int = 0) -> int:
     v = doc.get(key)
     if type(v) is not int or not low <= v < _LIMIT:
         raise LineProblem(f"{where}.{key} is {str(v)[:40]!r}, not an integer >= {low}")
     return v
 
 
-def _float(doc: Mapping[str, Any], key: str) -> float:
+def _float(doc: Mapping[str, object], key: str) -> float:
     v = doc.get(key)
     if isinstance(v, bool) or not isinstance(v, int | float):
         return 0.0
     return float(v) if math.isfinite(v) else 0.0
 
 
-def _us_ns(v: Any) -> int:
+def _us_ns(v: object) -> int:
     return v * 1000 if type(v) is int and 0 < v < _LIMIT // 1000 else -1
 
 
@@ -165,12 +164,12 @@ def parse_line(line: str | bytes) -> InspectorOp:
     )
 
 
-def name_of(raw: Any) -> str:
+def name_of(raw: object) -> str:
     """A communicator's name as a group description: the Inspector writes ``unknown`` for none."""
     return raw[:128] if type(raw) is str and raw != "unknown" else ""
 
 
-def _event_trace(trace: Any, p: str) -> tuple[int, int]:
+def _event_trace(trace: object, p: str) -> tuple[int, int]:
     """(first kernel start, host start) in ns of a verbose record's ``event_trace_ts``; -1 where absent."""
     if type(trace) is not dict:
         return -1, -1

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -116,7 +115,7 @@ def node_targets(job: str, first_rank: int, world_size: int, host: str = "") -> 
 class _Gpu:
     """Per-GPU sampling state."""
 
-    def __init__(self, index: int, handle: Any, identity: RankIdentity, producer_id: str) -> None:
+    def __init__(self, index: int, handle: object, identity: RankIdentity, producer_id: str) -> None:
         self.index, self.handle, self.identity, self.producer_id = index, handle, identity, producer_id
         self.fields: list[tuple[int, int]] = []
         self.prev: dict[tuple[int, int], tuple[int, int]] = {}
@@ -387,7 +386,7 @@ class NvmlSampler:
         table: dict[str, int] = {}
         ids = np.fromiter((table.setdefault(m, len(table)) for m in metric), np.int32, len(metric))
         header = gpu.identity.header(producer_id=gpu.producer_id, seq=seq, streams=self._streams)
-        columns: dict[str, npt.NDArray[Any]] = {
+        columns: dict[str, npt.NDArray[np.generic]] = {
             "t_ns": np.asarray(t, np.int64),
             "metric_id": ids,
             "value": np.asarray(value, np.float64),

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import queue
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
+
+T = TypeVar("T")
 
 # NVML field ids (nvml.h; pynvml exports the same names).
 FI_NVLINK_LINK_COUNT = 91
@@ -59,10 +62,10 @@ class NvmlApi(Protocol):
     def init(self) -> None: ...
     def shutdown(self) -> None: ...
     def device_count(self) -> int: ...
-    def handle(self, index: int) -> Any: ...
-    def uuid(self, handle: Any) -> str: ...
-    def field_values(self, handle: Any, fields: Sequence[tuple[int, int]]) -> list[FieldReading]: ...
-    def read(self, handle: Any, metric: str) -> float:
+    def handle(self, index: int) -> object: ...
+    def uuid(self, handle: object) -> str: ...
+    def field_values(self, handle: object, fields: Sequence[tuple[int, int]]) -> list[FieldReading]: ...
+    def read(self, handle: object, metric: str) -> float:
         """A scalar of ``DEVICE_METRICS``/``SLOW_METRICS``/``pcie_*_kbps``; raises NvmlNotSupported."""
         ...
 
@@ -74,7 +77,7 @@ class NvmlApi(Protocol):
     def unwatch_xid(self) -> None: ...
 
 
-def _import_pynvml() -> Any:
+def _import_pynvml() -> types.ModuleType:
     try:
         import pynvml
     except ImportError as exc:
@@ -87,10 +90,10 @@ class PynvmlApi:
 
     def __init__(self) -> None:
         self.nv = _import_pynvml()
-        self._event_set: Any = None
+        self._event_set: object = None
         self._index_of: dict[int, int] = {}
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, fn: Callable[..., T], *args: object) -> T:
         nv = self.nv
         try:
             return fn(*args)
@@ -106,14 +109,14 @@ class PynvmlApi:
     def device_count(self) -> int:
         return int(self.nv.nvmlDeviceGetCount())
 
-    def handle(self, index: int) -> Any:
+    def handle(self, index: int) -> object:
         return self.nv.nvmlDeviceGetHandleByIndex(index)
 
-    def uuid(self, handle: Any) -> str:
+    def uuid(self, handle: object) -> str:
         value = self.nv.nvmlDeviceGetUUID(handle)
         return value.decode() if isinstance(value, bytes) else str(value)
 
-    def field_values(self, handle: Any, fields: Sequence[tuple[int, int]]) -> list[FieldReading]:
+    def field_values(self, handle: object, fields: Sequence[tuple[int, int]]) -> list[FieldReading]:
         nv = self.nv
         raw = self._call(nv.nvmlDeviceGetFieldValues, handle, list(fields))
         out = []
@@ -129,10 +132,10 @@ class PynvmlApi:
             out.append(FieldReading(fv.fieldId, fv.scopeId, int(fv.timestamp), value))
         return out
 
-    def read(self, handle: Any, metric: str) -> float:
+    def read(self, handle: object, metric: str) -> float:
         nv = self.nv
         reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        calls: dict[str, Callable[[], Any]] = {
+        calls: dict[str, Callable[[], float]] = {
             "sm_clock_mhz": lambda: nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_SM),
             "sm_clock_max_mhz": lambda: nv.nvmlDeviceGetMaxClockInfo(handle, nv.NVML_CLOCK_SM),
             "throttle_reasons": lambda: (reasons or nv.nvmlDeviceGetCurrentClocksThrottleReasons)(handle),
@@ -231,15 +234,21 @@ class FakeNvml:
     def device_count(self) -> int:
         return len(self.gpus)
 
-    def handle(self, index: int) -> Any:
+    def handle(self, index: int) -> object:
         return index
 
-    def uuid(self, handle: Any) -> str:
-        return str(self.gpus[handle].uuid)
+    def _gpu(self, handle: object) -> FakeGpu:
+        """The GPU of a handle this API gave out (its index)."""
+        if not isinstance(handle, int):
+            raise TypeError(f"not a handle of this API: {handle!r}")
+        return self.gpus[handle]
 
-    def field_values(self, handle: Any, fields: Sequence[tuple[int, int]]) -> list[FieldReading]:
+    def uuid(self, handle: object) -> str:
+        return str(self._gpu(handle).uuid)
+
+    def field_values(self, handle: object, fields: Sequence[tuple[int, int]]) -> list[FieldReading]:
         self.calls += 1
-        gpu, now = self.gpus[handle], self.clock_us()
+        gpu, now = self._gpu(handle), self.clock_us()
         elapsed_s = (now - self.t0_us) / 1e6
         out = []
         for fid, scope in fields:
@@ -255,9 +264,9 @@ class FakeNvml:
                 out.append(FieldReading(fid, scope, now, None, False))
         return out
 
-    def read(self, handle: Any, metric: str) -> float:
+    def read(self, handle: object, metric: str) -> float:
         self.calls += 1
-        gpu = self.gpus[handle]
+        gpu = self._gpu(handle)
         if metric in gpu.unsupported or metric not in gpu.metrics:
             raise NvmlNotSupported(metric)
         return float(gpu.metrics[metric])

@@ -309,7 +309,7 @@ class Recorder:
         until = self._host_events_held_until_ns
         return self._host_events_held and (until is None or time.time_ns() < until + HOLD_GRACE_NS)
 
-    def guard(self, site: str, fn: Callable[..., T], *args: Any, default: Any = None) -> T | Any:
+    def guard(self, site: str, fn: Callable[..., T], *args: object, default: T | None = None) -> T | None:
         """Run our own code on a hook: an exception is counted, logged once, and ``default`` returned."""
         try:
             return fn(*args)
@@ -381,7 +381,7 @@ class Recorder:
     def _flush_locked(self) -> None:
         while self._batches:
             make = self._batches.popleft()
-            for batch in self.guard("build", make, default=[]) or []:
+            for batch in self.guard("build", make) or []:
                 self._publish(batch)
         n = len(self._events)
         for _ in range(n):

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 try:
     import torch
@@ -51,12 +51,16 @@ except ImportError as _exc:  # torch is an optional extra
     ) from _exc
 
 from fleetscope.producers import torch_layout, torch_patches
-from fleetscope.producers.control import ControlListener, ControlListenerConfig, ControlRequest
+from fleetscope.producers.control import ControlListener, ControlRequest
 from fleetscope.producers.cpu_wait import CpuWaitClock, SpanMark, SpanWaits
-from fleetscope.producers.publisher import Publisher, PublisherConfig
+from fleetscope.producers.publisher import Publisher
 from fleetscope.producers.rank_recorder import RankIdentity, Recorder, RecorderConfig, RecorderStats
 from fleetscope.producers.torch_profiling import ProfilingWindow, WindowConfig, window_batches
-from fleetscope.schemas import CPU_WAIT, PROFILING_WINDOW, SPAN_CPU_WAIT_DEPTH, EventKind, step_marker_name
+from fleetscope.schemas import CPU_WAIT, PROFILING_WINDOW, SPAN_CPU_WAIT_DEPTH, EventBatch, EventKind, step_marker_name
+
+if TYPE_CHECKING:  # neither is loaded by a rank that does not monitor (nor NVML where it is off)
+    from fleetscope.config import Config
+    from fleetscope.producers.nvml import NvmlSampler
 
 __all__ = ["Monitor", "monitor", "profile", "span", "start", "stats", "step", "stop"]
 
@@ -80,7 +84,7 @@ class Monitor:
         *,
         auto_step: bool = False,
         listener: ControlListener | None = None,
-        sampler: Any = None,
+        sampler: NvmlSampler | None = None,
     ) -> None:
         self.recorder = recorder
         self.identity = recorder.identity
@@ -169,7 +173,7 @@ class Monitor:
 
     # -- profiling windows ---------------------------------------------------------------------------
     def request_window(self, request: ControlRequest) -> None:
-        """Any thread: open a window at the first step boundary after ``request.start_at_ns``."""
+        """On any thread: open a window at the first step boundary after ``request.start_at_ns``."""
         self._pending = request
         if self._sampler is not None:
             self._sampler.boost(request.end_at_ns)
@@ -216,7 +220,7 @@ class Monitor:
             recorder.python_span(PROFILING_WINDOW, window.started_ns, time.time_ns() - window.started_ns, 0)
         config = WindowConfig(max_batch_events=recorder.config.max_batch_events)
 
-        def build() -> list[Any]:
+        def build() -> list[EventBatch]:
             try:
                 events = results.events() if results is not None else []
                 return window_batches(events, recorder.next_header, config)
@@ -239,8 +243,9 @@ def _current() -> Monitor | None:
     return _monitor
 
 
-def _build(job: str | None, config: Any) -> Monitor | None:
-    from fleetscope.config import load_config  # lazily: the config module pulls in the analysis settings
+def _build(job: str | None, config: Config | None) -> Monitor | None:
+    from fleetscope.config import load_config  # lazily: a rank that never starts monitoring reads no config
+    from fleetscope.wiring import control_listener_config, publisher_config
 
     cfg = config if config is not None else load_config(os.environ.get("FLEETSCOPE_CONFIG") or None)
     k = cfg.kafka
@@ -250,7 +255,7 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     identity = RankIdentity.from_env()
     if job:
         identity = replace(identity, job=job)
-    publisher = Publisher(PublisherConfig.from_config(cfg, client_id=f"fleetscope-torch-{identity.rank}"))
+    publisher = Publisher(publisher_config(cfg, client_id=f"fleetscope-torch-{identity.rank}"))
     streams = {EventKind.HOST.value}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         streams.add(EventKind.COLLECTIVES.value)
@@ -262,7 +267,7 @@ def _build(job: str | None, config: Any) -> Monitor | None:
     sampler = _sampler(identity, recorder) if nvml == "process" else None
     listener = None
     if os.environ.get(ENV_CONTROL, "on").lower() not in _OFF:
-        listener_config = ControlListenerConfig.from_config(cfg)
+        listener_config = control_listener_config(cfg)
         listener = ControlListener(listener_config, identity.job, _on_request)
     return Monitor(recorder, auto_step=_auto, listener=listener, sampler=sampler)
 
@@ -285,14 +290,14 @@ def _nvml_mode() -> str:
     return "process"
 
 
-def _sampler(identity: RankIdentity, recorder: Recorder) -> Any:
+def _sampler(identity: RankIdentity, recorder: Recorder) -> NvmlSampler:
     """This rank's GPU sampled in-process; its batches go out through the recorder's thread."""
     from fleetscope.producers.nvml import NvmlSampler, PynvmlApi
 
     index = torch.cuda.current_device() if torch.cuda.is_available() else identity.local_rank
     streams = recorder.streams
 
-    def sink(batch: Any) -> None:
+    def sink(batch: EventBatch) -> None:
         recorder.submit(lambda: [batch])
 
     return NvmlSampler(api=PynvmlApi(), sink=sink, targets={index: identity}, streams=streams)
@@ -304,7 +309,7 @@ def _on_request(request: ControlRequest) -> None:
         mon.request_window(request)
 
 
-def start(*, job: str | None = None, config: Any = None) -> Monitor | None:
+def start(*, job: str | None = None, config: Config | None = None) -> Monitor | None:
     """Start monitoring this rank (idempotent). Returns None when disabled or misconfigured; never raises."""
     global _monitor, _disabled
     with _lock:
@@ -346,14 +351,14 @@ def step() -> None:
     mon.recorder.guard("step", mon.boundary, True)
 
 
-def _auto_start(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+def _auto_start(_optimizer: object, _args: object, _kwargs: object) -> None:
     """Zero-code mode: the first ``optimizer.step()`` starts monitoring; step 0 begins right after it."""
     if _monitor is None and not _disabled:
         start()
 
 
 @contextlib.contextmanager
-def monitor(*, job: str | None = None, config: Any = None) -> Iterator[Monitor | None]:
+def monitor(*, job: str | None = None, config: Config | None = None) -> Iterator[Monitor | None]:
     """``with fs.monitor(): train()``: start before the loop, flush and stop after it."""
     mon = start(job=job, config=config)
     try:

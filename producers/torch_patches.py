@@ -40,8 +40,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,13 @@ from fleetscope.producers.cpu_wait import SpanMark
 from fleetscope.producers.flight_recorder import CollectiveEntry
 from fleetscope.producers.rank_recorder import Recorder
 from fleetscope.schemas import GC_PAUSE, EventKind
+
+if TYPE_CHECKING:
+    from torch.distributed._functional_collectives import RANK_TYPES
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+P = ParamSpec("P")
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +123,7 @@ _group_seq: dict[str, itertools.count[int]] = {}
 _opt_start: dict[int, tuple[int, SpanMark | None]] = {}
 _gc_start_ns = 0
 _gc_start_cpu_ns = 0
-_ALL_REDUCE: Callable[..., Any] = dist.all_reduce
+_ALL_REDUCE: Callable[..., dist.Work] = dist.all_reduce
 
 
 def install(current: Callable[[], Instrumented | None]) -> None:
@@ -147,7 +154,7 @@ def reset_sequences() -> None:
 
 
 # -- collectives -----------------------------------------------------------------------------------------
-def _nbytes(value: Any) -> int:
+def _nbytes(value: object) -> int:
     if isinstance(value, int):
         return value
     if isinstance(value, torch.Tensor):
@@ -157,7 +164,7 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _group(group: Any) -> tuple[str, int, str, tuple[int, ...]]:
+def _group(group: dist.ProcessGroup | None) -> tuple[str, int, str, tuple[int, ...]]:
     """(name, size, backend, global ranks) of a process group; None is the default group."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     info = _group_info.get(id(pg))
@@ -168,11 +175,20 @@ def _group(group: Any) -> tuple[str, int, str, tuple[int, ...]]:
     return info
 
 
+def _process_group(group: object) -> dist.ProcessGroup | None:
+    """A call's ``group`` argument: a process group, or None for the default one."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"group {type(group).__name__} is not a process group")
+
+
 # A collective being called: what the flight recorder shows, and the event's name, group size and group.
 _Call = tuple[CollectiveEntry, str, int, str]
 
 
-def _enter(mon: Instrumented, op: str, size_arg: Any, group: Any, peer: int | None = None) -> _Call:
+def _enter(
+    mon: Instrumented, op: str, size_arg: object, group: dist.ProcessGroup | None, peer: int | None = None
+) -> _Call:
     """Number the collective in its group and tell the flight recorder the rank is inside it, before the
     real call: a rank blocked in it still says where it is.
 
@@ -204,26 +220,28 @@ def _leave(recorder: Recorder, call: _Call, end_ns: int) -> None:
     recorder.collective(event_name, entry.op, group, entry.seq, size, entry.nbytes, start, end_ns - start)
 
 
-def _record_collective(mon: Instrumented, call: _Call, result: Any) -> None:
+def _record_collective(mon: Instrumented, call: _Call, result: object) -> None:
     recorder = mon.recorder
     if result is None:  # synchronous: the call itself is the collective
         _leave(recorder, call, time.time_ns())
         return
+    if not isinstance(result, dist.Work):
+        raise TypeError(f"an asynchronous collective returned {type(result).__name__}, not a Work")
 
-    def done(_fut: Any) -> None:
+    def done(_fut: object) -> None:
         recorder.guard("collective_done", _leave, recorder, call, time.time_ns())
 
     result.get_future().add_done_callback(done)
 
 
-def _wrap_collective(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_collective(fname: str, orig: Callable[..., object]) -> Callable[..., object]:
     op, size_param = COLLECTIVES[fname]
     params = list(inspect.signature(orig).parameters)
     gi = params.index("group")
     si = params.index(size_param) if size_param else -1
 
     @functools.wraps(orig)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         mon = _current()
         if mon is None:
             return orig(*args, **kwargs)
@@ -235,7 +253,7 @@ def _wrap_collective(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]
     return wrapper
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int) -> Any:
+def _argument(args: tuple[object, ...], kwargs: dict[str, object], name: str, index: int) -> object:
     """A call's argument, by keyword or at its position; None where it was left to its default."""
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
@@ -243,11 +261,11 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: i
 def _timed(
     mon: Instrumented,
     call: _Call | None,
-    done: Callable[[Instrumented, _Call, Any], None],
-    orig: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
+    done: Callable[[Instrumented, _Call, object], None],
+    orig: Callable[..., object],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+) -> object:
     """Run the collective; hand its result to ``done``, or, where it raised, tell the flight recorder the rank
     is out of it."""
     try:
@@ -303,28 +321,28 @@ PEERS = P2PPeers()
 _PIPELINING = "torch.distributed.pipelining.schedules"
 _batching = threading.local()
 """``inside``: a wrapped batch of p2p operations is being issued on this thread."""
-_pending_works: dict[int, tuple[Any, list[_Call]]] = {}
+_pending_works: dict[int, tuple[dist.Work, list[_Call]]] = {}
 """Batched p2p works of a backend whose works have no future (Gloo), by id, until they are waited for."""
 
 
-def _global_peer(peer: Any, group_peer: Any, group: Any) -> int:
+def _global_peer(peer: object, group_peer: object, group: object) -> int:
     """The other end as a global rank (given as one, or as a rank within ``group``); -1 where unknown
     (``recv`` from any source)."""
     if isinstance(peer, int):
         return peer
     if isinstance(group_peer, int):
-        return _group(group)[3][group_peer]
+        return _group(_process_group(group))[3][group_peer]
     return -1
 
 
-def _wrap_p2p(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_p2p(fname: str, orig: Callable[..., object]) -> Callable[..., object]:
     op, peer_param, group_peer_param = P2P_FUNCTIONS[fname]
     params = list(inspect.signature(orig).parameters)
     pi, gi = params.index(peer_param), params.index("group")
     gpi = params.index(group_peer_param) if group_peer_param in params else -1
 
     @functools.wraps(orig)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         mon = _current()
         group = _argument(args, kwargs, "group", gi)
         peer = _argument(args, kwargs, peer_param, pi)
@@ -347,18 +365,18 @@ def _wrap_p2p(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _returned(mon: Instrumented, call: _Call, _result: Any) -> None:
+def _returned(mon: Instrumented, call: _Call, _result: object) -> None:
     """A blocking call completed on its return (``recv`` returns the sender's rank, not a work)."""
     _leave(mon.recorder, call, time.time_ns())
 
 
-def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_batch(orig: Callable[..., object]) -> Callable[..., object]:
     """``batch_isend_irecv`` (Megatron's 1F1B p2p): each ``P2POp`` names its op and global peer; each is
     timed from the batch's call to its work's completion (its future; on Gloo, which has none, the return
     of its ``wait``)."""
 
     @functools.wraps(orig)
-    def wrapper(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(p2p_op_list: Iterable[dist.P2POp], *args: object, **kwargs: object) -> object:
         if getattr(_batching, "inside", False):  # pipelining's batch calls batch_isend_irecv: counted once
             return orig(p2p_op_list, *args, **kwargs)
         mon = _current()
@@ -391,7 +409,7 @@ def _wrap_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _batch_launched(mon: Instrumented, calls: list[_Call], works: Any) -> None:
+def _batch_launched(mon: Instrumented, calls: list[_Call], works: Iterable[dist.Work] | None) -> None:
     """Pair each call with its work (one work for a coalesced batch: all its calls end with it)."""
     works = list(works or ())
     if not works:  # completed already
@@ -414,15 +432,15 @@ def _batch_launched(mon: Instrumented, calls: list[_Call], works: Any) -> None:
         future.add_done_callback(functools.partial(_works_done, mon.recorder, mine))
 
 
-def _works_done(recorder: Recorder, calls: list[_Call], _fut: Any = None) -> None:
+def _works_done(recorder: Recorder, calls: list[_Call], _fut: object = None) -> None:
     now = time.time_ns()
     for call in calls:
         recorder.guard("collective_done", _leave, recorder, call, now)
 
 
-def _wrap_work_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_work_wait(orig: Callable[..., object]) -> Callable[..., object]:
     @functools.wraps(orig)
-    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wait(self: object, *args: object, **kwargs: object) -> object:
         out = orig(self, *args, **kwargs)
         if _pending_works:
             pending = _pending_works.pop(id(self), None)
@@ -447,7 +465,7 @@ def install_p2p_patches() -> None:
             setattr(dist, fname, _wrap_p2p(fname, orig))
     batch = getattr(dist, "batch_isend_irecv", None)
     if batch is not None and not hasattr(batch, "__fleetscope_original__"):
-        dist.batch_isend_irecv = _wrap_batch(batch)
+        setattr(dist, "batch_isend_irecv", _wrap_batch(batch))  # noqa: B010 - typed apart from the original
     work = getattr(dist, "Work", None)
     if work is not None and not hasattr(work.wait, "__fleetscope_original__"):
         work.wait = _wrap_work_wait(work.wait)
@@ -465,7 +483,7 @@ _awaited: dict[int, _Call] = {}
 as often as the result itself, shares it), until its ``wait_tensor``."""
 
 
-def _functional_group(group: Any) -> Any:
+def _functional_group(group: RANK_TYPES) -> dist.ProcessGroup:
     """The process group of a functional collective's ``group`` (a group, its name, ranks or a mesh)."""
     from torch.distributed import _functional_collectives as funcol
 
@@ -475,12 +493,12 @@ def _functional_group(group: Any) -> Any:
     )
 
 
-def _enter_functional(mon: Instrumented, op: str, tensor: Any, gathers: bool, group: Any) -> _Call:
+def _enter_functional(mon: Instrumented, op: str, tensor: object, gathers: bool, group: RANK_TYPES) -> _Call:
     pg = _functional_group(group)
     return _enter(mon, op, _nbytes(tensor) * (int(pg.size()) if gathers else 1), pg)
 
 
-def _launched(mon: Instrumented, call: _Call, result: Any) -> None:
+def _launched(mon: Instrumented, call: _Call, result: object) -> None:
     """Record the collective now if it completed, else when its tensor is waited for (or forget it, with the
     flight recorder's entry, if the tensor dies unwaited)."""
     elem = getattr(result, "elem", None)
@@ -496,7 +514,7 @@ def _compiling() -> bool:
     return bool(torch.compiler.is_compiling())
 
 
-def _storage(tensor: Any) -> int:
+def _storage(tensor: object) -> int:
     """The address of a tensor's storage (0 for an empty one)."""
     return int(tensor.untyped_storage().data_ptr()) if isinstance(tensor, torch.Tensor) else 0
 
@@ -507,13 +525,13 @@ def _forget(key: int, recorder: Recorder) -> None:
         recorder.state.leave(call[0])
 
 
-def _wrap_functional(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_functional(fname: str, orig: Callable[..., object]) -> Callable[..., object]:
     op, gathers = FUNCTIONAL_COLLECTIVES[fname]
     params = list(inspect.signature(orig).parameters)
     gi = params.index("group")
 
     @functools.wraps(orig)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         if _compiling():  # torch.compile traces the original, as it knows it
             return orig(*args, **kwargs)
         mon = _current()
@@ -531,9 +549,9 @@ def _wrap_functional(fname: str, orig: Callable[..., Any]) -> Callable[..., Any]
     return wrapper
 
 
-def _wrap_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_wait(orig: Callable[..., object]) -> Callable[..., object]:
     @functools.wraps(orig)
-    def wait_tensor(tensor: Any) -> Any:
+    def wait_tensor(tensor: object) -> object:
         out = orig(tensor)
         if _compiling():
             return out
@@ -568,24 +586,30 @@ def _patch_ddp() -> None:
     if hasattr(orig_init, "__fleetscope_original__"):
         return
 
+    setattr(DDP, "__init__", _hooked_ddp_init(orig_init))  # noqa: B010 - a method, typed by its wrapper
+
+
+def _hooked_ddp_init(
+    orig_init: Callable[Concatenate[DistributedDataParallel, P], None],
+) -> Callable[Concatenate[DistributedDataParallel, P], None]:
     @functools.wraps(orig_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: DistributedDataParallel, *args: P.args, **kwargs: P.kwargs) -> None:
         orig_init(self, *args, **kwargs)
         if os.environ.get(_DISABLE_DDP_HOOK, "auto") not in ("0", "off", "false"):
-            self._fleetscope_pre = self.register_forward_pre_hook(_ddp_first_forward)
+            setattr(self, "_fleetscope_pre", self.register_forward_pre_hook(_ddp_first_forward))  # noqa: B010
 
     __init__.__fleetscope_original__ = orig_init  # type: ignore[attr-defined]
-    DDP.__init__ = __init__  # type: ignore[method-assign]
+    return __init__
 
 
-def _ddp_first_forward(module: Any, _inputs: Any) -> None:
+def _ddp_first_forward(module: DistributedDataParallel, _inputs: object) -> None:
     """At the first forward: time the gradient all-reduce, unless the user has a comm hook (then a
     ``dist.all_reduce`` in it is timed by the wrapper). NCCL (or ``=1``): the stock allreduce hook, timed;
     otherwise the whole synchronisation from the end of the backward pass (``_GradientSync``)."""
     handle = getattr(module, "_fleetscope_pre", None)
     if handle is not None:
         handle.remove()
-        module._fleetscope_pre = None
+        setattr(module, "_fleetscope_pre", None)  # noqa: B010 - nn.Module types its attributes as tensors
     if module._comm_hooks:
         return
     if os.environ.get(_DISABLE_DDP_HOOK, "auto") == "auto" and not _is_nccl(module.process_group):
@@ -597,7 +621,7 @@ def _ddp_first_forward(module: Any, _inputs: Any) -> None:
         logger.warning("fleetscope: DDP gradient buckets are not timed: %r", exc)
 
 
-def _ddp_forward(module: Any, _inputs: Any, output: Any) -> None:
+def _ddp_forward(module: DistributedDataParallel, _inputs: object, output: object) -> None:
     """After a DDP forward that will synchronise gradients: time that synchronisation in its backward."""
     mon = _current()
     if mon is not None and torch.is_grad_enabled():
@@ -619,12 +643,12 @@ class _GradientSync:
 
     __slots__ = ("call", "mon", "module")
 
-    def __init__(self, mon: Instrumented, module: Any) -> None:
+    def __init__(self, mon: Instrumented, module: DistributedDataParallel) -> None:
         self.mon, self.module = mon, module
         self.call: _Call | None = None
 
     @staticmethod
-    def arm(mon: Instrumented, module: Any, output: Any) -> None:
+    def arm(mon: Instrumented, module: DistributedDataParallel, output: object) -> None:
         if not module.require_backward_grad_sync:  # under ``no_sync()``: this backward reduces nothing
             return
         tensors = [t for t in _tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -636,7 +660,7 @@ class _GradientSync:
         else:
             torch.autograd.graph.register_multi_grad_hook(tensors, sync.backward_started, mode="any")
 
-    def backward_started(self, _grad: Any) -> None:
+    def backward_started(self, _grad: object) -> None:
         self.mon.recorder.guard("ddp", _queue_callback, self.arrived)
 
     def arrived(self) -> None:
@@ -646,7 +670,7 @@ class _GradientSync:
         nbytes = getattr(self.module, "_fleetscope_grad_bytes", None)
         if nbytes is None:
             nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
-            self.module._fleetscope_grad_bytes = nbytes
+            setattr(self.module, "_fleetscope_grad_bytes", nbytes)  # noqa: B010
         self.call = _enter(self.mon, "allreduce", nbytes, self.module.process_group)
         _queue_callback(self.synced)
 
@@ -659,7 +683,7 @@ def _queue_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def _tree_leaves(output: Any) -> list[Any]:
+def _tree_leaves(output: object) -> list[object]:
     if isinstance(output, torch.Tensor):
         return [output]
     from torch.utils._pytree import tree_leaves
@@ -667,7 +691,7 @@ def _tree_leaves(output: Any) -> list[Any]:
     return list(tree_leaves(output))
 
 
-def _is_nccl(process_group: Any) -> bool:
+def _is_nccl(process_group: dist.ProcessGroup | None) -> bool:
     try:
         import torch.distributed as dist
 
@@ -676,10 +700,12 @@ def _is_nccl(process_group: Any) -> bool:
         return False
 
 
-def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
+def timed_allreduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP's stock ``allreduce_hook`` (average = divide, then sum), timed in the completion callback it
     needs anyway: one Python callback per bucket, not two."""
-    group: Any = process_group if process_group is not None else dist.group.WORLD
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
     tensor = bucket.buffer()
     tensor.div_(group.size())
     mon = _current()
@@ -689,7 +715,7 @@ def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
     fut = _ALL_REDUCE(tensor, group=group, async_op=True).get_future()
     recorder = mon.recorder
 
-    def done(f: Any) -> Any:
+    def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         if call is not None:
             recorder.guard("collective_done", _leave, recorder, call, time.time_ns())
         return f.value()[0]
@@ -709,13 +735,13 @@ timed_allreduce_hook.__annotations__ = {
 def _patch_optimizer() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    def pre(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def pre(optimizer: object, _args: object, _kwargs: object) -> None:
         mon = _current()
         if mon is not None:
             mark = mon.recorder.guard("optimizer", mon.wait_mark)
             _opt_start[id(optimizer)] = (time.time_ns(), mark)
 
-    def post(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def post(optimizer: object, _args: object, _kwargs: object) -> None:
         mon = _current()
         if mon is None:
             return
@@ -735,7 +761,7 @@ def _patch_dataloader() -> None:
         return
 
     @functools.wraps(orig)
-    def __next__(self: Any) -> Any:
+    def __next__(self: _BaseDataLoaderIter) -> object:
         mon = _current()
         if mon is None:
             return orig(self)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fleetscope.schemas.layout import JobLayout, ProcessGroup, derive_layout, layout_from_sizes
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # kineto imports this module
 P2P_OPS = frozenset({"send", "recv"})
 
 
-def groups_from_pg_config(info: Mapping[str, Any]) -> list[ProcessGroup]:
+def groups_from_pg_config(info: Mapping[str, object]) -> list[ProcessGroup]:
     """``distributedInfo.pg_config`` entries with members: ``{pg_name, pg_desc, backend_config, ranks}``."""
     config = info.get("pg_config")
     out: list[ProcessGroup] = []

@@ -22,7 +22,6 @@ import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -35,11 +34,12 @@ from fleetscope.producers.tracegen_model import (
     TraceJob,
     simulate,
 )
+from fleetscope.schemas.fields import as_list
 
 __all__ = ["EXPERT_GEMM", "FAULTS", "TraceJob", "documents", "main", "simulate", "write_traces"]
 
 
-def documents(job: TraceJob) -> list[dict[str, Any]]:
+def documents(job: TraceJob) -> list[dict[str, object]]:
     """One Kineto JSON document per rank."""
     ranks, steps = simulate(job)
     rng = np.random.default_rng(job.seed + 1)
@@ -60,9 +60,9 @@ def _document(
     steps: list[tuple[float, float]],
     offset_us: float,
     groups: list[tuple[str, str, tuple[int, ...]]],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     pid, tid = 4000 + rank, 4000 + rank
-    events: list[dict[str, Any]] = [
+    events: list[dict[str, object]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "python3"}},
         {"ph": "M", "name": "process_name", "pid": rank % job.gpus_per_host, "tid": 0, "args": {"name": "python3"}},
         {
@@ -215,11 +215,11 @@ def write_traces(job: TraceJob, directory: str | Path, *, compress: bool = False
     return paths
 
 
-def _kineto_json(doc: dict[str, Any]) -> str:
+def _kineto_json(doc: dict[str, object]) -> str:
     """The text as Kineto writes it: ``"key": value`` spacing and one event per line (tools such as
     HolisticTraceAnalysis find the rank by a ``"rank": N`` pattern on the header's lines)."""
     head = {k: v for k, v in doc.items() if k != "traceEvents"}
-    events = ",\n  ".join(json.dumps(e) for e in doc["traceEvents"])
+    events = ",\n  ".join(json.dumps(e) for e in as_list(doc["traceEvents"]))
     return json.dumps(head, indent=1)[:-2] + ',\n "traceEvents": [\n  ' + events + "\n ]\n}\n"
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -175,7 +174,7 @@ class TraceJob:
 class RankActivity:
     """One rank's recorded activity: kernels and CPU annotations, in global microseconds."""
 
-    kernels: list[tuple[float, float, str, int, dict[str, Any]]] = field(default_factory=list)
+    kernels: list[tuple[float, float, str, int, dict[str, object]]] = field(default_factory=list)
     spans: list[tuple[float, float, str]] = field(default_factory=list)
     seq: dict[str, int] = field(default_factory=dict)
 
@@ -236,7 +235,7 @@ class _Model:
         rk.seq[name] = rk.seq.get(name, 0) + 1
         n = len(members)
         out_n = nelems * n if op == "allgather" else nelems // n if op == "reduce_scatter" else nelems
-        args: dict[str, Any] = {
+        args: dict[str, object] = {
             "Collective name": "_allgather_base" if op == "allgather" else op,
             "In msg nelems": nelems,
             "Out msg nelems": out_n,

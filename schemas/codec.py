@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,7 +54,7 @@ def use_resolver(resolver: SchemaResolver | None) -> SchemaResolver | None:
 
 def encode(
     subject: str,
-    record: dict[str, Any],
+    record: Mapping[str, object],
     catalog: SchemaCatalog = CATALOG,
     *,
     resolver: SchemaResolver | None = None,

@@ -16,7 +16,7 @@ import functools
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 # Coordinate roles. ``dp`` folds in context parallelism and FSDP/ZeRO sharding: all of them run the
 # same work on different data; ``shard`` keeps the sharding group apart for the layouts table.
@@ -77,6 +77,17 @@ class ProcessGroup:
     ops: frozenset[str] = frozenset()
 
 
+class Coordinates(TypedDict, total=False):
+    """A rank's place in the job's parallelism, as ``BatchHeader`` carries it."""
+
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+
 @dataclass(frozen=True)
 class RankRole:
     """One rank's coordinates. ``-1``/``1``: the dimension is unknown or absent."""
@@ -93,7 +104,7 @@ class RankRole:
     ep_size: int = 1
     shard_size: int = 1
 
-    def header_fields(self) -> dict[str, Any]:
+    def header_fields(self) -> Coordinates:
         """The ``BatchHeader`` coordinate fields (``tp_rank``... ``dp_size``)."""
         return {
             "tp_rank": self.tp_rank,

@@ -10,10 +10,9 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Mapping
-from typing import Any
 
 
-def load_export(package: str, exports: Mapping[str, str], name: str) -> Any:
+def load_export(package: str, exports: Mapping[str, str], name: str) -> object:
     """``package``'s public ``name``, imported from its submodule ``exports[name]`` and kept on the package
     (the next lookup is a plain attribute); AttributeError for a name the table does not hold."""
     module = exports.get(name)

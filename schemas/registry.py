@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fastavro import parse_schema
 from fastavro.schema import to_parsing_canonical_form
@@ -26,7 +26,18 @@ from fastavro.schema import to_parsing_canonical_form
 from fleetscope.schemas.catalog import CATALOG, SchemaCatalog, SchemaEntry
 from fleetscope.schemas.codec import SchemaError
 
+if TYPE_CHECKING:  # the registry extras are optional: imported where a registry is configured
+    from confluent_kafka.schema_registry import Schema
+
 logger = logging.getLogger(__name__)
+
+
+class RegistryClient(Protocol):
+    """The two calls of confluent-kafka's ``SchemaRegistryClient`` used here (tests pass their own)."""
+
+    def register_schema(self, subject_name: str, schema: Schema, /) -> int: ...
+
+    def get_schema(self, schema_id: int, /) -> Schema: ...
 
 
 class SchemaResolver(Protocol):
@@ -88,9 +99,9 @@ class RegistryConfig:
         if errors:
             raise ValueError("invalid RegistryConfig: " + "; ".join(errors))
 
-    def client_settings(self) -> dict[str, Any]:
+    def client_settings(self) -> dict[str, object]:
         """``SchemaRegistryClient`` settings (contain the password: never log them)."""
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "url": self.url,
             "timeout": self.timeout_s,
             "max.retries": self.max_retries,
@@ -107,7 +118,7 @@ def schema_text(entry: SchemaEntry) -> str:
     ``__fastavro_parsed``/``__named_schemas`` keys (``SchemaEntry.json`` keeps them), docs and defaults
     kept (the registry's compatibility checks need the defaults)."""
 
-    def clean(node: Any) -> Any:
+    def clean(node: object) -> object:
         if isinstance(node, dict):
             return {k: clean(v) for k, v in node.items() if not k.startswith("__")}
         if isinstance(node, list):
@@ -117,7 +128,7 @@ def schema_text(entry: SchemaEntry) -> str:
     return json.dumps(clean(json.loads(entry.json)), separators=(",", ":"))
 
 
-def _registry_client(config: RegistryConfig) -> Any:
+def _registry_client(config: RegistryConfig) -> RegistryClient:
     try:
         from confluent_kafka.schema_registry import SchemaRegistryClient
     except ImportError as exc:  # the extras (httpx2, authlib, cachetools, attrs) are missing
@@ -140,7 +151,9 @@ def _wrap(exc: Exception, what: str, *, missing_is_bad_message: bool = False) ->
 class RegistryResolver:
     """Registers and looks up schemas in a Confluent-compatible registry; thread-safe, cached."""
 
-    def __init__(self, config: RegistryConfig, catalog: SchemaCatalog = CATALOG, client: Any = None) -> None:
+    def __init__(
+        self, config: RegistryConfig, catalog: SchemaCatalog = CATALOG, client: RegistryClient | None = None
+    ) -> None:
         self.config = config
         self._catalog = catalog
         self._client = client if client is not None else _registry_client(config)
@@ -188,7 +201,7 @@ class RegistryResolver:
         if (schema.schema_type or "AVRO") != "AVRO":
             raise SchemaError(f"schema id {schema_id} is {schema.schema_type}, not Avro")
         try:
-            parsed = parse_schema(json.loads(schema.schema_str))
+            parsed = parse_schema(json.loads(schema.schema_str or ""))
         except Exception as exc:  # fastavro raises several types on an invalid schema
             raise SchemaError(f"schema id {schema_id} is not a valid Avro schema: {exc}") from exc
         name = parsed.get("name") if isinstance(parsed, dict) else None

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+
+from fleetscope.schemas.fields import as_list
 
 
 def duration(ns: float | None) -> str:
@@ -66,7 +67,7 @@ def gap(value: float | None, peer_median: float | None) -> str:
     return f"{value / peer_median - 1:+.0%}"
 
 
-def subject(finding: Mapping[str, Any]) -> str:
+def subject(finding: Mapping[str, object]) -> str:
     """What a finding is about: "rank 7", "host node001", "stage 2", "job demo" or "ranks 3,4"."""
     kind, _, name = str(finding.get("subject") or "").partition(":")
     if kind in ("rank", "host", "stage") and name:
@@ -76,14 +77,14 @@ def subject(finding: Mapping[str, Any]) -> str:
     rank = finding.get("rank")
     if isinstance(rank, int) and rank >= 0:
         return f"rank {rank}"
-    ranks = list(finding.get("ranks") or [])
+    ranks = as_list(finding.get("ranks"))
     if ranks:
         return "ranks " + ",".join(str(r) for r in ranks[:8]) + ("..." if len(ranks) > 8 else "")
     host = finding.get("host")
     return f"host {host}" if host else f"job {finding.get('job', '')}".strip()
 
 
-def gpu(finding: Mapping[str, Any]) -> str:
+def gpu(finding: Mapping[str, object]) -> str:
     """The GPU a finding is on, when its producer knew: "GPU 3 (GPU-1a2b..., 0000:3b:00.0)", else ""."""
     local = finding.get("local_rank")
     uuid, bus = str(finding.get("gpu_uuid") or ""), str(finding.get("pci_bus_id") or "")

@@ -26,12 +26,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from fleetscope.schemas import SchemaError, Topics, decode, units
 from fleetscope.schemas.categories import next_checks, sql_command
+from fleetscope.schemas.fields import as_float, as_float_or_none, as_int, as_list
 from fleetscope.schemas.signing import signature_reason
 from fleetscope.sinks.retry import RetryPolicy, with_retries
 
@@ -42,17 +42,17 @@ EVENTS = {"open": "new", "update": "updated", "closed": "closed"}
 _METADATA_TIMEOUT_S = 5.0
 
 
-def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
+def alert_payload(record: Mapping[str, object]) -> dict[str, object]:
     """The findings JSON of one state change (evidence parsed), plus event, status, version and time, and
     what its category means and what to check next (``meaning``, ``next_checks``: ``schemas.categories``), so
     that whoever is paged reads what to do without the README."""
-    evidence: Any = record.get("evidence") or "{}"
+    evidence: object = record.get("evidence") or "{}"
     if isinstance(evidence, str):
         try:
             evidence = json.loads(evidence)
         except ValueError:
             evidence = {"raw": evidence}
-    emitted_ns = int(record.get("emitted_ns", 0))
+    emitted_ns = as_int(record.get("emitted_ns", 0))
     return {
         "event": EVENTS.get(str(record.get("status")), str(record.get("status"))),
         "finding_id": record.get("finding_id"),
@@ -60,7 +60,7 @@ def alert_payload(record: Mapping[str, Any]) -> dict[str, Any]:
         "version": record.get("version"),
         "job": record.get("job"),
         "rank": record.get("rank"),
-        "ranks": list(record.get("ranks") or []),
+        "ranks": as_list(record.get("ranks")),
         "subject": record.get("subject") or "",
         "host": record.get("host"),
         "local_rank": record.get("local_rank", -1),
@@ -93,13 +93,13 @@ class AlertFilter:
     def __init__(self, loss_change: float = 0.5, max_findings: int = 100_000) -> None:
         self.loss_change = loss_change
         self.max_findings = max_findings
-        self._sent: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
+        self._sent: OrderedDict[str, Mapping[str, object]] = OrderedDict()
         self.suppressed = 0
 
-    def __call__(self, record: Mapping[str, Any]) -> bool:
+    def __call__(self, record: Mapping[str, object]) -> bool:
         fid, status = str(record.get("finding_id")), record.get("status")
         last = self._sent.get(fid)
-        if last is not None and int(record.get("version") or 0) <= int(last.get("version") or 0):
+        if last is not None and as_int(record.get("version") or 0) <= as_int(last.get("version") or 0):
             self.suppressed += 1  # read again (a replay, another partition's copy)
             return False
         if status == "update" and last is not None and not self._significant(last, record):
@@ -111,30 +111,31 @@ class AlertFilter:
             self._sent.popitem(last=False)
         return True
 
-    def _significant(self, last: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+    def _significant(self, last: Mapping[str, object], now: Mapping[str, object]) -> bool:
         if any(last.get(k) != now.get(k) for k in self.SIGNIFICANT):
             return True
-        before, after = float(last.get("est_loss_ns") or 0), float(now.get("est_loss_ns") or 0)
+        before, after = as_float(last.get("est_loss_ns") or 0), as_float(now.get("est_loss_ns") or 0)
         return abs(after - before) > self.loss_change * max(before, 1.0)
 
 
-def format_alert(alert: Mapping[str, Any]) -> str:
+def format_alert(alert: Mapping[str, object]) -> str:
     """One human line: when, what happened, where, and the evidence in units (ms, µs, GB/s)."""
     metric = str(alert.get("metric") or "")
-    value, median = alert.get("value"), alert.get("peer_median")
+    value, median = as_float_or_none(alert.get("value")), as_float_or_none(alert.get("peer_median"))
     peers = f" vs peers {units.metric_value(metric, median)}" if median else ""
     gap = units.gap(value, median)
     device = units.gpu(alert)
     return (
-        f"{alert['emitted_at']}  {alert['event'].upper():<7}  {alert['job']}  {units.subject(alert)} "
+        f"{alert['emitted_at']}  {str(alert['event']).upper():<7}  {alert['job']}  {units.subject(alert)} "
         f"({alert['host'] or '-'}{', ' + device if device else ''})  {alert['category']}  {alert['function']}  "
         f"{units.metric_name(metric)} {units.metric_value(metric, value)}{peers}{f' ({gap})' if gap else ''}  "
         f"score {alert.get('score') or 0.0:.1f}  iterations {alert['iteration_first']}-{alert['iteration_last']}  "
-        f"loss {units.duration(alert.get('est_loss_ns') or 0)}/iter  [{alert['finding_id']} v{alert['version']}]"
+        f"loss {units.duration(as_float(alert.get('est_loss_ns') or 0))}/iter  "
+        f"[{alert['finding_id']} v{alert['version']}]"
     )
 
 
-def format_next_checks(alert: Mapping[str, Any]) -> list[str]:
+def format_next_checks(alert: Mapping[str, object]) -> list[str]:
     """The lines under a new finding's: what it means, its likely causes, the NVML fields to look at and the
     command that shows it in the store; none for a category this version does not know."""
     checks = alert.get("next_checks")
@@ -181,7 +182,7 @@ class WebhookSender:
 
     def __init__(self, config: WebhookConfig) -> None:
         self.config = config
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(config.queue_max)
+        self._queue: queue.Queue[dict[str, object] | None] = queue.Queue(config.queue_max)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stats = {"sent": 0, "failed": 0, "dropped": 0, "retries": 0}
@@ -196,7 +197,7 @@ class WebhookSender:
             self._thread = threading.Thread(target=self._run, name="fleetscope-webhook", daemon=True)
             self._thread.start()
 
-    def submit(self, alert: dict[str, Any]) -> bool:
+    def submit(self, alert: dict[str, object]) -> bool:
         """Queue one alert; False (and counted) when the queue is full."""
         try:
             self._queue.put_nowait(alert)
@@ -228,7 +229,7 @@ class WebhookSender:
         while (alert := self._queue.get()) is not None:
             self.post(alert)
 
-    def post(self, alert: Mapping[str, Any]) -> bool:
+    def post(self, alert: Mapping[str, object]) -> bool:
         """Deliver one alert now (with retries); True when the endpoint answered 2xx."""
         body = json.dumps(alert, default=str).encode()
         headers = {
@@ -315,7 +316,7 @@ class AlertFollower:
     def __init__(
         self,
         config: AlertsConfig,
-        on_alert: Callable[[dict[str, Any]], None],
+        on_alert: Callable[[dict[str, object]], None],
         on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
@@ -342,7 +343,7 @@ class AlertFollower:
         finally:
             consumer.close()
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, object]:
         c = self.config
         return {
             **c.extra,

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
@@ -46,7 +45,7 @@ _DEADLETTER_FLUSH_S = 10.0
 class _Buffer:
     """Decoded records of one subject with the messages they came from (to isolate a bad one)."""
 
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[dict[str, object]] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
     rows: int = 0
 
@@ -61,7 +60,7 @@ class Sink:
         self._config = config
         self._writer = writer
         self._topics = Topics(prefix=config.topic_prefix)
-        self._write: dict[str, Callable[[Sequence[dict[str, Any]]], int]] = {
+        self._write: dict[str, Callable[[Sequence[dict[str, object]]], int]] = {
             "iterations": writer.write_iterations,
             "patterns": writer.write_patterns,
             "findings": writer.write_findings,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from confluent_kafka import KafkaError, Message, Producer
 
@@ -64,7 +63,7 @@ class SinkConfig:
             raise ValueError("invalid SinkConfig: " + "; ".join(errors))
 
 
-def _common(config: SinkConfig, on_error: Callable[[KafkaError], None]) -> dict[str, Any]:
+def _common(config: SinkConfig, on_error: Callable[[KafkaError], None]) -> dict[str, object]:
     return {
         "reconnect.backoff.ms": 500,  # librdkafka's own reconnects: a refused login is not retried at 50 ms
         "reconnect.backoff.max.ms": 30_000,
@@ -77,7 +76,7 @@ def _common(config: SinkConfig, on_error: Callable[[KafkaError], None]) -> dict[
 
 def consumer_settings(
     config: SinkConfig, *, on_error: Callable[[KafkaError], None], on_statistics: Callable[[str], None]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The consumer's: manual commits (after a flush), from the earliest offset, statistics every 5 s."""
     return {
         **_common(config, on_error),
@@ -92,7 +91,7 @@ def consumer_settings(
     }
 
 
-def deadletter_settings(config: SinkConfig, *, on_error: Callable[[KafkaError], None]) -> dict[str, Any]:
+def deadletter_settings(config: SinkConfig, *, on_error: Callable[[KafkaError], None]) -> dict[str, object]:
     return {**_common(config, on_error), "client.id": "fleetscope-sink-deadletter", "linger.ms": 5,
             "message.timeout.ms": 30_000}  # fmt: skip
 

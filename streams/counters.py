@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 
 @dataclass
@@ -38,7 +38,11 @@ class StageCounters:
         self.per_reason[short] = self.per_reason.get(short, 0) + 1
 
 
-def consumer_lag(end_offsets: Mapping[Any, int] | None, committed_offsets: Mapping[Any, int | None] | None) -> int:
+P = TypeVar("P")
+"""A partition, however the client names it."""
+
+
+def consumer_lag(end_offsets: Mapping[P, int] | None, committed_offsets: Mapping[P, int | None] | None) -> int:
     """Sum over partitions of end offset minus committed offset; -1 when no partition has both yet."""
     committed = dict(committed_offsets or {})
     ends = dict(end_offsets or {})

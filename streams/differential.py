@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faust
+from faust.types import Message
 
 from fleetscope.schemas import SchemaError, decode, encode
 from fleetscope.schemas.catalog import SchemaEntry
@@ -111,7 +112,7 @@ class DifferentialStage:
         now_ns: int | None,
         replayed: Callable[[str, int], bool] | None = None,
         offset: int = -1,
-        source: Any = None,
+        source: Message | None = None,
     ) -> Taken:
         """Decode one message and apply it (``apply``); ``offset`` is the message's, for ``replayed``;
         ``source``: what names the message to the caller, should the pool refuse it later (``rejected``)."""
@@ -431,7 +432,7 @@ class DifferentialAgent:
 
     async def emit(self, records: list[dict[str, Any]]) -> None:
         """Send finding records and wait for their delivery (a job's state record must not overtake them)."""
-        sent: list[Awaitable[Any]] = []
+        sent: list[Awaitable[object]] = []
         for rec in records:
             log.info(
                 "finding %s %s v%d, iterations %d-%d",

@@ -10,9 +10,9 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from fleetscope.schemas import EventBatch, IntakeLimits
+from fleetscope.schemas.fields import as_float
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.analysis.signals import OutlierScorer
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig
@@ -25,19 +25,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class OfflineResult:
-    iterations: list[dict[str, Any]] = field(default_factory=list)
-    finding_updates: list[dict[str, Any]] = field(default_factory=list)
+    iterations: list[dict[str, object]] = field(default_factory=list)
+    finding_updates: list[dict[str, object]] = field(default_factory=list)
     late_events: int = 0
     dead_letters: list[str] = field(default_factory=list)
     """Why each refused batch or record was refused, as the worker's dead-letter topic would say."""
 
     @property
-    def findings(self) -> list[dict[str, Any]]:
+    def findings(self) -> list[dict[str, object]]:
         """Latest state of each finding, by estimated loss (largest first)."""
-        latest: dict[str, dict[str, Any]] = {}
+        latest: dict[str, dict[str, object]] = {}
         for rec in self.finding_updates:
-            latest[rec["finding_id"]] = rec
-        return sorted(latest.values(), key=lambda f: -f["est_loss_ns"])
+            latest[str(rec["finding_id"])] = rec
+        return sorted(latest.values(), key=lambda f: -as_float(f["est_loss_ns"]))
 
 
 class OfflinePipeline:
@@ -68,7 +68,7 @@ class OfflinePipeline:
         self.differential = DifferentialStage(judged, scorer, pool)
         self.differential_config = self.differential.config
         self.keep_patterns = keep_patterns
-        self.patterns: list[dict[str, Any]] = []
+        self.patterns: list[dict[str, object]] = []
         self.result = OfflineResult()
 
     def add(self, batch: EventBatch, now_ns: int = 0) -> None:
@@ -104,7 +104,7 @@ class OfflinePipeline:
             self.differential.pool.close()
         return self.result
 
-    def _apply(self, subject: str, record: dict[str, Any]) -> None:
+    def _apply(self, subject: str, record: dict[str, object]) -> None:
         taken = self.differential.apply(subject, record, None)
         if taken.reason is not None:
             self._refused(taken.reason, f"a {subject} record of {record['job']}")
@@ -122,7 +122,7 @@ class OfflinePipeline:
 
     def _take_stalls(self, w: RankWindower) -> None:
         for rec in stall_records([w]):
-            self._apply("stall", rec)
+            self._apply("stall", dict(rec))
 
     def _take(self, closed: list[ClosedIteration]) -> None:
         for c in summarized(closed)[0]:  # a failed one is logged where it failed

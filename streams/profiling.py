@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from fleetscope.schemas.vocabulary import CATEGORIES
 
@@ -39,7 +38,7 @@ class ProfileRequestConfig:
             raise ValueError("; ".join(errors))
 
 
-def profile_request(finding: dict[str, Any], seconds: float, start_in_s: float = 5.0) -> dict[str, Any]:
+def profile_request(finding: dict[str, object], seconds: float, start_in_s: float = 5.0) -> dict[str, object]:
     """A control record asking the job's ranks for a synchronised profile (see control.v1.avsc)."""
     now = time.time_ns()
     # Named after the finding's state change, so a request re-emitted after a restart is recognised.
@@ -64,7 +63,7 @@ class ProfilePolicy:
         self._last_ns: dict[str, int] = {}
         self.suppressed = 0
 
-    def request(self, finding: dict[str, Any], now_ns: int) -> dict[str, Any] | None:
+    def request(self, finding: dict[str, object], now_ns: int) -> dict[str, object] | None:
         """The control record to send for ``finding`` (a finding record), or None."""
         cfg = self.config
         if not cfg.auto or finding["status"] != "open" or finding["category"] not in cfg.categories:

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Protocol
+from typing import Protocol
 
 from fleetscope.lifetime import die_with_parent
 from fleetscope.schemas import SchemaError, decode
@@ -51,7 +51,7 @@ class IterationScoring(Protocol):
     """How many processes score besides the worker (0: the worker itself)."""
 
     def submit(
-        self, job: str, payloads: list[bytes | dict[str, Any]], writers: dict[int, SchemaEntry]
+        self, job: str, payloads: list[bytes | dict[str, object]], writers: dict[int, SchemaEntry]
     ) -> Future[PoolScore]: ...
 
     def close(self) -> None: ...
@@ -77,7 +77,7 @@ class InlineScoring:
         self.submitted = 0
 
     def submit(
-        self, job: str, payloads: list[bytes | dict[str, Any]], writers: dict[int, SchemaEntry]
+        self, job: str, payloads: list[bytes | dict[str, object]], writers: dict[int, SchemaEntry]
     ) -> Future[PoolScore]:
         """Score one iteration now; its future is done."""
         self.submitted += 1
@@ -115,13 +115,13 @@ class ScoringPool:
         log.info("the differential scores its iterations in %d processes", processes)
 
     def submit(
-        self, job: str, payloads: list[bytes | dict[str, Any]], writers: dict[int, SchemaEntry]
+        self, job: str, payloads: list[bytes | dict[str, object]], writers: dict[int, SchemaEntry]
     ) -> Future[PoolScore]:
         """Score one iteration of ``job``: its messages (or records decoded already), and the writer schemas
         of the messages by id (resolved here, where the schema registry client is). The messages go in one
         shared memory block, one copy: through the pool's pipe they cost the worker more than placing them."""
         self.submitted += 1
-        spans: list[tuple[int, int] | dict[str, Any]] = []
+        spans: list[tuple[int, int] | dict[str, object]] = []
         at = 0
         for payload in payloads:
             if isinstance(payload, dict):
@@ -225,7 +225,7 @@ def _release(block: SharedMemory) -> None:
 
 
 def score_shared(
-    job: str, name: str, spans: list[tuple[int, int] | dict[str, Any]], writers: dict[int, SchemaEntry]
+    job: str, name: str, spans: list[tuple[int, int] | dict[str, object]], writers: dict[int, SchemaEntry]
 ) -> PoolScore:
     """``score_payloads`` of messages in a shared memory block (``ScoringPool.submit``), in a scoring process."""
     block = SharedMemory(name=name)
@@ -240,7 +240,7 @@ def score_shared(
 
 def score_payloads(
     job: str,
-    payloads: list[bytes | dict[str, Any]],
+    payloads: list[bytes | dict[str, object]],
     writers: dict[int, SchemaEntry],
     config: DifferentialConfig | None = None,
     scorer: OutlierScorer | None = None,
@@ -251,7 +251,7 @@ def score_payloads(
     reported on its last message. ``config``: None, the process's (``_configure``); ``cache``: None, the
     process's cache of each job's."""
     resolver = _Writers(writers)
-    records: list[dict[str, Any]] = []
+    records: list[dict[str, object]] = []
     rejected: list[tuple[int, str]] = []
     for i, payload in enumerate(payloads):
         if isinstance(payload, dict):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Collection, Iterable, Sequence
-from typing import Any
 
 import faust
 from faust.types import Message
 
 from fleetscope.schemas import EventBatch, IntakeLimits, Topics, encode
 from fleetscope.schemas.topics import job_key, rank_key
+from fleetscope.streams.analysis.stalls import StallRecord
 from fleetscope.streams.analysis.windowing import ClosedIteration, RankWindower, WindowerConfig, summarize_closed
 from fleetscope.streams.counters import StageCounters
 from fleetscope.streams.deadletter import DeadLetters
@@ -69,7 +69,7 @@ class WindowerStage:
         return sum(w.counters.incomplete for w in self.windowers.values())
 
 
-def stall_records(windowers: Iterable[RankWindower]) -> list[dict[str, Any]]:
+def stall_records(windowers: Iterable[RankWindower]) -> list[StallRecord]:
     """The stall/resume reports the windowers produced since they were last asked."""
     return [rec for w in windowers for rec in w.take_stalls()]
 
@@ -161,7 +161,7 @@ class WindowerAgent:
         self.counters.replayed_skipped += len(closed) - len(fresh)
         _, lost = summarized(fresh)  # a failed one is recorded as emitted all the same: its messages can be acked
         self.counters.lost_iterations += lost
-        sent: list[Awaitable[Any]] = []
+        sent: list[Awaitable[object]] = []
         send = self.app.producer.send  # straight to the Kafka producer: Faust's channel layer costs more than encoding
         for c in fresh:
             if c.error is not None:

@@ -6,7 +6,6 @@ status. A new family is a module here and a line in ``FAMILIES``.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from fleetscope import traces_cli
 from fleetscope.commands import alerts, deployment, diff, inspector, live, pipeline, queries
@@ -15,6 +14,6 @@ FAMILIES = (pipeline, queries, traces_cli, diff, inspector, live, deployment, al
 """In the order ``fleetscope --help`` lists them."""
 
 
-def register_all(sub: Any, common: argparse.ArgumentParser) -> None:
+def register_all(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     for family in FAMILIES:
         family.register(sub, common)

@@ -14,7 +14,7 @@ from fleetscope.config import Config, ConfigError
 logger = logging.getLogger(__name__)
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """Add ``alerts``."""
     p = sub.add_parser(
         "alerts",
@@ -62,7 +62,7 @@ def cmd_alerts(args: argparse.Namespace, config: Config) -> int:
         )
         webhook.start()
 
-    def on_alert(alert: dict[str, Any]) -> None:
+    def on_alert(alert: dict[str, object]) -> None:
         if args.json:
             print(json.dumps(alert, default=str), flush=True)
         else:

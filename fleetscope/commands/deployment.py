@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fleetscope.config import Config, ConfigError
+
+if TYPE_CHECKING:  # the registry client is imported only where a registry is configured
+    from fleetscope.schemas.registry import RegistryResolver
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +23,7 @@ METRICS_COMMANDS = frozenset({"worker", "sink", "agent"})
 """Long-running processes that serve /metrics when ``metrics_port`` is set."""
 
 
-def _registry(config: Config) -> Any:
+def _registry(config: Config) -> RegistryResolver:
     from fleetscope.schemas.registry import registry_resolver
 
     k = config.kafka
@@ -45,7 +48,7 @@ def configure_process(config: Config, command: str) -> None:
         telemetry.serve(config.metrics_port, host=config.metrics_host)
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """Add ``init``."""
     p = sub.add_parser(
         "init",

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.streams.analysis.rundiff import DiffConfig, RunDiff, RunSteps, diff_runs
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """Add ``diff``."""
     p = sub.add_parser(
         "diff",

@@ -18,7 +18,6 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.producers.nccl_inspector import (
@@ -70,7 +69,7 @@ class InspectorTailer:
 
     paths: Sequence[Path]
     job: str | None
-    publish: Callable[[Any], bool]
+    publish: Callable[[object], bool]
     dead_letter: DeadLetter
     stats: TailStats = field(default_factory=TailStats)
     behind: bool = False
@@ -172,7 +171,7 @@ def _first_line_is_inspector(path: Path) -> bool:
         return False
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "inspector",
         parents=[common],
@@ -194,9 +193,9 @@ def cmd_inspector(args: argparse.Namespace, config: Config) -> int:
     from confluent_kafka import Producer
 
     from fleetscope.broker import ensure_topics
-    from fleetscope.demo import publisher_config
     from fleetscope.producers import Publisher
     from fleetscope.schemas import Topics
+    from fleetscope.wiring import bulk_publisher_config
 
     k = config.kafka
     if not k.bootstrap_servers:
@@ -221,7 +220,7 @@ def cmd_inspector(args: argparse.Namespace, config: Config) -> int:
             tailer.stats.dropped += 1
         letters.poll(0)
 
-    with Publisher(publisher_config(config)) as publisher:
+    with Publisher(bulk_publisher_config(config)) as publisher:
         tailer = InspectorTailer([Path(p) for p in args.paths], args.job, publisher.publish, dead_letter)
         tailer.poll(final=args.once)
         while tailer.behind or not (args.once or stop.wait(args.interval_ms / 1000)):

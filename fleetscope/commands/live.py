@@ -14,14 +14,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from fleetscope.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "run",
         parents=[common],
@@ -155,9 +154,10 @@ def _silent_job(config: Config, job: str) -> str:
 def cmd_agent(args: argparse.Namespace, config: Config) -> int:
     import socket
 
-    from fleetscope.producers import Publisher, PublisherConfig
-    from fleetscope.producers.control import ControlListener, ControlListenerConfig
+    from fleetscope.producers import Publisher
+    from fleetscope.producers.control import ControlListener
     from fleetscope.producers.nvml import NvmlSampler, NvmlSamplerConfig, PynvmlApi, node_targets
+    from fleetscope.wiring import control_listener_config, publisher_config
 
     _require_broker(config, "agent")
     if not args.job:
@@ -178,12 +178,10 @@ def cmd_agent(args: argparse.Namespace, config: Config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     k = config.kafka
-    publisher_config = PublisherConfig.from_config(config, client_id="fleetscope-agent")
-    with Publisher(publisher_config) as publisher:
+    agent_publisher = publisher_config(config, client_id="fleetscope-agent")
+    with Publisher(agent_publisher) as publisher:
         sampler = NvmlSampler(sampler_config, api=api, sink=publisher.publish, targets=targets)
-        listener = ControlListener(
-            ControlListenerConfig.from_config(config), args.job, lambda req: sampler.boost(req.end_at_ns)
-        )
+        listener = ControlListener(control_listener_config(config), args.job, lambda req: sampler.boost(req.end_at_ns))
         sampler.start()
         listener.start()
         print(f"fleetscope agent: {gpus} GPU(s) of job {args.job} -> {k.bootstrap_servers}; Ctrl-C stops")

@@ -7,14 +7,13 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from fleetscope.commands.options import sim_options, simulator_config, stop_on_signals, wait_for_interrupt
 from fleetscope.config import Config, ConfigError
 from fleetscope.tables import print_findings
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """Add ``demo``, ``up``, ``worker``, ``sink`` and ``simulate``."""
     p = sub.add_parser(
         "demo",

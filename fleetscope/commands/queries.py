@@ -6,15 +6,15 @@ import argparse
 import json
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from fleetscope.config import Config, ConfigError
 from fleetscope.schemas import units
 from fleetscope.schemas.categories import info, next_checks, sql_command
+from fleetscope.schemas.fields import as_float_or_none
 from fleetscope.tables import findings_json, format_cell, print_findings, print_table
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """Add ``sql``, ``findings`` and ``report``."""
     p = sub.add_parser(
         "sql",
@@ -89,10 +89,10 @@ def cmd_findings(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def next_checks_lines(findings: Sequence[Mapping[str, Any]]) -> list[str]:
+def next_checks_lines(findings: Sequence[Mapping[str, object]]) -> list[str]:
     """Below the table, per category found: what it means, its likely causes and NVML fields (once), and
     for each of its findings the command that shows it in the store."""
-    by_category: dict[str, list[Mapping[str, Any]]] = {}
+    by_category: dict[str, list[Mapping[str, object]]] = {}
     for f in findings:
         if info(str(f.get("category"))) is not None:
             by_category.setdefault(str(f["category"]), []).append(f)
@@ -149,7 +149,7 @@ def cmd_report(args: argparse.Namespace, config: Config) -> int:
         if lead is None:
             head = f"no findings; largest deviation: rank {rank} {function} {gap:+.0%}"
         else:
-            loss = units.duration(lead["est_loss_ns"])
+            loss = units.duration(as_float_or_none(lead["est_loss_ns"]))
             head = f"headline: {units.subject(lead)} {lead['category']}, {loss} per iteration"
         print(
             f"wrote {args.output} in {seconds:.2f} s: job {args.job}, {len(data.ranks)} ranks, "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from confluent_kafka import KafkaError
 
@@ -106,29 +105,7 @@ class PublisherConfig:
         if p:
             raise ValueError("invalid publisher config: " + "; ".join(p))
 
-    @classmethod
-    def from_config(cls, config: Any, *, client_id: str = "fleetscope-producer", **overrides: Any) -> PublisherConfig:
-        """From the program's ``Config`` (its ``kafka`` and ``producer`` sections); the spool directory, when
-        on disk, is ``<spool_dir or data_dir/spool>/<client_id>``: one per producing process."""
-        k, prod = config.kafka, config.producer
-        spool_dir = ""
-        if prod.spool_on_disk:
-            spool_dir = f"{(prod.spool_dir or f'{config.data_dir}/spool').rstrip('/')}/{client_id}"
-        values: dict[str, Any] = {
-            "bootstrap_servers": k.bootstrap_servers,
-            "topic_prefix": k.topic_prefix,
-            "compression": k.compression,
-            "client_id": client_id,
-            "delivery_timeout_ms": prod.delivery_timeout_ms,
-            "spool_dir": spool_dir,
-            "spool_max_bytes": prod.spool_max_bytes,
-            "retry_backoff_max_ms": prod.retry_backoff_max_ms,
-            "max_message_bytes": config.limits.max_message_bytes,
-            "extra": k.client_settings(),
-        }
-        return cls(**(values | overrides))
-
-    def librdkafka(self) -> dict[str, Any]:
+    def librdkafka(self) -> dict[str, object]:
         """The librdkafka settings, callbacks excluded."""
         return {
             "reconnect.backoff.max.ms": 1000,  # a default: reconnect soon after a broker restart

@@ -35,6 +35,7 @@ from fleetscope.streams.analysis.links import RING_PACE_METRIC
 from fleetscope.streams.analysis.replay import CallGraph
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.whatif import Cause, compared_rings
+from fleetscope.streams.settings import AttributionConfig
 
 WORK, TRANSFER = Credit.WORK.value, Credit.TRANSFER.value
 CAUSE_KINDS: Mapping[str, tuple[str, ...]] = {
@@ -49,20 +50,6 @@ CREDITED_BY: Mapping[str, str] = {
 }
 """What credits each category's signal (``CategoryInfo.credited_by``); a category not listed is not priced by
 the replay (job-level)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttributionConfig:
-    window: int = 8
-    """Iterations a rank's credit is averaged over (a cause may show every few iterations only)."""
-    min_share: float = 0.1
-    """Share of the budget (``ScoringConfig.min_loss_fraction`` of the iteration) a credit must reach."""
-
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"attribution window must be at least 1, got {self.window}")
-        if not 0 <= self.min_share <= 1:
-            raise ValueError(f"attribution min_share must be in [0, 1], got {self.min_share}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,10 +24,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from fleetscope.schemas.fields import as_int
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -54,7 +55,7 @@ class Matched:
     unmatched_p2p: int
 
 
-def match_calls(records: Sequence[Mapping[str, Any]], row: I64, leave: F64, kind: I64, pg: I64, seq: I64) -> Matched:
+def match_calls(records: Sequence[Mapping[str, object]], row: I64, leave: F64, kind: I64, pg: I64, seq: I64) -> Matched:
     """Instances of every call and each record's start offset (see the module's steps)."""
     n_rec = len(records)
     key = np.full(row.size, -1, dtype=np.int64)
@@ -130,13 +131,13 @@ def _unsettled(settled: I64, sends: I64, recvs: I64, row: I64, kind: I64, comp: 
     return out
 
 
-def pipeline_neighbours(records: Sequence[Mapping[str, Any]]) -> I64:
+def pipeline_neighbours(records: Sequence[Mapping[str, object]]) -> I64:
     """Per record, the records one pipeline stage before and after it in its replica and tensor slot (-1:
     none); both -2 where its coordinates are unknown."""
     where: dict[tuple[int, int, int], int] = {}
     coords = []
     for r, rec in enumerate(records):
-        c = (int(rec.get("dp_rank", -1)), int(rec.get("tp_rank", -1)), int(rec.get("pp_rank", -1)))
+        c = (as_int(rec.get("dp_rank", -1)), as_int(rec.get("tp_rank", -1)), as_int(rec.get("pp_rank", -1)))
         coords.append(c)
         where[c] = r
     out = np.full((len(records), 2), -1, dtype=np.int64)

@@ -11,13 +11,6 @@ import numpy.typing as npt
 from fleetscope.schemas import FunctionKind
 from fleetscope.schemas.vocabulary import OTHER_FUNCTIONS
 
-MAX_FUNCTIONS = 4_096
-"""Pattern rows of one rank-iteration at most, ``OTHER_FUNCTIONS`` included (``capped_functions``)."""
-MAX_FUNCTION_CHARS = 262_144
-"""Characters of one rank-iteration's function names at most: with ``MAX_FUNCTIONS`` rows of fixed columns
-(157 bytes a row at worst, measured: every long near 2**63, every double random) a pattern message is at
-most 905 kB, under the topics' 1 MB message size."""
-
 _SUMMED = ("calls", "total_ns", "self_ns", "share")
 
 

@@ -13,52 +13,28 @@ from fleetscope.schemas import Category, FunctionKind, categories
 from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.attribution import (
     CREDITED_BY,
-    AttributionConfig,
     Priced,
     SavingHistory,
     attribute,
     credits_of,
     priced_ranks,
 )
-from fleetscope.streams.analysis.findings import FindingTracker, LifecycleConfig
+from fleetscope.streams.analysis.findings import FindingTracker
 from fleetscope.streams.analysis.hangs import diagnose_hang, stall_threshold_ns, stalled_ns
-from fleetscope.streams.analysis.joblevel import HangCheck, JobLevelConfig, ProfilerAftermath, RegressionCheck
+from fleetscope.streams.analysis.joblevel import HangCheck, ProfilerAftermath, RegressionCheck
 from fleetscope.streams.analysis.links import SteadyTransfers
-from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, NoiseReading, read_noise
-from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
+from fleetscope.streams.analysis.noise import JobNoise, NoiseReading, read_noise
+from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
 from fleetscope.streams.analysis.replay import CallGraph, call_graph
 from fleetscope.streams.analysis.roles import role_codes
-from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
+from fleetscope.streams.analysis.signals import scorer_named
 from fleetscope.streams.analysis.stages import runs_kernels
 from fleetscope.streams.analysis.timeline import timeline_of
 from fleetscope.streams.analysis.whatif import Cause, what_if
+from fleetscope.streams.settings import DifferentialConfig
 
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DifferentialConfig:
-    scoring: ScoringConfig = field(default_factory=ScoringConfig)
-    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
-    job_level: JobLevelConfig = field(default_factory=JobLevelConfig)
-    noise: NoiseConfig = field(default_factory=NoiseConfig)
-    """What a rank's host or arrival excess must stand out from: the job's own iteration-to-iteration noise."""
-    attribution: AttributionConfig = field(default_factory=AttributionConfig)
-    """What a signal's ranks must save, replayed, to be named (``attribution``)."""
-    missing_rank_wait_iterations: int = 3
-    """An iteration still missing ranks is scored anyway once this many later iterations are complete."""
-    missing_rank_timeout_ms: int = 10_000
-    """...or once every rank it lacks sent nothing while its peers advanced this far in event time (the ends
-    of their iterations, on their own clocks): a backlog delays the peers' records too, so it is never silence,
-    whatever the worker's input gaps."""
-    scorer: str = DEFAULT_SCORER
-    """How a rank is compared with its peers: a name in ``SCORERS`` (``robust_z``: median and MAD; ``mean_z``:
-    mean and standard deviation)."""
-
-    def __post_init__(self) -> None:
-        if self.scorer not in SCORERS:
-            raise ValueError(f"scorer {self.scorer!r} is not one of {', '.join(sorted(SCORERS))}")
 
 
 class JobDifferential:

@@ -12,26 +12,10 @@ import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleetscope.schemas.categories import JOB_LEVEL
 from fleetscope.streams.analysis.outliers import RankSignal
-
-
-@dataclass(frozen=True, kw_only=True)
-class LifecycleConfig:
-    persist_iterations: int = 3
-    window_iterations: int = 8
-    recover_iterations: int = 8
-    update_every: int = 10
-
-    def __post_init__(self) -> None:
-        for name in ("persist_iterations", "window_iterations", "recover_iterations", "update_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.persist_iterations > self.window_iterations:
-            raise ValueError("persist_iterations must be <= window_iterations")
-
+from fleetscope.streams.settings import LifecycleConfig
 
 _JOB_LEVEL = JOB_LEVEL
 """Categories about the job as a whole rather than some of its ranks."""
@@ -62,16 +46,18 @@ class FindingTracker:
         self.gpus: dict[int, tuple[int, str]] = {}
         """Rank -> (local rank, GPU UUID), as its records say: a rank finding names the device to drain."""
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         """A tracker saved before ``gpus`` existed restores with none known."""
         self.__dict__.update(state)
         self.__dict__.setdefault("gpus", {})
 
-    def observe(self, iteration: int, signals: list[RankSignal], blind: Collection[str] = ()) -> list[dict[str, Any]]:
+    def observe(
+        self, iteration: int, signals: list[RankSignal], blind: Collection[str] = ()
+    ) -> list[dict[str, object]]:
         """Feed one evaluated iteration (in order); return finding records to emit. Categories in ``blind``
         could not be judged in this iteration: their findings are neither flagged nor cleared by it."""
         cfg = self.config
-        out: list[dict[str, Any]] = []
+        out: list[dict[str, object]] = []
         flagged = {sig.key(): sig for sig in signals}
         for key, sig in flagged.items():
             tr = self._tracks.get(key)
@@ -103,7 +89,7 @@ class FindingTracker:
                 del self._tracks[key]
         return out
 
-    def emit_now(self, sig: RankSignal, iteration: int) -> list[dict[str, Any]]:
+    def emit_now(self, sig: RankSignal, iteration: int) -> list[dict[str, object]]:
         """Open (or update) a finding immediately, for conditions that already include persistence."""
         key = sig.key()
         tr = self._tracks.get(key)
@@ -117,7 +103,7 @@ class FindingTracker:
         self._accumulate(tr, sig, iteration)
         return [self._record(tr, "update", iteration)]
 
-    def flush(self) -> list[dict[str, Any]]:
+    def flush(self) -> list[dict[str, object]]:
         """Latest state of every open finding whose last emitted record is stale."""
         return [
             self._record(tr, "update", tr.iteration_last)
@@ -136,7 +122,7 @@ class FindingTracker:
             for (_, category), tr in self._tracks.items()
         )
 
-    def close_all(self, reason: str, iteration: int | None = None) -> list[dict[str, Any]]:
+    def close_all(self, reason: str, iteration: int | None = None) -> list[dict[str, object]]:
         """Close every open finding now (``reason``: "job_ended") and forget every track."""
         out = []
         for tr in self._tracks.values():
@@ -172,7 +158,7 @@ class FindingTracker:
         if tr.best is None or abs(sig.score) >= abs(tr.best.score):
             tr.best = sig
 
-    def _record(self, tr: _Track, status: str, iteration: int, reason: str = "recovered") -> dict[str, Any]:
+    def _record(self, tr: _Track, status: str, iteration: int, reason: str = "recovered") -> dict[str, object]:
         sig = tr.best or tr.recent[-1][1]
         tr.version += 1
         tr.emitted_iteration = iteration
@@ -201,6 +187,6 @@ class FindingTracker:
             **self._gpu(sig.rank),
         }
 
-    def _gpu(self, rank: int) -> dict[str, Any]:
+    def _gpu(self, rank: int) -> dict[str, object]:
         local_rank, uuid = self.gpus.get(rank, (-1, "")) if rank >= 0 else (-1, "")
         return {"local_rank": local_rank, "gpu_uuid": uuid}

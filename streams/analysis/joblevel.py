@@ -19,35 +19,7 @@ from typing import Any
 import numpy as np
 
 from fleetscope.streams.analysis.signals import RankSignal
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobLevelConfig:
-    warmup_iterations: int = 2
-    """The job's first iterations (compilation, allocator and autotuning warm-up) never form its baseline."""
-    baseline_min_iterations: int = 4
-    recent_iterations: int = 4
-    """The segment tested for a step: its median against the baseline's."""
-    confirm_iterations: int = 2
-    """The step must hold on this many consecutive segments (one more iteration each)."""
-    history_iterations: int = 50
-    regression_threshold: float = 0.05
-    """The smallest step reported, as a share of the baseline."""
-    noise_z: float = 6.0
-    """...and the step must exceed this many standard errors of the two medians (noise-adaptive)."""
-    stall_factor: float = 5.0
-    hang_min_stall_ms: int = 10_000
-    """A job is hung when no rank completed a step for max(stall_factor x mean iteration, this)."""
-
-    def __post_init__(self) -> None:
-        if self.recent_iterations < 2 or self.history_iterations < self.baseline_min_iterations:
-            raise ValueError("need recent_iterations >= 2 and baseline_min_iterations <= history_iterations")
-        if self.warmup_iterations < 0 or self.baseline_min_iterations < 2 or self.confirm_iterations < 1:
-            raise ValueError("need warmup_iterations >= 0, baseline_min_iterations >= 2, confirm_iterations >= 1")
-        if self.regression_threshold <= 0 or self.noise_z <= 0 or self.stall_factor <= 1:
-            raise ValueError("regression_threshold and noise_z must be > 0 and stall_factor > 1")
-        if self.hang_min_stall_ms < 0:
-            raise ValueError("hang_min_stall_ms must be >= 0")
+from fleetscope.streams.settings import JobLevelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,26 +214,6 @@ class RegressionCheck:
                       "baseline_iterations": len(self._baseline), "window_iterations": cfg.recent_iterations,
                       **work},
         )  # fmt: skip
-
-
-def stall_record(
-    job: str,
-    rank: int,
-    host: str,
-    world_size: int,
-    last_step: int,
-    last_progress_ns: int,
-    clock_ns: int,
-    mean_iteration_ns: float,
-    stalled: bool,
-) -> dict[str, Any]:
-    """The windower's report that a rank stopped (or resumed) progressing."""
-    return {
-        "job": job, "rank": rank, "host": host, "world_size": world_size, "last_step": last_step,
-        "last_progress_ns": last_progress_ns, "clock_ns": clock_ns,
-        "stalled_ns": max(clock_ns - last_progress_ns, 0), "mean_iteration_ns": float(mean_iteration_ns),
-        "stalled": stalled,
-    }  # fmt: skip
 
 
 class HangCheck:

@@ -20,6 +20,7 @@ from fleetscope.streams.analysis.signals import (
     RankSignal,
     ScoringConfig,
     flagged,
+    robust_z,
     row_signal,
     top_functions,
 )
@@ -118,7 +119,7 @@ def score_hosts(
     loss is an upper bound: the transfer time of the collectives concerned. ``pm``: every rank's collectives.
     """
     cfg = config or ScoringConfig()
-    score = scorer or cfg.scorer()
+    score = scorer or robust_z(cfg)
     hosts = sorted(set(pm.hosts))
     if len(hosts) < cfg.min_peers:
         return []

@@ -66,6 +66,7 @@ from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE, late_by_compute
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stages import P2P_PREFIXES
 from fleetscope.streams.analysis.stats import F64, quiet_nan_warnings
+from fleetscope.streams.settings import NoiseConfig
 
 _PYTHON, _COLLECTIVE, _COMPUTE = int(FunctionKind.PYTHON), int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
 AGAINST_JOB_NOISE = judged_against(Noise.JOB)
@@ -77,57 +78,6 @@ different rank's batch the longest each time) makes a different rank slowest eac
 same one."""
 _JITTER_PER_MEDIAN_STEP = 1.4826 / np.sqrt(2.0)
 """A Gaussian series' standard deviation per median absolute successive difference."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class NoiseConfig:
-    history_iterations: int = 24
-    """Iterations over which each rank's jitter is measured."""
-    level_iterations: int = 7
-    """A persistent excess is the median over this many of the rank's latest iterations."""
-    min_history: int = 4
-    warmup_iterations: int = 5
-    """The job's first iterations say nothing about whose host is slow or who is slow to arrive: its ranks
-    start at different moments and take their first batches and optimizer steps at different speeds (a
-    real 4-rank job: rank 0's first 4 batches slower, by enough to cost the step). No host_slow or
-    straggler signal is raised on them."""
-    max_ranks: int = 16
-    """Jobs with more ranks are judged on their peers' spread in one iteration alone: the MAD of many peers
-    is a reliable yardstick, and the largest jitter among hundreds of ranks would hide small faults."""
-    z: float = 5.0
-    """An excess in one iteration must be this many times the job's noise..."""
-    level_z: float = 3.0
-    """...or the rank's recent median excess this many times."""
-    last_z: float = 2.0
-    """A straggler by arrival is late by this many times its peers' typical jitter beyond their median..."""
-    last_misses: int = 2
-    """...in all but this many of its last ``level_iterations + 1`` iterations. Chance alone (a random rank
-    late by that much in 6 of 8 iterations) is then about one in 100,000 windows on 4 ranks (fewer on
-    more; tests/unit/streams/analysis/test_noise.py); a slow rank that contention overtook twice is still named."""
-    sign_iterations: int = 12
-    """Or it arrived after each peer, on its own, in all of its last this many iterations..."""
-    sign_misses: int = 1
-    """...but this many (``_late_throughout``)."""
-    lead_allowance: float = 1.0
-    """Or its lead over the latest peer, in units of that jitter, less this allowance, summed over the
-    same iterations (a CUSUM, restarting at zero)..."""
-    lead_cap: float = 3.0
-    """...each iteration's lead counted up to this many units (one descheduling proves little)..."""
-    lead_alarm: float = 8.0
-    """...reaches this: at least 4 iterations in a row behind every peer by the cap (a burst of 3 is not)."""
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.min_history <= self.history_iterations or self.level_iterations < 1:
-            raise ValueError("need 2 <= min_history <= history_iterations and level_iterations >= 1")
-        # each bound written so that NaN fails it: NaN compares false, so a NaN z would never flag anything
-        if not (self.z > 0 and self.level_z > 0 and self.last_z > 0):
-            raise ValueError("z, level_z and last_z must be > 0")
-        if not 0 <= self.last_misses < self.level_iterations:
-            raise ValueError("need 0 <= last_misses < level_iterations")
-        if not 0 <= self.sign_misses < self.sign_iterations // 4 or self.sign_iterations > self.history_iterations:
-            raise ValueError("need 0 <= sign_misses < sign_iterations / 4 and sign_iterations <= history_iterations")
-        if not (0 < self.lead_allowance < self.lead_cap and self.lead_alarm > 0):
-            raise ValueError("need 0 < lead_allowance < lead_cap and lead_alarm > 0")
 
 
 class JobNoise:

@@ -44,6 +44,7 @@ from fleetscope.streams.analysis.signals import (
     RankSignal,
     ScoringConfig,
     flagged,
+    robust_z,
     row_signal,
     top_functions,
 )
@@ -298,7 +299,7 @@ def score_peer_group(
         return []
     records = with_self_time(records)
     pms = gather_matrices(records) or build_matrices(records)
-    return _score_group(pms, cfg, scorer or cfg.scorer(), role_codes(records), _one_stage(records))
+    return _score_group(pms, cfg, scorer or robust_z(cfg), role_codes(records), _one_stage(records))
 
 
 def with_self_time(records: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
@@ -482,7 +483,7 @@ def score_iteration(
     ``index`` (the job's, kept across iterations) spares re-interning function names.
     """
     cfg = config or ScoringConfig()
-    score = scorer or cfg.scorer()
+    score = scorer or robust_z(cfg)
     records = with_self_time(records)
     index = index if index is not None else FunctionIndex()
     if cfg.shards == 1:

@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
 from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, is_sync_call
-from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
+from fleetscope.streams.analysis.capping import capped_functions
 from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
     clip,
@@ -23,6 +23,7 @@ from fleetscope.streams.analysis.stats import (
     merge_intervals,
 )
 from fleetscope.streams.analysis.timeline import CoveredTime, build_timelines
+from fleetscope.streams.settings import MAX_FUNCTION_CHARS, MAX_FUNCTIONS
 
 Cols = dict[str, npt.NDArray[Any]]
 I64 = npt.NDArray[np.int64]

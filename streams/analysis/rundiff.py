@@ -30,11 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.schemas.fields import as_float, as_int, as_list
 from fleetscope.schemas.records import FunctionKind
 from fleetscope.streams.analysis.stats import MAD_TO_SIGMA
 
@@ -146,7 +146,7 @@ class Change:
         """``b / a - 1``; infinite for a function new in B."""
         return self.b_ns / self.a_ns - 1.0 if self.a_ns > 0 else math.inf
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "pp_rank": self.role[0],
             "tp_rank": self.role[1],
@@ -174,8 +174,8 @@ class RunDiff:
     """("a" or "b", role) of each role only one run has steady iterations of: the layouts differ there, and
     its functions are not compared."""
 
-    def as_dict(self) -> dict[str, Any]:
-        def run(r: RunSteps) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
+        def run(r: RunSteps) -> dict[str, object]:
             return {
                 "name": r.name,
                 "iterations": [r.first_iteration, r.last_iteration],
@@ -292,25 +292,25 @@ class StepTable:
         self._kinds: dict[str, str] = {}
         self._seen: set[tuple[int, int]] = set()
 
-    def add(self, record: Mapping[str, Any]) -> None:
+    def add(self, record: Mapping[str, object]) -> None:
         """One rank's pattern record of one iteration; a second record of the same rank and iteration
         (a replay) adds nothing, as the store keeps one per natural key, and one recorded under a profiler
         window is left out (profiling slows what it watches), as the store's reads leave it out."""
-        key = (int(record["rank"]), int(record["iteration"]))
+        key = (as_int(record["rank"]), as_int(record["iteration"]))
         if key in self._seen or record.get("profiled", False):
             return
         self._seen.add(key)
-        role: Role = (int(record.get("pp_rank", -1)), int(record.get("tp_rank", -1)))
+        role: Role = (as_int(record.get("pp_rank", -1)), as_int(record.get("tp_rank", -1)))
         it = key[1]
         cell = self._ranks.setdefault((role, it), [0.0, 0.0])
         cell[0] += 1
-        cell[1] += float(record["iteration_ns"])
-        for function, kind, total, calls in zip(record["function"], record["kind"], record["total_ns"],
-                                                record["calls"], strict=True):  # fmt: skip
-            t = self._time.setdefault((role, function, it), [0.0, 0.0])
-            t[0] += float(total)
-            t[1] += float(calls)
-            self._kinds.setdefault(function, kind_name(int(kind)))
+        cell[1] += as_float(record["iteration_ns"])
+        columns = (as_list(record[name]) for name in ("function", "kind", "total_ns", "calls"))
+        for function, kind, total, calls in zip(*columns, strict=True):
+            t = self._time.setdefault((role, str(function), it), [0.0, 0.0])
+            t[0] += as_float(total)
+            t[1] += as_float(calls)
+            self._kinds.setdefault(str(function), kind_name(as_int(kind)))
 
     def role_iterations(self) -> list[RoleIterations]:
         """Per role and iteration, in order: how many of its ranks reported, and their mean time."""

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.stats import F64, RobustScores, mean_std_scores, robust_scores
+from fleetscope.streams.settings import SCORER_NAMES, ScoringConfig
 
 
 class OutlierScorer(Protocol):
@@ -22,53 +23,6 @@ class OutlierScorer(Protocol):
     by several tests, so a scorer must not write to it."""
 
     def __call__(self, x: F64, abs_scale_floor: float = 0.0) -> RobustScores: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoringConfig:
-    """Thresholds of the per-iteration differential test."""
-
-    z_threshold: float = 5.0
-    min_relative_gap: float = 0.05
-    min_loss_fraction: float = 0.01
-    min_peers: int = 4
-    rel_scale_floor: float = 0.01
-    host_share_floor: float = 0.002
-    """Scale floor for host functions compared as a share of the iteration (0.2 %)."""
-    host_min_relative_gap: float = 0.2
-    """Hosts' link fluctuation must differ this much: hosts are few and their traffic mixes."""
-    transfer_min_relative_gap: float = 0.5
-    """A collective group's transfer must exceed equivalent groups' by this much, per byte and outright
-    (``links.score_transfers``): the shortest member's mean kernel still holds the waits that arrival jitter
-    leaves in it (a ring paced by a degraded link takes 2-3 times as long)."""
-    host_group_min_share: float = 0.75
-    """Ranks of one host flagged together become a host finding when they are this share of it."""
-    shards: int = 1
-    """Functions split this many ways (``shards``): each shard's columns apart, then one merge; the same
-    signals for any number. In process here; a deployment would run each shard in a worker of its own."""
-
-    def __post_init__(self) -> None:
-        errors = []  # each bound written so that NaN fails it (NaN compares false): a NaN z silences every flag
-        if not self.z_threshold > 0:
-            errors.append("z_threshold must be > 0")
-        if not 0 <= self.min_relative_gap < 1:
-            errors.append("min_relative_gap must be in [0, 1)")
-        if not 0 <= self.min_loss_fraction < 1:
-            errors.append("min_loss_fraction must be in [0, 1)")
-        if self.min_peers < 3:
-            errors.append("min_peers must be >= 3 (a median of fewer is no peer group)")
-        if self.shards < 1:
-            errors.append("shards must be >= 1")
-        if not self.transfer_min_relative_gap > 0:
-            errors.append("transfer_min_relative_gap must be > 0")
-        if not 0 < self.host_group_min_share <= 1:
-            errors.append("host_group_min_share must be in (0, 1]")
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    def scorer(self) -> OutlierScorer:
-        """The default scorer (``robust_z``) with these thresholds."""
-        return robust_z(self)
 
 
 def robust_z(cfg: ScoringConfig) -> OutlierScorer:
@@ -90,9 +44,8 @@ def mean_z(cfg: ScoringConfig) -> OutlierScorer:
     return score
 
 
-SCORERS: dict[str, Callable[[ScoringConfig], OutlierScorer]] = {"robust_z": robust_z, "mean_z": mean_z}
-"""The scorers the configuration can name (``streams.differential.scorer``), each built from the thresholds."""
-DEFAULT_SCORER = "robust_z"
+SCORERS: dict[str, Callable[[ScoringConfig], OutlierScorer]] = dict(zip(SCORER_NAMES, (robust_z, mean_z), strict=True))
+"""The scorers the configuration can name (``SCORER_NAMES``), each built from the thresholds."""
 
 
 def scorer_named(name: str, cfg: ScoringConfig) -> OutlierScorer:

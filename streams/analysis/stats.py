@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import types
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -296,5 +296,7 @@ class quiet_nan_warnings:
         self._ctx.__enter__()
         warnings.simplefilter("ignore", RuntimeWarning)
 
-    def __exit__(self, *exc: Any) -> None:
-        self._ctx.__exit__(*exc)
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
+    ) -> None:
+        self._ctx.__exit__(kind, exc, tb)

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
 from fleetscope.schemas.categories import REGISTRY
+from fleetscope.schemas.fields import as_int
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.stats import F64
 
@@ -47,10 +47,10 @@ def bound_by_lateness(signals: dict[int, RankSignal], lateness: F64) -> dict[int
     return out
 
 
-def split_shares(signals: list[RankSignal], records: Sequence[dict[str, Any]]) -> list[RankSignal]:
+def split_shares(signals: list[RankSignal], records: Sequence[dict[str, object]]) -> list[RankSignal]:
     """Evidence ``saved_ns`` on every signal: the single-rank share and its stage's share."""
     stage_saved = {int(s.evidence.get("stage", -1)): s.loss_ns for s in signals if s.category == "stage_imbalance"}
-    stage_of = {int(r["rank"]): int(r.get("pp_rank", -1)) for r in records} if stage_saved else {}
+    stage_of = {as_int(r["rank"]): as_int(r.get("pp_rank", -1)) for r in records} if stage_saved else {}
     for sig in signals:
         if "saved_ns" in sig.evidence:
             continue

@@ -34,7 +34,6 @@ from fleetscope.schemas.vocabulary import (
     is_profiling_window,
     is_step_marker_name,
 )
-from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS
 from fleetscope.streams.analysis.closed_iterations import ClosedIteration, summarize_closed
 from fleetscope.streams.analysis.eventbuffers import (
     TIME_COLUMN,
@@ -45,8 +44,9 @@ from fleetscope.streams.analysis.eventbuffers import (
     take_step,
 )
 from fleetscope.streams.analysis.iterations import CollectivePeriodDetector, HostSequenceDetector, Span
-from fleetscope.streams.analysis.joblevel import stall_record
 from fleetscope.streams.analysis.patterns import IterationEvents, NameTable
+from fleetscope.streams.analysis.stalls import StallRecord, stall_record
+from fleetscope.streams.settings import WindowerConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,42 +62,6 @@ _WINDOW, _WAIT = 1, 2
 
 def _own_span_kind(name: str) -> int:
     return _WINDOW if is_profiling_window(name) else _WAIT if is_cpu_wait(name) else 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class WindowerConfig:
-    """When a rank's steps close (see module docstring)."""
-
-    idle_close_ms: int = 1500
-    stream_discovery_ms: int = 5000
-    max_open_steps: int = 64
-    """Steps a rank may hold while a stream they wait for is quiet (no batch for ``idle_close_ms``);
-    16 times this many close whatever the streams do (memory bound)."""
-    stall_factor: float = 5.0
-    """A rank is stalled when its clock moved this many mean iterations past its last progress..."""
-    stall_silence_ms: int = 1500
-    """...and no kernel, collective or host batch of it arrived for this long (processing time): batches
-    still arriving are a backlog. 0 where processing time means nothing (offline input, complete)."""
-    max_functions: int = MAX_FUNCTIONS
-    """Pattern rows of one rank-iteration: the longest by time are kept, the rest summed in one row."""
-    max_function_chars: int = MAX_FUNCTION_CHARS
-    """Characters of one rank-iteration's function names (with ``max_functions``: a message under 1 MB)."""
-    max_names: int = 65_536
-    """Distinct names a rank's windower holds (kernels, host functions, metrics; well-formed step markers
-    apart: one per step). Later new names are filed as ``OTHER_FUNCTIONS``: a rank's memory is bounded
-    whatever its producer sends (a name is at most ``max_name_chars``)."""
-
-    def __post_init__(self) -> None:
-        if self.idle_close_ms <= 0:
-            raise ValueError("idle_close_ms must be > 0")
-        if self.stream_discovery_ms < 0:
-            raise ValueError("stream_discovery_ms must be >= 0")
-        if self.max_open_steps < 1:
-            raise ValueError("max_open_steps must be >= 1")
-        if self.stall_silence_ms < 0:
-            raise ValueError("stall_silence_ms must be >= 0")
-        if self.max_functions < 2 or self.max_function_chars < 1024 or self.max_names < 16:
-            raise ValueError("max_functions must be >= 2, max_function_chars >= 1024, max_names >= 16")
 
 
 @dataclass(slots=True)
@@ -164,7 +128,7 @@ class RankWindower:
     _host_phases_seen: bool = False
     _pgs: set[int] = field(default_factory=set)
     _collectives_seen: int = 0
-    _stalls: list[dict[str, Any]] = field(default_factory=list)
+    _stalls: list[StallRecord] = field(default_factory=list)
     _table: NameTable = field(default_factory=NameTable)
     _luts: dict[EventKind, tuple[list[str], npt.NDArray[np.int32]]] = field(default_factory=dict)
     """Per kind, the last batch's name dictionary and its ids in ``_names``: producers resend the same one."""
@@ -238,7 +202,7 @@ class RankWindower:
         """Mean duration of the rank's recent closed iterations (0.0 before the first)."""
         return self._mean_ns
 
-    def take_stalls(self) -> list[dict[str, Any]]:
+    def take_stalls(self) -> list[StallRecord]:
         """Stall/resume reports produced since the last call (for the job's hang check)."""
         out, self._stalls = self._stalls, []
         return out

@@ -14,7 +14,6 @@ import pickle
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import cramjam
 from faust.types import Message
@@ -102,7 +101,7 @@ _ALLOWED_GLOBALS = frozenset(
 class _StateUnpickler(pickle.Unpickler):
     """Builds only fleetscope's own classes and a few containers: a state topic is no path to run code."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module.startswith("fleetscope."):

@@ -14,11 +14,11 @@ from fleetscope.broker import ensure_topics
 from fleetscope.config import load_config
 from fleetscope.producers.control import (
     ControlListener,
-    ControlListenerConfig,
     ControlRequest,
     request_profile,
 )
 from fleetscope.schemas import Topics
+from fleetscope.wiring import control_listener_config
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def test_listeners_get_the_requests_of_their_job_only_including_one_sent_before_
             if len(got["job-a"]) == 2:
                 arrived.set()
 
-        return ControlListener(ControlListenerConfig.from_config(config), job, on_request)
+        return ControlListener(control_listener_config(config), job, on_request)
 
     listeners = [listener("job-a"), listener("job-b")]
     for each in listeners:

@@ -13,7 +13,6 @@ import pytest
 from confluent_kafka import Producer
 from harness import isolated_config, read_topic, wait_until
 
-from fleetscope.demo import publisher_config
 from fleetscope.producers import Publisher, SimulatorConfig, simulate
 from fleetscope.schemas import (
     EventKind,
@@ -29,6 +28,7 @@ from fleetscope.sinks import connect
 from fleetscope.stack import EmbeddedStack
 from fleetscope.streams.analysis.validation import check_batch
 from fleetscope.streams.offline import OfflinePipeline
+from fleetscope.wiring import bulk_publisher_config
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def test_every_bad_raw_message_is_dead_lettered_while_the_worker_keeps_going(
         for i, (key, value) in enumerate(zip(keys, bad, strict=True)):
             producer.produce(raw_topics[i % len(raw_topics)], value=value, key=key)
         assert producer.flush(10) == 0
-        with Publisher(publisher_config(stack.config)) as publisher:
+        with Publisher(bulk_publisher_config(stack.config)) as publisher:
             for batch in simulate(SimulatorConfig(job="dl-valid", ranks=RANKS, iterations=ITERATIONS,
                                                   start_ns=start_ns)):  # fmt: skip
                 assert publisher.publish(batch)

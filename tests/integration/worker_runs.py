@@ -25,11 +25,12 @@ from harness import isolated_config
 
 from fleetscope.broker import ensure_topics
 from fleetscope.config import Config
-from fleetscope.demo import check_delivered, publisher_config
+from fleetscope.demo import check_delivered
 from fleetscope.producers import Publisher, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import Topics
 from fleetscope.sinks import table_counts
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
+from fleetscope.wiring import bulk_publisher_config
 
 BATCHES_PER_RANK_ITERATION = 4
 """The simulator sends kernels, collectives, host spans and link samples: four batches per rank and iteration."""
@@ -127,7 +128,7 @@ class Publishing(threading.Thread):
     def run(self) -> None:
         per_iteration = self.job.sim.ranks * BATCHES_PER_RANK_ITERATION
         try:
-            with Publisher(publisher_config(self.config)) as publisher:
+            with Publisher(bulk_publisher_config(self.config)) as publisher:
                 for i, batch in enumerate(simulate(self.job.sim), start=1):
                     publisher.publish(batch)
                     if i % per_iteration == 0:

@@ -52,7 +52,7 @@ def _violations(folder: str, allowed: re.Pattern[str]) -> list[str]:
 @pytest.mark.parametrize(
     ("folder", "allowed"),
     [
-        ("producers", r"^fleetscope(\.producers|\.schemas|\.telemetry|\.config)?(\.|$)"),
+        ("producers", r"^fleetscope(\.producers|\.schemas|\.telemetry|\.config|\.wiring)?(\.|$)"),
         ("sinks", r"^fleetscope(\.sinks|\.schemas|\.telemetry)?(\.|$)"),
         ("schemas", r"^fleetscope\.schemas(\.|$)"),
         ("streams", r"^fleetscope(\.streams|\.schemas|\.telemetry|\.lifetime)(\.|$)"),
@@ -66,17 +66,22 @@ def test_data_flows_one_way_between_packages(folder: str, allowed: str) -> None:
 
 
 def test_analysis_imports_only_numpy_the_standard_library_and_schemas() -> None:
-    """The maths stays pure: no Faust, Kafka or ClickHouse under ``streams/analysis``."""
+    """The maths stays pure: no Faust, Kafka or ClickHouse under ``streams/analysis``; its settings
+    (``streams/settings.py``, which the configuration loads in every rank) import only the standard library."""
     bad = []
     for path in _sources("streams/analysis"):
         for name in _imports(path):
             top = name.split(".")[0]
             if top in sys.stdlib_module_names or top == "numpy":
                 continue
-            if re.match(r"^fleetscope\.(schemas|streams\.analysis)(\.|$)", name):
+            if re.match(r"^fleetscope\.(schemas|streams\.analysis|streams\.settings)(\.|$)", name):
                 continue
             bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert bad == []
+    settings = ROOT / "streams" / "settings.py"
+    assert {n for n in _imports(settings) if n.split(".")[0] not in sys.stdlib_module_names} == set()
+    windower = _imports(ROOT / "streams" / "analysis" / "windowing.py")
+    assert not {n for n in windower if n.startswith("fleetscope.streams.analysis.joblevel")}, "differential side"
 
 
 STORE_INTERNALS = re.compile(
@@ -154,14 +159,16 @@ def test_no_module_outside_the_store_adapter_builds_sql() -> None:
 
 def test_a_training_rank_loads_neither_the_store_driver_nor_the_stream_engine_nor_the_simulator() -> None:
     """The torch hook runs in every rank: importing it and loading the configuration (as monitoring does at
-    start) must not import clickhouse-connect, chDB, Faust, aiokafka, the simulator or the trace parser."""
+    start) must not import clickhouse-connect, chDB, Faust, aiokafka, the simulator, the trace parser or any
+    of the analysis (``streams.analysis``: the differential's maths runs in the stream workers)."""
     probe = (
         "import sys\n"
         "import fleetscope.producers.torch_hook\n"
         "from fleetscope.config import load_config\n"
         "load_config(env={})\n"
         "heavy = ('clickhouse_connect', 'chdb', 'faust', 'aiokafka', 'pandas', 'fleetscope.producers.simulation',\n"
-        "         'fleetscope.producers.kineto', 'fleetscope.sinks.clickhouse', 'fleetscope.streams.app')\n"
+        "         'fleetscope.producers.kineto', 'fleetscope.sinks.clickhouse', 'fleetscope.streams.app',\n"
+        "         'fleetscope.streams.analysis')\n"
         "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)

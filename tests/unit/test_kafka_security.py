@@ -18,10 +18,8 @@ from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from fleetscope import broker as broker_module
 from fleetscope.config import Config, load_config, split_secrets
-from fleetscope.demo import publisher_config
 from fleetscope.producers import control as control_module
 from fleetscope.producers import torch_hook
-from fleetscope.producers.publisher import PublisherConfig
 from fleetscope.producers.publisher import delivery as publisher_delivery
 from fleetscope.sinks import ClickHouseWriter, Sink, StoreConfig, connect
 from fleetscope.sinks import alerts as alerts_module
@@ -29,6 +27,7 @@ from fleetscope.sinks import sink as sink_module
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess, sink_config, stream_app_config
 from fleetscope.streams.app import create_app
 from fleetscope.streams.recovery import StateLog
+from fleetscope.wiring import bulk_publisher_config, control_listener_config, publisher_config
 
 SECRET = "s3cret-pa55"
 SECURE = {
@@ -80,8 +79,8 @@ def secured(settings: dict[str, Any]) -> bool:
 
 
 def test_publisher_of_every_producing_process_gets_the_settings(config: Config, recorded: Any) -> None:
-    """demo, simulate and replay (``publisher_config``), the agent and the torch hook (``from_config``)."""
-    for built in (publisher_config(config), PublisherConfig.from_config(config, client_id="fleetscope-agent")):
+    """demo, simulate and replay (``bulk_publisher_config``), the agent and the torch hook (``publisher_config``)."""
+    for built in (bulk_publisher_config(config), publisher_config(config, client_id="fleetscope-agent")):
         assert secured(built.librdkafka())
     producers = recorded(publisher_delivery, "Producer")
     monitor = torch_hook._build("sec-job", config)  # the torch hook's own path from a Config to its clients
@@ -114,7 +113,7 @@ def test_control_producer_and_listener_get_the_settings(config: Config, recorded
     with pytest.raises(Built):
         control_module.publish_request(config, control_module.ControlRequest(job="j", duration_s=1.0, start_at_ns=0))
     consumers = recorded(control_module, "Consumer")
-    listener = control_module.ControlListener(control_module.ControlListenerConfig.from_config(config), "j", print)
+    listener = control_module.ControlListener(control_listener_config(config), "j", print)
     with pytest.raises(Built):
         listener._run()
     assert secured(producers[0]) and secured(consumers[0])

@@ -17,8 +17,9 @@ from fleetscope.schemas import (
     parse_step_marker,
 )
 from fleetscope.schemas.vocabulary import OTHER_FUNCTIONS
-from fleetscope.streams.analysis.capping import MAX_FUNCTION_CHARS, MAX_FUNCTIONS, capped_functions
+from fleetscope.streams.analysis.capping import capped_functions
 from fleetscope.streams.analysis.windowing import WindowerConfig
+from fleetscope.streams.settings import MAX_FUNCTION_CHARS, MAX_FUNCTIONS
 from fleetscope.streams.windower import WindowerStage
 
 WALL = 1_767_225_600 * 10**9 + 3_600 * 10**9

@@ -14,6 +14,7 @@ from fleetscope.config import load_config
 from fleetscope.producers import Publisher, PublisherConfig, PublisherStats, SimulatorConfig, simulate
 from fleetscope.producers.publisher import DiskSpool
 from fleetscope.schemas import EventBatch, decode_event_batch, encode_event_batch
+from fleetscope.wiring import publisher_config
 
 UNREACHABLE = "127.0.0.1:1"
 
@@ -158,11 +159,11 @@ def test_the_program_config_sets_the_spool_one_directory_per_process(tmp_path: P
         env={"FLEETSCOPE__PRODUCER__SPOOL_MAX_BYTES": "1_000_000"},
         overrides={"kafka.bootstrap_servers": "b:9092", "data_dir": str(tmp_path)},
     )
-    cfg = PublisherConfig.from_config(config, client_id="fleetscope-agent")
+    cfg = publisher_config(config, client_id="fleetscope-agent")
     assert cfg.spool_dir == f"{tmp_path}/spool/fleetscope-agent" and cfg.spool_max_bytes == 1_000_000
     assert cfg.bootstrap_servers == "b:9092" and cfg.client_id == "fleetscope-agent"
     memory = load_config(env={}, overrides={"kafka.bootstrap_servers": "b:9092", "producer.spool_on_disk": "no"})
-    assert PublisherConfig.from_config(memory).spool_dir == ""
+    assert publisher_config(memory).spool_dir == ""
     with pytest.raises(ValueError, match=r"producer: .*spool_max_bytes must be >= 65536"):
         load_config(env={}, overrides={"producer.spool_max_bytes": 10})
 
