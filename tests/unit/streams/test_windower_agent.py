@@ -59,4 +59,4 @@ def test_the_agent_dead_letters_a_bad_message_and_windows_a_good_one() -> None:
     assert windower.counters.raw_batches == 1
     assert windower.counters.raw_events == len(first)
     assert set(windower.stage.windowers) == {(first.header.job, first.header.rank)}
-    assert len(windower.recovery.holds) == 1  # its iteration is open: replay still needs the message
+    assert len(windower.recovery.unacked.owners()) == 1  # its iteration is open: replay still needs the message
