@@ -27,10 +27,11 @@ from fleetscope.streams.analysis.links import SteadyTransfers
 from fleetscope.streams.analysis.noise import JobNoise, NoiseConfig, NoiseReading, read_noise
 from fleetscope.streams.analysis.outliers import OutlierScorer, RankSignal, ScoringConfig, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex
+from fleetscope.streams.analysis.replay import call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import DEFAULT_SCORER, SCORERS, scorer_named
 from fleetscope.streams.analysis.stages import runs_kernels
-from fleetscope.streams.analysis.timeline import timeline_of
+from fleetscope.streams.analysis.timeline import RankTimeline, timeline_of
 from fleetscope.streams.analysis.whatif import Cause, what_if
 
 _COLLECTIVE = int(FunctionKind.COLLECTIVE)
@@ -508,6 +509,18 @@ class IterationScore:
     its records carry no timelines, or its detectors raised nothing the replay prices."""
 
 
+def _timelines(records: Sequence[dict[str, Any]]) -> list[RankTimeline] | None:
+    """Every record's timeline, read once for the replay (``timeline_of``); None where a record has none (the
+    records after it are not read)."""
+    out = []
+    for rec in records:
+        timeline = timeline_of(rec)
+        if timeline is None:
+            return None
+        out.append(timeline)
+    return out
+
+
 def score_records(
     records: Sequence[dict[str, Any]],
     config: DifferentialConfig,
@@ -528,9 +541,14 @@ def score_records(
     signals = score_iteration(records, config.scoring, score, functions)
     # the replay prices suspicions: an iteration whose detectors raised none has nothing to judge
     suspected = any(s.category in CREDITED_BY for s in signals)
-    replayed = suspected and len(records) >= 2 and all(timeline_of(r) is not None for r in records)
-    by_rank = sorted(range(len(records)), key=lambda i: int(records[i]["rank"]))  # arrival order is no input
-    causes = what_if([records[i] for i in by_rank], roles[by_rank]) if replayed else []
+    timelines = _timelines(records) if suspected and len(records) >= 2 else None
+    replayed = timelines is not None
+    causes: list[Cause] = []
+    if timelines is not None:
+        by_rank = sorted(range(len(records)), key=lambda i: int(records[i]["rank"]))  # arrival order is no input
+        ordered = [records[i] for i in by_rank]
+        graph = call_graph(ordered, [timelines[i] for i in by_rank])
+        causes = what_if(ordered, roles[by_rank], graph)
     priced = priced_ranks(records, roles) if replayed else None
     return IterationScore(
         hosts=hosts,
