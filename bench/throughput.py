@@ -84,6 +84,11 @@ GAINS: tuple[tuple[str, str, str], ...] = (
      "the 408 per-message batches: 0.317 -> 0.298 s, median of 6 best-of-5 in turns with 704b992; b/a: "
      "median of 3 x 5 rounds each, load 11-14 on 2 cores)"),
     ("f68c62a", "after 100,000 steps, 18.5 -> 6.5 us a _distinct call", "no presence table a rank's names dwarf"),
+    ("56406b0 a8bcd54", "score_records CPU -17 % (best), -19 % (median); b'/a 0.522 -> 0.562",
+     "the scoring, bit for bit (pinned digests): each timeline read once for the replay, column medians picked by "
+     "index from one sort, their counts reused (score_records over this job's 20 iterations, best/median of 7: "
+     "153.6/164.1 -> 127.9/133.7 ms; b'/a: median of 5 rounds, one run each, load 5-7; c full/a after: 0.270, "
+     "where the scoring is about 0.13 of the worker's 1.04 CPU s)"),
 )  # fmt: skip
 """The commits that moved the ratios (commit, figure, what), by hand: a change of speed adds its line."""
 

@@ -217,18 +217,31 @@ def link_stats(
 def nan_median(x: npt.NDArray[np.floating], axis: int = 0) -> F64:
     """``np.nanmedian(x, axis)``: the two middle values summed and halved, NaN where a slice has no
     value; one sort instead of numpy's masked arrays (short slices) or per-slice loop (long ones)."""
-    x = np.asarray(x, dtype=np.float64)
-    size = x.shape[axis]
+    values: F64 = np.asarray(x, dtype=np.float64)
+    rest = values.shape[:axis] + values.shape[axis + 1 :]
+    if values.shape[axis] == 0:
+        return np.full(rest, np.nan)
+    median, _ = _median_and_count(np.moveaxis(values, axis, 0) if axis else values)
+    return median.reshape(rest)
+
+
+def _median_and_count(x: F64) -> tuple[F64, I64]:
+    """Per column of ``x`` (rows first), its NaN-ignoring median and how many values it has. The two middle
+    values are picked by index from one sort: it runs per column of every test, so call overhead counts."""
+    size = x.shape[0]
     if size == 0:
-        return np.full(np.delete(x.shape, axis), np.nan)
-    ordered = np.sort(x, axis=axis)  # NaN sorts last
-    count = size - np.isnan(ordered).sum(axis=axis, keepdims=True)
+        return np.full(x.shape[1:], np.nan), np.zeros(x.shape[1:], dtype=np.int64)
+    rest = x.shape[1:]
+    ordered = np.sort(x.reshape(size, -1), axis=0)  # NaN sorts last
+    count: I64 = size - np.add.reduce(np.isnan(ordered), axis=0)
     high = count // 2
-    low = np.where(count % 2 == 1, high, high - 1)
-    pair = np.take_along_axis(ordered, np.clip(np.concatenate([low, high], axis=axis), 0, size - 1), axis=axis)
-    first, second = np.split(pair, 2, axis=axis)
+    low = high - 1 + (count & 1)
+    column = np.arange(ordered.shape[1])
+    first = ordered[np.maximum(low, 0), column]
+    second = ordered[np.minimum(high, size - 1), column]
     with np.errstate(invalid="ignore"):
-        return np.squeeze(np.where(count > 0, (first + second) / 2, np.nan), axis=axis)
+        median: F64 = np.where(count > 0, (first + second) / 2, np.nan)
+    return median.reshape(rest), count.reshape(rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +265,11 @@ def robust_scores(
     statistics and score NaN, and so does every entry of a column with fewer than ``min_count``
     values (too few peers for a median to mean anything).
     """
+    x = np.asarray(x, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        med = nan_median(x)
-        mad = nan_median(np.abs(x - med)) * MAD_TO_SIGMA
-    return _scores(x, med, mad, rel_scale_floor, abs_scale_floor, min_count)
+        med, count = _median_and_count(x)
+        mad = _median_and_count(np.abs(x - med))[0] * MAD_TO_SIGMA
+    return _scores(x, med, mad, rel_scale_floor, abs_scale_floor, min_count, count)
 
 
 def mean_std_scores(
@@ -273,13 +287,20 @@ def mean_std_scores(
 
 
 def _scores(
-    x: F64, centre: F64, spread: F64, rel_scale_floor: float, abs_scale_floor: float, min_count: int
+    x: F64,
+    centre: F64,
+    spread: F64,
+    rel_scale_floor: float,
+    abs_scale_floor: float,
+    min_count: int,
+    count: I64 | None = None,
 ) -> RobustScores:
-    """z and relative gap of every row from its column's centre, the spread floored as both scorers do."""
+    """z and relative gap of every row from its column's centre, the spread floored as both scorers do.
+    ``count``: each column's values, where the centre's computation counted them already."""
     abscentre = np.abs(centre)
     scale = np.maximum(np.maximum(spread, rel_scale_floor * abscentre), abs_scale_floor)
     scale = np.where(scale > 0, scale, np.inf)
-    enough = np.sum(~np.isnan(x), axis=0) >= min_count
+    enough = (np.sum(~np.isnan(x), axis=0) if count is None else count) >= min_count
     with np.errstate(invalid="ignore", divide="ignore"):
         z = np.where(enough, (x - centre) / scale, np.nan)
         rel = np.where(abscentre > 0, (x - centre) / abscentre, 0.0)

@@ -4,12 +4,16 @@ iterations be scored by other processes."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
+from fleetscope.schemas import decode, encode
 from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential, score_records
 from fleetscope.streams.offline import OfflinePipeline
 
@@ -19,6 +23,27 @@ JOBS = {
     "stage + stall, pp4": dict(ranks=16, pp=4, faults=("stage_imbalance:2:1.3", "dataloader_stall:5:1.5")),
     "healthy, dp2 tp2 pp2": dict(ranks=8, tp=2, pp=2, faults=()),
 }
+PINNED = {
+    "gpu+host, flat": (
+        "3d9ddc1d2f0a994586a684f099e0550400a85025f70870fa317daca9d229ba9a",
+        "f7f30f034adec08a75169cb1e5ea3aca8b6e7bea98aa3e54007f4452f0c642fa",
+    ),
+    "link+pcie, tp2 pp2": (
+        "431862394732b89a9280c3b652cabe24044e5e8ec29c81b6312bd132360014ad",
+        "51306dec434ea0a83a9d5528f9223867490cee256c0ebcdca47b494d3be94dbe",
+    ),
+    "stage + stall, pp4": (
+        "ada121f4489fc5c5f767c8cd1a9d327f9445ac1334df8bc48d414833f306dfc1",
+        "74fa4779d16f43c73a1dff3440b8ab8c451898123001bdb5e9dd3c0dd123d8a2",
+    ),
+    "healthy, dp2 tp2 pp2": (
+        "252701544a3c2fd4a77312805498976f9fbb953c521caf7b59672adaa92fa984",
+        "b0d45f68e2cd72bd9f13975c3930d3db7f826e16df81c495b32f3e3b5178aa73",
+    ),
+}
+"""Per job: SHA-256 of its iterations' scores (``canonical``, in iteration order) and of its finding updates
+(less ``emitted_ns``): pinned so that a change made for speed is seen to keep the scoring's results bit for
+bit. A change of the simulator, the windower or a rule changes them on purpose: re-pin from the message."""
 
 
 def patterns(name: str) -> list[dict[str, Any]]:
@@ -29,6 +54,38 @@ def patterns(name: str) -> list[dict[str, Any]]:
     pipeline = OfflinePipeline(keep_patterns=True).add_all(simulate(cfg))
     pipeline.finish()
     return pipeline.patterns
+
+
+def canonical(value: Any) -> str:
+    """Every value as exact text: floats by their bits (``float.hex``), arrays by dtype, shape and bytes."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ",".join(f"{f.name}={canonical(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__name__}({fields})"
+    if hasattr(value, "__slots__") and not isinstance(value, (tuple, np.ndarray)):
+        fields = ",".join(f"{s}={canonical(getattr(value, s))}" for s in value.__slots__)
+        return f"{type(value).__name__}({fields})"
+    if isinstance(value, np.ndarray):
+        data = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+        return f"array({value.dtype},{value.shape},{data})"
+    if isinstance(value, (float, np.floating)):
+        return float(value).hex()
+    if isinstance(value, (bool, np.bool_)):
+        return repr(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{canonical(k)}:{canonical(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "set(" + ",".join(sorted(canonical(v) for v in value)) + ")"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}(" + ",".join(canonical(v) for v in value) + ")"
+    if value is None or isinstance(value, str):
+        return repr(value)
+    raise TypeError(f"no canonical form for {type(value).__name__}")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _updates(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,12 +105,15 @@ def test_iterations_scored_out_of_order_elsewhere_and_tracked_in_order_find_what
     for rec in records:
         by_iteration.setdefault(int(rec["iteration"]), []).append(rec)
     config = DifferentialConfig()
-    # newest first, each through pickle (as to another process and back)
+    # newest first, each as decoded from Avro (the worker's records) and its score through pickle (as to another
+    # process and back)
     scores = {
-        it: pickle.loads(pickle.dumps(score_records(pickle.loads(pickle.dumps(recs)), config)))
+        it: pickle.loads(pickle.dumps(score_records([decode(encode("patterns", r))[1] for r in recs], config)))
         for it, recs in sorted(by_iteration.items(), reverse=True)
     }
     tracked = JobDifferential("cut")
     got = [u for it in sorted(scores) for u in tracked.apply(it, scores[it])] + tracked.flush()
     assert _updates(got) == _updates(expected)
     assert tracked.iterations_scored == 0 and inline.iterations_scored == len(by_iteration)
+    digests = (_digest("".join(canonical(scores[it]) for it in sorted(scores))), _digest(canonical(_updates(got))))
+    assert digests == PINNED[name], f"{name}: scores or findings changed, digests now {digests}"
