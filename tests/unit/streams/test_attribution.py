@@ -11,19 +11,23 @@ import pytest
 from pipeline_toy import ToyJob, period_ns, run
 
 from fleetscope.schemas import Category, FunctionKind
+from fleetscope.schemas.categories import REGISTRY
 from fleetscope.streams.analysis.attribution import (
+    CREDITED_BY,
     AttributionConfig,
     Priced,
     SavingHistory,
     attribute,
     credits_of,
+    iteration_noise_ns,
     priced_ranks,
 )
+from fleetscope.streams.analysis.findings import FindingTracker
 from fleetscope.streams.analysis.links import RING_PACE_METRIC
 from fleetscope.streams.analysis.replay import call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
-from fleetscope.streams.analysis.whatif import what_if
+from fleetscope.streams.analysis.whatif import Cause, what_if
 
 BUDGET_SHARE = 0.01
 
@@ -91,8 +95,6 @@ def test_a_signal_the_replay_cannot_price_keeps_its_own_evidence_and_loss() -> N
 
 
 def test_the_saving_history_is_a_mean_over_its_window_and_forgets_ranks_that_stopped_saving() -> None:
-    from fleetscope.streams.analysis.whatif import Cause
-
     history = SavingHistory(window=4)
     for it in range(4):
         saving = 8e6 if it % 2 == 0 else 0.0
@@ -102,3 +104,51 @@ def test_the_saving_history_is_a_mean_over_its_window_and_forgets_ranks_that_sto
     for it in range(4, 9):
         history.observe(it, credits_of([]))
     assert history.mean(("work", 3)) == 0.0 and not history._entries
+
+
+_CAUSE_OF = {Category.GPU_SLOW: "rank_compute", Category.STRAGGLER: "rank_compute", Category.HOST_SLOW: "rank_host",
+             Category.LINK_SLOW: "group_transfer", Category.STAGE_IMBALANCE: "stage_compute"}  # fmt: skip
+"""The what-if cause that credits a signal of each priced category (``CREDITED_BY``)."""
+
+
+def _saving_signal(category: Category) -> tuple[RankSignal, list[int]]:
+    """A signal of ``category`` and the ranks its cause covers: a stage's two ranks, or rank 3."""
+    if category == Category.STAGE_IMBALANCE:
+        return _signal(category, -1, ranks=(2, 3), subject="stage:1", evidence={"stage": 1}), [2, 3]
+    return _signal(category, 3), [3]
+
+
+@pytest.mark.parametrize("category", list(REGISTRY))
+def test_a_finding_opens_while_its_saving_stands_out_from_the_jobs_noise_and_closes_when_it_no_longer_does(
+    category: Category,
+) -> None:
+    """Steps that jitter by 2 ms: a saving of 4 ms in one iteration only opens nothing (its mean over 8, 0.5 ms,
+    is within the noise of such a mean, 0.71 ms); in 6 iterations in a row 10 ms opens the finding; then 0.5 ms
+    a step, 5 times the budget's floor but within the noise, closes it (with no noise, it would stay open).
+    A job-level category is not the replay's: its signal passes whatever the savings (its own test opens it)."""
+    noise = iteration_noise_ns([100e6 + (2e6 if i % 2 else 0.0) for i in range(10)])
+    assert noise == pytest.approx(2e6)
+    if category not in CREDITED_BY:
+        assert REGISTRY[category].job_level
+        sig = _signal(category, -1, ranks=(0, 1))
+        history = SavingHistory(8)
+        history.observe(0, credits_of([]))
+        assert attribute(
+            [sig], credits_of([]), history, 1e6, Priced(frozenset({0, 1}), frozenset({0, 1})), None, noise
+        ) == [sig]
+        return
+    sig, ranks = _saving_signal(category)
+    priced = Priced(work=frozenset(ranks), transfer=frozenset(ranks))
+    history, tracker = SavingHistory(AttributionConfig().window), FindingTracker("job")
+    savings = [0.0] * 3 + [4e6] + [0.0] * 8 + [10e6] * 6 + [0.5e6] * 20
+    opened: list[int] = []
+    closed: list[int] = []
+    for it, saving in enumerate(savings):
+        stage = 1 if category == Category.STAGE_IMBALANCE else -1
+        credits = credits_of([Cause(_CAUSE_OF[category], tuple(ranks), "", stage, saving, saving, saving)])
+        history.observe(it, credits)
+        kept = attribute([sig], credits, history, 1e6, priced, None, noise)
+        assert all(s.category == category for s in kept)
+        for record in tracker.observe(it, kept):
+            (opened if record["status"] == "open" else closed if record["status"] == "closed" else []).append(it)
+    assert opened == [14] and len(closed) == 1 and closed[0] > 17
