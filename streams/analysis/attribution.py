@@ -25,7 +25,6 @@ what-if's to judge: with no ring moving the same bytes, there is no pace to brin
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -162,20 +161,22 @@ class SavingHistory:
 
 
 def iteration_noise_ns(iteration_ns: Sequence[float]) -> float:
-    """The job's own iteration-to-iteration noise: the median change between consecutive iterations (a one-off
-    slow iteration moves it by nothing), 0 before there are two changes to take it from."""
+    """The job's own iteration-to-iteration noise: the median distance of its iterations' times from their
+    median (one-off slow iterations, a glitch or a checkpoint, move it by little; consecutive differences
+    would count each twice), 0 with fewer than 3 iterations to take it from."""
     if len(iteration_ns) < 3:
         return 0.0
-    return float(np.median(np.abs(np.diff(np.asarray(iteration_ns, dtype=np.float64)))))
+    times = np.asarray(iteration_ns, dtype=np.float64)
+    return float(np.median(np.abs(times - np.median(times))))
 
 
 def stands_out(saving_ns: float, recent_ns: float, floor_ns: float, noise_ns: float, window: int) -> bool:
     """The one test of every priced category: a cause's saving reaches ``floor_ns`` and stands out from the
-    job's own iteration-to-iteration noise, in this iteration (``saving_ns`` above the noise) or on average
-    over the ``window`` (``recent_ns`` above the noise of a mean of that many iterations: a cause that shows
-    every few iterations, or one steady but small). Persistence is the finding tracker's: it opens a finding
-    whose saving stood out in enough iterations of its window, and closes it after enough without."""
-    above_noise = saving_ns >= noise_ns or recent_ns >= noise_ns / math.sqrt(window)
+    job's own iteration-to-iteration noise (``noise_ns``, one iteration's), in this iteration (``saving_ns``)
+    or summed over the ``window`` (``recent_ns`` is its mean: a cause that shows every few iterations, or a
+    steady one within one iteration's jitter). Persistence is the finding tracker's: it opens a finding whose
+    saving stood out in enough iterations of its window, and closes it after enough without."""
+    above_noise = saving_ns >= noise_ns or recent_ns * window >= noise_ns
     return above_noise and max(saving_ns, recent_ns) >= floor_ns
 
 
