@@ -153,3 +153,33 @@ def test_a_finding_opens_while_its_saving_stands_out_from_the_jobs_noise_and_clo
         for record in tracker.observe(it, kept):
             (opened if record["status"] == "open" else closed if record["status"] == "closed" else []).append(it)
     assert opened == [20] and len(closed) == 1 and closed[0] > 23
+
+
+def test_a_victims_straggler_and_a_host_signal_its_stage_credits_are_dropped_the_culprits_kept() -> None:
+    """The judge's arithmetic on one iteration's causes (sim dp x tp and tg dp x tp x pp cases of the quality
+    bench): rank 16 late by 25 ms whose own fix saves 3.5 ms mostly waited; a late starter saving 5.6 ms of
+    5.6 ms late is the straggler; a host signal on rank 11 credited only by its stage's 0.1 ms is dropped, its
+    rank's own 2 ms host work keeps rank 10's; a stage saving 0.4 ms of a 0.77 ms budget names no stage."""
+    causes = [
+        Cause("rank_compute", (16,), "", -1, 5e6, 3.5e6, 3.5e6),
+        Cause("rank_compute", (1,), "", -1, 5.6e6, 5.6e6, 5.6e6),
+        Cause("rank_host", (10,), "", -1, 2e6, 2e6, 2e6),
+        Cause("stage_compute", (10, 11), "", 1, 1e5, 1e5, 1e5),
+        Cause("stage_compute", (12, 13), "", 2, 4e5, 4e5, 4e5),
+    ]
+    credits = credits_of(causes)
+    history = SavingHistory(8)
+    history.observe(0, credits)
+    signals = [
+        _signal(Category.STRAGGLER, 16, loss_ns=25e6),
+        _signal(Category.STRAGGLER, 1, loss_ns=5.6e6),
+        _signal(Category.HOST_SLOW, 10, loss_ns=3.8e6),
+        _signal(Category.HOST_SLOW, 11, loss_ns=3.8e6),
+        _signal(Category.STRAGGLER, 13, loss_ns=4e6),
+    ]
+    priced = Priced(work=frozenset({1, 10, 11, 12, 13, 16}))
+    kept = attribute(signals, credits, history, 0.77e6, priced)
+    assert [(s.category, s.rank, s.loss_ns) for s in kept] == [
+        (Category.STRAGGLER, 1, 5.6e6),
+        (Category.HOST_SLOW, 10, 2e6),
+    ]
