@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller suite (no 512-rank runs)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", help="also write per-scenario outcomes to this file")
+    ap.add_argument("--only", action="append", default=[], help="only scenarios whose name has this (repeatable)")
     ap.add_argument(
         "--scoring-processes", type=int, default=0, help="score each job's iterations in this many processes"
     )
@@ -347,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         replace(sc, flush_interval_ms=args.flush_interval_ms) for sc in suite(args.quick)
     ]
     scenarios += trace_suite(args.quick)
+    if args.only:
+        scenarios = [sc for sc in scenarios if any(part in sc.name for part in args.only)]
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     # not a multiprocessing.Pool: its daemonic processes may not start scoring processes of their own
