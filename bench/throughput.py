@@ -62,7 +62,8 @@ from fleetscope.config import load_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode, encode_event_batch
 from fleetscope.sinks import current_findings
-from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
+from fleetscope.sinks.sink import Sink
+from fleetscope.stack import PROFILE_DIR_ENV, EmbeddedStack, StreamWorkerProcess
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis import patterns as patterns_module
 from fleetscope.streams.analysis.differential import JobDifferential
@@ -348,6 +349,43 @@ def profile_b(messages: list[bytes], top: int) -> str:
     return "\n".join(lines[start : start + top + 1])
 
 
+def top_costs(path: str, top: int) -> str:
+    """The ``top`` functions of a cProfile dump (CPU clocks) by own time, each with its share of the total:
+    the worker's startup, imports included, is in it."""
+    stats = pstats.Stats(path)
+    total = max(stats.total_tt, 1e-9)  # type: ignore[attr-defined]
+    ranked = sorted(((tt, ct, nc, f) for f, (_, nc, tt, ct, _) in stats.stats.items()), reverse=True)  # type: ignore[attr-defined]
+    lines = [f"CPU {total:.2f} s", f"{'own s':>7} {'share':>6} {'cum s':>7} {'calls':>7}  function"]
+    for tt, ct, nc, (file, line, name) in ranked[:top]:
+        where = f"{file.split('site-packages/')[-1].replace(os.getcwd() + '/', '')}:{line}" if line else ""
+        lines.append(f"{tt:>7.3f} {tt / total:>6.1%} {ct:>7.3f} {nc:>7}  {name} {where}")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def profiled_pipeline(folder: str) -> Iterator[None]:
+    """Run the stack's workers under cProfile (``PROFILE_DIR_ENV``) and the sink's consume thread too, on
+    that thread's CPU clock (chDB's own threads are not in it): ``worker.prof`` and ``sink.prof`` in ``folder``."""
+    run = Sink.run
+
+    def sink_run(self: Sink, stop: object) -> None:
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        try:
+            run(self, stop)  # type: ignore[arg-type]
+        finally:
+            prof.disable()
+            prof.dump_stats(os.path.join(folder, "sink.prof"))
+
+    os.environ[PROFILE_DIR_ENV] = folder
+    Sink.run = sink_run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Sink.run = run  # type: ignore[method-assign]
+        del os.environ[PROFILE_DIR_ENV]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=32)
@@ -367,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         "--windower-workers", type=int, default=2, help="(c N) also runs (c) with this many windower workers (1: no)"
     )
     ap.add_argument("--profile-top", type=int, default=15)
+    ap.add_argument(
+        "--profile-e2e", action="store_true", help="one more (c full) run, its worker and sink under cProfile"
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
 
@@ -502,6 +543,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\ncommits that moved the ratios (commit: figure, what):")
     for commit, figure, what in GAINS:
         print(f"  {commit}: {figure}; {what}")
+    if args.profile_e2e:
+        with tempfile.TemporaryDirectory(prefix="fleetscope-bench-profile-") as folder:
+            with profiled_pipeline(folder), tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-") as store:
+                end_to_end(sim, batches, events, args.timeout_s, store, 0, STAGES)
+            for part in ("worker", "sink"):
+                print(f"\ncProfile of (c full)'s {part}, top {args.profile_top} by own time:")
+                print(top_costs(os.path.join(folder, f"{part}.prof"), args.profile_top))
     print(f"\ncProfile of (b), top {args.profile_top} by own time:")
     print(profile_b(messages, args.profile_top))
     return 0
