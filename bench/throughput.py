@@ -444,18 +444,20 @@ def main(argv: list[str] | None = None) -> int:
         "b_diff": ("(b') (b) + differential", lambda: windowing(messages, differential=True)),
     }
     rates, cpu_runs = timed(stages, events, args.repeat)
+    # One process opens one chDB path: every stack of this run stores there, each in its own database.
+    store_dir = tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-")
+    store = store_dir.name
     e2e: dict[str, dict[str, float]] = {}
     if not args.no_e2e:
         n = args.windower_workers
         kinds = {"c": (("windower",), 1), "c_full": (STAGES, 1)} | ({"c_n": (("windower",), n)} if n > 1 else {})
         runs: dict[str, list[dict[str, float]]] = {key: [] for key in kinds}
-        with tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-") as store:
-            for i in range(args.e2e_runs):  # in turns, so a change in the machine's load hits all alike
-                for j, (key, (stages, workers)) in enumerate(kinds.items()):
-                    take = args.take_max_events
-                    runs[key].append(
-                        end_to_end(sim, batches, events, args.timeout_s, store, 3 * i + j, stages, take, workers)
-                    )
+        for i in range(args.e2e_runs):  # in turns, so a change in the machine's load hits all alike
+            for j, (key, (stages, workers)) in enumerate(kinds.items()):
+                take = args.take_max_events
+                runs[key].append(
+                    end_to_end(sim, batches, events, args.timeout_s, store, 3 * i + j, stages, take, workers)
+                )
         for key, done in runs.items():
             e2e[key] = {k: statistics.median(r[k] for r in done) for k in done[0]}
         e2e["c_full"]["found_rank7"] = float(all(r["found_rank7"] for r in runs["c_full"]))
@@ -548,13 +550,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {commit}: {figure}; {what}")
     if args.profile_e2e:
         with tempfile.TemporaryDirectory(prefix="fleetscope-bench-profile-") as folder:
-            with profiled_pipeline(folder), tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-") as store:
-                end_to_end(sim, batches, events, args.timeout_s, store, 0, STAGES)
+            with profiled_pipeline(folder):
+                end_to_end(sim, batches, events, args.timeout_s, store, 3 * args.e2e_runs + 3, STAGES)
             for part in ("worker", "sink"):
                 print(f"\ncProfile of (c full)'s {part}, top {args.profile_top} by own time:")
                 print(top_costs(os.path.join(folder, f"{part}.prof"), args.profile_top))
     print(f"\ncProfile of (b), top {args.profile_top} by own time:")
     print(profile_b(messages, args.profile_top))
+    store_dir.cleanup()
     return 0
 
 
