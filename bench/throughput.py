@@ -90,9 +90,10 @@ GAINS: tuple[tuple[str, str, str], ...] = (
      "index from one sort, their counts reused (score_records over this job's 20 iterations, best/median of 7: "
      "153.6/164.1 -> 127.9/133.7 ms; b'/a: median of 5 rounds, one run each, load 5-7; c full/a after: 0.270, "
      "where the scoring is about 0.13 of the worker's 1.04 CPU s)"),
-    ("9c4b7c4", "c full broker CPU -21 %; c full/a 0.276 -> 0.280 (within the runs' spread)",
-     "the worker's producer batches up to 512 KiB, not 16 KiB: a take's pattern records share a batch (broker "
-     "CPU s, 3 runs each: 0.25/0.19/0.19 -> 0.13/0.15/0.16; worker 1.18/1.06/0.99 -> 0.95/1.00/1.00)"),
+    ("9c4b7c4", "c full/a 0.236 -> 0.264 (+12 %), worker CPU -11 %, broker CPU -30 %",
+     "the worker's producer batches up to 512 KiB, not 16 KiB: a take's pattern records share a batch (c full "
+     "alone, 16 KiB and 512 KiB in turns, 3 runs each: c full/a 0.241/0.223/0.236 -> 0.279/0.264/0.256; CPU s "
+     "worker 1.06/1.07/1.06 -> 0.92/0.95/0.95, broker 0.16/0.15/0.15 -> 0.10/0.11/0.11)"),
 )  # fmt: skip
 """The commits that moved the ratios (commit, figure, what), by hand: a change of speed adds its line."""
 
