@@ -62,7 +62,8 @@ from fleetscope.config import load_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode, encode_event_batch
 from fleetscope.sinks import current_findings
-from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
+from fleetscope.sinks.sink import Sink
+from fleetscope.stack import PROFILE_DIR_ENV, EmbeddedStack, StreamWorkerProcess
 from fleetscope.streams import STAGES
 from fleetscope.streams.analysis import patterns as patterns_module
 from fleetscope.streams.analysis.differential import JobDifferential
@@ -89,6 +90,10 @@ GAINS: tuple[tuple[str, str, str], ...] = (
      "index from one sort, their counts reused (score_records over this job's 20 iterations, best/median of 7: "
      "153.6/164.1 -> 127.9/133.7 ms; b'/a: median of 5 rounds, one run each, load 5-7; c full/a after: 0.270, "
      "where the scoring is about 0.13 of the worker's 1.04 CPU s)"),
+    ("9c4b7c4", "c full/a 0.236 -> 0.264 (+12 %), worker CPU -11 %, broker CPU -30 %",
+     "the worker's producer batches up to 512 KiB, not 16 KiB: a take's pattern records share a batch (c full "
+     "alone, 16 KiB and 512 KiB in turns, 3 runs each: c full/a 0.241/0.223/0.236 -> 0.279/0.264/0.256; CPU s "
+     "worker 1.06/1.07/1.06 -> 0.92/0.95/0.95, broker 0.16/0.15/0.15 -> 0.10/0.11/0.11)"),
 )  # fmt: skip
 """The commits that moved the ratios (commit, figure, what), by hand: a change of speed adds its line."""
 
@@ -348,6 +353,43 @@ def profile_b(messages: list[bytes], top: int) -> str:
     return "\n".join(lines[start : start + top + 1])
 
 
+def top_costs(path: str, top: int) -> str:
+    """The ``top`` functions of a cProfile dump (CPU clocks) by own time, each with its share of the total:
+    the worker's startup, imports included, is in it."""
+    stats = pstats.Stats(path)
+    total = max(stats.total_tt, 1e-9)  # type: ignore[attr-defined]
+    ranked = sorted(((tt, ct, nc, f) for f, (_, nc, tt, ct, _) in stats.stats.items()), reverse=True)  # type: ignore[attr-defined]
+    lines = [f"CPU {total:.2f} s", f"{'own s':>7} {'share':>6} {'cum s':>7} {'calls':>7}  function"]
+    for tt, ct, nc, (file, line, name) in ranked[:top]:
+        where = f"{file.split('site-packages/')[-1].replace(os.getcwd() + '/', '')}:{line}" if line else ""
+        lines.append(f"{tt:>7.3f} {tt / total:>6.1%} {ct:>7.3f} {nc:>7}  {name} {where}")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def profiled_pipeline(folder: str) -> Iterator[None]:
+    """Run the stack's workers under cProfile (``PROFILE_DIR_ENV``) and the sink's consume thread too, on
+    that thread's CPU clock (chDB's own threads are not in it): ``worker.prof`` and ``sink.prof`` in ``folder``."""
+    run = Sink.run
+
+    def sink_run(self: Sink, stop: object) -> None:
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        try:
+            run(self, stop)  # type: ignore[arg-type]
+        finally:
+            prof.disable()
+            prof.dump_stats(os.path.join(folder, "sink.prof"))
+
+    os.environ[PROFILE_DIR_ENV] = folder
+    Sink.run = sink_run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Sink.run = run  # type: ignore[method-assign]
+        del os.environ[PROFILE_DIR_ENV]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=32)
@@ -367,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         "--windower-workers", type=int, default=2, help="(c N) also runs (c) with this many windower workers (1: no)"
     )
     ap.add_argument("--profile-top", type=int, default=15)
+    ap.add_argument(
+        "--profile-e2e", action="store_true", help="one more (c full) run, its worker and sink under cProfile"
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
 
@@ -400,18 +445,20 @@ def main(argv: list[str] | None = None) -> int:
         "b_diff": ("(b') (b) + differential", lambda: windowing(messages, differential=True)),
     }
     rates, cpu_runs = timed(stages, events, args.repeat)
+    # One process opens one chDB path: every stack of this run stores there, each in its own database.
+    store_dir = tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-")
+    store = store_dir.name
     e2e: dict[str, dict[str, float]] = {}
     if not args.no_e2e:
         n = args.windower_workers
         kinds = {"c": (("windower",), 1), "c_full": (STAGES, 1)} | ({"c_n": (("windower",), n)} if n > 1 else {})
         runs: dict[str, list[dict[str, float]]] = {key: [] for key in kinds}
-        with tempfile.TemporaryDirectory(prefix="fleetscope-bench-store-") as store:
-            for i in range(args.e2e_runs):  # in turns, so a change in the machine's load hits all alike
-                for j, (key, (stages, workers)) in enumerate(kinds.items()):
-                    take = args.take_max_events
-                    runs[key].append(
-                        end_to_end(sim, batches, events, args.timeout_s, store, 3 * i + j, stages, take, workers)
-                    )
+        for i in range(args.e2e_runs):  # in turns, so a change in the machine's load hits all alike
+            for j, (key, (stages, workers)) in enumerate(kinds.items()):
+                take = args.take_max_events
+                runs[key].append(
+                    end_to_end(sim, batches, events, args.timeout_s, store, 3 * i + j, stages, take, workers)
+                )
         for key, done in runs.items():
             e2e[key] = {k: statistics.median(r[k] for r in done) for k in done[0]}
         e2e["c_full"]["found_rank7"] = float(all(r["found_rank7"] for r in runs["c_full"]))
@@ -502,8 +549,16 @@ def main(argv: list[str] | None = None) -> int:
     print("\ncommits that moved the ratios (commit: figure, what):")
     for commit, figure, what in GAINS:
         print(f"  {commit}: {figure}; {what}")
+    if args.profile_e2e:
+        with tempfile.TemporaryDirectory(prefix="fleetscope-bench-profile-") as folder:
+            with profiled_pipeline(folder):
+                end_to_end(sim, batches, events, args.timeout_s, store, 3 * args.e2e_runs + 3, STAGES)
+            for part in ("worker", "sink"):
+                print(f"\ncProfile of (c full)'s {part}, top {args.profile_top} by own time:")
+                print(top_costs(os.path.join(folder, f"{part}.prof"), args.profile_top))
     print(f"\ncProfile of (b), top {args.profile_top} by own time:")
     print(profile_b(messages, args.profile_top))
+    store_dir.cleanup()
     return 0
 
 

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 
 SINK_GROUP_PREFIX = "fleetscope-sink-"
+PROFILE_DIR_ENV = "FLEETSCOPE_WORKER_PROFILE_DIR"
+"""Set, each stream worker runs under cProfile and writes ``<dir>/<name>.prof`` when it stops (benches only)."""
 
 
 def private_dir(path: str | Path) -> Path:
@@ -96,11 +98,37 @@ def sink_config(config: Config) -> SinkConfig:
     )
 
 
+_PROFILED_MAIN = """import cProfile, runpy, sys, time
+out = sys.argv.pop(1)
+profile = cProfile.Profile(time.process_time)
+profile.enable()
+try:
+    runpy.run_module("fleetscope", run_name="__main__", alter_sys=True)
+finally:
+    profile.disable()
+    profile.dump_stats(out)
+"""
+"""``python -m fleetscope`` under cProfile on the process's CPU clock (``-m cProfile`` has the wall's, which
+counts the worker's waits and the time a loaded machine leaves it unscheduled), dumped however it exits."""
+
+
+def worker_command(config_path: Path, web_port: int, name: str, profile_dir: str | None = None) -> list[str]:
+    """``fleetscope worker``'s command line; with ``profile_dir`` under cProfile, which writes
+    ``<profile_dir>/<name>.prof`` when the worker stops (a bench's profile of the whole worker)."""
+    main = ["-c", _PROFILED_MAIN, str(Path(profile_dir) / f"{name}.prof")] if profile_dir else ["-m", "fleetscope"]
+    return [
+        sys.executable,
+        *main,
+        *("worker", "--config", str(config_path), "--web-port", str(web_port), "--log-level", "INFO"),
+    ]
+
+
 class StreamWorkerProcess:
     """``fleetscope worker`` in a child process, with its own log file."""
 
     def __init__(self, config: Config, name: str = "worker") -> None:
         self.config = config
+        self.name = name
         self.data_dir = Path(config.data_dir)
         self.log_path = self.data_dir / f"{name}.log"
         self.config_path = self.data_dir / f"{name}-config.json"
@@ -115,18 +143,7 @@ class StreamWorkerProcess:
             json.dump(settings, f)
         self.log_path.touch()
         log_from = self.log_path.stat().st_size
-        cmd = [
-            sys.executable,
-            "-m",
-            "fleetscope",
-            "worker",
-            "--config",
-            str(self.config_path),
-            "--web-port",
-            str(free_port()),
-            "--log-level",
-            "INFO",
-        ]
+        cmd = worker_command(self.config_path, free_port(), self.name, os.environ.get(PROFILE_DIR_ENV))
         self._proc = subprocess.Popen(  # noqa: S603 - our own module, no shell
             cmd,
             stdout=subprocess.DEVNULL,
