@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, steady_period
 from fleetscope.streams.analysis.roles import role_codes
+from fleetscope.streams.analysis.timeline import compute_total_ns
 
 CAUSE_KINDS = ("rank_compute", "rank_host", "stage_compute", "group_transfer", "rank_transfer", "host_transfer")
 """The kinds of candidate cause, in the order they are built."""
@@ -101,9 +102,13 @@ def median_of_others(values: F64) -> F64:
     return 0.5 * (others_at(m // 2 - 1) + others_at(m // 2))
 
 
-def _rank_candidates(graph: CallGraph, roles: I64, top: int) -> list[_Candidate]:
+def _rank_candidates(graph: CallGraph, roles: I64, top: int, compute_total: F64 | None = None) -> list[_Candidate]:
     """Per rank: its compute and its other work above its peers' at each call (peers: same role, same count);
-    only the ``top`` by excess are built (in the order they come, among equals)."""
+    only the ``top`` by excess are built (in the order they come, among equals).
+
+    A rank's compute excess is at most its whole iteration's compute above its peers' (``compute_total``, per
+    record, NaN: unknown): a peer that kept computing while it waited for the slow rank shows no work before
+    its next call, and that call's median would take the slow rank's whole work there for excess."""
     counts = np.diff(graph.first)
     key = roles * (int(counts.max()) + 2 if counts.size else 1) + counts
     parts: list[tuple[str, I64, I64, F64]] = []  # (kind, rows, calls, cut) of each role and part
@@ -121,7 +126,14 @@ def _rank_candidates(graph: CallGraph, roles: I64, top: int) -> list[_Candidate]
         if known:
             comp = np.minimum(comp, work)
             split = [("rank_compute", comp), ("rank_host", work - comp)]
-        parts += [(kind, rows, calls, np.maximum(values - median_of_others(values), 0.0)) for kind, values in split]
+        cuts = [np.maximum(values - median_of_others(values), 0.0) for _, values in split]
+        totals = compute_total[rows] if compute_total is not None and known else None
+        if totals is not None and not np.isnan(totals).any():
+            cap = np.maximum(totals - median_of_others(totals[:, None])[:, 0], 0.0)
+            counted = np.concatenate([graph.leads[calls], np.ones((rows.size, 1), dtype=bool)], axis=1)
+            summed = np.where(counted, cuts[0], 0.0).sum(axis=1)  # calls entered together share one work
+            cuts[0] = cuts[0] * np.where(summed > cap, cap / np.maximum(summed, 1.0), 1.0)[:, None]
+        parts += [(kind, rows, calls, cut) for (kind, _), cut in zip(split, cuts, strict=True)]
     if not parts:
         return []
     # each candidate's excess as its property sums it (the calls', then the tail's), in the order they come
@@ -329,7 +341,9 @@ def what_if(
     role = role_codes([dict(r) for r in records]) if roles is None else roles
     stages = np.array([int(r.get("pp_rank", -1)) for r in records], dtype=np.int64)
     hosts = np.array([str(r.get("host", "")) for r in records])
-    ranked = sorted(_rank_candidates(g, role, top) + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
+    compute_total = np.array([compute_total_ns(r) for r in records])
+    rank_candidates = _rank_candidates(g, role, top, compute_total)
+    ranked = sorted(rank_candidates + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
     chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
     if not chosen:
         return []
