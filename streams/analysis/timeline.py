@@ -108,9 +108,21 @@ def compute_total_ns(record: Mapping[str, Any]) -> float:
     building the timeline: one sum per field."""
     less_gap = record.get("sync_compute_less_gap_us")
     tail = int(record.get("sync_tail_compute_us", -1))
-    if not less_gap or tail < 0:
+    if less_gap is None or len(less_gap) == 0 or tail < 0:
         return float("nan")
     return float((sum(less_gap) + sum(record["sync_gap_us"]) + tail) * US)
+
+
+def compute_windows_ns(record: Mapping[str, Any]) -> npt.NDArray[np.float64] | None:
+    """The rank's GPU compute in each call's window (from the previous call's enter to its own), then in its
+    tail (from its last call's enter to the iteration's end): ``timeline_of``'s, read from the wire fields
+    alone; None where its kernels are unknown or it has no timeline."""
+    less_gap = record.get("sync_compute_less_gap_us")
+    tail = int(record.get("sync_tail_compute_us", -1))
+    if less_gap is None or len(less_gap) == 0 or tail < 0:
+        return None
+    windows = np.asarray(less_gap, dtype=np.float64) + np.asarray(record["sync_gap_us"], dtype=np.float64)
+    return np.append(windows, float(tail)) * US
 
 
 def _undo_seq_deltas(function: I64, deltas: I64) -> I64:
