@@ -6,7 +6,9 @@ For every single-fault scenario of the quality suite (``bench/quality.py --quick
 trace generator's), the same job (same seed, same noise) is run with and without its fault; the true cost is
 the difference of the job's step time from the fault's onset on (the slowest rank's mean: over a run the
 others wait for it). The finding that names the fault's ranks gives ``est_loss_ns``. Printed per scenario:
-true and estimated ms, the error, and per fault kind how many land within +-20 %. A fault that costs the job
+true and estimated ms, the error, whether a finding names exactly the fault's ranks (simulated: in its
+category; the culprit), how many name none of them (victims), and per fault kind how many land within +-20 %.
+A fault that costs the job
 nothing has no row (nothing to name; ``quality.FREE_FAULT_SHARE``), nor one that acts on every few
 iterations only (a finding's loss is the mean over the iterations it was flagged in).
 
@@ -42,8 +44,9 @@ def _sim_step_ms(cfg: object, onset: int) -> tuple[float, list[dict[str, object]
     return max(statistics.mean(v) for v in per_rank.values()), result.findings
 
 
-def priced(scenario: object) -> tuple[str, str, float, float] | None:
-    """(kind, name, true ms, estimated ms) of one single-fault scenario; None: healthy, double or free."""
+def priced(scenario: object) -> tuple[str, str, float, float, bool, int] | None:
+    """(kind, name, true ms, estimated ms, culprit right, victims) of one single-fault scenario; None: healthy,
+    double or free."""
     if scenario.kind in ("healthy", "double", "hang", "job_slowdown") or "every" in scenario.name:
         return None  # no single peer fault, or one acting on some iterations only (a finding's loss is per flagged one)
     if isinstance(scenario, quality.TraceScenario):
@@ -51,7 +54,7 @@ def priced(scenario: object) -> tuple[str, str, float, float] | None:
         faulty, twin = quality._analyzed(job), quality._analyzed(replace(job, fault="healthy"))
         twin_ms = quality._step_ms(twin)
         true_ms = quality._step_ms(faulty) - twin_ms
-        ranks, findings = set(job.culprits()), faulty.findings
+        ranks, findings, categories = set(job.culprits()), faulty.findings, None
     else:
         cfg = scenario.config()
         onset = min(f.onset for f in cfg.expected_findings())
@@ -59,11 +62,13 @@ def priced(scenario: object) -> tuple[str, str, float, float] | None:
         twin_ms, _ = _sim_step_ms(replace(cfg, faults=()), onset)
         true_ms = faulty_ms - twin_ms
         ranks = {r for f in cfg.expected_findings() for r in f.ranks}
+        categories = {f.category for f in cfg.expected_findings()}
     if true_ms < quality.FREE_FAULT_SHARE * twin_ms:
         return None
     named = [f for f in findings if set(f["ranks"]) & ranks]
     est_ms = max((float(f["est_loss_ns"]) / 1e6 for f in named), default=0.0)
-    return scenario.kind, scenario.name, true_ms, est_ms
+    right = any(set(f["ranks"]) == ranks and (categories is None or f["category"] in categories) for f in named)
+    return scenario.kind, scenario.name, true_ms, est_ms, right, len(findings) - len(named)
 
 
 def main() -> int:
@@ -75,12 +80,13 @@ def main() -> int:
     scenarios = [s for s in [*quality.suite(True), *quality.trace_suite(True)] if not wanted or s.kind in wanted]
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
         rows = [r for r in pool.map(priced, scenarios) if r is not None]
-    print(f"{'scenario':62s} {'true ms':>9s} {'est ms':>9s} {'err %':>7s}")
+    print(f"{'scenario':62s} {'true ms':>9s} {'est ms':>9s} {'err %':>7s} {'culprit':>7s} {'victims':>7s}")
     by_kind: dict[str, list[float]] = {}
-    for kind, name, true_ms, est_ms in rows:
+    for kind, name, true_ms, est_ms, right, victims in rows:
         err = est_ms / true_ms - 1
         by_kind.setdefault(kind, []).append(err)
-        print(f"{name:62s} {true_ms:9.2f} {est_ms:9.2f} {100 * err:+7.1f}")
+        right_text = "yes" if right else "NO"
+        print(f"{name:62s} {true_ms:9.2f} {est_ms:9.2f} {100 * err:+7.1f} {right_text:>7s} {victims:7d}")
     print(f"\n{'fault kind':20s} {'n':>3s} {'within 20 %':>12s} {'median err %':>13s}")
     for kind, errs in sorted(by_kind.items()):
         ok = sum(abs(e) <= WITHIN for e in errs)

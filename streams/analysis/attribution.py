@@ -12,9 +12,11 @@ stage's), or its transfers (its rings, its host's NIC). Then:
 3. a rank whose stage's fix saves more, on average, than its own belongs to a ``stage_imbalance``: the
    stage is named (from the stage's cause where the stage test named none), not the rank; a stage finding
    one of whose ranks saves as much is that rank's.
-A signal the what-if cannot price passes with its own evidence and loss: a rank with no peer of its role
+A signal the what-if cannot price by a peer passes with its own evidence: a rank with no peer of its role
 (nothing to bring it to), a rank's link samples where its rings have no like ring (the same op and bytes in
-another process group, ``whatif.compared_rings``: a flat job's one ring). A ring's pace against other rings'
+another process group, ``whatif.compared_rings``: a flat job's one ring). Its loss is its own excess replayed
+(``claims_of``): what the iteration saves without it, not the excess itself (a slow all-reduce that the
+backward overlaps costs only what sticks out of it). A ring's pace against other rings'
 is always the what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to.
 Job-level signals (regression, hang) and iterations without timelines pass unchanged.
 """
@@ -34,7 +36,7 @@ from fleetscope.schemas.categories import REGISTRY, Credit
 from fleetscope.streams.analysis.links import RING_PACE_METRIC
 from fleetscope.streams.analysis.replay import CallGraph
 from fleetscope.streams.analysis.signals import RankSignal
-from fleetscope.streams.analysis.whatif import Cause, compared_rings
+from fleetscope.streams.analysis.whatif import CLAIMED, Cause, Claim, compared_rings
 from fleetscope.streams.settings import AttributionConfig
 
 WORK, TRANSFER = Credit.WORK.value, Credit.TRANSFER.value
@@ -83,6 +85,21 @@ class Credits:
     """Rank -> the credit of its own work alone (its compute and host, not its stage's)."""
     stage: Mapping[int, tuple[float, tuple[int, ...]]]
     """Stage -> the credit of its compute, and its ranks."""
+    claimed: Mapping[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
+    """(``WORK`` or ``TRANSFER``, ranks) -> what a claim (``claims_of``) saves beyond the top cause."""
+
+
+def claims_of(signals: Sequence[RankSignal], priced: Priced) -> list[Claim]:
+    """The excess each signal the what-if cannot price by a peer claims (its loss), one per what and ranks
+    (the largest), for ``whatif.what_if`` to replay."""
+    out: dict[tuple[str, tuple[int, ...]], float] = {}
+    for sig in signals:
+        what = CREDITED_BY.get(sig.category)
+        ranks = tuple(sorted(sig.member_ranks()))
+        if what is None or sig.metric == RING_PACE_METRIC or set(ranks) <= priced.of(what):
+            continue
+        out[(what, ranks)] = max(out.get((what, ranks), 0.0), sig.loss_ns)
+    return [Claim(Credit(what), ranks, excess) for (what, ranks), excess in out.items()]
 
 
 def credits_of(causes: Iterable[Cause]) -> Credits:
@@ -90,7 +107,12 @@ def credits_of(causes: Iterable[Cause]) -> Credits:
     rank: dict[tuple[str, int], float] = {}
     own: dict[int, float] = {}
     stage: dict[int, tuple[float, tuple[int, ...]]] = {}
+    claimed: dict[tuple[str, tuple[int, ...]], float] = {}
+    by_claim = {kind: what.value for what, kind in CLAIMED.items()}
     for c in causes:
+        if c.kind in by_claim:
+            claimed[(by_claim[c.kind], tuple(sorted(c.ranks)))] = c.residual_ns
+            continue
         what = WORK if c.kind in CAUSE_KINDS[WORK] else TRANSFER
         for r in c.ranks:
             rank[(what, r)] = max(rank.get((what, r), 0.0), c.residual_ns)
@@ -98,7 +120,7 @@ def credits_of(causes: Iterable[Cause]) -> Credits:
                 own[r] = max(own.get(r, 0.0), c.residual_ns)
         if c.kind == "stage_compute":
             stage[c.stage] = (c.residual_ns, c.ranks)
-    return Credits(rank, own, stage)
+    return Credits(rank, own, stage, claimed)
 
 
 @dataclass
@@ -151,7 +173,10 @@ def attribute(
         members = sig.member_ranks()
         ring_pace = sig.metric == RING_PACE_METRIC  # the ring against others: what the replay prices, always
         if what is None or not (ring_pace or set(members) <= priced.of(what)):
-            out.append(sig)
+            claim = credits.claimed.get((what or "", tuple(sorted(members))))
+            priced_sig = None if claim is None else replace(sig, loss_ns=claim, evidence={**sig.evidence,
+                                                            "replayed_saving_ns": claim})  # fmt: skip
+            out.append(priced_sig or sig)
             continue
         now = max(credits.rank.get((what, r), 0.0) for r in members)
         recent = max(history.mean((what, r)) for r in members)

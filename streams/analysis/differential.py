@@ -16,6 +16,7 @@ from fleetscope.streams.analysis.attribution import (
     Priced,
     SavingHistory,
     attribute,
+    claims_of,
     credits_of,
     priced_ranks,
 )
@@ -529,8 +530,8 @@ def score_records(
         graph = call_graph(ordered, [timelines[i] for i in by_rank], like=cache.graph if cache is not None else None)
         if cache is not None:
             cache.graph = graph
-        causes = what_if(ordered, roles[by_rank], graph)
         priced = priced_ranks(ordered, roles[by_rank], graph)
+        causes = what_if(ordered, roles[by_rank], graph, claims=claims_of(signals, priced))
     return IterationScore(
         hosts=hosts,
         gpus=gpus,

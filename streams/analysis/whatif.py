@@ -29,11 +29,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fleetscope.schemas.categories import Credit
 from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, steady_period
 from fleetscope.streams.analysis.roles import role_codes
+from fleetscope.streams.analysis.timeline import compute_total_ns, compute_windows_ns
 
 CAUSE_KINDS = ("rank_compute", "rank_host", "stage_compute", "group_transfer", "rank_transfer", "host_transfer")
 """The kinds of candidate cause, in the order they are built."""
+CLAIMED = {Credit.WORK: "claimed_work", Credit.TRANSFER: "claimed_transfer"}
+"""The cause kind of a detector's claim (``Claim``), by what it claims is slow."""
 TOP_CANDIDATES = 8
 """Candidates replayed exactly (by excess), besides every stage."""
 SCENARIOS_PER_PASS = 16
@@ -65,6 +69,16 @@ class Cause:
     """What it saves once the top cause is fixed (the top cause: its saving): a victim of the top saves nothing."""
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A detector's excess where the what-if has no peer to bring it to (a rank alone in its role, a ring with
+    no ring like it): its ranks' work, or their rings' transfers, this much longer than they should be."""
+
+    what: Credit
+    ranks: tuple[int, ...]
+    excess_ns: float
+
+
 @dataclass(slots=True)
 class _Candidate:
     kind: str
@@ -77,6 +91,11 @@ class _Candidate:
     """Per row of ``rows``."""
     instances: I64 | None = None
     transfer_cut: F64 | None = None
+    back_calls: I64 | None = None
+    back_ns: F64 | None = None
+    """Work given back after a shortened call (``_overlap_back``): the compute that ran while it lasted."""
+    back_rows: I64 | None = None
+    back_tail_ns: F64 | None = None
 
     @property
     def excess(self) -> float:
@@ -101,9 +120,13 @@ def median_of_others(values: F64) -> F64:
     return 0.5 * (others_at(m // 2 - 1) + others_at(m // 2))
 
 
-def _rank_candidates(graph: CallGraph, roles: I64, top: int) -> list[_Candidate]:
+def _rank_candidates(graph: CallGraph, roles: I64, top: int, compute_total: F64 | None = None) -> list[_Candidate]:
     """Per rank: its compute and its other work above its peers' at each call (peers: same role, same count);
-    only the ``top`` by excess are built (in the order they come, among equals)."""
+    only the ``top`` by excess are built (in the order they come, among equals).
+
+    A rank's compute excess is at most its whole iteration's compute above its peers' (``compute_total``, per
+    record, NaN: unknown): a peer that kept computing while it waited for the slow rank shows no work before
+    its next call, and that call's median would take the slow rank's whole work there for excess."""
     counts = np.diff(graph.first)
     key = roles * (int(counts.max()) + 2 if counts.size else 1) + counts
     parts: list[tuple[str, I64, I64, F64]] = []  # (kind, rows, calls, cut) of each role and part
@@ -121,7 +144,14 @@ def _rank_candidates(graph: CallGraph, roles: I64, top: int) -> list[_Candidate]
         if known:
             comp = np.minimum(comp, work)
             split = [("rank_compute", comp), ("rank_host", work - comp)]
-        parts += [(kind, rows, calls, np.maximum(values - median_of_others(values), 0.0)) for kind, values in split]
+        cuts = [np.maximum(values - median_of_others(values), 0.0) for _, values in split]
+        totals = compute_total[rows] if compute_total is not None and known else None
+        if totals is not None and not np.isnan(totals).any():
+            cap = np.maximum(totals - median_of_others(totals[:, None])[:, 0], 0.0)
+            counted = np.concatenate([graph.leads[calls], np.ones((rows.size, 1), dtype=bool)], axis=1)
+            summed = np.where(counted, cuts[0], 0.0).sum(axis=1)  # calls entered together share one work
+            cuts[0] = cuts[0] * np.where(summed > cap, cap / np.maximum(summed, 1.0), 1.0)[:, None]
+        parts += [(kind, rows, calls, cut) for (kind, _), cut in zip(split, cuts, strict=True)]
     if not parts:
         return []
     # each candidate's excess as its property sums it (the calls', then the tail's), in the order they come
@@ -248,6 +278,68 @@ def _transfer_candidates(graph: CallGraph, hosts: npt.NDArray[np.str_], top: int
     return out
 
 
+def _claim_candidates(graph: CallGraph, ids: Sequence[int], claims: Sequence[Claim]) -> list[_Candidate]:
+    """Each claim as a cut: its ranks' work (between calls and after the last), or their rings' transfers,
+    shortened in proportion by the claimed excess (at most all of it)."""
+    row_of = {r: i for i, r in enumerate(ids)}
+    out = []
+    for claim in claims:
+        rows = np.array(sorted({row_of[r] for r in claim.ranks if r in row_of}), dtype=np.int64)
+        calls = np.flatnonzero(np.isin(graph.row, rows))
+        kind = CLAIMED[claim.what]
+        if claim.what is Credit.WORK:
+            total = float(np.sum(graph.work_ns[calls][graph.leads[calls]]) + np.sum(graph.tail_ns[rows]))
+            f = min(1.0, claim.excess_ns / total) if total > 0 else 0.0
+            out.append(_Candidate(kind, rows, calls=calls, work_cut=graph.work_ns[calls] * f,
+                                  tail_cut=graph.tail_ns[rows] * f))  # fmt: skip
+            continue
+        ins = np.unique(graph.instance[calls])
+        ins = ins[graph.members[ins] >= 2]
+        total = float(np.sum(graph.transfer_ns[ins]))
+        f = min(1.0, claim.excess_ns / total) if total > 0 else 0.0
+        out.append(_Candidate(kind, rows, instances=ins, transfer_cut=graph.transfer_ns[ins] * f))
+    return out
+
+
+def hidden_compute(graph: CallGraph, records: Sequence[Mapping[str, Any]]) -> tuple[F64, F64]:
+    """Per call, the GPU compute the rank ran from its dependency's enter to its own enter beyond the work
+    between them (compute that ran while it waited in the dependency); per record, the same for its tail
+    (from its last-ending call's enter). Zero where the rank's kernels are unknown."""
+    calls, tails = np.zeros(graph.calls), np.zeros(graph.tail_ns.size)
+    for i, rec in enumerate(records):
+        lo, hi = int(graph.first[i]), int(graph.first[i + 1])
+        windows = compute_windows_ns(rec) if hi > lo else None
+        if windows is None or windows.size != hi - lo + 1:
+            continue
+        cum = np.cumsum(windows[:-1])
+        dep = graph.dep[lo:hi]
+        own = dep < graph.calls
+        before = np.where(own, cum[np.clip(dep - lo, 0, hi - lo - 1)], 0.0)
+        calls[lo:hi] = np.maximum(cum - before - graph.work_ns[lo:hi], 0.0)
+        last = int(graph.last[i]) - lo
+        tails[i] = max(float(cum[-1] + windows[-1] - cum[last]) - float(graph.tail_ns[i]), 0.0)
+    return calls, tails
+
+
+def _overlap_back(graph: CallGraph, c: _Candidate, hidden: tuple[F64, F64]) -> None:
+    """A shortened call gives back to the work after it the compute that ran while it lasted (up to the cut):
+    a rank whose GPU kept computing through a slow all-reduce starts its next call no sooner for a faster
+    one (DDP's buckets overlap the backward)."""
+    if c.instances is None or c.transfer_cut is None:
+        return
+    cut_of = np.zeros(graph.transfer_ns.size)
+    cut_of[c.instances] = c.transfer_cut
+    x = cut_of[graph.instance]  # per call, its instance's cut
+    has_dep = graph.dep < graph.calls
+    back = np.where(has_dep, np.minimum(x[np.minimum(graph.dep, graph.calls - 1)], hidden[0]), 0.0)
+    at = np.flatnonzero(back > 0)
+    c.back_calls, c.back_ns = at, back[at]
+    rows = np.flatnonzero(graph.last >= 0)
+    tail_back = np.minimum(x[graph.last[rows]], hidden[1][rows])
+    keep = tail_back > 0
+    c.back_rows, c.back_tail_ns = rows[keep], tail_back[keep]
+
+
 def _first_row(codes: I64, wanted: I64) -> I64:
     """Per wanted code, the first row with it."""
     first = np.full(int(codes.max()) + 1, -1, dtype=np.int64)
@@ -266,6 +358,9 @@ def _cuts(graph: CallGraph, c: _Candidate | None, into: tuple[F64, F64, F64] | N
                                (transfer, c.instances, c.transfer_cut)):  # fmt: skip
             if at is not None and cut is not None:
                 dense[at] = np.maximum(dense[at], cut)
+        for dense, at, back in ((work, c.back_calls, c.back_ns), (tail, c.back_rows, c.back_tail_ns)):
+            if at is not None and back is not None:
+                dense[at] -= back
     return work, tail, transfer
 
 
@@ -300,6 +395,10 @@ def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidat
                 if at is not None and cut is not None:
                     p = at if place is None else place[at]
                     col[p, j] = m[p] - np.maximum(f[at], cut).astype(f32)
+            for col, at, place, back in ((work, c.back_calls, lv.position, c.back_ns),
+                                         (tail, c.back_rows, None, c.back_tail_ns)):  # fmt: skip
+                if at is not None and back is not None:
+                    col[at if place is None else place[at], j] += back.astype(f32)
         out[lo : lo + len(chunk)] = now - steady_period(graph, work, transfer, tail, ordered=True)[0]
     return out
 
@@ -320,46 +419,64 @@ def what_if(
     roles: I64 | None = None,
     graph: CallGraph | None = None,
     top: int = TOP_CANDIDATES,
+    claims: Sequence[Claim] = (),
 ) -> list[Cause]:
     """Candidate causes of one iteration and what fixing each saves: the top cause first (``_first_of``),
-    then by saving.
+    then by saving; then each of ``claims`` (kind ``CLAIMED``), priced beyond the top cause and never it.
 
     ``roles``: one code per record for its role (default ``roles.role_codes``)."""
     g = call_graph(records) if graph is None else graph
     role = role_codes([dict(r) for r in records]) if roles is None else roles
     stages = np.array([int(r.get("pp_rank", -1)) for r in records], dtype=np.int64)
     hosts = np.array([str(r.get("host", "")) for r in records])
-    ranked = sorted(_rank_candidates(g, role, top) + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
-    chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
-    if not chosen:
-        return []
-    saving = _savings(g, chosen)
-    top = _first_of(chosen, saving)
-    # a cause whose own excess could save a share of the top's is priced again with the top fixed: a second
-    # fault saves little alone while the top one holds the same collectives, and its own excess beyond it
-    big = [i for i in range(len(chosen)) if i != top and chosen[i].excess >= RESIDUAL_SHARE * saving[top]]
-    residual = np.zeros(len(chosen))
-    residual[top] = saving[top]
-    if big and saving[top] > 0:
-        residual[big] = _savings(g, [chosen[i] for i in big], chosen[top])
     ids = [int(r.get("rank", i)) for i, r in enumerate(records)]
-    causes = [
-        Cause(kind=c.kind, ranks=tuple(ids[i] for i in c.rows.tolist()), group=c.group, stage=c.stage,
-              excess_ns=c.excess, saving_ns=float(max(s, 0.0)), residual_ns=float(max(x, 0.0)))
-        for c, s, x in zip(chosen, saving, residual, strict=True)
-    ]  # fmt: skip
-    first = causes.pop(top)
-    return [first, *sorted(causes, key=lambda c: -c.saving_ns)]
+    compute_total = np.array([compute_total_ns(r) for r in records])
+    rank_candidates = _rank_candidates(g, role, top, compute_total)
+    ranked = sorted(rank_candidates + _transfer_candidates(g, hosts, top), key=lambda c: -c.excess)
+    chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
+    claimed = _claim_candidates(g, ids, claims)
+    shortened = [c for c in (*chosen, *claimed) if c.transfer_cut is not None and c.transfer_cut.any()]
+    if shortened:
+        hidden = hidden_compute(g, records)
+        for c in shortened:
+            _overlap_back(g, c, hidden)
+    causes: list[Cause] = []
+    top_candidate: _Candidate | None = None
+    if chosen:
+        saving = _savings(g, chosen)
+        best = _first_of(chosen, saving)
+        # a cause whose own excess could save a share of the top's is priced again with the top fixed: a
+        # second fault saves little alone while the top one holds the same collectives, and its own excess
+        big = [i for i in range(len(chosen)) if i != best and chosen[i].excess >= RESIDUAL_SHARE * saving[best]]
+        residual = np.zeros(len(chosen))
+        residual[best] = saving[best]
+        if big and saving[best] > 0:
+            residual[big] = _savings(g, [chosen[i] for i in big], chosen[best])
+        causes = [_cause(c, ids, s, x) for c, s, x in zip(chosen, saving, residual, strict=True)]
+        first = causes.pop(best)
+        causes = [first, *sorted(causes, key=lambda c: -c.saving_ns)]
+        top_candidate = chosen[best] if saving[best] > 0 else None
+    if claimed:
+        alone = _savings(g, claimed)
+        beyond = _savings(g, claimed, top_candidate) if top_candidate is not None else alone
+        causes += [_cause(c, ids, s, x) for c, s, x in zip(claimed, alone, beyond, strict=True)]
+    return causes
+
+
+def _cause(c: _Candidate, ids: Sequence[int], saving: float, residual: float) -> Cause:
+    ranks = tuple(ids[i] for i in c.rows.tolist())
+    return Cause(kind=c.kind, ranks=ranks, group=c.group, stage=c.stage, excess_ns=c.excess,
+                 saving_ns=float(max(saving, 0.0)), residual_ns=float(max(residual, 0.0)))  # fmt: skip
 
 
 def culprit(causes: Sequence[Cause], iteration_ns: float, min_share: float = MIN_SAVING_SHARE) -> Cause | None:
     """The top cause of ``what_if`` where it saves ``min_share`` of the iteration or more. A stage is so the
     cause only where it saves more than any one of its ranks."""
-    if not causes or causes[0].saving_ns < min_share * iteration_ns:
-        return None
+    if not causes or causes[0].kind in CLAIMED.values() or causes[0].saving_ns < min_share * iteration_ns:
+        return None  # a claim is a detector's, priced, never the what-if's own culprit
     return causes[0]
 
 
 def others_named(causes: Sequence[Cause], iteration_ns: float, min_share: float = MIN_SAVING_SHARE) -> list[Cause]:
     """Causes besides the top that still save ``min_share`` of the iteration once it is fixed."""
-    return [c for c in causes[1:] if c.residual_ns >= min_share * iteration_ns]
+    return [c for c in causes[1:] if c.residual_ns >= min_share * iteration_ns and c.kind not in CLAIMED.values()]

@@ -16,6 +16,7 @@ from fleetscope.streams.analysis.attribution import (
     Priced,
     SavingHistory,
     attribute,
+    claims_of,
     credits_of,
     priced_ranks,
 )
@@ -23,7 +24,7 @@ from fleetscope.streams.analysis.links import RING_PACE_METRIC
 from fleetscope.streams.analysis.replay import call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
-from fleetscope.streams.analysis.whatif import compared_rings, what_if
+from fleetscope.streams.analysis.whatif import CLAIMED, Cause, compared_rings, what_if
 
 BUDGET_SHARE = 0.01
 
@@ -117,3 +118,18 @@ def test_transfers_are_priced_exactly_where_the_what_if_compares_rings() -> None
         transfers = [c for c in what_if(records, graph=graph) if c.kind == "group_transfer"]
         assert bool(transfers) is compared
         assert priced_ranks(records, role_codes(records), graph).transfer == frozenset(range(8))
+
+
+def test_a_signal_with_no_peer_to_price_is_its_own_excess_replayed() -> None:
+    """A flat ring's link_slow (no like ring: not priced by a peer) claims 4 ms; the replay of that claim saves
+    2 ms: its loss becomes 2 ms. An iteration without timelines (no claim priced) keeps the detector's loss."""
+    sig = _signal(Category.LINK_SLOW, -1, 4e6, ranks=(0, 1, 2, 3), subject="group:dp0", metric="pcie_cv")
+    (claim,) = claims_of([sig], Priced())
+    assert (claim.ranks, claim.excess_ns) == ((0, 1, 2, 3), 4e6)
+    replayed = Cause(kind=CLAIMED[claim.what], ranks=claim.ranks, group="", stage=-1, excess_ns=4e6,
+                     saving_ns=2e6, residual_ns=2e6)  # fmt: skip
+    history = SavingHistory()
+    (kept,) = attribute([sig], credits_of([replayed]), history, 1e5, Priced())
+    assert kept.loss_ns == 2e6 and kept.evidence["replayed_saving_ns"] == 2e6
+    (unpriced,) = attribute([sig], credits_of([]), history, 1e5, Priced())
+    assert unpriced.loss_ns == 4e6

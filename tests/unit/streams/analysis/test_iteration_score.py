@@ -25,15 +25,15 @@ JOBS = {
 }
 PINNED = {
     "gpu+host, flat": (
-        "3d9ddc1d2f0a994586a684f099e0550400a85025f70870fa317daca9d229ba9a",
-        "f7f30f034adec08a75169cb1e5ea3aca8b6e7bea98aa3e54007f4452f0c642fa",
+        "bc1f629af3a4edbb3eafc5076f22328b4cc3acf8cf2dd6e320947db3710408c5",
+        "10d1d9b4fd249e5ec58edc11d0e41abc8ddd3d0812880a85142f2ed77ebe141e",
     ),
     "link+pcie, tp2 pp2": (
-        "431862394732b89a9280c3b652cabe24044e5e8ec29c81b6312bd132360014ad",
-        "51306dec434ea0a83a9d5528f9223867490cee256c0ebcdca47b494d3be94dbe",
+        "ade1f6a6e0e2ba867db3f19cf781eca039de60a6e7e02d821ca76fad498b066c",
+        "3f10edb9c40d24b62881f7bbffaa971d610cf5663cf46b0cca94ee5a46058f07",
     ),
     "stage + stall, pp4": (
-        "ada121f4489fc5c5f767c8cd1a9d327f9445ac1334df8bc48d414833f306dfc1",
+        "4cedfba924ffe9e1023626d255cec22c3050248942108b6a6bcf71412627f64c",
         "74fa4779d16f43c73a1dff3440b8ab8c451898123001bdb5e9dd3c0dd123d8a2",
     ),
     "healthy, dp2 tp2 pp2": (

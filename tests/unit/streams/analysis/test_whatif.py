@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 from pipeline_toy import ToyJob, period_ns, run
 
+from fleetscope.schemas.categories import Credit
 from fleetscope.streams.analysis.replay import call_graph, replay, steady_period
 from fleetscope.streams.analysis.roles import role_codes
+from fleetscope.streams.analysis.timeline import compute_total_ns
 from fleetscope.streams.analysis.whatif import (
+    CLAIMED,
     Cause,
+    Claim,
     _cuts,
     _rank_candidates,
     _savings,
@@ -98,3 +102,59 @@ def test_each_saving_is_its_cause_fixed_alone_and_a_like_graph_prices_the_same()
             assert saving == pytest.approx(base_ns - alone, abs=1e-6 * now)
     assert max(_savings(g, chosen)) > 0.1 * now  # the slow worker's fix saves much
     assert what_if(records, graph=call_graph(records, timelines, like=call_graph(r0, t0))) == what_if(records, graph=g)
+
+
+def _bucketed(rank: int, slow: bool, healthy: bool = False) -> dict[str, object]:
+    """One rank of a flat 4-rank job with two gradient buckets, as the windower writes it (times in us): with
+    ``healthy`` False, rank 2 computes 2x and its peers compute their second bucket while they wait for it."""
+    if healthy:
+        gap, dur, less_gap = [10_000, 4_000], [1_000, 1_000], [0, 0]
+    elif slow:
+        gap, dur, less_gap = [20_000, 8_000], [1_000, 1_000], [0, 0]
+    else:
+        gap, dur, less_gap = [10_000, 0], [11_000, 9_000], [0, 4_000]
+    return {"rank": rank, "pp_rank": 0, "dp_rank": rank, "tp_rank": 0, "host": "node000",
+            "iteration_ns": (sum(gap) + sum(dur) + 1_000) * 1000, "function": ["nccl:allreduce[pg=dp0,<=32MiB]"],
+            "calls": [2], "nbytes": [2 * (32 << 20)], "sync_function": [0, 0], "sync_seq": [0, 1], "sync_gap_us": gap,
+            "sync_dur_us": dur, "sync_compute_less_gap_us": less_gap, "sync_tail_compute_us": 1_000}  # fmt: skip
+
+
+def test_compute_a_peer_ran_while_it_waited_is_no_excess_of_the_slow_rank() -> None:
+    """Rank 2 computes 29 ms, its peers 15 ms (their second bucket's 4 ms while they waited in the first): the
+    slow rank's fix saves 14 ms, the true cost (31 ms against 17 healthy), not the 18 ms its work exceeds its
+    peers' visible work by (they show none before their second call); the healthy job prices nothing."""
+    records = [_bucketed(r, r == 2) for r in range(4)]
+    assert compute_total_ns(records[0]) == 15e6 and compute_total_ns(records[2]) == 29e6
+    top = culprit(what_if(records), 31e6)
+    assert top is not None and (top.kind, top.ranks) == ("rank_compute", (2,))
+    assert top.saving_ns == pytest.approx(14e6, rel=0.02) and top.excess_ns == pytest.approx(14e6, rel=0.02)
+    healthy = [_bucketed(r, False, healthy=True) for r in range(4)]
+    assert culprit(what_if(healthy), 17e6) is None
+    assert np.isnan(compute_total_ns({**healthy[0], "sync_compute_less_gap_us": [], "sync_tail_compute_us": -1}))
+
+
+def _overlapped(rank: int, slow_ms: float) -> dict[str, object]:
+    """One rank of a flat 4-rank job whose two bucket all-reduces take ``slow_ms`` each while the backward
+    computes on (its second bucket is ready 8 ms after the first, its GPU busy all along)."""
+    dur = int(slow_ms * 1000)
+    gap = [10_000, max(8_000 - dur, 0)]
+    return {"rank": rank, "pp_rank": 0, "dp_rank": rank, "tp_rank": 0, "host": "node000",
+            "iteration_ns": (sum(gap) + 2 * dur + 1_000) * 1000, "function": ["nccl:allreduce[pg=dp0,<=32MiB]"],
+            "calls": [2], "nbytes": [2 * (32 << 20)], "sync_function": [0, 0], "sync_seq": [0, 1], "sync_gap_us": gap,
+            "sync_dur_us": [dur, dur], "sync_compute_less_gap_us": [10_000 - gap[0], 8_000 - gap[1]],
+            "sync_tail_compute_us": 1_000}  # fmt: skip
+
+
+def test_a_claimed_slow_ring_the_backward_overlaps_costs_what_sticks_out_of_it() -> None:
+    """All-reduces of 6 ms instead of 4 (a link's claim: 4 ms of transfer in excess, no like ring to measure
+    it against): the first one ends inside the backward, which starts the second bucket no sooner for a
+    faster one; only the last one's 2 ms stick out: the claim saves 2 ms (25 ms against 23 healthy), not 4.
+    Without a claim a healthy job has no cause."""
+    records = [_overlapped(r, 6.0) for r in range(4)]
+    claims = [Claim(Credit.TRANSFER, (0, 1, 2, 3), 4e6)]
+    causes = what_if(records, claims=claims)
+    claimed = [c for c in causes if c.kind == CLAIMED[Credit.TRANSFER]]
+    assert len(claimed) == 1 and claimed[0].saving_ns == pytest.approx(2e6, rel=0.02)
+    assert claimed[0].residual_ns == pytest.approx(2e6, rel=0.02)
+    assert culprit(causes, 25e6) is None and others_named(causes, 25e6) == []  # a claim is the detector's
+    assert [c for c in what_if([_overlapped(r, 4.0) for r in range(4)]) if c.saving_ns > 0] == []
