@@ -100,29 +100,31 @@ def timeline_of(record: Mapping[str, Any]) -> RankTimeline | None:
     )
 
 
-def compute_total_ns(record: Mapping[str, Any]) -> float:
-    """The rank's GPU compute in its whole iteration, as its timeline partitions it (every call's window and
-    the tail); NaN where its kernels are unknown or it has no timeline. Compute that ran while the rank
-    waited in a call counts too: the work between its calls does not show it. Read from the wire fields as
-    ``timeline_of`` decodes them (each window's compute is its gap plus the compute less the gap), without
-    building the timeline: one sum per field."""
-    less_gap = record.get("sync_compute_less_gap_us")
-    tail = int(record.get("sync_tail_compute_us", -1))
-    if less_gap is None or len(less_gap) == 0 or tail < 0:
-        return float("nan")
-    return float((sum(less_gap) + sum(record["sync_gap_us"]) + tail) * US)
-
-
-def compute_windows_ns(record: Mapping[str, Any]) -> npt.NDArray[np.float64] | None:
-    """The rank's GPU compute in each call's window (from the previous call's enter to its own), then in its
-    tail (from its last call's enter to the iteration's end): ``timeline_of``'s, read from the wire fields
-    alone; None where its kernels are unknown or it has no timeline."""
+def _call_windows_us(record: Mapping[str, Any]) -> tuple[npt.NDArray[np.float64], int] | None:
+    """Each call's window of GPU compute in whole µs (its gap plus the compute less the gap, as
+    ``timeline_of`` decodes them) and the tail's, from the wire fields alone; None where the rank's kernels
+    are unknown or it has no timeline."""
     less_gap = record.get("sync_compute_less_gap_us")
     tail = int(record.get("sync_tail_compute_us", -1))
     if less_gap is None or len(less_gap) == 0 or tail < 0:
         return None
-    windows = np.asarray(less_gap, dtype=np.float64) + np.asarray(record["sync_gap_us"], dtype=np.float64)
-    return np.append(windows, float(tail)) * US
+    return np.asarray(less_gap, dtype=np.float64) + np.asarray(record["sync_gap_us"], dtype=np.float64), tail
+
+
+def compute_total_ns(record: Mapping[str, Any]) -> float:
+    """The rank's GPU compute in its whole iteration, as its timeline partitions it (every call's window and
+    the tail); NaN where its kernels are unknown or it has no timeline. Compute that ran while the rank
+    waited in a call counts too: the work between its calls does not show it."""
+    read = _call_windows_us(record)
+    return float("nan") if read is None else float((read[0].sum() + read[1]) * US)
+
+
+def compute_windows_ns(record: Mapping[str, Any]) -> npt.NDArray[np.float64] | None:
+    """The rank's GPU compute in each call's window (from the previous call's enter to its own), then in its
+    tail (from its last call's enter to the iteration's end); None where its kernels are unknown or it has
+    no timeline."""
+    read = _call_windows_us(record)
+    return None if read is None else np.append(read[0], float(read[1])) * US
 
 
 def _undo_seq_deltas(function: I64, deltas: I64) -> I64:
