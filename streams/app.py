@@ -199,6 +199,11 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         counters.states_restored = windower.recovery.restored + differential.recovery.restored
         counters.consumer_lag = consumer_lag(app.monitor.tp_end_offsets, app.monitor.tp_committed_offsets)
         log.info("stream stages: %s", counters)
+        if striped is not None:
+            log.info(
+                "scoring across workers: scored=%d requested=%d resent=%d ignored_scores=%d",
+                scorer.scored, striped.submitted, striped.resent, striped.duplicates,
+            )  # fmt: skip
 
     app.fleetscope_counters = counters  # type: ignore[attr-defined]
     telemetry.register_source("stream", counters, dataclasses.asdict)

@@ -43,6 +43,7 @@ _REQUEST, _SCORE = b"Q", b"S"
 """The first byte of a request's and of a score's frames."""
 _FRAME = struct.Struct(">c16sII")
 """A frame's head: its kind, the request id, the frame's place and how many frames the body has."""
+_LENGTH = struct.Struct(">I")
 _MAX_ASSEMBLING = 256
 """Bodies assembled at once; past it the oldest is dropped (its head sends the request again when due)."""
 _PARTITIONER = DefaultPartitioner()
@@ -64,22 +65,74 @@ def default_partition(job: str, partitions: int) -> int:
     return int(_PARTITIONER(job_key(job), list(range(partitions)), list(range(partitions))))
 
 
-def frames(kind: bytes, request: bytes, body: bytes, part_bytes: int) -> list[bytes]:
-    """A body cut into message values of at most ``part_bytes`` of it each (a 512-rank iteration's request
-    is 24 MB, its score 0.35 MB, where a message is at most about 1 MB)."""
-    n = max(1, -(-len(body) // part_bytes))
-    return [_FRAME.pack(kind, request, i, n) + body[i * part_bytes : (i + 1) * part_bytes] for i in range(n)]
+def frames(kind: bytes, request: bytes, pieces: Sequence[bytes], part_bytes: int) -> list[bytes]:
+    """The pieces, end to end, cut into message values of at most ``part_bytes`` of them each (a 512-rank
+    iteration's request is 24 MB, its score 0.35 MB, where a message is at most about 1 MB); each byte is
+    copied once."""
+    total = sum(len(p) for p in pieces)
+    n = max(1, -(-total // part_bytes))
+    out: list[bytes] = []
+    views = [memoryview(p) for p in pieces]
+    at, offset = 0, 0
+    for i in range(n):
+        room, chunk = part_bytes, [memoryview(_FRAME.pack(kind, request, i, n))]
+        while room and at < len(views):
+            take = views[at][offset : offset + room]
+            chunk.append(take)
+            room -= len(take)
+            offset += len(take)
+            if offset == len(views[at]):
+                at, offset = at + 1, 0
+        out.append(b"".join(chunk))
+    return out
 
 
 def encode_request(job: str, request: bytes, reply: int, payloads: Sequence[Payload], part_bytes: int) -> list[bytes]:
-    """An iteration's scoring request as frames: ``request`` its id, ``reply`` the scores partition."""
-    body = pickle.dumps({"job": job, "reply": reply, "payloads": list(payloads)}, protocol=5)
-    return frames(_REQUEST, request, body, part_bytes)
+    """An iteration's scoring request as frames: ``request`` its id, ``reply`` the scores partition. Its body
+    is a pickled head (the job, the reply partition, each message's size, the records decoded already), its
+    length before it, then the messages as they came: they are not pickled, so not copied twice."""
+    messages = [p for p in payloads if isinstance(p, bytes)]
+    head = pickle.dumps(
+        {
+            "job": job,
+            "reply": reply,
+            "sizes": [len(p) if isinstance(p, bytes) else -1 for p in payloads],
+            "records": [p for p in payloads if not isinstance(p, bytes)],
+        },
+        protocol=5,
+    )
+    return frames(_REQUEST, request, [_LENGTH.pack(len(head)), head, *messages], part_bytes)
+
+
+def decode_request(body: bytes) -> tuple[str, int, list[Payload]]:
+    """(job, reply partition, payloads) of a request's body; ``SchemaError`` with the reason if it is none."""
+    if len(body) < _LENGTH.size:
+        raise SchemaError("a scoring request is shorter than its head's length")
+    (n,) = _LENGTH.unpack_from(body)
+    fields = load_body(body[_LENGTH.size : _LENGTH.size + n], "scoring request")
+    reply, sizes, records = fields.get("reply"), fields.get("sizes"), fields.get("records")
+    if not (isinstance(reply, int) and reply >= 0 and isinstance(sizes, list) and isinstance(records, list)):
+        raise SchemaError("a scoring request holds no reply partition, sizes or records")
+    at, decoded = _LENGTH.size + n, iter(records)
+    payloads: list[Payload] = []
+    view = memoryview(body)
+    for size in sizes:
+        if not isinstance(size, int) or at + max(size, 0) > len(body):
+            raise SchemaError("a scoring request's messages are shorter than its sizes say")
+        if size < 0:
+            record = next(decoded, None)
+            if not isinstance(record, dict):
+                raise SchemaError("a scoring request has fewer records than its sizes say")
+            payloads.append(record)
+            continue
+        payloads.append(bytes(view[at : at + size]))
+        at += size
+    return fields["job"], reply, payloads
 
 
 def encode_score(job: str, request: bytes, score: PoolScore, part_bytes: int) -> list[bytes]:
     """A score as frames."""
-    return frames(_SCORE, request, pickle.dumps({"job": job, "score": score}, protocol=5), part_bytes)
+    return frames(_SCORE, request, [pickle.dumps({"job": job, "score": score}, protocol=5)], part_bytes)
 
 
 def frame_head(value: bytes, kind: bytes) -> tuple[bytes, int, int]:
@@ -291,10 +344,7 @@ class StripeScorer:
         if whole is None:
             return []
         request, body = whole
-        fields = load_body(body, "scoring request")
-        job, reply, payloads = fields["job"], fields.get("reply"), fields.get("payloads")
-        if not isinstance(reply, int) or reply < 0 or not isinstance(payloads, list):
-            raise SchemaError("a scoring request holds no reply partition or no payloads")
+        job, reply, payloads = decode_request(body)
         score = score_payloads(job, payloads, writers_of(payloads), self._config)
         self.scored += 1
         return [(reply, job_key(job), v) for v in encode_score(job, request, score, self._part_bytes)]
