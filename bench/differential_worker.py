@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fleetscope.config import load_config
 from fleetscope.schemas import Topics, encode
@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scale import encodable, make_records, process_cpu_s  # noqa: E402 - the bench's records and CPU clock
 
 _COUNTERS = re.compile(r"pattern_records=(\d+),.*held_messages=(\d+)")
+COMPRESSION = "lz4"
+"""``kafka.compression`` (the default; the worker then sends zstd), or none: ``--compression``."""
 _SCORED = re.compile(r"scoring across workers: scored=(\d+) requested=(\d+) resent=(\d+)")
 
 
@@ -78,6 +80,7 @@ def run(ranks: int, functions: int, iterations: int, processes: int, store: str)
                 "store.database": f"dw{processes}",
                 "streams.stages": ["differential"],
                 "streams.scoring_processes": processes,
+                "kafka.compression": COMPRESSION,
             },
         )
         with EmbeddedStack(config, with_worker=False) as stack:
@@ -130,9 +133,12 @@ class StripedRun:
     resent: int
 
 
-def run_striped(ranks: int, functions: int, iterations: int, scorers: int, store: str) -> StripedRun:
-    """One fresh stack, ``scorers`` workers scoring across workers: wall seconds until done and each worker's
-    CPU s (less its idle rate), iterations scored and requests sent."""
+def run_striped(
+    ranks: int, functions: int, iterations: int, scorers: int, store: str, frames_per_score: int
+) -> StripedRun:
+    """One fresh stack, ``scorers`` workers scoring across workers: wall seconds until every iteration's score
+    is sent, and each worker's CPU s (less its idle rate) until none is held, iterations scored and requests
+    sent."""
     messages = [
         encode("patterns", encodable(r))
         for i in range(iterations)
@@ -148,6 +154,7 @@ def run_striped(ranks: int, functions: int, iterations: int, scorers: int, store
                 "streams.stages": ["differential"],
                 "streams.score_across_workers": True,
                 "kafka.derived_partitions": 6,  # 1, 2 and 3 workers each get an even share of the stripes
+                "kafka.compression": COMPRESSION,
             },
         )
         with EmbeddedStack(config, with_worker=False) as stack:
@@ -170,10 +177,18 @@ def run_striped(ranks: int, functions: int, iterations: int, scorers: int, store
                     except BufferError:
                         producer.poll(0.1)
             producer.flush(60)
+            probe = Consumer({"bootstrap.servers": stack.config.kafka.bootstrap_servers, "group.id": "bench-probe"})
+            scores = [TopicPartition(Topics(prefix=stack.config.kafka.topic_prefix).scores, p) for p in range(6)]
+            while time.perf_counter() - t0 < 900:  # every iteration's score sent: tracking them is the head's
+                if sum(probe.get_watermark_offsets(tp, 5)[1] for tp in scores) >= iterations * frames_per_score:
+                    break
+                time.sleep(0.1)
+            took = time.perf_counter() - t0
             while time.perf_counter() - t0 < 900 and not _settled(workers, len(messages)):
                 time.sleep(0.5)
-            took = time.perf_counter() - t0
-            cpu = [cpu_s(p)[1] - c0 - i * took for p, c0, i in zip(pids, cpu0, idle, strict=True)]
+            probe.close()
+            settled = time.perf_counter() - t0
+            cpu = [cpu_s(p)[1] - c0 - i * settled for p, c0, i in zip(pids, cpu0, idle, strict=True)]
             time.sleep(10.5)  # the scorers' counts, reported every 10 s
             scored = [_SCORED.findall(w.log_path.read_text(errors="replace"))[-1:] for w in workers]
             for w in workers:
@@ -187,12 +202,13 @@ def run_striped(ranks: int, functions: int, iterations: int, scorers: int, store
     )
 
 
-def serial_share(ranks: int, functions: int, iterations: int) -> tuple[float, float, float]:
-    """In this process: (scoring, tracking, the head's in-process part) CPU us per rank-iteration."""
+def serial_share(ranks: int, functions: int, iterations: int) -> tuple[float, float, float, int]:
+    """In this process: (scoring, tracking, the head's in-process part) CPU us per rank-iteration, and how
+    many frames one score takes."""
     from fleetscope.streams.analysis.differential import DifferentialConfig, JobDifferential
     from fleetscope.streams.differential import DifferentialStage
     from fleetscope.streams.scoring import score_payloads
-    from fleetscope.streams.striped_scoring import KafkaScoring, StripeScorer, writers_of
+    from fleetscope.streams.striped_scoring import KafkaScoring, StripeScorer, encode_score, writers_of
 
     per_iteration = [
         [encode("patterns", encodable(r)) for r in make_records(ranks, functions, ranks // 3, iteration=i)]
@@ -230,7 +246,12 @@ def serial_share(ranks: int, functions: int, iterations: int) -> tuple[float, fl
     stage.flush("scale")
     head_s += time.process_time() - t
     n = ranks * iterations
-    return 1e6 * scoring / n, 1e6 * tracking / n, 1e6 * head_s / n
+    return (
+        1e6 * scoring / n,
+        1e6 * tracking / n,
+        1e6 * head_s / n,
+        len(encode_score("scale", b"0" * 16, score, 512 * 1024)),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,16 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--functions", type=int, default=300)
     ap.add_argument("--processes", default="0,1,2", help="comma-separated scoring process counts ('' for none)")
     ap.add_argument("--scorers", default="", help="comma-separated counts of workers scoring across workers")
+    ap.add_argument("--compression", default="lz4", help="kafka.compression: lz4 (the worker sends zstd) or none")
     args = ap.parse_args(argv)
+    global COMPRESSION
+    COMPRESSION = args.compression
     n = args.ranks * args.iterations
+    store = tempfile.TemporaryDirectory(prefix="fleetscope-dw-chdb-")  # one chDB path per process
     if args.scorers:
-        striped(args, n)
+        striped(args, n, store.name)
     if not args.processes:
         return 0
     print(f"one job through the worker: {args.ranks} ranks x {args.functions} functions, {args.iterations} iterations")
     print(f"{'processes':>9} {'worker CPU s':>12} {'worker us/rank-it':>17} {'job rank-it/s (worker)':>22} "
           f"{'with pool CPU s':>15} {'all us/rank-it':>14} {'done s':>7}")  # fmt: skip
-    store = tempfile.TemporaryDirectory(prefix="fleetscope-dw-chdb-")
     for processes in (int(x) for x in args.processes.split(",")):
         own, everything, took = run(args.ranks, args.functions, args.iterations, processes, store.name)
         print(
@@ -260,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def striped(args: argparse.Namespace, n: int) -> None:
+def striped(args: argparse.Namespace, n: int, store: str) -> None:
     """The ``--scorers`` table and the serial share."""
-    scoring, tracking, head_part = serial_share(args.ranks, args.functions, args.iterations)
+    scoring, tracking, head_part, frames = serial_share(args.ranks, args.functions, args.iterations)
     print(
         f"one job scored across workers: {args.ranks} ranks x {args.functions} functions, {args.iterations} iterations"
     )
@@ -271,9 +295,8 @@ def striped(args: argparse.Namespace, n: int) -> None:
           f"({100 * head_part / scoring:.1f} %)")  # fmt: skip
     print(f"{'workers':>7} {'done s':>7} {'rank-it/s':>10} {'CPU s per worker':>24} {'scored per worker':>18} "
           f"{'head CPU us/rank-it':>19} {'resent':>6}")  # fmt: skip
-    store = tempfile.TemporaryDirectory(prefix="fleetscope-dws-chdb-")
     for scorers in (int(x) for x in args.scorers.split(",")):
-        r = run_striped(args.ranks, args.functions, args.iterations, scorers, store.name)
+        r = run_striped(args.ranks, args.functions, args.iterations, scorers, store, frames)
         cpu, scored, requested = r.cpu, r.scored, r.requested
         head = max(range(scorers), key=lambda i: requested[i])
         head_serial = cpu[head] - scored[head] * scoring * args.ranks / 1e6  # less its own stripes' scoring
