@@ -26,7 +26,13 @@ from fleetscope.streams.profiling import ProfilePolicy
 from fleetscope.streams.rebalance import Gate, InputClock
 from fleetscope.streams.recovery import DifferentialRecovery, StateLog, WindowerRecovery
 from fleetscope.streams.scoring import ScoringPool
-from fleetscope.streams.striped_scoring import KafkaScoring, StripeScorer, default_partition
+from fleetscope.streams.striped_scoring import (
+    KafkaScoring,
+    StripeScorer,
+    default_partition,
+    frame_headers,
+    frame_refused,
+)
 from fleetscope.streams.windower import WindowerAgent, WindowerStage
 
 __all__ = ["StageCounters", "StreamAppConfig", "consumer_lag", "create_app", "run_worker"]
@@ -98,8 +104,13 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
             return default_partition(job, cfg.partitions) if placed is None else placed
 
         score_requests, scores = raw(topics.score_requests), raw(topics.scores)
+
+        def send_request(partition: int, key: bytes, value: bytes) -> object:
+            headers = frame_headers(cfg.findings_key, topics.score_requests, key, value)
+            return score_requests.send_soon(key=key, value=value, partition=partition, headers=headers)
+
         pool = striped = KafkaScoring(
-            lambda partition, key, value: score_requests.send_soon(key=key, value=value, partition=partition),
+            send_request,
             stripes=cfg.partitions, part_bytes=cfg.state_chunk_bytes, reply_partition=reply_partition,
             resend_after_s=RESEND_SESSIONS * session_s,
         )  # fmt: skip
@@ -147,22 +158,32 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
 
     if striped is not None:
 
+        def refused(topic: str, message: faust.types.Message) -> str | None:
+            return frame_refused(cfg.findings_key, topic, message.key, message.value or b"", message.headers)
+
         async def scorer_agent(stream: faust.StreamT) -> None:
             async for event in stream.events():
                 try:
-                    score = scorer.take(event.value or b"", event.message.partition)
+                    why = refused(topics.score_requests, event.message)
+                    score = [] if why else scorer.take(event.value or b"", event.message.partition)
                 except SchemaError as exc:
-                    await dead.send(event.message, f"schema: {exc}")
-                    continue
+                    why, score = f"schema: {exc}", []
+                if why:
+                    await dead.send(event.message, why)
                 for partition, key, value in score:
-                    await scores.send(key=key, value=value, partition=partition)
+                    headers = frame_headers(cfg.findings_key, topics.scores, key, value)
+                    await scores.send(key=key, value=value, partition=partition, headers=headers)
 
         async def scores_agent(stream: faust.StreamT) -> None:
             async for event in stream.events():
                 try:
-                    striped.receive(event.value or b"")
+                    why = refused(topics.scores, event.message)
+                    if not why:
+                        striped.receive(event.value or b"")
                 except SchemaError as exc:
-                    await dead.send(event.message, f"schema: {exc}")
+                    why = f"schema: {exc}"
+                if why:
+                    await dead.send(event.message, why)
 
         app.agent(score_requests, name="scorer")(scorer_agent)
         app.agent(scores, name="scores")(scores_agent)

@@ -32,6 +32,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from fleetscope.schemas import SchemaError
 from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.schemas.codec import decode_head, schema_id_of
+from fleetscope.schemas.signing import MAC_HEADER, Headers, findings_mac, signature_reason
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams.analysis.differential import DifferentialConfig
 from fleetscope.streams.recovery.differential import load_restricted
@@ -41,8 +42,9 @@ log = logging.getLogger(__name__)
 
 _REQUEST, _SCORE = b"Q", b"S"
 """The first byte of a request's and of a score's frames."""
-_FRAME = struct.Struct(">c16sII")
-"""A frame's head: its kind, the request id, the frame's place and how many frames the body has."""
+_FRAME = struct.Struct(">c16s4sII")
+"""A frame's head: its kind, the request id, the body's copy (two scorers' copies of one score need not be
+the same bytes, so their frames must not mix), the frame's place and how many frames the body has."""
 _LENGTH = struct.Struct(">I")
 _MAX_ASSEMBLING = 256
 """Bodies assembled at once; past it the oldest is dropped (its head sends the request again when due)."""
@@ -72,10 +74,11 @@ def frames(kind: bytes, request: bytes, pieces: Sequence[bytes], part_bytes: int
     total = sum(len(p) for p in pieces)
     n = max(1, -(-total // part_bytes))
     out: list[bytes] = []
+    copy = os.urandom(4)
     views = [memoryview(p) for p in pieces]
     at, offset = 0, 0
     for i in range(n):
-        room, chunk = part_bytes, [memoryview(_FRAME.pack(kind, request, i, n))]
+        room, chunk = part_bytes, [memoryview(_FRAME.pack(kind, request, copy, i, n))]
         while room and at < len(views):
             take = views[at][offset : offset + room]
             chunk.append(take)
@@ -139,7 +142,7 @@ def frame_head(value: bytes, kind: bytes) -> tuple[bytes, int, int]:
     """(request id, place, frames) of a frame of ``kind``; ``SchemaError`` for anything else."""
     if len(value) < _FRAME.size:
         raise SchemaError(f"a scoring frame has a {_FRAME.size}-byte head, got {len(value)} bytes")
-    got, request, part, parts = _FRAME.unpack_from(value)
+    got, request, _, part, parts = _FRAME.unpack_from(value)
     if got != kind or not 0 <= part < parts:
         raise SchemaError(f"not a {kind!r} scoring frame (kind {got!r}, frame {part} of {parts})")
     return request, part, parts
@@ -175,10 +178,11 @@ class Reassembly:
         request, part, parts = frame_head(value, self._kind)
         if parts == 1:
             return request, value[_FRAME.size :]
-        assembly = self._open.pop(request, None) or _Assembly(partition)
+        body = value[: _FRAME.size - 8]  # the kind, the request id and the copy
+        assembly = self._open.pop(body, None) or _Assembly(partition)
         assembly.frames[part] = value[_FRAME.size :]
         if len(assembly.frames) < parts:
-            self._open[request] = assembly
+            self._open[body] = assembly
             while len(self._open) > _MAX_ASSEMBLING:
                 self._open.popitem(last=False)
                 self.dropped += 1
@@ -187,9 +191,20 @@ class Reassembly:
 
     def forget(self, partitions: set[int]) -> None:
         """Drop bodies half read from these partitions: their next owner reads them again."""
-        for request, assembly in list(self._open.items()):
+        for body, assembly in list(self._open.items()):
             if assembly.partition in partitions:
-                del self._open[request]
+                del self._open[body]
+
+
+def frame_headers(secret: bytes, topic: str, key: bytes, value: bytes) -> list[tuple[str, bytes]]:
+    """A frame's headers: its signature with the findings' key (``schemas.signing``), where the worker has one.
+    A score decides findings the head then signs, so a frame anyone could write must not reach it."""
+    return [(MAC_HEADER, findings_mac(secret, topic, key, value))] if secret else []
+
+
+def frame_refused(secret: bytes, topic: str, key: bytes | None, value: bytes, headers: Headers) -> str | None:
+    """Why a request or score frame is not a worker's (one line), or None: it verifies, or no key is set."""
+    return signature_reason(secret, topic, key, value, headers) if secret else None
 
 
 def writers_of(payloads: Sequence[Payload]) -> dict[int, SchemaEntry]:
@@ -210,11 +225,14 @@ def writers_of(payloads: Sequence[Payload]) -> dict[int, SchemaEntry]:
 
 @dataclass(slots=True)
 class _Request:
-    """An iteration out for scoring: its future, its parts (sent again when overdue) and when."""
+    """An iteration out for scoring: its future, what was sent (framed again when overdue: the messages are
+    the stage's own, so a pending request holds no copy of them), where, and when it is due."""
 
     job: str
     future: Future[PoolScore]
-    parts: list[tuple[int, bytes, bytes]]
+    payloads: list[Payload]
+    stripe: int
+    reply: int
     due: float
     wait_s: float
 
@@ -257,19 +275,21 @@ class KafkaScoring:
         with self._lock:
             ordinal = self._ordinal.get(job, 0)
             self._ordinal[job] = ordinal + 1
-        stripe = stripe_of(job, ordinal, self.processes)
-        values = encode_request(job, request, self._reply(job), payloads, self._part_bytes)
-        key = job_key(job)
         future: Future[PoolScore] = Future()
-        pending = _Request(job, future, [(stripe, key, v) for v in values], 0.0, self._resend_after_s)
+        stripe = stripe_of(job, ordinal, self.processes)
+        pending = _Request(job, future, payloads, stripe, self._reply(job), 0.0, self._resend_after_s)
         pending.due = self._clock() + pending.wait_s
         with self._lock:
             self._pending[request] = pending
             self.submitted += 1
         future.add_done_callback(lambda f: self._drop(request) if f.cancelled() else None)
-        for part in pending.parts:
-            self._send(*part)
+        self._publish(request, pending)
         return future
+
+    def _publish(self, request: bytes, pending: _Request) -> None:
+        key = job_key(pending.job)
+        for value in encode_request(pending.job, request, pending.reply, pending.payloads, self._part_bytes):
+            self._send(pending.stripe, key, value)
 
     def receive(self, value: bytes) -> bool:
         """Take a score's frame: True where it completed the score of a request still pending here. Frames of
@@ -301,15 +321,14 @@ class KafkaScoring:
         """Send again the requests whose scores are overdue; how many."""
         now = self._clock()
         with self._lock:
-            overdue = [p for p in self._pending.values() if p.due <= now]
-            for p in overdue:
+            overdue = [(r, p) for r, p in self._pending.items() if p.due <= now]
+            for _, p in overdue:
                 p.wait_s *= 2
                 p.due = now + p.wait_s
             self.resent += len(overdue)
-        for p in overdue:
+        for request, p in overdue:
             log.info("a score of job %r is overdue: its request is sent again", p.job)
-            for part in p.parts:
-                self._send(*part)
+            self._publish(request, p)
         return len(overdue)
 
     def in_flight(self) -> int:

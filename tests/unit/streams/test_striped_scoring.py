@@ -19,6 +19,9 @@ from fleetscope.streams.striped_scoring import (
     Reassembly,
     StripeScorer,
     encode_request,
+    frame_head,
+    frame_headers,
+    frame_refused,
     frames,
     load_body,
     stripe_of,
@@ -31,10 +34,13 @@ Sent = list[tuple[int, bytes, bytes]]
 def test_a_body_cut_into_frames_comes_back_whole_in_any_order_and_a_stray_frame_is_refused() -> None:
     body = os.urandom(10_000)
     cut = frames(b"Q", b"r" * 16, [body[:3333], body[3333:3334], body[3334:]], 1024)  # pieces across frames
-    assert len(cut) == 10 and all(len(f) <= 1024 + 25 for f in cut)
+    assert len(cut) == 10 and all(len(f) <= 1024 + 29 for f in cut)
     joined = Reassembly(b"Q")
     assert [joined.take(f) for f in reversed(cut[1:])] == [None] * 9
     assert joined.take(cut[0]) == (b"r" * 16, body)
+    one, other = frames(b"Q", b"t" * 16, [body], 4096), frames(b"Q", b"t" * 16, [body[::-1]], 4096)
+    mixed = [joined.take(f) for pair in zip(one, other, strict=True) for f in pair]  # two copies, interleaved
+    assert [m for m in mixed if m is not None] == [(b"t" * 16, body), (b"t" * 16, body[::-1])]
     with pytest.raises(SchemaError, match="scoring frame"):
         Reassembly(b"S").take(cut[0])  # a request's frame is no score's
     with pytest.raises(SchemaError, match="head"):
@@ -46,7 +52,8 @@ def test_a_request_that_would_run_code_is_refused_with_its_reason() -> None:
         def __reduce__(self) -> tuple[object, tuple[str]]:
             return (os.system, ("true",))
 
-    value = struct.pack(">c16sII", b"Q", b"x" * 16, 0, 1) + pickle.dumps({"job": "j", "payloads": [Evil()]})
+    head = pickle.dumps({"job": "j", "reply": 0, "sizes": [-1], "records": [Evil()]})
+    value = struct.pack(">c16s4sII", b"Q", b"x" * 16, b"copy", 0, 1) + struct.pack(">I", len(head)) + head
     with pytest.raises(SchemaError, match="does not unpickle"):
         StripeScorer(DifferentialConfig(), 1024).take(value)
 
@@ -63,6 +70,11 @@ def _score(sent: Sent) -> tuple[bytes, object, object, float]:
     request, body = Reassembly(b"S").take(sent[0][2]) or (b"", b"")
     score = load_body(body, "score")["score"].score
     return request, score.signals, score.hosts, score.iteration_ns
+
+
+def _heads(sent: Sent) -> list[tuple[int, bytes, tuple[bytes, int, int]]]:
+    """Where each frame went, and its request id and place."""
+    return [(p, k, frame_head(v, b"Q")) for p, k, v in sent]
 
 
 def _scoring(sent: Sent, now: list[float]) -> KafkaScoring:
@@ -99,7 +111,7 @@ def test_an_overdue_request_is_sent_again_later_each_time_and_a_cancelled_one_is
     now[0] = 9.0
     assert scoring.resend_overdue() == 0
     now[0] = 10.0
-    assert scoring.resend_overdue() == 1 and sent[frames_sent:] == sent[:frames_sent]  # the same request
+    assert scoring.resend_overdue() == 1 and _heads(sent[frames_sent:]) == _heads(sent[:frames_sent])  # again
     now[0] = 29.0
     assert scoring.resend_overdue() == 0  # twice as long: due at 30 s
     now[0] = 30.0
@@ -113,3 +125,16 @@ def test_scoring_across_workers_is_refused_with_scoring_processes_or_without_the
     for clash in ({"streams.scoring_processes": 2}, {"streams.stages": ["windower"]}):
         with pytest.raises(ConfigError, match="score_across_workers needs the differential stage"):
             load_config(env={}, overrides={"streams.score_across_workers": True, **clash})
+
+
+def test_a_frame_without_the_workers_signature_is_refused_and_a_signed_one_only_on_its_own_topic() -> None:
+    """A score decides findings, and a request decides its score: with the findings' key set, a frame that
+    anyone could write to either topic never reaches a scorer or a head."""
+    secret, value = b"k" * 32, frames(b"Q", b"r" * 16, [b"payload"], 1024)[0]
+    headers = frame_headers(secret, "p.score-requests", b"job", value)
+    assert frame_refused(secret, "p.score-requests", b"job", value, headers) is None
+    assert "no fleetscope-mac header" in (frame_refused(secret, "p.score-requests", b"job", value, []) or "")
+    assert "does not verify" in (frame_refused(secret, "p.scores", b"job", value, headers) or "")
+    assert (
+        frame_headers(b"", "p.scores", b"job", value) == [] and frame_refused(b"", "p.scores", b"j", value, []) is None
+    )
