@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 STRIPES = 6
 """Requests partitions: two and three scorers each get an even share."""
-ITERATIONS = 14
+ITERATIONS = 10
 """Enough for each fault's finding to open (persistence), few enough to keep the test quick."""
 FRAME_BYTES = 64 * 1024
 """Frames of 64 KiB: an iteration's request (16 ranks, about 200 KB) goes in several."""
