@@ -10,6 +10,7 @@ topic. The second runs real workers (Faust, the consumer group, the co-partition
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -158,5 +159,9 @@ def test_a_scorer_killed_and_one_added_mid_run_change_no_finding(
         ]
     finally:
         probe.close()
-    print(f"\nscore frames per partition {sent}, request frames per stripe {asked}")
+    counts = [
+        re.findall(r"scoring across workers: (.*)", w.log_path.read_text(errors="replace"))[-1:]
+        for w in (first, second, third)
+    ]
+    print(f"\nscore frames per partition {sent}, request frames per stripe {asked}; workers' last counts {counts}")
     assert sum(sent) >= MOVING_JOB.sim.iterations and min(asked) > 0  # scored by stripe, through the topics
