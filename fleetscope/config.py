@@ -179,6 +179,10 @@ class StreamSettings:
     scoring_processes: int = 0
     """Processes that decode and score the differential's iterations beside the worker (``streams.scoring``):
     one job's differential on several cores, for jobs of thousands of ranks. 0: the worker scores them."""
+    score_across_workers: bool = False
+    """Every worker of the app scores a share of each job's iterations (``streams.striped_scoring``): one job
+    on several machines. Iterations go by stripe to the partitions of ``<prefix>.score-requests``, so a job
+    uses at most ``kafka.derived_partitions`` workers. Not with ``scoring_processes``."""
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
@@ -189,6 +193,8 @@ class StreamSettings:
             raise ValueError(f"job_end_ms ({self.job_end_ms}) must be > job_idle_ms ({self.job_idle_ms})")
         if not 0 <= self.scoring_processes <= 256:
             raise ValueError(f"scoring_processes must be between 0 and 256, got {self.scoring_processes}")
+        if self.score_across_workers and (self.scoring_processes or "differential" not in self.stages):
+            raise ValueError("score_across_workers needs the differential stage and scoring_processes = 0")
         if self.state_chunk_bytes < 1024:
             raise ValueError(f"state_chunk_bytes must be >= 1024, got {self.state_chunk_bytes}")
         if not 0.0 < self.state_share <= 1.0:

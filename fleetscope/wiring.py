@@ -89,6 +89,7 @@ def stream_app_config(config: Config, web_port: int = 6066) -> StreamAppConfig:
         state_share=s.state_share,
         compression=worker_compression(config),
         scoring_processes=s.scoring_processes,
+        score_across_workers=s.score_across_workers,
         windower=s.windower,
         differential=s.differential,
         profiling=s.profiling,

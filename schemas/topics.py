@@ -51,6 +51,16 @@ class Topics:
         return f"{self.prefix}.heartbeats"
 
     @property
+    def score_requests(self) -> str:
+        """A job's iterations for scoring (``streams.score_across_workers``), partitioned by iteration stripe."""
+        return f"{self.prefix}.score-requests"
+
+    @property
+    def scores(self) -> str:
+        """The scores of ``score_requests``, key ``job``, sent to the job's patterns partition (its head)."""
+        return f"{self.prefix}.scores"
+
+    @property
     def derived_all(self) -> tuple[str, ...]:
         """Topics keyed by job or derived from raw events: created with the derived partition count."""
         return (
@@ -61,6 +71,8 @@ class Topics:
             self.deadletter,
             self.control,
             self.heartbeats,
+            self.score_requests,
+            self.scores,
         )
 
 

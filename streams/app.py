@@ -17,7 +17,7 @@ import sys
 import faust
 
 from fleetscope import telemetry
-from fleetscope.schemas import Topics
+from fleetscope.schemas import SchemaError, Topics
 from fleetscope.streams.appconfig import StreamAppConfig
 from fleetscope.streams.counters import StageCounters, consumer_lag
 from fleetscope.streams.deadletter import DeadLetters
@@ -26,6 +26,13 @@ from fleetscope.streams.profiling import ProfilePolicy
 from fleetscope.streams.rebalance import Gate, InputClock
 from fleetscope.streams.recovery import DifferentialRecovery, StateLog, WindowerRecovery
 from fleetscope.streams.scoring import ScoringPool
+from fleetscope.streams.striped_scoring import (
+    KafkaScoring,
+    StripeScorer,
+    default_partition,
+    frame_headers,
+    frame_refused,
+)
 from fleetscope.streams.windower import WindowerAgent, WindowerStage
 
 __all__ = ["StageCounters", "StreamAppConfig", "consumer_lag", "create_app", "run_worker"]
@@ -35,6 +42,11 @@ log = logging.getLogger(__name__)
 PRODUCER_BATCH_BYTES = 524_288
 """A partition's records in one producer batch, before compression (Faust's default, 16 KiB, is less than one
 pattern record: each went alone, compressed and stored as its own batch). Half the consumers' 1 MiB fetch."""
+
+
+RESEND_SESSIONS = 3
+"""A scoring request unanswered for this many session timeouts is sent again: a dead scorer's partitions
+move after one, and their new owner reads what it had not committed."""
 
 
 def create_app(cfg: StreamAppConfig) -> faust.App:
@@ -81,9 +93,28 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         app, windower_stage, WindowerRecovery(windower_state), topics=topics, stalls=raw(topics.stalls),
         counters=counters, dead=dead, gate=gate, clock=clock,
     )  # fmt: skip
-    pool = None
+    pool: ScoringPool | KafkaScoring | None = None
+    striped: KafkaScoring | None = None
     if cfg.scoring_processes and "differential" in cfg.stages:
         pool = ScoringPool(cfg.scoring_processes, cfg.differential)
+    elif cfg.score_across_workers and "differential" in cfg.stages:
+
+        def reply_partition(job: str) -> int:
+            placed = differential.recovery.partition_of(job)
+            return default_partition(job, cfg.partitions) if placed is None else placed
+
+        score_requests, scores = raw(topics.score_requests), raw(topics.scores)
+
+        def send_request(partition: int, key: bytes, value: bytes) -> object:
+            headers = frame_headers(cfg.findings_key, topics.score_requests, key, value)
+            return score_requests.send_soon(key=key, value=value, partition=partition, headers=headers)
+
+        pool = striped = KafkaScoring(
+            send_request,
+            stripes=cfg.partitions, part_bytes=cfg.state_chunk_bytes, reply_partition=reply_partition,
+            resend_after_s=RESEND_SESSIONS * session_s,
+        )  # fmt: skip
+    scorer = StripeScorer(cfg.differential, cfg.state_chunk_bytes)
     differential_stage = DifferentialStage(cfg.differential, pool=pool)
     profiles = ProfilePolicy(cfg.profiling)
     differential = DifferentialAgent(
@@ -98,6 +129,8 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         gate.paused = True
         clock.rebalancing(True)  # partitions move: their ranks are late, not silent
         windower.revoke({tp.partition for tp in revoked if tp.topic in raw_events.topics})
+        if striped is not None:  # parts of requests half read from moved partitions: their next owner reads them
+            scorer.revoke({tp.partition for tp in revoked if tp.topic == topics.score_requests})
         differential.revoke({tp.partition for tp in revoked if tp.topic in differential_topics})
 
     async def on_assigned(_sender: object, assigned: set[faust.types.TP], **_kw: object) -> None:
@@ -122,6 +155,43 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         app.agent(raw_events, name="windower")(windower_agent)
     if "differential" in cfg.stages:
         app.agent(differential_in, name="differential")(differential_agent)
+
+    if striped is not None:
+
+        def refused(topic: str, message: faust.types.Message) -> str | None:
+            return frame_refused(cfg.findings_key, topic, message.key, message.value or b"", message.headers)
+
+        async def scorer_agent(stream: faust.StreamT) -> None:
+            async for event in stream.events():
+                try:
+                    why = refused(topics.score_requests, event.message)
+                    score = [] if why else scorer.take(event.value or b"", event.message.partition)
+                except SchemaError as exc:
+                    why, score = f"schema: {exc}", []
+                if why:
+                    await dead.send(event.message, why)
+                for partition, key, value in score:
+                    headers = frame_headers(cfg.findings_key, topics.scores, key, value)
+                    await scores.send(key=key, value=value, partition=partition, headers=headers)
+
+        async def scores_agent(stream: faust.StreamT) -> None:
+            async for event in stream.events():
+                try:
+                    why = refused(topics.scores, event.message)
+                    if not why:
+                        striped.receive(event.value or b"")
+                except SchemaError as exc:
+                    why = f"schema: {exc}"
+                if why:
+                    await dead.send(event.message, why)
+
+        app.agent(score_requests, name="scorer")(scorer_agent)
+        app.agent(scores, name="scores")(scores_agent)
+
+        @app.timer(interval=1.0)
+        async def resend_overdue() -> None:
+            if not gate.paused:
+                striped.resend_overdue()
 
     if pool is not None:
 
@@ -150,6 +220,11 @@ def create_app(cfg: StreamAppConfig) -> faust.App:
         counters.states_restored = windower.recovery.restored + differential.recovery.restored
         counters.consumer_lag = consumer_lag(app.monitor.tp_end_offsets, app.monitor.tp_committed_offsets)
         log.info("stream stages: %s", counters)
+        if striped is not None:
+            log.info(
+                "scoring across workers: scored=%d requested=%d resent=%d ignored_scores=%d",
+                scorer.scored, striped.submitted, striped.resent, striped.duplicates,
+            )  # fmt: skip
 
     app.fleetscope_counters = counters  # type: ignore[attr-defined]
     telemetry.register_source("stream", counters, dataclasses.asdict)

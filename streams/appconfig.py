@@ -39,6 +39,7 @@ class StreamAppConfig:
     """The codec of what the worker sends (Faust's ``producer_compression_type``): none or zstd, the one
     ``wiring`` picks."""
     scoring_processes: int = 0
+    score_across_workers: bool = False
     profiling: ProfileRequestConfig = field(default_factory=ProfileRequestConfig)
     windower: WindowerConfig = field(default_factory=WindowerConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)

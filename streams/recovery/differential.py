@@ -74,7 +74,7 @@ def load_job_state(data: bytes) -> JobState:
             body = bytes(cramjam.zstd.decompress(body))
         except cramjam.DecompressionError as exc:
             raise pickle.UnpicklingError(f"job state record does not decompress: {exc}") from exc
-    raw = _StateUnpickler(io.BytesIO(body)).load()
+    raw = load_restricted(body)
     if not isinstance(raw, dict) or not isinstance(raw.get("job"), JobDifferential):
         raise pickle.UnpicklingError("job state record holds no JobDifferential")
     offset = -1 if fmt == _PATTERNS_TOPIC_OFFSETS else int(raw["progress_offset"])
@@ -109,6 +109,12 @@ class _StateUnpickler(pickle.Unpickler):
             if isinstance(found, type):
                 return found
         raise pickle.UnpicklingError(f"state record refers to {module}.{name}, which it may not")
+
+
+def load_restricted(body: bytes) -> object:
+    """Unpickle a record of the stage's own topics (state records, scoring requests and scores): fleetscope's
+    classes and a few containers only, so such a topic is no path to run code."""
+    return _StateUnpickler(io.BytesIO(body)).load()
 
 
 def record_due(credit: float, last_bytes: int, since_s: float, interval_s: float, stale_s: float) -> bool:
@@ -203,6 +209,10 @@ class DifferentialRecovery:
     def place(self, job: str, partition: int) -> None:
         """The job's source partition (where its state record goes)."""
         self._partition[job] = partition
+
+    def partition_of(self, job: str) -> int | None:
+        """The job's source partition, once one of its messages was placed (``place``)."""
+        return self._partition.get(job)
 
     def replayed_stall(self, job: str, offset: int) -> bool:
         """A stall record the job's state record applied already (re-read after a restart)."""

@@ -57,29 +57,22 @@ def test_a_worker_killed_mid_run_and_restarted_stores_exactly_what_a_clean_run_s
     )
 
 
-def test_a_worker_killed_mid_run_with_its_state_records_in_chunks_stores_what_a_clean_run_stores(
-    tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome
-) -> None:
-    """A large job's differential state (megabytes at a thousand ranks: more than a Kafka message may hold)
-    goes in chunks; here the job is small and the chunks are too (1 KiB), so each of its state records is
-    dozens of chunks, and the restarted worker restores the job from them."""
-    pipeline = OfflinePipeline().add_all(simulate(MOVING_JOB.sim))
-    pipeline.finish()
-    state = dump_job_state(JobState(job=pipeline.differential.jobs["moving-job"], progress_offset=-1, flushed=False))
-    assert len(state) > 8 * 1024  # chunked: the test tests something
-    chunks = {"streams.state_chunk_bytes": 1024}
-    _killed_and_restarted(
-        run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **chunks), one_worker_run
-    )
-
-
-def test_a_worker_scoring_in_processes_killed_mid_run_stores_what_a_clean_run_stores(
+def test_a_worker_scoring_in_processes_with_its_state_in_chunks_killed_mid_run_stores_what_a_clean_run_stores(
     tmp_path: Path, chdb_path: Path, broker: str, one_worker_run: Outcome
 ) -> None:
     """With ``streams.scoring_processes`` the job's iterations are decoded and scored by a pool beside the
     worker and tracked in order; its state records cover only iterations tracked, so the iterations the
-    pool had when the worker died are replayed, and the run stores what the one-process run stores."""
-    pooled = {"streams.scoring_processes": 2}
+    pool had when the worker died are replayed, and the run stores what the one-process run stores.
+
+    In the same run, a large job's differential state (megabytes at a thousand ranks: more than a Kafka
+    message may hold) goes in chunks; here the job is small and the chunks are too (1 KiB), so each of its
+    state records is dozens of chunks, and the restarted worker restores the job from them. (One run for
+    both: they were two runs of 30-40 s.)"""
+    pipeline = OfflinePipeline().add_all(simulate(MOVING_JOB.sim))
+    pipeline.finish()
+    state = dump_job_state(JobState(job=pipeline.differential.jobs["moving-job"], progress_offset=-1, flushed=False))
+    assert len(state) > 8 * 1024  # chunked: the test tests something
+    settings = {"streams.scoring_processes": 2, "streams.state_chunk_bytes": 1024}
     _killed_and_restarted(
-        run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **pooled), one_worker_run
+        run_config(tmp_path, broker, f"chdb://{chdb_path}", **QUICK_HANDOVER, **settings), one_worker_run
     )

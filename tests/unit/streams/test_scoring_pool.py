@@ -1,6 +1,7 @@
-"""A job's iterations scored by a pool of processes (``streams.scoring``) find exactly what scoring them in
-the worker finds, whatever order the processes finish in; a message the pool cannot decode comes back with its
-reason, and the job's state covers only the iterations tracked."""
+"""A job's iterations scored by a pool of processes (``streams.scoring``): a message the pool cannot decode
+comes back with its reason, the job's state covers only the iterations tracked, and a killed process costs
+nothing. That the pool finds exactly what scoring in the worker finds, on four layouts (``JOBS``), is tested
+with the scorers across workers, on the same jobs, in tests/integration/test_striped_scoring.py."""
 
 from __future__ import annotations
 
@@ -52,20 +53,6 @@ def run(stage: DifferentialStage, batch: list[bytes]) -> list[dict[str, Any]]:
         out += taken.findings + stage.collect()
     out += stage.flush("pool")
     return [{k: v for k, v in u.items() if k != "emitted_ns"} for u in out]
-
-
-@pytest.mark.parametrize("name", list(JOBS))
-def test_a_pool_of_processes_finds_what_the_worker_alone_finds(name: str, pool: ScoringPool) -> None:
-    batch = messages(name)
-    alone = run(DifferentialStage(), batch)
-    if "healthy" in name:
-        assert alone == []
-    else:
-        assert any(u["status"] == "open" for u in alone)
-    pooled = DifferentialStage(pool=pool)
-    assert run(pooled, batch) == alone
-    assert not pooled.scoring and not pooled.rejected
-    assert pooled.jobs["pool"].scored_upto == 23
 
 
 def test_a_message_the_pool_cannot_decode_comes_back_with_its_reason_and_its_iteration_is_scored(
