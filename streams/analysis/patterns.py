@@ -264,9 +264,16 @@ class _Batch:
     ``_UNKNOWN`` that a part lacks reads as its unknown value."""
 
     def __init__(self, parts: list[Cols], columns: dict[str, type[np.generic]]) -> None:
-        self.counts = np.array([p[next(iter(columns))].size if p else 0 for p in parts], dtype=np.int64)
-        self.it = np.repeat(np.arange(len(parts)), self.counts)
+        first = next(iter(columns))
+        sizes = [p[first].size if p else 0 for p in parts]
+        self.counts = np.array(sizes, dtype=np.int64)
         present = [p for p in parts if p]
+        if len(parts) == 1:  # one iteration: its columns as they are (read only), no concatenation
+            self.it = np.zeros(sizes[0], dtype=np.intp)
+            self.cols = {name: _column(present[0], name).astype(dtype, copy=False) if present else np.zeros(0, dtype)
+                         for name, dtype in columns.items()}  # fmt: skip
+            return
+        self.it = np.repeat(np.arange(len(parts)), self.counts)
         self.cols = {name: _joined([_column(p, name) for p in present], dtype) for name, dtype in columns.items()}
 
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
