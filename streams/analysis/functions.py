@@ -46,6 +46,8 @@ class FunctionPlan:
     """Per event (kernels, collectives, host functions, in that order): its function."""
     is_comm: npt.NDArray[np.bool_]
     """Per kernel: whether it is a collective (NCCL) kernel."""
+    gpu_class: npt.NDArray[np.intp]
+    """Per kernel, then per collective call: 1 for collective work, 0 for compute."""
     c_fn: I64
     """Per distinct collective function of the batch (iteration, op, group, size class): its number."""
     c_rows: list[tuple[int, int]]
@@ -144,6 +146,9 @@ def function_plan(
     fn_kind[wait_fn] = int(FunctionKind.PYTHON)
     c_group = c_fn[c_inv]
     fn_it = np.repeat(np.arange(m), n_fn)
+    is_comm = kind_of[k_name + name_base[k_it]] == _COLLECTIVE
+    gpu_class = np.ones(k_name.size + c_it.size, dtype=np.intp)
+    gpu_class[: k_name.size] = is_comm
 
     k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
     k_at, c_at, p_at = ([0, *x.cumsum().tolist()] for x in (nk, nc, npy))
@@ -168,7 +173,8 @@ def function_plan(
         fn_it=fn_it,
         row=np.arange(n) - first_fn[fn_it],
         group=np.concatenate([k_fn[k_inv], c_group, p_fn[p_inv]]),
-        is_comm=kind_of[k_name + name_base[k_it]] == _COLLECTIVE,
+        is_comm=is_comm,
+        gpu_class=gpu_class,
         c_fn=c_fn,
         c_rows=[(it, op) for it, op, _pg, _e in c_list],
         c_group=c_group,
@@ -176,7 +182,7 @@ def function_plan(
         names=fn_names,
     )
     for value in (plan.n_fn, plan.first_fn, plan.wait_at, plan.wait_fn, plan.fn_kind, plan.fn_it, plan.row,
-                  plan.group, plan.is_comm, plan.c_fn, plan.c_group, plan.c_local):  # fmt: skip
+                  plan.group, plan.is_comm, plan.gpu_class, plan.c_fn, plan.c_group, plan.c_local):  # fmt: skip
         value.flags.writeable = False
     return plan
 

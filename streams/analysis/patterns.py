@@ -405,10 +405,9 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         comp_s, comp_e = k_start[~is_comm], k_end[~is_comm]
         comm_s, comm_e = np.concatenate([c_start, k_start[is_comm]]), np.concatenate([c_end, k_end[is_comm]])
         gpu, compute = _gpu_time(comp_s, comp_e, comm_s, comm_e, evs[0].start_ns, evs[0].end_ns)
-    else:  # kernels and collectives, as ``start`` holds them: the collectives' class is 1
-        comm = np.ones(n_k + n_c, dtype=np.intp)
-        comm[:n_k] = is_comm
-        gpu, compute = _gpu_times(_Intervals(start[: n_k + n_c], end[: n_k + n_c], ev_it[: n_k + n_c]), comm, lo, width)
+    else:  # kernels and collectives, as ``start`` holds them
+        gpu_spans = _Intervals(start[: n_k + n_c], end[: n_k + n_c], ev_it[: n_k + n_c])
+        gpu, compute = _gpu_times(gpu_spans, fp.gpu_class, lo, width)
     kernels = (k.counts + c.counts).tolist()
 
     # 2. Functions (``functions.function_plan``). 3. Duration statistics; host functions' self time (own work:
@@ -417,7 +416,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     st = group_duration_stats(all_group, np.concatenate([dur, wait_ns]), n)
     empty_wait = fp.wait_fn[st.calls[fp.wait_fn] == 0]  # a launch wait without gaps: 0, not NaN (no calls)
     st.mean[empty_wait], st.p50[empty_wait], st.p99[empty_wait] = 0.0, 0.0, 0.0
-    p_name = p_all["name_id"] + name_base[p_all.it]
+    p_name = p_all["name_id"] if len(tables) == 1 else p_all["name_id"] + name_base[p_all.it]
     p_sync = sync_of[p_name]
     p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync, p_name)[p_fns]
     self_ns = np.concatenate([k["dur_ns"], c["dur_ns"], p_self, wait_ns])  # a gap is all own time
@@ -445,7 +444,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     # 5. Link throughput during each function's executions, every family and iteration at once: samples
     # by family, then iteration, then time (stable, like a per-iteration sort), times shifted by
     # iteration into consecutive ranges so each search only finds its own iteration's samples.
-    family = family_of[s["metric_id"] + name_base[s.it]]
+    family = family_of[s["metric_id"] if len(tables) == 1 else s["metric_id"] + name_base[s.it]]
     links = (family >= 0).nonzero()[0]  # the other metrics left out before the sort, not after
     family, t_it, t = family[links], s.it[links], s["t_ns"][links]
     order = np.lexsort((t, t_it, family))
@@ -508,7 +507,10 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         lo_f, hi_f = first_l[i], first_l[i] + n_l[i]
         listed = fn_names
         fn_names, fn_columns = capped_functions(
-            listed, {key: col[lo_f:hi_f] for key, col in columns.items()}, ev.max_functions, ev.max_function_chars
+            listed,
+            columns if m == 1 else {key: col[lo_f:hi_f] for key, col in columns.items()},
+            ev.max_functions,
+            ev.max_function_chars,
         )
         row = fn_columns.pop("row")
         kept = None  # capped: where each function's row went (the rest: into the last)
