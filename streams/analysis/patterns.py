@@ -71,6 +71,10 @@ class NameTable:
         return self
 
 
+_bus_factor = functools.lru_cache(maxsize=4096)(bus_bandwidth_factor)
+"""``bus_bandwidth_factor`` (pure) by (op, group size): a rank's collectives repeat every step."""
+
+
 def _link_family(name: str) -> int:
     if name.endswith(THROUGHPUT_SUFFIX):
         for i, family in enumerate(LINK_FAMILIES):
@@ -436,7 +440,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         gsize = np.bincount(c_group, weights=c["group_size"], minlength=n)[c_fn].tolist()
         calls_l, algbw_l = st.calls[c_fn].tolist(), algbw[c_fn].tolist()
         factors = [
-            bus_bandwidth_factor(evs[it].names[op], int(round(g / max(calls, 1))))
+            _bus_factor(evs[it].names[op], int(round(g / max(calls, 1))))
             for (it, op), g, calls in zip(fp.c_rows, gsize, calls_l, strict=True)
         ]
         busbw[c_fn] = np.asarray(algbw_l) * np.asarray(factors)
