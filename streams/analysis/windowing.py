@@ -107,6 +107,8 @@ class RankWindower:
     _names: list[str] = field(default_factory=list)
     _name_ids: dict[str, int] = field(default_factory=dict)
     _buffers: dict[EventKind, Cols] = field(default_factory=dict)
+    _ordered: dict[EventKind, bool] = field(default_factory=dict)
+    """The kinds whose buffer is known to be in time order (``take_step``); forgotten when it is replaced."""
     _watermark: dict[EventKind, int] = field(default_factory=dict)
     _declared_by: dict[str, frozenset[EventKind]] = field(default_factory=dict)
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -190,6 +192,7 @@ class RankWindower:
             self._watermark[kind] = max(self._watermark.get(kind, -(2**62)), latest)
             buf = self._buffers.get(kind)
             self._buffers[kind] = cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
+            self._ordered.pop(kind, None)
         return self._close(force=False, now_ns=now_ns)
 
     @property
@@ -419,7 +422,7 @@ class RankWindower:
         memo = self._gpu_end_memo
         if memo is not None and memo[0] == (start, end) and memo[1] is bufs[0] and memo[2] is bufs[1]:
             return memo[3]
-        gpu_end = gpu_work_end(bufs, start, end)
+        gpu_end = gpu_work_end(self._buffers, start, end, self._ordered)
         self._gpu_end_memo = ((start, end), bufs[0], bufs[1], gpu_end)
         return gpu_end
 
@@ -459,7 +462,7 @@ class RankWindower:
 
     def _close_step(self, step: int, start: int, end: int) -> ClosedIteration:
         del self._steps[step]
-        parts = take_step(self._buffers, start, end, self._gpu_end(start, end))
+        parts = take_step(self._buffers, start, end, self._gpu_end(start, end), self._ordered)
         self._closed_step = step
         self._closed_end_ns = end
         events = IterationEvents(
