@@ -154,28 +154,35 @@ def _gpu_times(gpu: _Intervals, comm: npt.NDArray[np.intp], lo: I64, width: list
     s, e = clip(gpu.start, lo[it], hi[it]), clip(gpu.end, lo[it], hi[it])
     own, every = shift.ravel()[3 * it + comm], shift[it, 2]
     seg_s, seg_e = merge_intervals(np.concatenate((s + own, s + every)), np.concatenate((e + own, e + every)))
-    cuts = edges.ravel()
-    at = seg_s.searchsorted(np.concatenate((cuts, [base[-1] + 3 * span[-1]])))
-    covered = np.concatenate(([0], (seg_e - seg_s).cumsum()))
+    cuts = np.empty(3 * m + 1, dtype=np.int64)  # every range's start, then the end of the last
+    cuts[:-1] = edges.ravel()
+    cuts[-1] = base[-1] + 3 * span[-1]
+    at = seg_s.searchsorted(cuts)
+    covered = np.zeros(seg_s.size + 1, dtype=np.int64)
+    np.cumsum(seg_e - seg_s, out=covered[1:])
     per_class = (covered[at[1:]] - covered[at[:-1]]).reshape(m, 3)
     # The idle gaps of the all-intervals class: between its segments and to the range's two ends.
     first, stop = at[2::3], at[3::3]
     some = stop > first
     open_at = edges[:, 2]
-    prev_end = np.concatenate((seg_e[-1:], seg_e[:-1]))  # np.roll(seg_e, 1), without its overhead
+    prev_end = np.empty_like(seg_e)  # np.roll(seg_e, 1), without its overhead
+    prev_end[1:] = seg_e[:-1]
+    prev_end[:1] = seg_e[-1:]
     prev_end[first[some]] = open_at[some]
-    last_end = np.where(some, np.concatenate((seg_e, [0]))[np.maximum(stop - 1, 0)], open_at)
+    last_end = open_at.copy()
+    last_end[some] = seg_e[stop[some] - 1]
     max_gap = open_at + (hi - lo) - last_end
-    block = cuts.searchsorted(seg_s, side="right") - 1
+    block = cuts[:-1].searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
-    figures = np.empty((m, 4), dtype=np.int64)
-    figures[:, :3], figures[:, 3] = per_class[:, _BUSY_COMPUTE_COLLECTIVE], max_gap
+    figures = np.empty((m, 4), dtype=np.int64)  # busy, compute, collective (classes all, compute, collective)
+    figures[:, 0], figures[:, 1], figures[:, 2], figures[:, 3] = (
+        per_class[:, 2],
+        per_class[:, 0],
+        per_class[:, 1],
+        max_gap,
+    )
     return figures, CoveredTime.of(seg_s, seg_e, lo, hi, shift[:, 0])
-
-
-_BUSY_COMPUTE_COLLECTIVE = [2, 0, 1]
-"""``_gpu_times``'s figures from its classes (compute, collective, all): busy, compute, collective."""
 
 
 _REL_BITS = 41

@@ -316,24 +316,27 @@ class RankWindower:
         is_marker = self._is_marker[ids]
         if not is_marker.any():
             return cols
-        for i in np.flatnonzero(is_marker):
-            step = steps[int(ids[i])]
+        at = np.flatnonzero(is_marker)
+        marks = zip(ids[at].tolist(), cols["start_ns"][at].tolist(), cols["dur_ns"][at].tolist(), strict=True)
+        for name_id, start, dur in marks:
+            step = steps[name_id]
             if step is None:
                 continue
             if self._mode != "step_marker":  # explicit markers beat every inferred boundary
                 self._mode = "step_marker"
                 self._steps.clear()
             if self._closed_step < step:
-                start = int(cols["start_ns"][i])
-                self._steps[step] = (start, start + int(cols["dur_ns"][i]))
+                self._steps[step] = (start, start + dur)
         return {k: v[~is_marker] for k, v in cols.items()}
 
     def _take_own_spans(self, cols: Cols, own: npt.NDArray[np.int8]) -> Cols:
         """Take the producer's own spans (``own``: each row's ``_own_span`` kind) out of a host batch: a
         profiler window's marks the steps it overlaps, a step's run-queue wait goes to the step it starts."""
-        for i in np.flatnonzero(own).tolist():
-            start, length = int(cols["start_ns"][i]), max(int(cols["dur_ns"][i]), 0)
-            if own[i] == _WINDOW:
+        at = np.flatnonzero(own)
+        spans = zip(own[at].tolist(), cols["start_ns"][at].tolist(), cols["dur_ns"][at].tolist(), strict=True)
+        for kind, start, dur in spans:
+            length = max(dur, 0)
+            if kind == _WINDOW:
                 self._windows.append((start, start + length))
             elif start >= self._closed_end_ns and len(self._waits) < 16 * self.config.max_open_steps:
                 self._waits[start] = self._waits.get(start, 0) + length
