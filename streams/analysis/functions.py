@@ -65,6 +65,9 @@ class FunctionPlans:
     def __init__(self) -> None:
         self._kept: dict[bytes, FunctionPlan] = {}
 
+    def __len__(self) -> int:
+        return len(self._kept)
+
     def get(self, key: bytes) -> FunctionPlan | None:
         return self._kept.get(key)
 
