@@ -94,6 +94,18 @@ GAINS: tuple[tuple[str, str, str], ...] = (
      "the worker's producer batches up to 512 KiB, not 16 KiB: a take's pattern records share a batch (c full "
      "alone, 16 KiB and 512 KiB in turns, 3 runs each: c full/a 0.241/0.223/0.236 -> 0.279/0.264/0.256; CPU s "
      "worker 1.06/1.07/1.06 -> 0.92/0.95/0.95, broker 0.16/0.15/0.15 -> 0.10/0.11/0.11)"),
+    ("a457a47 837d0c4 4125c7b c8b0584 202bb2d", "summary CPU 0.73x (A/B against 862d178)",
+     "the summary's fixed cost per call, bit for bit: the function numbering kept per rank (268 of (b)'s 408 calls "
+     "find theirs), no parent search at the shallowest host depth, one iteration's columns unjoined, one "
+     "clip/shift/merge of the GPU intervals, launch waits from the span columns, bus factors cached, no list "
+     "operands; C calls per summary call 370 -> 260 (summary of (b)'s 408 batches, 8 rounds in turns)"),
+    ("bc421a3", "windower _close 96.7 -> 64.9 ms a (b) run",
+     "a buffer's time order found once per buffer, a step's bounds one searchsorted, the rows it leaves a view "
+     "until the next batch, the step's GPU end one slice (thread CPU, mean of 3 runs)"),
+    ("a457a47..202bb2d", "b/a 0.681 -> 0.811 and 0.698 -> 0.776; b take/a 0.982 -> 1.060",
+     "the two above, both trees in turns in one session, 5 rounds of a then b each, twice (load 17-21 on 2 "
+     "cores): b CPU 0.87x and 0.89x of 862d178's; this bench alone at load ~20: b/a 0.675, at load 0.5 862d178 "
+     "gave 0.745"),
 )  # fmt: skip
 """The commits that moved the ratios (commit, figure, what), by hand: a change of speed adds its line."""
 

@@ -42,11 +42,27 @@ def held_events(buffers: dict[EventKind, Cols]) -> int:
     return sum(int(buf[TIME_COLUMN[kind]].size) for kind, buf in buffers.items())
 
 
-def gpu_work_end(bufs: tuple[Cols | None, ...], start: int, end: int) -> int:
+def in_time_order(buffers: dict[EventKind, Cols], kind: EventKind, ordered: dict[EventKind, bool]) -> bool:
+    """Whether ``kind``'s buffer is in time order (as producers send it), found once per buffer: ``ordered``
+    keeps the kinds found so, and the caller forgets a kind when it replaces its buffer."""
+    if ordered.get(kind):
+        return True
+    t = buffers[kind][TIME_COLUMN[kind]]
+    found = ordered[kind] = t.size < 2 or bool((t[1:] >= t[:-1]).all())
+    return found
+
+
+def gpu_work_end(buffers: dict[EventKind, Cols], start: int, end: int, ordered: dict[EventKind, bool]) -> int:
     """When the GPU work launched in [start, end) ends (at least ``end``)."""
     gpu_end = end
-    for buf in bufs:
+    for kind in (EventKind.KERNELS, EventKind.COLLECTIVES):
+        buf = buffers.get(kind)
         if buf is None:
+            continue
+        if in_time_order(buffers, kind, ordered):  # launched in [start, end): one slice
+            a, b = buf["assign_ns"].searchsorted([start, end]).tolist()
+            if b > a:
+                gpu_end = max(gpu_end, int(np.maximum.reduce(buf["start_ns"][a:b] + buf["dur_ns"][a:b])))
             continue
         sel = (buf["assign_ns"] >= start) & (buf["assign_ns"] < end)
         if sel.any():
@@ -54,20 +70,24 @@ def gpu_work_end(bufs: tuple[Cols | None, ...], start: int, end: int) -> int:
     return gpu_end
 
 
-def take_step(buffers: dict[EventKind, Cols], start: int, end: int, gpu_end: int) -> dict[EventKind, Cols]:
+def take_step(
+    buffers: dict[EventKind, Cols], start: int, end: int, gpu_end: int, ordered: dict[EventKind, bool]
+) -> dict[EventKind, Cols]:
     """Take the step [start, end) out of ``buffers`` (replaced by what later steps still need) and return its
-    events per kind. Hardware samples run on to ``gpu_end``, the end of the step's GPU work."""
+    events per kind. Hardware samples run on to ``gpu_end``, the end of the step's GPU work.
+
+    A buffer in time order, as producers send it (``ordered``: the kinds whose buffer was found so, kept
+    up to date here; a buffer the caller replaces it forgets), gives both parts as slices: what is kept
+    stays a view until the kind's next batch replaces the buffer (never more than the buffer held then)."""
     parts: dict[EventKind, Cols] = {}
     for kind, buf in buffers.items():
         t = buf[TIME_COLUMN[kind]]
         samples = kind is EventKind.SAMPLES
-        if t.size < 2 or bool((t[1:] >= t[:-1]).all()):  # in time order, as sent: slices, not masks
-            first = int(t.searchsorted(start, side="left"))
-            stop = int(t.searchsorted(gpu_end if samples else end, side="right" if samples else "left"))
-            kept = int(t.searchsorted(end, side="left"))
+        if in_time_order(buffers, kind, ordered):
+            # integer times: the samples' stop, right of gpu_end, is left of gpu_end + 1
+            first, stop, kept = t.searchsorted([start, gpu_end + 1 if samples else end, end]).tolist()
             parts[kind] = {k: v[first:stop] for k, v in buf.items()}
-            # copies, so the closed step's events do not stay referenced by what is kept
-            buffers[kind] = {k: v[kept:].copy() for k, v in buf.items()} if kept else buf
+            buffers[kind] = {k: v[kept:] for k, v in buf.items()} if kept else buf
             continue
         inside = (t >= start) & ((t <= gpu_end) if samples else (t < end))
         keep = t >= end

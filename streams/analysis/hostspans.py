@@ -53,8 +53,11 @@ def host_self_ns(
     if n == 0:
         return own
     d = depth.astype(np.int64)
-    child = np.flatnonzero(d > 0)
-    if child.size:  # the parents' search, only where some span has one
+    floor = int(d.min())
+    # A span at the shallowest depth has no parent (a torch hook's outermost spans are at depth 1, its step
+    # marker taken out): the parents' search, only where some span may have one.
+    child = np.flatnonzero(d > max(floor, 0))
+    if child.size:
         order = np.lexsort((d, start))  # a parent that starts with its child ranks first
         srank = np.empty(n, dtype=np.int64)
         srank[order] = np.arange(n)
@@ -71,8 +74,9 @@ def host_self_ns(
         inside = ok & (start[child] < end[parent])
         overlap = np.minimum(end[child], end[parent]) - start[child]
         own -= np.bincount(parent[inside], weights=overlap[inside], minlength=n).astype(np.int64)
-    own -= _other_threads_inside(it, start, dur, d)
-    if name is not None:
+    if floor <= 0:  # no outermost span (depth 0 or a thread's busy stretch) nor wait row: nothing inside
+        own -= _other_threads_inside(it, start, dur, d)
+    if name is not None and floor <= SPAN_CPU_WAIT_DEPTH:
         own -= _own_waits(it, name, start, dur, d)
     own[sync | (d < 0)] = 0
     return np.maximum(own, 0)

@@ -12,8 +12,18 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas import FunctionKind, bus_bandwidth_factor, classify_kernel
-from fleetscope.schemas.vocabulary import LAUNCH_WAIT_FUNCTION, is_sync_call
+from fleetscope.schemas.vocabulary import is_sync_call
 from fleetscope.streams.analysis.capping import capped_functions
+from fleetscope.streams.analysis.functions import (
+    FunctionPlan,
+    FunctionPlans,
+    function_plan,
+    plan_key,
+)
+from fleetscope.streams.analysis.functions import _collective_keys as _collective_keys
+from fleetscope.streams.analysis.functions import _distinct as _distinct
+from fleetscope.streams.analysis.functions import collective_function_name as collective_function_name
+from fleetscope.streams.analysis.functions import size_bucket_label as size_bucket_label
 from fleetscope.streams.analysis.hostspans import host_self_ns, with_depth
 from fleetscope.streams.analysis.stats import (
     clip,
@@ -46,6 +56,8 @@ class NameTable:
         """Index into ``LINK_FAMILIES`` of a link throughput metric; -1 for any other name."""
         self.sync = np.zeros(0, dtype=bool)
         """A host call that blocks (``is_sync_call``): waiting, never own host time."""
+        self.plans = FunctionPlans()
+        """The function numbering of the rank's recent steps, by their names and sizes."""
 
     def update(self, names: list[str]) -> NameTable:
         """Cover every name of ``names``, of which the names seen before must be a prefix."""
@@ -57,6 +69,10 @@ class NameTable:
             self.family = np.concatenate((self.family, np.array(families, dtype=np.int8)))
             self.sync = np.concatenate((self.sync, np.array([is_sync_call(n) for n in new], dtype=bool)))
         return self
+
+
+_bus_factor = functools.lru_cache(maxsize=4096)(bus_bandwidth_factor)
+"""``bus_bandwidth_factor`` (pure) by (op, group size): a rank's collectives repeat every step."""
 
 
 def _link_family(name: str) -> int:
@@ -83,24 +99,6 @@ class IterationEvents:
     """Facts about ``names``, kept by the caller across iterations; built here when None."""
     max_functions: int = MAX_FUNCTIONS
     max_function_chars: int = MAX_FUNCTION_CHARS
-
-
-def size_bucket_label(nbytes: int) -> str:
-    """Power-of-two size class, so calls of a collective with similar sizes form one function."""
-    if nbytes <= 0:
-        return "0B"
-    exp = int(np.ceil(np.log2(nbytes)))
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if exp >= shift:
-            return f"{1 << (exp - shift)}{unit}"
-    return f"{1 << exp}B"
-
-
-@functools.lru_cache(maxsize=4096)
-def collective_function_name(op: str, pg: str, nbytes: int) -> str:
-    """One function per process-group instance: only members of one group finish a collective together,
-    so only they can be compared for arrival lateness."""
-    return f"nccl:{op}[pg={pg},<={size_bucket_label(nbytes)}]"
 
 
 @functools.lru_cache(maxsize=65536)
@@ -137,9 +135,10 @@ def _gpu_time(comp_s: I64, comp_e: I64, comm_s: I64, comm_e: I64, lo: int, hi: i
     return np.array([figures], dtype=np.int64), compute
 
 
-def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) -> tuple[I64, CoveredTime]:
+def _gpu_times(gpu: _Intervals, comm: npt.NDArray[np.intp], lo: I64, width: list[int]) -> tuple[I64, CoveredTime]:
     """Per iteration: busy, compute and collective time inside [lo, lo + width] and the largest idle gap; and
-    the compute's segments (in their ranges), for the compute before any time.
+    the compute's segments (in their ranges), for the compute before any time. ``comm``: 1 for each GPU
+    interval that is collective, 0 for compute.
 
     All unions come from one merge: every iteration's compute, collective and all intervals, clipped,
     are shifted into disjoint time ranges (three per iteration, one per class), so no segment spans two
@@ -150,38 +149,40 @@ def _gpu_times(comp: _Intervals, comm: _Intervals, lo: I64, width: list[int]) ->
     base = (3 * span).cumsum() - 3 * span
     edges = base[:, None] + np.arange(3) * span[:, None]
     shift = edges - lo[:, None]
-
-    def clipped(iv: _Intervals, cls: int) -> tuple[I64, I64, I64, I64]:
-        """The intervals clipped to their iteration, shifted into its class range and into its all range."""
-        a, b, own, every = lo[iv.it], hi[iv.it], shift[iv.it, cls], shift[iv.it, 2]
-        s, e = clip(iv.start, a, b), clip(iv.end, a, b)
-        return s + own, e + own, s + every, e + every
-
-    (s0, e0, s2, e2), (s1, e1, t2, f2) = clipped(comp, 0), clipped(comm, 1)
-    parts = [(s0, e0), (s1, e1), (s2, e2), (t2, f2)]
-    seg_s, seg_e = merge_intervals(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-    cuts = edges.ravel()
-    at = seg_s.searchsorted(np.concatenate((cuts, [base[-1] + 3 * span[-1]])))
-    covered = np.concatenate(([0], (seg_e - seg_s).cumsum()))
+    # Each interval clipped to its iteration, shifted into its class's range and into its all range.
+    it = gpu.it
+    s, e = clip(gpu.start, lo[it], hi[it]), clip(gpu.end, lo[it], hi[it])
+    own, every = shift.ravel()[3 * it + comm], shift[it, 2]
+    seg_s, seg_e = merge_intervals(np.concatenate((s + own, s + every)), np.concatenate((e + own, e + every)))
+    cuts = np.empty(3 * m + 1, dtype=np.int64)  # every range's start, then the end of the last
+    cuts[:-1] = edges.ravel()
+    cuts[-1] = base[-1] + 3 * span[-1]
+    at = seg_s.searchsorted(cuts)
+    covered = np.zeros(seg_s.size + 1, dtype=np.int64)
+    np.cumsum(seg_e - seg_s, out=covered[1:])
     per_class = (covered[at[1:]] - covered[at[:-1]]).reshape(m, 3)
     # The idle gaps of the all-intervals class: between its segments and to the range's two ends.
     first, stop = at[2::3], at[3::3]
     some = stop > first
     open_at = edges[:, 2]
-    prev_end = np.concatenate((seg_e[-1:], seg_e[:-1]))  # np.roll(seg_e, 1), without its overhead
+    prev_end = np.empty_like(seg_e)  # np.roll(seg_e, 1), without its overhead
+    prev_end[1:] = seg_e[:-1]
+    prev_end[:1] = seg_e[-1:]
     prev_end[first[some]] = open_at[some]
-    last_end = np.where(some, np.concatenate((seg_e, [0]))[np.maximum(stop - 1, 0)], open_at)
+    last_end = open_at.copy()
+    last_end[some] = seg_e[stop[some] - 1]
     max_gap = open_at + (hi - lo) - last_end
-    block = cuts.searchsorted(seg_s, side="right") - 1
+    block = cuts[:-1].searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
-    figures = np.empty((m, 4), dtype=np.int64)
-    figures[:, :3], figures[:, 3] = per_class[:, _BUSY_COMPUTE_COLLECTIVE], max_gap
+    figures = np.empty((m, 4), dtype=np.int64)  # busy, compute, collective (classes all, compute, collective)
+    figures[:, 0], figures[:, 1], figures[:, 2], figures[:, 3] = (
+        per_class[:, 2],
+        per_class[:, 0],
+        per_class[:, 1],
+        max_gap,
+    )
     return figures, CoveredTime.of(seg_s, seg_e, lo, hi, shift[:, 0])
-
-
-_BUSY_COMPUTE_COLLECTIVE = [2, 0, 1]
-"""``_gpu_times``'s figures from its classes (compute, collective, all): busy, compute, collective."""
 
 
 _REL_BITS = 41
@@ -191,13 +192,8 @@ _REL_BITS = 41
 
 def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
     """The gaps in which the GPU waited for its host to launch (``LAUNCH_WAIT_FUNCTION``): each gap's
-    iteration and length, and per iteration whether its kernels carry launch times at all.
-
-    A gap between the end of all GPU work so far (every stream, collectives included) and the next
-    kernel's start is the host's when that kernel was launched after the gap began: the GPU had nothing
-    queued. A kernel launched earlier waited for a dependency (an event, another stream), not the host.
-    Gaps before the step's first kernel are left out (a late start is a late arrival, not launch-bound
-    work). Without launch times (``assign_ns`` is the start itself) nothing is known."""
+    iteration and length, and per iteration whether its kernels carry launch times at all (``_gpu_waits``),
+    from the kernels and collectives that carry launch times (``assign_ns``)."""
     m = len(evs)
     parts = [
         (cols["start_ns"], cols["dur_ns"], cols["assign_ns"], i)
@@ -211,6 +207,21 @@ def _launch_waits(evs: Sequence[IterationEvents], lo: I64) -> tuple[I64, I64, np
     end = start + np.concatenate([p[1] for p in parts]).astype(np.int64)
     launch = np.concatenate([p[2] for p in parts]).astype(np.int64)
     it = np.repeat(np.array([p[3] for p in parts], dtype=np.int64), [p[0].size for p in parts])
+    return _gpu_waits(start, end, launch, it, lo)
+
+
+def _gpu_waits(start: I64, end: I64, launch: I64, it: I64, lo: I64) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
+    """The launch waits of GPU work (kernels and collectives, each iteration's in the order given: ties of
+    start keep it): each gap's iteration and length, and per iteration whether launch times are known.
+
+    A gap between the end of all GPU work so far (every stream, collectives included) and the next
+    kernel's start is the host's when that kernel was launched after the gap began: the GPU had nothing
+    queued. A kernel launched earlier waited for a dependency (an event, another stream), not the host.
+    Gaps before the step's first kernel are left out (a late start is a late arrival, not launch-bound
+    work). Without launch times (``assign_ns`` is the start itself) nothing is known."""
+    m = lo.size
+    if start.size == 0:
+        return _empty(), _empty(), np.zeros(m, bool)
     known = np.bincount(it, weights=launch < start, minlength=m) > 0
     order = np.lexsort((start, it))
     start, end, launch, it = start[order], end[order], launch[order], it[order]
@@ -234,39 +245,21 @@ class _Intervals:
     """Iteration (index into the batch) of each interval."""
 
 
-def _distinct(keys: I64, size: int) -> tuple[I64, I64]:
-    """``np.unique(keys, return_inverse=True)`` for keys in [0, size): a presence table when it is small
-    beside the keys (a rank's names grow by a step marker a step: after 100,000 steps a table of them cost
-    18.5 us for 100 keys, a sort 6.5 us), else one sort."""
-    if size > min(1 << 22, max(128 * keys.size, 1 << 15)):
-        return _unique(keys)
-    present = np.zeros(size, dtype=bool)
-    present[keys] = True
-    uniq = present.nonzero()[0]
-    rank = np.zeros(size, dtype=np.int64)
-    rank[uniq] = np.arange(uniq.size)
-    return uniq, rank[keys]
-
-
-def _unique(keys: I64) -> tuple[I64, I64]:
-    """``np.unique(keys, return_inverse=True)`` for 1-D int keys, by one stable sort."""
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    first = np.ones(ordered.size, dtype=bool)
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    inverse = np.empty(keys.size, dtype=np.int64)
-    inverse[order] = first.cumsum() - 1
-    return ordered[first], inverse
-
-
 class _Batch:
     """One kind of events of every iteration of a batch, concatenated in iteration order; a column of
     ``_UNKNOWN`` that a part lacks reads as its unknown value."""
 
     def __init__(self, parts: list[Cols], columns: dict[str, type[np.generic]]) -> None:
-        self.counts = np.array([p[next(iter(columns))].size if p else 0 for p in parts], dtype=np.int64)
-        self.it = np.repeat(np.arange(len(parts)), self.counts)
+        first = next(iter(columns))
+        sizes = [p[first].size if p else 0 for p in parts]
+        self.counts = np.array(sizes, dtype=np.int64)
         present = [p for p in parts if p]
+        if len(parts) == 1:  # one iteration: its columns as they are (read only), no concatenation
+            self.it = np.zeros(sizes[0], dtype=np.intp)
+            self.cols = {name: _column(present[0], name).astype(dtype, copy=False) if present else np.zeros(0, dtype)
+                         for name, dtype in columns.items()}  # fmt: skip
+            return
+        self.it = np.repeat(np.arange(len(parts)), self.counts)
         self.cols = {name: _joined([_column(p, name) for p in present], dtype) for name, dtype in columns.items()}
 
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
@@ -285,6 +278,31 @@ def _joined(arrays: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDAr
     if len(arrays) == 1 and arrays[0].ndim == 1:
         return np.array(arrays[0], dtype=dtype)
     return np.concatenate(arrays or [np.zeros(0, dtype)]).astype(dtype, copy=False)
+
+
+def _functions(
+    k: _Batch,
+    c: _Batch,
+    p: _Batch,
+    launch_known: npt.NDArray[np.bool_],
+    kind_of: npt.NDArray[np.int8],
+    name_base: I64,
+    evs: Sequence[IterationEvents],
+    table: NameTable | None,
+) -> FunctionPlan:
+    """The batch's function numbering; kept by ``table`` (the batch's one rank's) for the steps like it."""
+    key = b""
+    if table is not None:
+        key = plan_key([k.counts, k["name_id"], c.counts, c["op_id"], c["pg_id"], c["nbytes"], p.counts,
+                        p["name_id"], launch_known])  # fmt: skip
+        kept = table.plans.get(key)
+        if kept is not None:
+            return kept
+    plan = function_plan(k.it, k["name_id"], c.it, (c["op_id"], c["pg_id"], c["nbytes"]), p.it, p["name_id"],
+                         launch_known, kind_of, name_base, [ev.names for ev in evs])  # fmt: skip
+    if table is not None:
+        table.plans.keep(key, plan)
+    return plan
 
 
 def _link_shifts(spans: tuple[I64, I64, I64], s: _Batch, lo: I64, width: list[int]) -> I64 | None:
@@ -379,89 +397,65 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         family_of = np.concatenate([t.family for t in tables.values()])
         sync_of = np.concatenate([t.sync for t in tables.values()])
     name_base = np.array([offsets[id(table)] for table in ev_tables], dtype=np.int64)
-    n_names = max(max(len(ev.names) for ev in evs), 1)
+    n_k, n_c = k["start_ns"].size, c["start_ns"].size
+    gpu_parts = [cols for kind in ("kernels", "collectives") for ev in evs if (cols := getattr(ev, kind))]
+    if all("assign_ns" in cols for cols in gpu_parts):  # as ``start`` holds them: kernels, then collectives
+        launch = _joined([cols["assign_ns"] for cols in gpu_parts], np.int64)
+        wait_it, wait_ns, launch_known = _gpu_waits(start[: n_k + n_c], end[: n_k + n_c], launch,
+                                                    ev_it[: n_k + n_c], lo)  # fmt: skip
+    else:
+        wait_it, wait_ns, launch_known = _launch_waits(evs, lo)
+    fp = _functions(k, c, p, launch_known, kind_of, name_base, evs, ev_tables[0] if len(tables) == 1 else None)
+    n, first_fn, fn_it, group, c_fn = fp.n, fp.first_fn, fp.fn_it, fp.group, fp.c_fn
 
     # 1. Iteration figures.
-    n_k, n_c = k["start_ns"].size, c["start_ns"].size
     k_start, k_end = k["start_ns"], end[:n_k]
     c_start, c_end = c["start_ns"], end[n_k : n_k + n_c]
-    is_comm = kind_of[k["name_id"] + name_base[k.it]] == _COLLECTIVE
-    comp = _Intervals(k_start[~is_comm], k_end[~is_comm], k.it[~is_comm])
-    comm = _Intervals(np.concatenate([c_start, k_start[is_comm]]), np.concatenate([c_end, k_end[is_comm]]),
-                      np.concatenate([c.it, k.it[is_comm]]))  # fmt: skip
+    is_comm = fp.is_comm
     if m == 1 and not 0 <= width[0] < _MAX_SHIFTED:
-        gpu, compute = _gpu_time(comp.start, comp.end, comm.start, comm.end, evs[0].start_ns, evs[0].end_ns)
-    else:
-        gpu, compute = _gpu_times(comp, comm, lo, width)
+        comp_s, comp_e = k_start[~is_comm], k_end[~is_comm]
+        comm_s, comm_e = np.concatenate([c_start, k_start[is_comm]]), np.concatenate([c_end, k_end[is_comm]])
+        gpu, compute = _gpu_time(comp_s, comp_e, comm_s, comm_e, evs[0].start_ns, evs[0].end_ns)
+    else:  # kernels and collectives, as ``start`` holds them
+        gpu_spans = _Intervals(start[: n_k + n_c], end[: n_k + n_c], ev_it[: n_k + n_c])
+        gpu, compute = _gpu_times(gpu_spans, fp.gpu_class, lo, width)
     kernels = (k.counts + c.counts).tolist()
-    wait_it, wait_ns, launch_known = _launch_waits(evs, lo)
 
-    # 2. Functions, numbered iteration by iteration: its kernels, collectives, then host functions.
-    k_uniq, k_inv = _distinct(k.it * n_names + k["name_id"], m * n_names)
-    k_it, k_id = k_uniq // n_names, k_uniq % n_names
-    nbytes = c["nbytes"]
-    exp = np.where(nbytes > 0, np.ceil(np.log2(np.maximum(nbytes, 1))), 0).astype(np.int64)
-    c_rows, c_inv = _collective_keys(c.it, c["op_id"], c["pg_id"], exp, n_names)
-    p_uniq, p_inv = _distinct(p.it * n_names + p["name_id"], m * n_names)
-    p_it, p_id = p_uniq // n_names, p_uniq % n_names
-    nk = np.bincount(k_it, minlength=m)
-    nc = np.bincount(c_rows[:, 0], minlength=m)
-    npy = np.bincount(p_it, minlength=m)
-    # An iteration whose kernels carry launch times has one more host function, its launch wait, last in its
-    # block: every such rank has it (zero where its GPU never waited), so its peers compare it.
-    n_fn = nk + nc + npy + launch_known
-    n = int(n_fn.sum())
-    first_fn = n_fn.cumsum() - n_fn
-
-    def numbered(it: I64, before: I64, count: I64) -> I64:
-        ids: I64 = first_fn[it] + before[it] + np.arange(it.size) - (count.cumsum() - count)[it]
-        return ids
-
-    k_fn = numbered(k_it, np.zeros(m, dtype=np.int64), nk)
-    c_fn = numbered(c_rows[:, 0], nk, nc)
-    p_fn = numbered(p_it, nk + nc, npy)
-    fn_kind = np.empty(n, dtype=np.int64)
-    fn_kind[k_fn] = kind_of[k_id + name_base[k_it]]
-    fn_kind[c_fn] = _COLLECTIVE
-    fn_kind[p_fn] = int(FunctionKind.PYTHON)
-    wait_fn = (first_fn + nk + nc + npy)[launch_known]
-    fn_kind[wait_fn] = int(FunctionKind.PYTHON)
-    group = np.concatenate([k_fn[k_inv], c_fn[c_inv], p_fn[p_inv]])
-    fn_it = np.repeat(np.arange(m), n_fn)
-
-    # 3. Duration statistics; host functions' self time (own work: children and blocking calls left out).
-    all_group = np.concatenate([group, (first_fn + nk + nc + npy)[wait_it]])  # the events', then the gaps'
+    # 2. Functions (``functions.function_plan``). 3. Duration statistics; host functions' self time (own work:
+    # children and blocking calls left out).
+    all_group = np.concatenate([group, fp.wait_at[wait_it]])  # the events', then the gaps'
     st = group_duration_stats(all_group, np.concatenate([dur, wait_ns]), n)
-    empty_wait = wait_fn[st.calls[wait_fn] == 0]  # a launch wait without gaps: 0, not NaN (no calls)
+    empty_wait = fp.wait_fn[st.calls[fp.wait_fn] == 0]  # a launch wait without gaps: 0, not NaN (no calls)
     st.mean[empty_wait], st.p50[empty_wait], st.p99[empty_wait] = 0.0, 0.0, 0.0
-    p_name = p_all["name_id"] + name_base[p_all.it]
+    p_name = p_all["name_id"] if len(tables) == 1 else p_all["name_id"] + name_base[p_all.it]
     p_sync = sync_of[p_name]
     p_self = host_self_ns(p_all.it, p_all["start_ns"], p_all["dur_ns"], p_all["depth"], p_sync, p_name)[p_fns]
     self_ns = np.concatenate([k["dur_ns"], c["dur_ns"], p_self, wait_ns])  # a gap is all own time
     self_total = np.bincount(all_group, weights=self_ns, minlength=n)
 
     # 4. Collective sizes and bandwidths (bytes/ns == GB/s); each call's place in its rank's timeline.
-    c_group = c_fn[c_inv]
+    c_group = fp.c_group
     c_lo = lo[c.it]
-    timelines = build_timelines(c.it, c_start - c_lo, c_end - c_lo, c_group - first_fn[c.it], c["seq"],
+    timelines = build_timelines(c.it, c_start - c_lo, c_end - c_lo, fp.c_local, c["seq"],
                                 compute.since_start(c_start, c.it), gpu[:, 1], k.counts > 0)  # fmt: skip
+    nbytes = c["nbytes"]
     nb = np.bincount(c_group, weights=nbytes, minlength=n)
     nbytes_mean = np.where(st.calls > 0, nb / np.maximum(st.calls, 1), 0.0)
     algbw = np.divide(nbytes_mean, st.mean, out=np.zeros(n), where=st.mean > 0)  # 0 where no time (or NaN)
     busbw = np.zeros(n)
-    if c_rows.size:
+    if fp.c_rows:
         gsize = np.bincount(c_group, weights=c["group_size"], minlength=n)[c_fn].tolist()
         calls_l, algbw_l = st.calls[c_fn].tolist(), algbw[c_fn].tolist()
         factors = [
-            bus_bandwidth_factor(evs[it].names[op], int(round(g / max(calls, 1))))
-            for (it, op, _pg, _e), g, calls in zip(c_rows.tolist(), gsize, calls_l, strict=True)
+            _bus_factor(evs[it].names[op], int(round(g / max(calls, 1))))
+            for (it, op), g, calls in zip(fp.c_rows, gsize, calls_l, strict=True)
         ]
         busbw[c_fn] = np.asarray(algbw_l) * np.asarray(factors)
 
     # 5. Link throughput during each function's executions, every family and iteration at once: samples
     # by family, then iteration, then time (stable, like a per-iteration sort), times shifted by
     # iteration into consecutive ranges so each search only finds its own iteration's samples.
-    family = family_of[s["metric_id"] + name_base[s.it]]
+    family = family_of[s["metric_id"] if len(tables) == 1 else s["metric_id"] + name_base[s.it]]
     links = (family >= 0).nonzero()[0]  # the other metrics left out before the sort, not after
     family, t_it, t = family[links], s.it[links], s["t_ns"][links]
     order = np.lexsort((t, t_it, family))
@@ -483,7 +477,7 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
     ls = link_stats(t, value, bounds, active, start, end, group, n)
 
     columns: dict[str, npt.NDArray[Any]] = {
-        "kind": fn_kind,
+        "kind": fp.fn_kind,
         "calls": st.calls,
         "total_ns": st.total,
         "self_ns": self_total.astype(np.int64),
@@ -496,29 +490,17 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         "nbytes": nbytes_mean.astype(np.int64),
         "algbw_gbps": algbw,
         "busbw_gbps": busbw,
-        "row": np.arange(n) - first_fn[fn_it],
+        "row": fp.row,
     }
     for f, name in enumerate(LINK_FAMILIES):
         columns[f"{name}_mean_bps"] = ls.active_mean[f]
         columns[f"{name}_cv"] = ls.cv[f]
         columns[f"{name}_peak_bps"] = ls.peak[f]
 
-    known_l = launch_known.tolist()
-
-    k_ids, p_ids, c_list = k_id.tolist(), p_id.tolist(), c_rows.tolist()
-    k_at, c_at, p_at = ([0, *x.cumsum().tolist()] for x in (nk, nc, npy))
-    gpu_l, first_l, n_l = gpu.tolist(), first_fn.tolist(), n_fn.tolist()
+    gpu_l, first_l, n_l = gpu.tolist(), first_fn.tolist(), fp.n_fn.tolist()
     out: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for i, ev in enumerate(evs):
-        names = ev.names
-        fn_names = [names[j] for j in k_ids[k_at[i] : k_at[i + 1]]]
-        fn_names += [
-            collective_function_name(names[op], names[pg], 1 << e if e else 0)
-            for _it, op, pg, e in c_list[c_at[i] : c_at[i + 1]]
-        ]
-        fn_names += [names[j] for j in p_ids[p_at[i] : p_at[i + 1]]]
-        if known_l[i]:
-            fn_names.append(LAUNCH_WAIT_FUNCTION)
+        fn_names = list(fp.names[i])  # a record's own list: the plan may serve again
         busy, compute, comm_ns, max_gap = gpu_l[i]
         figures = {
             "iteration": ev.step,
@@ -536,7 +518,10 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         lo_f, hi_f = first_l[i], first_l[i] + n_l[i]
         listed = fn_names
         fn_names, fn_columns = capped_functions(
-            listed, {key: col[lo_f:hi_f] for key, col in columns.items()}, ev.max_functions, ev.max_function_chars
+            listed,
+            columns if m == 1 else {key: col[lo_f:hi_f] for key, col in columns.items()},
+            ev.max_functions,
+            ev.max_function_chars,
         )
         row = fn_columns.pop("row")
         kept = None  # capped: where each function's row went (the rest: into the last)
@@ -552,27 +537,3 @@ def summarize_iterations(evs: Sequence[IterationEvents]) -> list[tuple[dict[str,
         }
         out.append((figures, patterns))
     return out
-
-
-def _collective_keys(
-    it: npt.NDArray[np.integer],
-    op: npt.NDArray[np.integer],
-    pg: npt.NDArray[np.integer],
-    exp: I64,
-    n_names: int,
-) -> tuple[I64, I64]:
-    """Distinct (iteration, op, process group, size exponent) rows in sorted order, and each call's row.
-
-    One int64 key per call (exponents are below 64, ids below ``n_names``), so one sort."""
-    m = int(it.max()) + 1 if it.size else 1
-    if m * n_names * n_names * 64 < 2**62:
-        key = ((it.astype(np.int64) * n_names + op) * n_names + pg) * 64 + exp
-        uniq, inv = _unique(key)
-        pair = uniq // 64
-        within = pair // n_names
-        rows = np.empty((uniq.size, 4), dtype=np.int64)
-        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = within // n_names, within % n_names, pair % n_names, uniq % 64
-        return rows, inv
-    rows = np.stack([it.astype(np.int64), op.astype(np.int64), pg.astype(np.int64), exp], axis=1)
-    uniq_rows, inv = np.unique(rows, axis=0, return_inverse=True)
-    return uniq_rows, inv.reshape(-1).astype(np.int64)

@@ -165,24 +165,25 @@ def link_stats(
     Sums run over each range's own samples, so a sample far from an interval cannot round it away.
     """
     k, m = len(bounds) - 1, start.size
-    lo = np.empty(k * m, dtype=np.intp)
-    hi = np.empty(k * m, dtype=np.intp)
+    ranges = np.empty(2 * k * m, dtype=np.intp)  # each interval's range, interleaved: lo, hi, lo, hi, ...
     for i, (a, b) in enumerate(itertools.pairwise(bounds)):
-        ts = t[a:b]
-        lo[i * m : (i + 1) * m] = ts.searchsorted(start, side="left") + a
-        hi[i * m : (i + 1) * m] = ts.searchsorted(end, side="right") + a
+        ts, mine = t[a:b], ranges[2 * i * m : 2 * (i + 1) * m]
+        mine[0::2] = ts.searchsorted(start, side="left")
+        mine[1::2] = ts.searchsorted(end, side="right")
+        if a:
+            mine += a
+    lo, hi = ranges[0::2], ranges[1::2]
     # The signals' samples as they lie, plus a last element, so a range may end at the last sample.
     v = np.empty(t.size + 1)
     v[:-1] = value
     v[-1] = 0.0
-    ranges = np.empty(2 * k * m, dtype=np.intp)
-    ranges[0::2] = lo
-    ranges[1::2] = hi
     some = hi > lo
     sums = np.zeros((5, k * m))
-    peak_each = np.full(k * m, np.nan)
+    peak_each = np.full(k * m, -np.inf)  # an empty range's peak: none (fmax below also passes NaN by)
     if ranges.size:
-        for row, x in ((0, v), (1, v * v), (3, np.where(np.append(active, False), v, 0.0))):
+        on_value = np.zeros(t.size + 1)
+        np.copyto(on_value[:-1], value, where=active)
+        for row, x in ((0, v), (1, v * v), (3, on_value)):
             np.copyto(sums[row], np.add.reduceat(x, ranges)[0::2], where=some)
         v[-1] = -np.inf
         np.copyto(peak_each, np.maximum.reduceat(v, ranges)[0::2], where=some)
@@ -196,8 +197,7 @@ def link_stats(
     s, ss, n_on, s_on = pooled[0], pooled[1], pooled[2].astype(np.int64), pooled[3]
     count = pooled[4].astype(np.int64)
     peak = np.full(size, -np.inf)
-    has = ~np.isnan(peak_each)
-    np.maximum.at(peak, pair[:k].ravel()[has], peak_each[has])
+    np.fmax.at(peak, pair[:k].ravel(), peak_each)  # a range whose peak is NaN adds nothing
     some_group = count > 0
     mean = np.where(some_group, s / np.maximum(count, 1), np.nan)
     var = np.maximum(ss / np.maximum(count, 1) - mean**2, 0.0)

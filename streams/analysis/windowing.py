@@ -107,6 +107,8 @@ class RankWindower:
     _names: list[str] = field(default_factory=list)
     _name_ids: dict[str, int] = field(default_factory=dict)
     _buffers: dict[EventKind, Cols] = field(default_factory=dict)
+    _ordered: dict[EventKind, bool] = field(default_factory=dict)
+    """The kinds whose buffer is known to be in time order (``take_step``); forgotten when it is replaced."""
     _watermark: dict[EventKind, int] = field(default_factory=dict)
     _declared_by: dict[str, frozenset[EventKind]] = field(default_factory=dict)
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -190,6 +192,7 @@ class RankWindower:
             self._watermark[kind] = max(self._watermark.get(kind, -(2**62)), latest)
             buf = self._buffers.get(kind)
             self._buffers[kind] = cols if buf is None else {k: np.concatenate([buf[k], cols[k]]) for k in cols}
+            self._ordered.pop(kind, None)
         return self._close(force=False, now_ns=now_ns)
 
     @property
@@ -313,24 +316,27 @@ class RankWindower:
         is_marker = self._is_marker[ids]
         if not is_marker.any():
             return cols
-        for i in np.flatnonzero(is_marker):
-            step = steps[int(ids[i])]
+        at = np.flatnonzero(is_marker)
+        marks = zip(ids[at].tolist(), cols["start_ns"][at].tolist(), cols["dur_ns"][at].tolist(), strict=True)
+        for name_id, start, dur in marks:
+            step = steps[name_id]
             if step is None:
                 continue
             if self._mode != "step_marker":  # explicit markers beat every inferred boundary
                 self._mode = "step_marker"
                 self._steps.clear()
             if self._closed_step < step:
-                start = int(cols["start_ns"][i])
-                self._steps[step] = (start, start + int(cols["dur_ns"][i]))
+                self._steps[step] = (start, start + dur)
         return {k: v[~is_marker] for k, v in cols.items()}
 
     def _take_own_spans(self, cols: Cols, own: npt.NDArray[np.int8]) -> Cols:
         """Take the producer's own spans (``own``: each row's ``_own_span`` kind) out of a host batch: a
         profiler window's marks the steps it overlaps, a step's run-queue wait goes to the step it starts."""
-        for i in np.flatnonzero(own).tolist():
-            start, length = int(cols["start_ns"][i]), max(int(cols["dur_ns"][i]), 0)
-            if own[i] == _WINDOW:
+        at = np.flatnonzero(own)
+        spans = zip(own[at].tolist(), cols["start_ns"][at].tolist(), cols["dur_ns"][at].tolist(), strict=True)
+        for kind, start, dur in spans:
+            length = max(dur, 0)
+            if kind == _WINDOW:
                 self._windows.append((start, start + length))
             elif start >= self._closed_end_ns and len(self._waits) < 16 * self.config.max_open_steps:
                 self._waits[start] = self._waits.get(start, 0) + length
@@ -419,7 +425,7 @@ class RankWindower:
         memo = self._gpu_end_memo
         if memo is not None and memo[0] == (start, end) and memo[1] is bufs[0] and memo[2] is bufs[1]:
             return memo[3]
-        gpu_end = gpu_work_end(bufs, start, end)
+        gpu_end = gpu_work_end(self._buffers, start, end, self._ordered)
         self._gpu_end_memo = ((start, end), bufs[0], bufs[1], gpu_end)
         return gpu_end
 
@@ -459,7 +465,7 @@ class RankWindower:
 
     def _close_step(self, step: int, start: int, end: int) -> ClosedIteration:
         del self._steps[step]
-        parts = take_step(self._buffers, start, end, self._gpu_end(start, end))
+        parts = take_step(self._buffers, start, end, self._gpu_end(start, end), self._ordered)
         self._closed_step = step
         self._closed_end_ns = end
         events = IterationEvents(

@@ -298,6 +298,16 @@ def test_a_name_table_kept_across_iterations_gives_the_same_summary() -> None:
         for key, value in kept[1].items():
             assert np.array_equal(np.asarray(value), np.asarray(fresh[1][key]), equal_nan=key != "function"), key
     assert NameTable().update(captured[0].names).kind.size == len(captured[0].names)
+    # The table keeps each step's function plan: a step like one before takes it, one with other names not.
+    table = captured[0].table
+    assert table is not None and len(table.plans) > 0
+    kept_plans = len(table.plans)
+    summarize_iteration(captured[-1])
+    assert len(table.plans) == kept_plans
+    kernels = captured[1].kernels
+    renamed = dataclasses.replace(captured[1], kernels={**kernels, "name_id": np.roll(kernels["name_id"], 1)})
+    assert_same_summary(summarize_iteration(renamed), summarize_iteration(dataclasses.replace(renamed, table=None)))
+    assert len(table.plans) == kept_plans + 1
 
 
 def test_iterations_of_many_ranks_summarized_together_equal_each_summarized_alone() -> None:
