@@ -4,14 +4,18 @@ The detectors say what stands out against peers (a kernel, a host function, an a
 the replay (``whatif``) says what each candidate cause costs the iteration. A rank's *credit* is the
 largest saving, beyond the top cause, of the causes that cover it: its own work (compute or host, and its
 stage's), or its transfers (its rings, its host's NIC). Then:
-1. a signal is kept only where its ranks' credit, in this iteration or on average over the job's last
-   ``window`` iterations, is at least ``min_share`` of the budget: a rank that only waits for another has no
-   excess of its own, saves nothing, and is no culprit, however long it waited;
+1. a signal is kept only where its ranks' credit stands out (``stands_out``, the one test of every priced
+   category): in this iteration or on average over the job's last ``window`` iterations, at least
+   ``min_share`` of the budget and the job's iteration-to-iteration noise. A rank that only waits for another
+   has no excess of its own, saves nothing, and is no culprit, however long it waited; a straggler, whose
+   lateness is all its evidence, is one only where its saving is half its lateness (``VICTIM_WAIT_SHARE``):
+   the rest it waited; a host signal is credited by its rank's own work only (no stage's compute);
 2. its ``loss_ns`` becomes that credit in this iteration, the replayed saving (a finding's
    ``est_loss_ns`` is its mean over the flagged iterations);
 3. a rank whose stage's fix saves more, on average, than its own belongs to a ``stage_imbalance``: the
-   stage is named (from the stage's cause where the stage test named none), not the rank; a stage finding
-   one of whose ranks saves as much is that rank's.
+   stage is named (from the stage's cause where the stage test named none, where that saves the whole
+   budget, as a detector's signal must), not the rank; a stage finding one of whose ranks saves as much is
+   that rank's.
 A signal the what-if cannot price by a peer passes with its own evidence: a rank with no peer of its role
 (nothing to bring it to), a rank's link samples where its rings have no like ring (the same op and bytes in
 another process group, ``whatif.compared_rings``: a flat job's one ring). Its loss is its own excess replayed
@@ -35,6 +39,7 @@ from fleetscope.schemas import Category
 from fleetscope.schemas.categories import REGISTRY, Credit
 from fleetscope.streams.analysis.links import RING_PACE_METRIC
 from fleetscope.streams.analysis.replay import CallGraph
+from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE
 from fleetscope.streams.analysis.signals import RankSignal
 from fleetscope.streams.analysis.whatif import CLAIMED, Cause, Claim, compared_rings
 from fleetscope.streams.settings import AttributionConfig
@@ -153,6 +158,26 @@ class SavingHistory:
         return sum(v for i, v in q if i >= oldest) / len(self._iterations)
 
 
+def iteration_noise_ns(iteration_ns: Sequence[float]) -> float:
+    """The job's own iteration-to-iteration noise: the median distance of its iterations' times from their
+    median (one-off slow iterations, a glitch or a checkpoint, move it by little; consecutive differences
+    would count each twice), 0 with fewer than 3 iterations to take it from."""
+    if len(iteration_ns) < 3:
+        return 0.0
+    times = np.asarray(iteration_ns, dtype=np.float64)
+    return float(np.median(np.abs(times - np.median(times))))
+
+
+def stands_out(saving_ns: float, recent_ns: float, floor_ns: float, noise_ns: float, window: int) -> bool:
+    """The one test of every priced category: a cause's saving reaches ``floor_ns`` and stands out from the
+    job's own iteration-to-iteration noise (``noise_ns``, one iteration's), in this iteration (``saving_ns``)
+    or summed over the ``window`` (``recent_ns`` is its mean: a cause that shows every few iterations, or a
+    steady one within one iteration's jitter). Persistence is the finding tracker's: it opens a finding whose
+    saving stood out in enough iterations of its window, and closes it after enough without."""
+    above_noise = saving_ns >= noise_ns or recent_ns * window >= noise_ns
+    return above_noise and max(saving_ns, recent_ns) >= floor_ns
+
+
 def attribute(
     signals: Sequence[RankSignal],
     credits: Credits,
@@ -160,9 +185,11 @@ def attribute(
     budget_ns: float,
     priced: Priced,
     config: AttributionConfig | None = None,
+    noise_ns: float = 0.0,
 ) -> list[RankSignal]:
     """The signals the what-if bears out (``history`` holds this iteration's ``credits`` already), each
-    priced by its replayed saving; stages named for the ranks whose stage explains them."""
+    priced by its replayed saving; stages named for the ranks whose stage explains them. ``noise_ns``: the
+    job's iteration-to-iteration noise (``iteration_noise_ns``), which a saving must stand out from."""
     cfg = config or AttributionConfig()
     floor = cfg.min_share * budget_ns
     stage_of = {r: s for s, (_, ranks) in credits.stage.items() for r in ranks}
@@ -180,26 +207,31 @@ def attribute(
             continue
         now = max(credits.rank.get((what, r), 0.0) for r in members)
         recent = max(history.mean((what, r)) for r in members)
-        if sig.category == Category.STAGE_IMBALANCE:
+        if sig.category == Category.HOST_SLOW:  # a host's work is its rank's own, never its stage's compute
+            now = max(credits.own.get(r, 0.0) for r in members)
+            recent = max(history.mean(("own", r)) for r in members)
+        elif sig.category == Category.STAGE_IMBALANCE:
             stage = int(sig.evidence.get("stage", -1))
             now = credits.stage.get(stage, (0.0, ()))[0]
             recent = history.mean(("stage", stage))
             if max((history.mean(("own", r)) for r in members), default=0.0) >= recent:
                 continue  # one of its ranks saves as much: that rank's signal names it
             named_stages.add(stage)
-        elif what == WORK and sig.rank in stage_of and sig.category != Category.HOST_SLOW:
+        elif what == WORK and sig.rank in stage_of:
             stage = stage_of[sig.rank]
             stage_recent = history.mean(("stage", stage))
             if len(credits.stage[stage][1]) > 1 and stage_recent > max(history.mean(("own", sig.rank)), floor):
                 named_stages.add(stage)
                 continue
-        if max(now, recent) < floor:
+        if not stands_out(now, recent, floor, noise_ns, cfg.window):
             continue
+        if sig.category == Category.STRAGGLER and max(now, recent) < VICTIM_WAIT_SHARE * sig.loss_ns:
+            continue  # its lateness is the evidence it has: its own fix saves little of it, so it mostly waited
         out.append(replace(sig, loss_ns=now, evidence={**sig.evidence, "replayed_saving_ns": now}))
     stated = {int(s.evidence.get("stage", -1)) for s in out if s.category == Category.STAGE_IMBALANCE}
     for stage in sorted(named_stages - stated):
         saving, ranks = credits.stage.get(stage, (0.0, ()))
-        if ranks and max(saving, history.mean(("stage", stage))) >= floor:
+        if ranks and stands_out(saving, history.mean(("stage", stage)), budget_ns, noise_ns, cfg.window):
             out.append(stage_signal(stage, ranks, saving))
     return out
 
