@@ -331,6 +331,7 @@ class JobDifferential:
         budget = self.config.scoring.min_loss_fraction * iteration_ns
         signals = self._noise.keep(signals, budget)
         hosts = scored.hosts
+        self._hosts.update(hosts)
         persistent: list[RankSignal] = []
         if not disturbed:  # a rank whose host's cores others take: its median wait over 8 iterations
             persistent = self._noise.contended(budget, hosts, {s.rank for s in signals if s.category != "straggler"})
@@ -386,7 +387,9 @@ class JobDifferential:
         if credits is None or priced is None:
             return signals
         noise = iteration_noise_ns(self._iteration_ns)
-        return attribute(signals, credits, self._savings, budget_ns, priced, self.config.attribution, noise)
+        return attribute(
+            signals, credits, self._savings, budget_ns, priced, self.config.attribution, noise, self._hosts
+        )
 
     def _judged_late_open(self) -> int:
         """Open findings that ``JobNoise.stragglers`` keeps open: stragglers, and the ranks it found late by their

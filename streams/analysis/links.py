@@ -34,6 +34,9 @@ that collective over this link (e.g. p2p inside a host never touches PCIe): it i
 
 RING_PACE_METRIC = "transfer_ns"
 """A group's transfer time against like groups' (``score_transfers``): a claim about its ring's pace."""
+LINK_SAMPLE_METRICS = tuple(f"{fam}_peak_bps" for fam in LINK_FAMILIES)
+"""A rank's link against its peers' from its samples (``_slow_links``): its loss is the transfer time its rings
+would save at the peers' pace, which the replay sees only where its rings' pace stands out from like rings'."""
 
 
 def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:

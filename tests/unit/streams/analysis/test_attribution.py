@@ -4,6 +4,7 @@ rings and the ranks of a slow stage fall out of the arithmetic (toy jobs run by 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from fleetscope.streams.analysis.attribution import (
     priced_ranks,
 )
 from fleetscope.streams.analysis.findings import FindingTracker
-from fleetscope.streams.analysis.links import RING_PACE_METRIC
+from fleetscope.streams.analysis.links import LINK_SAMPLE_METRICS, RING_PACE_METRIC
 from fleetscope.streams.analysis.replay import call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
@@ -135,6 +136,24 @@ def test_a_signal_with_no_peer_to_price_is_its_own_excess_replayed() -> None:
     assert kept.loss_ns == 2e6 and kept.evidence["replayed_saving_ns"] == 2e6
     (unpriced,) = attribute([sig], credits_of([]), history, 1e5, Priced())
     assert unpriced.loss_ns == 4e6
+    nothing = replace(replayed, saving_ns=0.0, residual_ns=0.0)  # its own fix saves nothing now: it stands not
+    assert attribute([sig], credits_of([nothing]), SavingHistory(), 1e5, Priced()) == []
+
+
+def test_a_links_samples_claim_the_transfer_it_would_save_at_its_peers_pace_also_among_like_rings() -> None:
+    """Rank 5's PCIe peaks low in its samples (``_slow_links``: 3 ms of transfer at its peers' pace); its rings
+    have like rings (priced by their pace) whose pace hides it (saving 0): its claim, replayed, saves 1 ms, its
+    loss. Where the claim saves nothing in this iteration, it stands not, whatever it saved before."""
+    sig = _signal(Category.LINK_SLOW, 5, 3e6, metric=LINK_SAMPLE_METRICS[1])
+    priced = Priced(transfer=frozenset(range(8)))
+    (claim,) = claims_of([sig], priced)
+    assert (claim.ranks, claim.excess_ns) == ((5,), 3e6)
+    history = SavingHistory()
+    for it, saving in enumerate((1e6, 0.0)):
+        credits = credits_of([Cause(CLAIMED[claim.what], (5,), "", -1, 3e6, saving, saving)])
+        history.observe(it, credits)
+        kept = attribute([sig], credits, history, 1e6, priced)
+        assert [s.loss_ns for s in kept] == ([1e6] if saving else [])
 
 
 _CAUSE_OF = {Category.GPU_SLOW: "rank_compute", Category.STRAGGLER: "rank_compute", Category.HOST_SLOW: "rank_host",
@@ -153,10 +172,11 @@ def _saving_signal(category: Category) -> tuple[RankSignal, list[int]]:
 def test_a_finding_opens_while_its_saving_stands_out_from_the_jobs_noise_and_closes_when_it_no_longer_does(
     category: Category,
 ) -> None:
-    """Steps that jitter by 2 ms (one checkpoint 50 ms long aside): a saving of 1.5 ms in one iteration only
-    opens nothing (within one iteration's noise, and so is its sum over 8); in 6 iterations in a row 10 ms
-    opens the finding; then 0.2 ms a step, twice the budget's floor but 1.6 ms over 8 iterations, within the
-    noise, closes it (with no noise, it would stay open).
+    """Steps that jitter by 2 ms (one checkpoint 50 ms long aside): a saving of 4 ms in one iteration only
+    opens nothing, and carries no signal of the iterations after it that save nothing (a one-off hiccup on a
+    victim of a late rank); in 6 iterations in a row 10 ms opens the finding; then 0.2 ms a step, twice the
+    budget's floor but 1.6 ms over 8 iterations, within the noise, closes it (with no noise, it would stay
+    open).
     A job-level category is not the replay's: its signal passes whatever the savings (its own test opens it)."""
     noise = iteration_noise_ns([100e6, 98e6, 102e6] * 3 + [150e6])
     assert noise == pytest.approx(2e6)
@@ -172,7 +192,7 @@ def test_a_finding_opens_while_its_saving_stands_out_from_the_jobs_noise_and_clo
     sig, ranks = _saving_signal(category)
     priced = Priced(work=frozenset(ranks), transfer=frozenset(ranks))
     history, tracker = SavingHistory(AttributionConfig().window), FindingTracker("job")
-    savings = [0.0] * 9 + [1.5e6] + [0.0] * 8 + [10e6] * 6 + [0.2e6] * 20
+    savings = [0.0] * 9 + [4e6] + [0.0] * 8 + [10e6] * 6 + [0.2e6] * 20
     opened: list[int] = []
     closed: list[int] = []
     for it, saving in enumerate(savings):
@@ -184,6 +204,20 @@ def test_a_finding_opens_while_its_saving_stands_out_from_the_jobs_noise_and_clo
         for record in tracker.observe(it, kept):
             (opened if record["status"] == "open" else closed if record["status"] == "closed" else []).append(it)
     assert opened == [20] and len(closed) == 1 and closed[0] > 23
+
+
+def test_the_lateness_of_a_late_ranks_victim_names_the_late_rank_and_a_healthy_jobs_names_none() -> None:
+    """dp4 x pp4, rank 1 (stage 0) running 3 ms of host work after its last call (it starts each step late):
+    the last stage of its pipeline (rank 13) waits for it in its receives and is the one the arrival order
+    names late; its own fix saves nothing, and the lateness is the rank's whose own fix saves the most,
+    priced at its cost. The healthy twin, the same signal raised: nothing (its ranks' own fixes save less
+    than the budget a detector's signal must reach)."""
+    job = ToyJob(dp=4, pp=4, tail={1: 3e6}, jitter=0.01)
+    kept = _judged(job, [_signal(Category.STRAGGLER, 13, loss_ns=3e6)])
+    assert [(s.category, s.rank, s.evidence["waited_by"]) for s in kept] == [(Category.STRAGGLER, 1, [13])]
+    assert kept[0].loss_ns == pytest.approx(_true_cost(job), rel=0.2)
+    healthy = ToyJob(dp=4, pp=4, jitter=0.01)
+    assert _judged(healthy, [_signal(Category.STRAGGLER, 13, loss_ns=3e6)]) == []
 
 
 def test_a_victims_straggler_and_a_host_signal_its_stage_credits_are_dropped_the_culprits_kept() -> None:
@@ -214,3 +248,5 @@ def test_a_victims_straggler_and_a_host_signal_its_stage_credits_are_dropped_the
         (Category.STRAGGLER, 1, 5.6e6),
         (Category.HOST_SLOW, 10, 2e6),
     ]
+    alone = credits_of(causes[:1])  # rank 16's own 3.5 ms the top: judged a wait, not named by its victims either
+    assert attribute(signals[:1], alone, SavingHistory(8), 0.77e6, priced) == []
