@@ -25,16 +25,16 @@ JOBS = {
 }
 PINNED = {
     "gpu+host, flat": (
-        "bc1f629af3a4edbb3eafc5076f22328b4cc3acf8cf2dd6e320947db3710408c5",
-        "10d1d9b4fd249e5ec58edc11d0e41abc8ddd3d0812880a85142f2ed77ebe141e",
+        "05ab1df8a56772c5c93c9c2eb441d519dc923ad18f533926293dc122ab23d13f",
+        "3e8a4ccf4e97850854b83078bbca3e953ef6bdbc7f0c0691b83c804c0559b6fb",
     ),
     "link+pcie, tp2 pp2": (
-        "ade1f6a6e0e2ba867db3f19cf781eca039de60a6e7e02d821ca76fad498b066c",
-        "3f10edb9c40d24b62881f7bbffaa971d610cf5663cf46b0cca94ee5a46058f07",
+        "6f3669751c921dd5eb2d68c95a180528855db1cac06fe6647c7f00457d3023df",
+        "313cf39ba7b33c7e063810fe877675dfb356c80a3d2f5ec013005863a65e3484",
     ),
     "stage + stall, pp4": (
-        "4cedfba924ffe9e1023626d255cec22c3050248942108b6a6bcf71412627f64c",
-        "74fa4779d16f43c73a1dff3440b8ab8c451898123001bdb5e9dd3c0dd123d8a2",
+        "e523eca6c48a607a62e157053762e6e9a18c5afaec682d83bde99431bd1ab690",
+        "46136cba330ccf87ef674021097ee8dacc767f561b16c6feb8db5ea0cad71324",
     ),
     "healthy, dp2 tp2 pp2": (
         "252701544a3c2fd4a77312805498976f9fbb953c521caf7b59672adaa92fa984",
