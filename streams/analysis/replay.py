@@ -66,7 +66,8 @@ class Level:
     lo: int
     hi: int
     deps: I64
-    """Where each call's dependency is in the order (``len(calls) + record``: the record's start)."""
+    """Where each call's dependency's instance is in ``Levels.instances`` (``len(instances) + record``: the
+    record's start): a replay keeps one leave per instance, its members all leave together."""
     blocks: tuple[tuple[int, int, int, int, int], ...]
     """Runs of the level's instances of one size: (first call, end call, first instance, end instance, members
     each), calls in the order, instances in ``Levels.instances``; an instance's members are contiguous, so a
@@ -83,6 +84,8 @@ class Levels:
     """Per call: where it is in ``order``."""
     instances: I64
     """Every instance once, in the order its calls take."""
+    slot: I64
+    """Per call: where its instance is in ``instances``."""
     rounds: tuple[Level, ...]
     given: tuple[I64, I64, I64]
     """What the order was built from (each call's dependency, its instance and its record): a graph of the same
@@ -378,9 +381,11 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     ids = np.arange(n_inst)
     by_level = np.argsort((level * m1 + members) * n_inst + ids) if fits else np.lexsort((ids, members, level))
     order = _ranges(by_inst, i_start[by_level], i_start[by_level + 1])
-    position = np.empty(n + row.size, dtype=np.int64)  # where each call (then each start) is in that order
+    position = np.empty(n, dtype=np.int64)  # where each call is in that order
     position[order] = np.arange(n)
-    position[n:] = np.arange(n, n + row.size)
+    placed = np.empty(n_inst, dtype=np.int64)
+    placed[by_level] = np.arange(n_inst)
+    slot = np.r_[placed[instance], np.arange(n_inst, n_inst + row.size)]  # each call's instance, then each start
     lv_of, size = level[by_level], members[by_level]
     new_level = np.r_[True, lv_of[1:] != lv_of[:-1]][:n_inst]
     b_inst = np.r_[np.flatnonzero(new_level | np.r_[True, size[1:] != size[:-1]][:n_inst]), n_inst]  # blocks' firsts
@@ -392,8 +397,8 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     out = []
     for k in range(len(l_block) - 1):
         lo, hi = blocks[l_block[k]][0], blocks[l_block[k + 1] - 1][1]
-        out.append(Level(lo, hi, position[dep[order[lo:hi]]], tuple(blocks[l_block[k] : l_block[k + 1]])))
-    return dep, Levels(order, position[:n], by_level, tuple(out), given, cut)
+        out.append(Level(lo, hi, slot[dep[order[lo:hi]]], tuple(blocks[l_block[k] : l_block[k + 1]])))
+    return dep, Levels(order, position, by_level, slot[:n], tuple(out), given, cut)
 
 
 def _ranges(values: I64, lo: I64, hi: I64) -> I64:
@@ -433,8 +438,9 @@ def replay_times(
                     (graph.transfer_ns if transfer_ns is None else transfer_ns)[lv.instances])  # fmt: skip
     tail = cols(graph.tail_ns if tail_ns is None else tail_ns)
     start = cols(graph.start_ns if start_ns is None else start_ns)
-    leave = np.empty((graph.calls + start.shape[0], *work.shape[1:]), dtype=work.dtype)  # in level order
-    leave[graph.calls :] = start
+    n_inst = lv.instances.size
+    leave = np.empty((n_inst + start.shape[0], *work.shape[1:]), dtype=work.dtype)  # per instance, in level order
+    leave[n_inst:] = start
     arrive = np.empty((max((r.hi - r.lo for r in lv.rounds), default=0), *work.shape[1:]), dtype=work.dtype)
     for r in lv.rounds:
         here = arrive[: r.hi - r.lo]
@@ -442,17 +448,18 @@ def replay_times(
         here += work[r.lo : r.hi]
         for c_lo, c_hi, i_lo, i_hi, size in r.blocks:
             members = here[c_lo - r.lo : c_hi - r.lo].reshape(i_hi - i_lo, size, *work.shape[1:])
-            ends = leave[c_lo:c_hi].reshape(members.shape)
+            end = leave[i_lo:i_hi]
             if size > FEW_MEMBERS:
-                ends[...] = (members.max(axis=1) + transfer[i_lo:i_hi])[:, None]
+                np.add(members.max(axis=1), transfer[i_lo:i_hi], out=end)
                 continue
-            end = members[:, 0].copy()
-            for j in range(1, size):  # a few members: one maximum each beats a reduction over a short axis
+            if size == 1:
+                np.add(members[:, 0], transfer[i_lo:i_hi], out=end)
+                continue
+            np.maximum(members[:, 0], members[:, 1], out=end)
+            for j in range(2, size):  # a few members: one maximum each beats a reduction over a short axis
                 np.maximum(end, members[:, j], out=end)
             end += transfer[i_lo:i_hi]
-            for j in range(size):
-                ends[:, j] = end
-    last = np.where(graph.last >= 0, lv.position[np.maximum(graph.last, 0)], graph.calls + np.arange(graph.last.size))
+    last = np.where(graph.last >= 0, lv.slot[np.maximum(graph.last, 0)], n_inst + np.arange(graph.last.size))
     out: Floats = leave[last] + tail
     return out
 
