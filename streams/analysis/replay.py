@@ -345,9 +345,12 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     dep = dep.copy()
     has = dep < n
     waits = np.bincount(instance[has], minlength=n_inst)
-    # dependents of each call, grouped by the call they wait for
-    by_dep = np.argsort(np.where(has, dep, n), kind="stable")[: int(has.sum())]
-    d_start = np.searchsorted(dep[by_dep], np.arange(n + 1))
+    # the calls that wait for a call, grouped by the instance they wait for (its dependents)
+    waiting = np.flatnonzero(has)
+    waited = instance[dep[waiting]]
+    e_call = waiting[np.argsort(waited, kind="stable")]
+    e_inst = instance[e_call]
+    e_start = np.concatenate(([0], np.cumsum(np.bincount(waited, minlength=n_inst))))
     by_inst = np.argsort(instance, kind="stable")
     i_start = np.concatenate(([0], np.cumsum(members)))
     level = np.full(n_inst, -1, dtype=np.int64)
@@ -364,13 +367,15 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
         level[frontier] = lv
         done += frontier.size
         lv += 1
-        calls = _ranges(by_inst, i_start[frontier], i_start[frontier + 1])
-        after = _ranges(by_dep, d_start[calls], d_start[calls + 1])
-        after = after[dep[after] < n]
-        if after.size == 0:
+        if cut:  # the calls whose dependency was cut wait for nothing
+            after = _ranges(e_call, e_start[frontier], e_start[frontier + 1])
+            after_inst = instance[after[dep[after] < n]]
+        else:
+            after_inst = _ranges(e_inst, e_start[frontier], e_start[frontier + 1])
+        if after_inst.size == 0:
             frontier = np.zeros(0, dtype=np.int64)
             continue
-        touched, hit = np.unique(instance[after], return_counts=True)
+        touched, hit = np.unique(after_inst, return_counts=True)
         waits[touched] -= hit
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
     dep = np.where(dep == n, n + row, dep)  # each record's own start
@@ -383,10 +388,10 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     order = _ranges(by_inst, i_start[by_level], i_start[by_level + 1])
     position = np.empty(n, dtype=np.int64)  # where each call is in that order
     position[order] = np.arange(n)
-    placed = np.empty(n_inst, dtype=np.int64)
-    placed[by_level] = np.arange(n_inst)
-    slot = np.r_[placed[instance], np.arange(n_inst, n_inst + row.size)]  # each call's instance, then each start
     lv_of, size = level[by_level], members[by_level]
+    slot = np.empty(n + row.size, dtype=np.int64)  # where each call's instance (then each start) is in by_level
+    slot[order] = np.repeat(np.arange(n_inst), size)
+    slot[n:] = np.arange(n_inst, n_inst + row.size)
     new_level = np.r_[True, lv_of[1:] != lv_of[:-1]][:n_inst]
     b_inst = np.r_[np.flatnonzero(new_level | np.r_[True, size[1:] != size[:-1]][:n_inst]), n_inst]  # blocks' firsts
     b_call = np.r_[np.cumsum(size) - size, n][b_inst]
