@@ -189,6 +189,7 @@ def call_graph(
     iteration = np.zeros(n_rec, dtype=np.float64)
     tail_compute = np.full(n_rec, np.nan)
     lut: list[tuple[float, float, float, float]] = []  # per function index of each record: group, kind, class, bytes
+    bases = np.zeros(n_rec, dtype=np.int64)  # per record: where its functions start in ``lut``
     for r, rec in enumerate(records):
         iteration[r] = float(rec.get("iteration_ns", 0))
         tail_compute[r] = _tail_compute(tl := timeline_of(rec) if timelines is None else timelines[r])
@@ -210,21 +211,21 @@ def call_graph(
         parts["leave"].append(tl.leave_ns)
         parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else tl.function.size)  # a size: unknown
         parts["seq"].append(tl.seq)
-        parts["fn"].append(tl.function + base)
+        parts["fn"].append(tl.function)
+        bases[r] = base
     unknown = np.full(int(counts.max()) if n_rec else 0, np.nan)
     parts["comp"] = [unknown[:c] if isinstance(c, int) else c for c in parts["comp"]]
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
-    codes = (
-        np.array(lut, dtype=np.float64).reshape(-1, 4)[cat["fn"].astype(np.int64)] if parts["fn"] else np.zeros((0, 4))
-    )
-    cat |= {"row": np.repeat(np.arange(n_rec), counts), "pg": codes[:, 0], "kind": codes[:, 1], "cls": codes[:, 2],
-            "by": codes[:, 3]}  # fmt: skip
+    fn = (cat["fn"] + np.repeat(bases, counts)).astype(np.int64)
+    table = np.array(lut, dtype=np.float64).reshape(-1, 4)  # one column at a time: each call gathers from each
+    pg, kind, cls = (table[:, k].astype(np.int64)[fn] for k in range(3))
+    cat |= {"row": np.repeat(np.arange(n_rec), counts), "pg": pg, "kind": kind, "cls": cls, "by": table[:, 3][fn]}
     row = cat["row"].astype(np.int64)
     enter = cat["enter"].astype(np.float64)
     leave = np.maximum(cat["leave"].astype(np.float64), enter)
     first = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     dep, work = _dependencies(row, enter, leave)
-    kind, pg, seq = cat["kind"].astype(np.int64), cat["pg"].astype(np.int64), cat["seq"].astype(np.int64)
+    seq = cat["seq"].astype(np.int64)
     m = match_calls(records, row, leave, kind, pg, seq)
     graph = _graph(records, row, first, enter, leave, cat, dep, work, m.instance, iteration, pg_codes, class_codes,
                    m.matched_p2p, m.unmatched_p2p, like)  # fmt: skip
@@ -298,7 +299,9 @@ def _window_compute(compute: F64, row: I64, first: I64, dep: I64, work: F64) -> 
     if c.size == 0:
         return c
     total = np.cumsum(c)
-    cum = total - (total[first[row]] - c[first[row]])
+    has = first[1:] > first[:-1]
+    at = first[:-1][has]  # each rank's first call: its cumulative compute starts there
+    cum = total - np.repeat(total[at] - c[at], np.diff(first)[has])
     before = np.where(dep < row.size, cum[np.minimum(dep, row.size - 1)], 0.0)
     return np.where(np.isnan(compute), np.nan, np.clip(cum - before, 0.0, work))
 
@@ -325,15 +328,35 @@ def _latest_ended(row: I64, enter: F64, leave: F64, eligible: npt.NDArray[np.boo
     if idx.size == 0:
         return np.full(n, n, dtype=np.int64)
     key = row[idx] * span + leave[idx]
-    order = idx[np.argsort(key, kind="stable")]
-    srt = row[order] * span + leave[order]
-    pos = np.searchsorted(srt, row * span + enter, side="right") - 1
+    query = row * span + enter
+    if idx.size == n and bool(np.all(key[1:] >= key[:-1])):  # sorted as entered (calls do not overlap): no sort
+        order, srt = idx, key
+        pos = _last_at_or_before(srt, query)
+    else:
+        order = idx[np.argsort(key, kind="stable")]
+        srt = row[order] * span + leave[order]
+        pos = np.searchsorted(srt, query, side="right") - 1
     found = order[np.maximum(pos, 0)]
     own = found == np.arange(n)  # a zero-length call ending at its own enter: the one before it
     pos = np.where(own, pos - 1, pos)
     found = order[np.maximum(pos, 0)]
     ok = (pos >= 0) & (row[found] == row) & (found != np.arange(n))
     return np.where(ok, found, n).astype(np.int64)
+
+
+def _last_at_or_before(srt: F64, query: F64) -> I64:
+    """``searchsorted(srt, query, side="right") - 1`` where each query mostly falls just before its own element
+    (a call is entered after the previous one left, before it leaves itself): that guess checked, the rest
+    searched."""
+    n = srt.size
+    guess = np.arange(-1, n - 1)
+    ok = srt > query
+    ok[1:] &= srt[:-1] <= query[1:]
+    pos: I64 = guess
+    miss = np.flatnonzero(~ok)
+    if miss.size:
+        pos[miss] = np.searchsorted(srt, query[miss], side="right") - 1
+    return pos
 
 
 def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tuple[I64, Levels]:
