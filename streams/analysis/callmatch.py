@@ -214,13 +214,14 @@ def _seq_combos(neighbours: I64, row: I64, leave: F64, pg: I64, seq: I64, p2p: P
     n_rec = neighbours.shape[0]
     if sends.size == 0 or recvs.size == 0:
         return _NONE
-    lo_seq = int(min(seq[sends].min(), seq[recvs].min()))
-    span = int(max(seq[sends].max(), seq[recvs].max())) - lo_seq + 1
-    r_key = p2p.key * span + (seq[recvs] - lo_seq)
+    s_seq, r_seq = seq[sends], seq[recvs]
+    lo_seq = int(min(s_seq.min(), r_seq.min()))
+    span = int(max(s_seq.max(), r_seq.max())) - lo_seq + 1
+    r_key = p2p.key * span + (r_seq - lo_seq)
     order = np.argsort(r_key, kind="stable")  # sorted by (group, rank) already: by number within each
     srt, by_key = r_key[order], recvs[order]
     s_row = row[sends]
-    s_key = pg[sends] * n_rec * span + (seq[sends] - lo_seq)
+    s_key = pg[sends] * n_rec * span + (s_seq - lo_seq)
     a_l, b_l, d_l = [], [], []
     for cand in (neighbours[s_row, 0], neighbours[s_row, 1]):
         want = s_key + np.maximum(cand, 0) * span

@@ -371,8 +371,7 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     # the calls that wait for a call, grouped by the instance they wait for (its dependents)
     waiting = np.flatnonzero(has)
     waited = instance[dep[waiting]]
-    e_call = waiting[np.argsort(waited, kind="stable")]
-    e_inst = instance[e_call]
+    e_inst = instance[waiting[np.argsort(waited, kind="stable")]]
     e_start = np.concatenate(([0], np.cumsum(np.bincount(waited, minlength=n_inst))))
     by_inst = np.argsort(instance, kind="stable")
     i_start = np.concatenate(([0], np.cumsum(members)))
@@ -390,11 +389,8 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
         level[frontier] = lv
         done += frontier.size
         lv += 1
-        if cut:  # the calls whose dependency was cut wait for nothing
-            after = _ranges(e_call, e_start[frontier], e_start[frontier + 1])
-            after_inst = instance[after[dep[after] < n]]
-        else:
-            after_inst = _ranges(e_inst, e_start[frontier], e_start[frontier + 1])
+        # (a released instance, its dependencies cut, is leveled already: counting it again changes nothing)
+        after_inst = _ranges(e_inst, e_start[frontier], e_start[frontier + 1])
         if after_inst.size == 0:
             frontier = np.zeros(0, dtype=np.int64)
             continue
