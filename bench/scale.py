@@ -1,7 +1,7 @@
 """Scale of the differential stage and of the windower's state: seconds and memory versus ranks.
 
     python bench/scale.py [--ranks 64,256,1024,4096,10240] [--functions 300] [--repeat 3] [--interleave]
-    python bench/scale.py --replay-only [--replay-ranks 10240]
+    python bench/scale.py --replay-only [--replay-ranks 10240] [--profile-top 15]
 
 1. Differential: synthetic pattern records for one iteration of a job with R ranks x F functions per
    rank (same names on every rank, as decoded from Avro: fresh strings and plain lists), a realistic
@@ -25,7 +25,8 @@
    the state memory per rank after N open steps (one declared stream withheld so no step closes).
 4. Replay (``--replay-ranks``): the call graph (cold, and warm: the job's previous graph given), the replay
    and the what-if of one iteration of a dp x pp8 GPipe job with 24 microbatches (~100 calls per rank), CPU
-   and wall seconds, best of ``--repeat`` (issue 39: 10,240 ranks in <= 1 s).
+   and wall seconds, best of ``--repeat`` (issue 39: 10,240 ranks in <= 1 s); ``--profile-top N``: the cProfile
+   top N by own time of the cold graph and of the what-if.
 
 Not a test: figures depend on the machine and its load. Targets (issue 5): 10,240 ranks x 300
 functions in < 1 s and < 2 GB, cost per rank flat (no worse than linear in ranks).
@@ -489,7 +490,20 @@ def best_of(fn: Callable[[], T], repeat: int) -> tuple[float, float, T]:
     return min(cpu), min(wall), outs[-1]
 
 
-def bench_replay(ranks: int, microbatches: int, repeat: int) -> bool:
+def profile_top(fn: Callable[[], object], top: int) -> str:
+    """cProfile's ``top`` entries by own time of one run of ``fn``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def bench_replay(ranks: int, microbatches: int, repeat: int, top: int = 0) -> bool:
     """Replay and what-if of one iteration of a dp x pp8 GPipe job of ``ranks`` ranks (``whatif_truth``'s
     synthetic job: ``4 * microbatches + 1`` calls per middle rank), best of ``repeat`` in CPU and wall seconds:
     the call graph cold (the job's first iteration) and warm (its next, other times, the same calls: the first
@@ -526,6 +540,11 @@ def bench_replay(ranks: int, microbatches: int, repeat: int) -> bool:
     print(f"  the warm graph's what-if equals the cold one's: {'yes' if same else 'NO'}")
     held = sum(v.nbytes for f in dataclasses.fields(g) if isinstance(v := getattr(g, f.name), np.ndarray))
     print(f"  the graph a job keeps for its next iteration (``ScoringCache``): {held / 2**20:.0f} MiB")
+    if top:
+        print(f"\ncProfile of the cold graph, top {top} by own time:")
+        print(profile_top(lambda: call_graph(nxt, nxt_timelines), top))
+        print(f"cProfile of the what-if, top {top} by own time:")
+        print(profile_top(lambda: what_if(nxt, graph=g), top))
     return same
 
 
@@ -544,9 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open-steps", type=int, default=8)
     ap.add_argument("--replay-ranks", type=int, default=10240, help="ranks of the replay/what-if run (0 to skip)")
     ap.add_argument("--replay-only", action="store_true", help="only the replay/what-if run")
+    ap.add_argument("--profile-top", type=int, default=0, help="cProfile top N of the replay run's phases (0: none)")
     args = ap.parse_args(argv)
     if args.replay_only:
-        return 0 if bench_replay(args.replay_ranks, 24, args.repeat) else 1
+        return 0 if bench_replay(args.replay_ranks, 24, args.repeat, args.profile_top) else 1
     sizes = [int(x) for x in args.ranks.split(",")]
     ok = bench_differential(sizes, args.functions, args.repeat, args.interleave)
     if args.shards:
@@ -560,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= bench_pool(pool_ranks, args.functions, counts, args.pool_iterations, args.interleave)
     bench_windower(args.windower_ranks, args.windower_iterations, args.open_steps)
     if args.replay_ranks:
-        ok &= bench_replay(args.replay_ranks, 24, args.repeat)
+        ok &= bench_replay(args.replay_ranks, 24, args.repeat, args.profile_top)
     return 0 if ok else 1
 
 

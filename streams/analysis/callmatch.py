@@ -65,17 +65,18 @@ def match_calls(records: Sequence[Mapping[str, object]], row: I64, leave: F64, k
         key[coll] = pg[coll] * (int(s.max()) + 1) + s
     _, coll_inst = np.unique(key[coll], return_inverse=True)
     neighbours = pipeline_neighbours(records)
+    p2p = _p2p_calls(row, kind, pg, n_rec)
     within, comp = _offsets(n_rec, [_collective_edges(row[coll], leave[coll], coll_inst.reshape(-1))])
-    by_seq = _lifted(_seq_combos(neighbours, row, leave, kind, pg, seq), within, comp)
+    by_seq = _lifted(_seq_combos(neighbours, row, leave, pg, seq, p2p), within, comp)
     seq_edges, settled = _modes(*by_seq, n_rec, SEQ_AGREEMENT)
-    start = _aligned(neighbours, row, leave, kind, pg, within, comp, seq_edges, settled)
-    sends, recvs = _nearest(neighbours, row, leave + start[row], kind, pg)
+    start = _aligned(neighbours, row, leave, pg, p2p, within, comp, seq_edges, settled)
+    sends, recvs = _nearest(neighbours, row, leave + start[row], pg, p2p)
     doubtful = _unsettled(settled, sends, recvs, row, kind, comp, n_rec)
     if doubtful.size:  # numbers that agreed by chance (a per-group count): those pairs by their ends alone
         kept = ~np.isin(settled, doubtful)
         seq_edges = (seq_edges[0][kept], seq_edges[1][kept], seq_edges[2][kept])
-        start = _aligned(neighbours, row, leave, kind, pg, within, comp, seq_edges, settled[kept])
-        sends, recvs = _nearest(neighbours, row, leave + start[row], kind, pg)
+        start = _aligned(neighbours, row, leave, pg, p2p, within, comp, seq_edges, settled[kept])
+        sends, recvs = _nearest(neighbours, row, leave + start[row], pg, p2p)
     # instances numbered as the sorted keys would: the collectives', then each transfer, then the calls alone
     instance = np.empty(row.size, dtype=np.int64)
     instance[coll] = coll_inst.reshape(-1)
@@ -100,8 +101,8 @@ def _aligned(
     neighbours: I64,
     row: I64,
     leave: F64,
-    kind: I64,
     pg: I64,
+    p2p: P2PCalls,
     within: F64,
     comp: I64,
     seq_edges: Edges,
@@ -110,10 +111,7 @@ def _aligned(
     """Each record's start: its set's offset (sequence-number offsets where settled, else the most frequent of
     all combinations, pooled over every pair of ranks joining two sets) plus its offset within its set."""
     n_rec = comp.size
-    lo = np.minimum(comp[row][:, None], comp[np.maximum(neighbours[row], 0)])
-    hi = np.maximum(comp[row][:, None], comp[np.maximum(neighbours[row], 0)])
-    skip = np.isin(lo * n_rec + hi, settled) | (lo == hi)
-    combos = _lifted(_all_combos(neighbours, row, leave, kind, pg, skip), within, comp)
+    combos = _lifted(_all_combos(neighbours, row, leave, pg, p2p, comp, settled), within, comp)
     combo_edges = _modes(*combos, n_rec, 0.0)[0] if combos[0].size else _NONE
     between, _ = _offsets(n_rec, [seq_edges, combo_edges])
     out: F64 = between[comp] + within
@@ -131,13 +129,39 @@ def _unsettled(settled: I64, sends: I64, recvs: I64, row: I64, kind: I64, comp: 
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class P2PCalls:
+    """The p2p calls of one iteration, found once: the sends in call order, and the receives sorted by
+    (process group, rank), a rank's in the order it entered them, with each (group, rank)'s key and its
+    [lo, hi) in that order. The three lookups of a send's receives on a neighbour (by sequence number, all of
+    them, the nearest-ending) search this one order rather than each sorting the receives its own way."""
+
+    sends: I64
+    recvs: I64
+    key: I64
+    """Per receive of ``recvs``: ``group * records + rank``, non-decreasing."""
+    uniq: I64
+    """Each (group, rank) that receives, its key once, ascending."""
+    bounds: I64
+    """Where each of ``uniq`` starts in ``recvs``, and the end."""
+
+
+def _p2p_calls(row: I64, kind: I64, pg: I64, n_rec: int) -> P2PCalls:
+    sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
+    key = pg[recvs] * n_rec + row[recvs]
+    order = np.argsort(key, kind="stable")  # a rank's calls are contiguous: runs timsort merges in linear time
+    recvs, key = recvs[order], key[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if key.size else np.zeros(0, np.int64)
+    return P2PCalls(sends, recvs, key, key[starts], np.r_[starts, key.size].astype(np.int64))
+
+
 def pipeline_neighbours(records: Sequence[Mapping[str, object]]) -> I64:
     """Per record, the records one pipeline stage before and after it in its replica and tensor slot (-1:
     none); both -2 where its coordinates are unknown."""
     where: dict[tuple[int, int, int], int] = {}
     coords = []
     for r, rec in enumerate(records):
-        c = (as_int(rec.get("dp_rank", -1)), as_int(rec.get("tp_rank", -1)), as_int(rec.get("pp_rank", -1)))
+        c = (_coordinate(rec, "dp_rank"), _coordinate(rec, "tp_rank"), _coordinate(rec, "pp_rank"))
         coords.append(c)
         where[c] = r
     out = np.full((len(records), 2), -1, dtype=np.int64)
@@ -148,6 +172,13 @@ def pipeline_neighbours(records: Sequence[Mapping[str, object]]) -> I64:
         out[r, 0] = where.get((dp, tp, pp - 1), -1)
         out[r, 1] = where.get((dp, tp, pp + 1), -1)
     return out
+
+
+def _coordinate(rec: Mapping[str, object], field: str) -> int:
+    """A layout coordinate (-1: absent); a plain ``int`` as it is (``as_int``'s protocol check costs more than
+    the rest of the lookup, ten thousand records per iteration)."""
+    value = rec.get(field, -1)
+    return value if type(value) is int else as_int(value)
 
 
 Edges = tuple[I64, I64, F64]
@@ -176,25 +207,28 @@ def _groups(values: I64) -> tuple[I64, I64, I64]:
 _NONE: Edges = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
 
 
-def _seq_combos(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, seq: I64) -> Edges:
-    """Every send with the receive of equal sequence number on a pipeline neighbour: (sender, receiver,
-    the offset their ends give)."""
-    sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
+def _seq_combos(neighbours: I64, row: I64, leave: F64, pg: I64, seq: I64, p2p: P2PCalls) -> Edges:
+    """Every send with the receive of equal sequence number on a pipeline neighbour (the first received where
+    several are): (sender, receiver, the offset their ends give)."""
+    sends, recvs = p2p.sends, p2p.recvs
     n_rec = neighbours.shape[0]
     if sends.size == 0 or recvs.size == 0:
         return _NONE
-    lo_seq = int(min(seq[sends].min(), seq[recvs].min()))
-    span = int(max(seq[sends].max(), seq[recvs].max())) - lo_seq + 1
-    r_key = (pg[recvs] * n_rec + row[recvs]) * span + (seq[recvs] - lo_seq)
-    order = np.argsort(r_key, kind="stable")
-    srt = r_key[order]
+    s_seq, r_seq = seq[sends], seq[recvs]
+    lo_seq = int(min(s_seq.min(), r_seq.min()))
+    span = int(max(s_seq.max(), r_seq.max())) - lo_seq + 1
+    r_key = p2p.key * span + (r_seq - lo_seq)
+    order = np.argsort(r_key, kind="stable")  # sorted by (group, rank) already: by number within each
+    srt, by_key = r_key[order], recvs[order]
+    s_row = row[sends]
+    s_key = pg[sends] * n_rec * span + (s_seq - lo_seq)
     a_l, b_l, d_l = [], [], []
-    for cand in (neighbours[row[sends], 0], neighbours[row[sends], 1]):
-        want = (pg[sends] * n_rec + np.maximum(cand, 0)) * span + (seq[sends] - lo_seq)
+    for cand in (neighbours[s_row, 0], neighbours[s_row, 1]):
+        want = s_key + np.maximum(cand, 0) * span
         at = np.minimum(np.searchsorted(srt, want), srt.size - 1)
         ok = (cand >= 0) & (srt[at] == want)
-        r = recvs[order[at[ok]]]
-        a_l.append(row[sends[ok]])
+        r = by_key[at[ok]]
+        a_l.append(s_row[ok])
         b_l.append(row[r])
         d_l.append(leave[sends[ok]] - leave[r])
     return np.concatenate(a_l), np.concatenate(b_l), np.concatenate(d_l)
@@ -215,7 +249,7 @@ def _modes_of(a: I64, b: I64, d: F64, n_rec: int, min_share: float) -> tuple[Edg
     bins = np.floor(d / BIN_NS).astype(np.int64)
     bins -= bins.min()
     width = int(bins.max()) + 1
-    cells, inverse, count = np.unique(pair * width + bins, return_inverse=True, return_counts=True)
+    cells, inverse, count = _unique(pair * width + bins)
     c_pair = cells // width
     per_pair = np.bincount(np.searchsorted(np.unique(c_pair), c_pair), weights=count)
     best = np.lexsort((-count, c_pair))
@@ -234,25 +268,42 @@ def _modes_of(a: I64, b: I64, d: F64, n_rec: int, min_share: float) -> tuple[Edg
     return (keys // n_rec, keys % n_rec, d_sel[mid]), keys
 
 
-def _all_combos(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, skip: npt.NDArray[np.bool_]) -> Edges:
+def _unique(values: I64) -> tuple[I64, I64, I64]:
+    """``np.unique(values, return_inverse=True, return_counts=True)`` by a stable sort: the pairs' offsets come
+    mostly in order, runs timsort merges faster than quicksort sorts them."""
+    perm = np.argsort(values, kind="stable")
+    srt = values[perm]
+    new = np.ones(srt.size, dtype=bool)
+    np.not_equal(srt[1:], srt[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    inverse = np.empty(srt.size, dtype=np.int64)
+    inverse[perm] = np.cumsum(new) - 1
+    return srt[starts], inverse, np.diff(np.r_[starts, srt.size])
+
+
+def _all_combos(neighbours: I64, row: I64, leave: F64, pg: I64, p2p: P2PCalls, comp: I64, settled: I64) -> Edges:
     """Every send with every receive of its group on a pipeline neighbour (the first ``MAX_PAIR_CALLS`` of
-    each), but for the sends ``skip``s per neighbour column (n, 2): (sender, receiver, the offset)."""
-    sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
+    each), but toward a neighbour of its own set (``comp``) or of a set pair ``settled`` already: (sender,
+    receiver, the offset)."""
+    sends, recvs = p2p.sends, p2p.recvs
     known = neighbours[:, 0] != -2
     if sends.size == 0 or recvs.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
     n_rec = neighbours.shape[0]
-    r_key = pg[recvs] * n_rec + row[recvs]
-    r_order, r_uniq, r_bounds = _groups(r_key)
+    r_uniq, r_bounds = p2p.uniq, p2p.bounds
     # the first MAX_PAIR_CALLS sends of each (group, rank)
     s_key = pg[sends] * n_rec + row[sends]
     s_order, _, s_bounds = _groups(s_key)
     pos = np.arange(sends.size) - np.repeat(s_bounds[:-1], np.diff(s_bounds))
     s_take = sends[s_order[pos < MAX_PAIR_CALLS]]
+    t_row = row[s_take]
     a_all, b_all, d_all = [], [], []
     for col in (0, 1):
-        cand = neighbours[row[s_take], col]
-        ok = (cand >= 0) & known[row[s_take]] & ~skip[s_take, col]
+        cand = neighbours[t_row, col]
+        c_own, c_other = comp[t_row], comp[np.maximum(cand, 0)]
+        lo_c, hi_c = np.minimum(c_own, c_other), np.maximum(c_own, c_other)
+        skip = np.isin(lo_c * n_rec + hi_c, settled) | (lo_c == hi_c)
+        ok = (cand >= 0) & known[t_row] & ~skip
         want = pg[s_take] * n_rec + np.maximum(cand, 0)
         at = np.searchsorted(r_uniq, want)
         ok &= at < r_uniq.size
@@ -261,7 +312,7 @@ def _all_combos(neighbours: I64, row: I64, leave: F64, kind: I64, pg: I64, skip:
         lo, hi = r_bounds[at], np.minimum(r_bounds[at + 1], r_bounds[at] + MAX_PAIR_CALLS)
         size = hi - lo
         s_rep = np.repeat(s_ok, size)
-        r_rep = recvs[r_order[np.repeat(lo - np.r_[0, np.cumsum(size)[:-1]], size) + np.arange(int(size.sum()))]]
+        r_rep = recvs[np.repeat(lo - np.r_[0, np.cumsum(size)[:-1]], size) + np.arange(int(size.sum()))]
         a_all.append(row[s_rep])
         b_all.append(row[r_rep])
         d_all.append(leave[s_rep] - leave[r_rep])
@@ -311,36 +362,42 @@ def _offsets(n_rec: int, edges: Sequence[Edges]) -> tuple[F64, I64]:
     return start, comp
 
 
-def _nearest(neighbours: I64, row: I64, aligned: F64, kind: I64, pg: I64) -> tuple[I64, I64]:
+def _nearest(neighbours: I64, row: I64, aligned: F64, pg: I64, p2p: P2PCalls) -> tuple[I64, I64]:
     """(send, receive) pairs: each send's nearest-ending receive of its group on a neighbour (any rank of the
     group where the layout is unknown) within ``MATCH_TOLERANCE_NS``; a receive keeps its nearest send."""
-    sends, recvs = np.flatnonzero(kind == SEND), np.flatnonzero(kind == RECV)
-    if sends.size == 0 or recvs.size == 0:
+    sends = p2p.sends
+    if sends.size == 0 or p2p.recvs.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     n_rec = neighbours.shape[0]
-    unknown = neighbours[row, 0] == -2
-    # receives sorted by (group, rank where known, end); one search per candidate rank
-    r_rank = np.where(unknown[recvs], n_rec, row[recvs])
-    r_group = pg[recvs] * (n_rec + 1) + r_rank
-    order = np.lexsort((aligned[recvs], r_group))
-    r_sorted = recvs[order]
-    g_key = r_group[order]
+    unknown = neighbours[:, 0] == -2  # per record
+    r_sorted, g_key = _by_end(row, aligned, pg, p2p, unknown)
+    # each (group, rank)'s run: its key, where it starts; one sorted array of every run shifted past the last
+    g_starts = np.flatnonzero(np.r_[True, g_key[1:] != g_key[:-1]])
+    g_uniq, g_bounds = g_key[g_starts], np.r_[g_starts, g_key.size]
+    values = aligned[r_sorted]
+    span = float(np.max(np.abs(values))) * 2 + 2.0
+    shifted = values + np.repeat(np.arange(g_uniq.size), np.diff(g_bounds)) * span
+    r_row = row[r_sorted]
     best = np.full(sends.size, np.inf)
     pick = np.full(sends.size, -1, dtype=np.int64)
-    s_row = row[sends]
-    cols = [neighbours[s_row, 0], neighbours[s_row, 1]]
-    cols = [np.where(unknown[sends], n_rec, c) for c in cols]
-    for cand in cols:
-        want = pg[sends] * (n_rec + 1) + np.maximum(cand, 0)
-        lo = np.searchsorted(g_key, want, side="left")
-        hi = np.searchsorted(g_key, want, side="right")
-        at = np.clip(_search_within(aligned[r_sorted], g_key, lo, aligned[sends]), lo, hi)
+    s_row, s_end = row[sends], aligned[sends]
+    s_unknown = unknown[s_row]
+    s_group = pg[sends] * (n_rec + 1)
+    for col in (0, 1):
+        cand = np.where(s_unknown, n_rec, neighbours[s_row, col])
+        want = s_group + np.maximum(cand, 0)
+        run = np.minimum(np.searchsorted(g_uniq, want), g_uniq.size - 1)
+        hit = (g_uniq[run] == want) & (cand >= 0)
+        q = np.flatnonzero(hit)  # the sends whose candidate rank receives in their group
+        lo, hi, run = g_bounds[run[q]], g_bounds[run[q] + 1], run[q]
+        at = np.clip(np.searchsorted(shifted, s_end[q] + run * span), lo, hi)
         for p in (at - 1, at):
-            inside = (cand >= 0) & (p >= lo) & (p < hi)
-            j = r_sorted[np.clip(p, 0, r_sorted.size - 1)]
-            gap = np.where(inside & (row[j] != s_row), np.abs(aligned[j] - aligned[sends]), np.inf)
-            better = gap < best
-            best, pick = np.where(better, gap, best), np.where(better, j, pick)
+            pc = np.clip(p, 0, r_sorted.size - 1)
+            inside = (p >= lo) & (p < hi) & (r_row[pc] != s_row[q])
+            gap = np.where(inside, np.abs(values[pc] - s_end[q]), np.inf)
+            better = gap < best[q]
+            upd = q[better]
+            best[upd], pick[upd] = gap[better], r_sorted[pc[better]]
     found = best <= MATCH_TOLERANCE_NS
     s_idx, r_idx, gap = sends[found], pick[found], best[found]
     first = np.lexsort((gap, r_idx))
@@ -348,13 +405,19 @@ def _nearest(neighbours: I64, row: I64, aligned: F64, kind: I64, pg: I64) -> tup
     return s_idx[keep].astype(np.int64), r_idx[keep].astype(np.int64)
 
 
-def _search_within(values: F64, runs: I64, lo: I64, x: F64) -> I64:
-    """Per query, where ``x`` falls in its run of ``values`` (sorted within each run of equal ``runs``, the run
-    starting at ``lo``), as an index: each run shifted past the previous makes one sorted array."""
-    if values.size == 0:
-        return lo
-    run_id = np.r_[0, np.cumsum(runs[1:] != runs[:-1])]
-    span = float(np.max(np.abs(values))) * 2 + 2.0
-    q_run = run_id[np.minimum(lo, values.size - 1)]
-    found: I64 = np.searchsorted(values + run_id * span, x + q_run * span).astype(np.int64)
-    return found
+def _by_end(row: I64, aligned: F64, pg: I64, p2p: P2PCalls, unknown: npt.NDArray[np.bool_]) -> tuple[I64, I64]:
+    """The receives sorted by (group, rank where its layout is known, else one for all, end; then the order
+    entered) and each one's (group, rank) key. Where every rank is known and its receives end in the order
+    entered, that is ``p2p``'s order as it is: only a check, no sort."""
+    n_rec = unknown.size
+    recvs = p2p.recvs
+    if not unknown[row[recvs]].any():
+        values = aligned[recvs]
+        same_run = p2p.key[1:] == p2p.key[:-1]
+        if not np.any(same_run & ~(values[1:] >= values[:-1])):
+            return recvs, (p2p.key // n_rec) * (n_rec + 1) + p2p.key % n_rec
+    recvs = np.sort(recvs)
+    r_rank = np.where(unknown[row[recvs]], n_rec, row[recvs])
+    r_group = pg[recvs] * (n_rec + 1) + r_rank
+    order = np.lexsort((aligned[recvs], r_group))
+    return recvs[order], r_group[order]

@@ -66,7 +66,8 @@ class Level:
     lo: int
     hi: int
     deps: I64
-    """Where each call's dependency is in the order (``len(calls) + record``: the record's start)."""
+    """Where each call's dependency's instance is in ``Levels.instances`` (``len(instances) + record``: the
+    record's start): a replay keeps one leave per instance, its members all leave together."""
     blocks: tuple[tuple[int, int, int, int, int], ...]
     """Runs of the level's instances of one size: (first call, end call, first instance, end instance, members
     each), calls in the order, instances in ``Levels.instances``; an instance's members are contiguous, so a
@@ -83,6 +84,8 @@ class Levels:
     """Per call: where it is in ``order``."""
     instances: I64
     """Every instance once, in the order its calls take."""
+    slot: I64
+    """Per call: where its instance is in ``instances``."""
     rounds: tuple[Level, ...]
     given: tuple[I64, I64, I64]
     """What the order was built from (each call's dependency, its instance and its record): a graph of the same
@@ -186,6 +189,7 @@ def call_graph(
     iteration = np.zeros(n_rec, dtype=np.float64)
     tail_compute = np.full(n_rec, np.nan)
     lut: list[tuple[float, float, float, float]] = []  # per function index of each record: group, kind, class, bytes
+    bases = np.zeros(n_rec, dtype=np.int64)  # per record: where its functions start in ``lut``
     for r, rec in enumerate(records):
         iteration[r] = float(rec.get("iteration_ns", 0))
         tail_compute[r] = _tail_compute(tl := timeline_of(rec) if timelines is None else timelines[r])
@@ -207,21 +211,21 @@ def call_graph(
         parts["leave"].append(tl.leave_ns)
         parts["comp"].append(tl.compute_ns if tl.compute_ns is not None else tl.function.size)  # a size: unknown
         parts["seq"].append(tl.seq)
-        parts["fn"].append(tl.function + base)
+        parts["fn"].append(tl.function)
+        bases[r] = base
     unknown = np.full(int(counts.max()) if n_rec else 0, np.nan)
     parts["comp"] = [unknown[:c] if isinstance(c, int) else c for c in parts["comp"]]
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
-    codes = (
-        np.array(lut, dtype=np.float64).reshape(-1, 4)[cat["fn"].astype(np.int64)] if parts["fn"] else np.zeros((0, 4))
-    )
-    cat |= {"row": np.repeat(np.arange(n_rec), counts), "pg": codes[:, 0], "kind": codes[:, 1], "cls": codes[:, 2],
-            "by": codes[:, 3]}  # fmt: skip
+    fn = (cat["fn"] + np.repeat(bases, counts)).astype(np.int64)
+    table = np.array(lut, dtype=np.float64).reshape(-1, 4)  # one column at a time: each call gathers from each
+    pg, kind, cls = (table[:, k].astype(np.int64)[fn] for k in range(3))
+    cat |= {"row": np.repeat(np.arange(n_rec), counts), "pg": pg, "kind": kind, "cls": cls, "by": table[:, 3][fn]}
     row = cat["row"].astype(np.int64)
     enter = cat["enter"].astype(np.float64)
     leave = np.maximum(cat["leave"].astype(np.float64), enter)
     first = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     dep, work = _dependencies(row, enter, leave)
-    kind, pg, seq = cat["kind"].astype(np.int64), cat["pg"].astype(np.int64), cat["seq"].astype(np.int64)
+    seq = cat["seq"].astype(np.int64)
     m = match_calls(records, row, leave, kind, pg, seq)
     graph = _graph(records, row, first, enter, leave, cat, dep, work, m.instance, iteration, pg_codes, class_codes,
                    m.matched_p2p, m.unmatched_p2p, like)  # fmt: skip
@@ -295,7 +299,9 @@ def _window_compute(compute: F64, row: I64, first: I64, dep: I64, work: F64) -> 
     if c.size == 0:
         return c
     total = np.cumsum(c)
-    cum = total - (total[first[row]] - c[first[row]])
+    has = first[1:] > first[:-1]
+    at = first[:-1][has]  # each rank's first call: its cumulative compute starts there
+    cum = total - np.repeat(total[at] - c[at], np.diff(first)[has])
     before = np.where(dep < row.size, cum[np.minimum(dep, row.size - 1)], 0.0)
     return np.where(np.isnan(compute), np.nan, np.clip(cum - before, 0.0, work))
 
@@ -322,15 +328,35 @@ def _latest_ended(row: I64, enter: F64, leave: F64, eligible: npt.NDArray[np.boo
     if idx.size == 0:
         return np.full(n, n, dtype=np.int64)
     key = row[idx] * span + leave[idx]
-    order = idx[np.argsort(key, kind="stable")]
-    srt = row[order] * span + leave[order]
-    pos = np.searchsorted(srt, row * span + enter, side="right") - 1
+    query = row * span + enter
+    if idx.size == n and bool(np.all(key[1:] >= key[:-1])):  # sorted as entered (calls do not overlap): no sort
+        order, srt = idx, key
+        pos = _last_at_or_before(srt, query)
+    else:
+        order = idx[np.argsort(key, kind="stable")]
+        srt = row[order] * span + leave[order]
+        pos = np.searchsorted(srt, query, side="right") - 1
     found = order[np.maximum(pos, 0)]
     own = found == np.arange(n)  # a zero-length call ending at its own enter: the one before it
     pos = np.where(own, pos - 1, pos)
     found = order[np.maximum(pos, 0)]
     ok = (pos >= 0) & (row[found] == row) & (found != np.arange(n))
     return np.where(ok, found, n).astype(np.int64)
+
+
+def _last_at_or_before(srt: F64, query: F64) -> I64:
+    """``searchsorted(srt, query, side="right") - 1`` where each query mostly falls just before its own element
+    (a call is entered after the previous one left, before it leaves itself): that guess checked, the rest
+    searched."""
+    n = srt.size
+    guess = np.arange(-1, n - 1)
+    ok = srt > query
+    ok[1:] &= srt[:-1] <= query[1:]
+    pos: I64 = guess
+    miss = np.flatnonzero(~ok)
+    if miss.size:
+        pos[miss] = np.searchsorted(srt, query[miss], side="right") - 1
+    return pos
 
 
 def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tuple[I64, Levels]:
@@ -342,9 +368,11 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     dep = dep.copy()
     has = dep < n
     waits = np.bincount(instance[has], minlength=n_inst)
-    # dependents of each call, grouped by the call they wait for
-    by_dep = np.argsort(np.where(has, dep, n), kind="stable")[: int(has.sum())]
-    d_start = np.searchsorted(dep[by_dep], np.arange(n + 1))
+    # the calls that wait for a call, grouped by the instance they wait for (its dependents)
+    waiting = np.flatnonzero(has)
+    waited = instance[dep[waiting]]
+    e_inst = instance[waiting[np.argsort(waited, kind="stable")]]
+    e_start = np.concatenate(([0], np.cumsum(np.bincount(waited, minlength=n_inst))))
     by_inst = np.argsort(instance, kind="stable")
     i_start = np.concatenate(([0], np.cumsum(members)))
     level = np.full(n_inst, -1, dtype=np.int64)
@@ -361,13 +389,12 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
         level[frontier] = lv
         done += frontier.size
         lv += 1
-        calls = _ranges(by_inst, i_start[frontier], i_start[frontier + 1])
-        after = _ranges(by_dep, d_start[calls], d_start[calls + 1])
-        after = after[dep[after] < n]
-        if after.size == 0:
+        # (a released instance, its dependencies cut, is leveled already: counting it again changes nothing)
+        after_inst = _ranges(e_inst, e_start[frontier], e_start[frontier + 1])
+        if after_inst.size == 0:
             frontier = np.zeros(0, dtype=np.int64)
             continue
-        touched, hit = np.unique(instance[after], return_counts=True)
+        touched, hit = np.unique(after_inst, return_counts=True)
         waits[touched] -= hit
         frontier = touched[(waits[touched] == 0) & (level[touched] < 0)]
     dep = np.where(dep == n, n + row, dep)  # each record's own start
@@ -378,10 +405,12 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     ids = np.arange(n_inst)
     by_level = np.argsort((level * m1 + members) * n_inst + ids) if fits else np.lexsort((ids, members, level))
     order = _ranges(by_inst, i_start[by_level], i_start[by_level + 1])
-    position = np.empty(n + row.size, dtype=np.int64)  # where each call (then each start) is in that order
+    position = np.empty(n, dtype=np.int64)  # where each call is in that order
     position[order] = np.arange(n)
-    position[n:] = np.arange(n, n + row.size)
     lv_of, size = level[by_level], members[by_level]
+    slot = np.empty(n + row.size, dtype=np.int64)  # where each call's instance (then each start) is in by_level
+    slot[order] = np.repeat(np.arange(n_inst), size)
+    slot[n:] = np.arange(n_inst, n_inst + row.size)
     new_level = np.r_[True, lv_of[1:] != lv_of[:-1]][:n_inst]
     b_inst = np.r_[np.flatnonzero(new_level | np.r_[True, size[1:] != size[:-1]][:n_inst]), n_inst]  # blocks' firsts
     b_call = np.r_[np.cumsum(size) - size, n][b_inst]
@@ -392,8 +421,8 @@ def _levels(dep: I64, instance: I64, members: I64, enter: F64, row: I64) -> tupl
     out = []
     for k in range(len(l_block) - 1):
         lo, hi = blocks[l_block[k]][0], blocks[l_block[k + 1] - 1][1]
-        out.append(Level(lo, hi, position[dep[order[lo:hi]]], tuple(blocks[l_block[k] : l_block[k + 1]])))
-    return dep, Levels(order, position[:n], by_level, tuple(out), given, cut)
+        out.append(Level(lo, hi, slot[dep[order[lo:hi]]], tuple(blocks[l_block[k] : l_block[k + 1]])))
+    return dep, Levels(order, position, by_level, slot[:n], tuple(out), given, cut)
 
 
 def _ranges(values: I64, lo: I64, hi: I64) -> I64:
@@ -433,8 +462,9 @@ def replay_times(
                     (graph.transfer_ns if transfer_ns is None else transfer_ns)[lv.instances])  # fmt: skip
     tail = cols(graph.tail_ns if tail_ns is None else tail_ns)
     start = cols(graph.start_ns if start_ns is None else start_ns)
-    leave = np.empty((graph.calls + start.shape[0], *work.shape[1:]), dtype=work.dtype)  # in level order
-    leave[graph.calls :] = start
+    n_inst = lv.instances.size
+    leave = np.empty((n_inst + start.shape[0], *work.shape[1:]), dtype=work.dtype)  # per instance, in level order
+    leave[n_inst:] = start
     arrive = np.empty((max((r.hi - r.lo for r in lv.rounds), default=0), *work.shape[1:]), dtype=work.dtype)
     for r in lv.rounds:
         here = arrive[: r.hi - r.lo]
@@ -442,17 +472,18 @@ def replay_times(
         here += work[r.lo : r.hi]
         for c_lo, c_hi, i_lo, i_hi, size in r.blocks:
             members = here[c_lo - r.lo : c_hi - r.lo].reshape(i_hi - i_lo, size, *work.shape[1:])
-            ends = leave[c_lo:c_hi].reshape(members.shape)
+            end = leave[i_lo:i_hi]
             if size > FEW_MEMBERS:
-                ends[...] = (members.max(axis=1) + transfer[i_lo:i_hi])[:, None]
+                np.add(members.max(axis=1), transfer[i_lo:i_hi], out=end)
                 continue
-            end = members[:, 0].copy()
-            for j in range(1, size):  # a few members: one maximum each beats a reduction over a short axis
+            if size == 1:
+                np.add(members[:, 0], transfer[i_lo:i_hi], out=end)
+                continue
+            np.maximum(members[:, 0], members[:, 1], out=end)
+            for j in range(2, size):  # a few members: one maximum each beats a reduction over a short axis
                 np.maximum(end, members[:, j], out=end)
             end += transfer[i_lo:i_hi]
-            for j in range(size):
-                ends[:, j] = end
-    last = np.where(graph.last >= 0, lv.position[np.maximum(graph.last, 0)], graph.calls + np.arange(graph.last.size))
+    last = np.where(graph.last >= 0, lv.slot[np.maximum(graph.last, 0)], n_inst + np.arange(graph.last.size))
     out: Floats = leave[last] + tail
     return out
 

@@ -370,8 +370,6 @@ def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidat
     (built once, in the levels' order) with the candidate's own entries cut: a candidate touches a few."""
     f32 = np.float32
     fixed = _cuts(graph, base)
-    now = float(steady_period(graph, (graph.work_ns - fixed[0]).astype(f32), (graph.transfer_ns - fixed[2]).astype(f32),
-                              (graph.tail_ns - fixed[1]).astype(f32))[0])  # fmt: skip
     lv = graph.levels
     where = np.empty(graph.transfer_ns.size, dtype=np.int64)  # each instance's place in the levels' order
     where[lv.instances] = np.arange(lv.instances.size)
@@ -380,8 +378,15 @@ def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidat
         graph.tail_ns.astype(f32),
         graph.transfer_ns[lv.instances].astype(f32),
     )
-    fixed_ordered = (fixed[0][lv.order], fixed[1], fixed[2][lv.instances])
-    columns = [m - f.astype(f32) for m, f in zip(measured, fixed_ordered, strict=True)]
+    if base is None:  # nothing fixed (x - 0 is x): the measured times, already in the levels' order
+        now = float(steady_period(graph, measured[0], measured[2], measured[1], ordered=True)[0])
+        columns = list(measured)
+    else:
+        work_left = (graph.work_ns - fixed[0]).astype(f32)
+        transfer_left = (graph.transfer_ns - fixed[2]).astype(f32)
+        now = float(steady_period(graph, work_left, transfer_left, (graph.tail_ns - fixed[1]).astype(f32))[0])
+        fixed_ordered = (fixed[0][lv.order], fixed[1], fixed[2][lv.instances])
+        columns = [m - f.astype(f32) for m, f in zip(measured, fixed_ordered, strict=True)]
     out = np.zeros(len(candidates))
     for lo in range(0, len(candidates), SCENARIOS_PER_PASS):
         chunk = candidates[lo : lo + SCENARIOS_PER_PASS]
