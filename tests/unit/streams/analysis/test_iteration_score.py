@@ -26,11 +26,11 @@ JOBS = {
 PINNED = {
     "gpu+host, flat": (
         "bc1f629af3a4edbb3eafc5076f22328b4cc3acf8cf2dd6e320947db3710408c5",
-        "10d1d9b4fd249e5ec58edc11d0e41abc8ddd3d0812880a85142f2ed77ebe141e",
+        "bfaba70a96ee5a9274025856e2d6915692f003e4407479b6f9888999c75fb900",
     ),
     "link+pcie, tp2 pp2": (
-        "ade1f6a6e0e2ba867db3f19cf781eca039de60a6e7e02d821ca76fad498b066c",
-        "3f10edb9c40d24b62881f7bbffaa971d610cf5663cf46b0cca94ee5a46058f07",
+        "0c1ae05389464b97b9ba4c1950642ef6ea3efc5fc4febcf4b1e6660bbf3408ef",
+        "977e642dc222fbc962ffe55a476e756d3231afc16e661bddafec197bf01f07b6",
     ),
     "stage + stall, pp4": (
         "4cedfba924ffe9e1023626d255cec22c3050248942108b6a6bcf71412627f64c",
