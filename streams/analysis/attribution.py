@@ -13,8 +13,10 @@ stage's), or its transfers (its rings, its host's NIC). Then:
    (``VICTIM_WAIT_SHARE``): the rest it waited, and the rank whose own fix saves the most is the straggler
    instead (``_waited_for``); a host
    signal is credited by its rank's own work only (no stage's compute);
-2. its ``loss_ns`` becomes that credit in this iteration, the replayed saving (a finding's
-   ``est_loss_ns`` is its mean over the flagged iterations);
+2. its ``loss_ns`` becomes its cause's price in this iteration: the replayed saving, fixed alone and no more
+   than beyond the top cause (a finding's ``est_loss_ns`` is its mean over the flagged iterations). While
+   another cause holds the iteration (a one-off glitch elsewhere), fixing this one saves nothing now,
+   whatever it saves beyond it; a stage that holds a glitching rank saves that rank's time alone, not its own;
 3. a rank whose stage's fix saves more, on average, than its own belongs to a ``stage_imbalance``: the
    stage is named (from the stage's cause where the stage test named none, where that saves the whole
    budget, as a detector's signal must), not the rank; a stage finding one of whose ranks saves as much is
@@ -96,6 +98,9 @@ class Credits:
     """Stage -> the credit of its compute, and its ranks."""
     claimed: Mapping[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
     """(``WORK`` or ``TRANSFER``, ranks) -> what a claim (``claims_of``) saves beyond the top cause."""
+    price: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    """(``WORK`` or ``TRANSFER``, rank) -> the largest price of the causes covering it: the lesser of what
+    each saves alone and beyond the top cause."""
 
 
 def claims(sig: RankSignal, priced: Priced) -> bool:
@@ -122,8 +127,10 @@ def claims_of(signals: Sequence[RankSignal], priced: Priced) -> list[Claim]:
 
 
 def credits_of(causes: Iterable[Cause]) -> Credits:
-    """Each rank's credit from one iteration's causes: the largest residual saving of those covering it."""
+    """Each rank's credit from one iteration's causes: the largest residual saving of those covering it (and
+    the largest price)."""
     rank: dict[tuple[str, int], float] = {}
+    price: dict[tuple[str, int], float] = {}
     own: dict[int, float] = {}
     stage: dict[int, tuple[float, tuple[int, ...]]] = {}
     claimed: dict[tuple[str, tuple[int, ...]], float] = {}
@@ -135,11 +142,12 @@ def credits_of(causes: Iterable[Cause]) -> Credits:
         what = WORK if c.kind in CAUSE_KINDS[WORK] else TRANSFER
         for r in c.ranks:
             rank[(what, r)] = max(rank.get((what, r), 0.0), c.residual_ns)
+            price[(what, r)] = max(price.get((what, r), 0.0), min(c.saving_ns, c.residual_ns))
             if c.kind in ("rank_compute", "rank_host"):
                 own[r] = max(own.get(r, 0.0), c.residual_ns)
         if c.kind == "stage_compute":
             stage[c.stage] = (c.residual_ns, c.ranks)
-    return Credits(rank, own, stage, claimed)
+    return Credits(rank, own, stage, claimed, price)
 
 
 @dataclass
@@ -242,7 +250,10 @@ def attribute(
         if not stands_out(now, recent, floor, noise_ns, cfg.window) or (late and now < VICTIM_WAIT_SHARE * sig.loss_ns):
             victims += [sig] if late else []  # its lateness is all its evidence: its own fix saves little of it
             continue
-        out.append(replace(sig, loss_ns=now, evidence={**sig.evidence, "replayed_saving_ns": now}))
+        price = now  # a claim's and a stage's saving is their price; a rank's is its causes' price
+        if by_peers and sig.category != Category.STAGE_IMBALANCE:
+            price = max(credits.price.get((what, r), 0.0) for r in members)
+        out.append(replace(sig, loss_ns=price, evidence={**sig.evidence, "replayed_saving_ns": price}))
     out += _waited_for(victims, out, credits, history, budget_ns, noise_ns, cfg.window, hosts or {})
     stated = {int(s.evidence.get("stage", -1)) for s in out if s.category == Category.STAGE_IMBALANCE}
     for stage in sorted(named_stages - stated):

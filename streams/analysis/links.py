@@ -118,8 +118,10 @@ def score_hosts(
     """Hosts whose NIC/PCIe traffic fluctuates more than other hosts' during the same collectives.
 
     Congestion on a host's network path makes its transfers stall and burst; every rank of the host
-    shares the pattern, so hosts (median over their ranks) are compared, not ranks. The estimated
-    loss is an upper bound: the transfer time of the collectives concerned. ``pm``: every rank's collectives.
+    shares the pattern, so hosts (median over their ranks) are compared, not ranks. The host's NIC paces
+    every ring it is in, so the other hosts' links move the same bytes below their reach: the loss is the
+    share of its collectives' transfer (all of them, once one is flagged) that their links idle
+    (``_paced_share``), what the transfer saves at their own pace. ``pm``: every rank's collectives.
     """
     cfg = config or ScoringConfig()
     score = scorer or robust_z(cfg)
@@ -138,7 +140,9 @@ def score_hosts(
     sc, sm = score(per_host), score(active_mean)
     # On/off: full speed while it sends, stalled in between; the hosts it paces run at partial rates.
     flag = flagged(sc, cfg, min_gap=cfg.host_min_relative_gap) & (sm.z >= cfg.z_threshold)
-    loss = np.where(flag, np.nan_to_num(transfer * calls), 0.0).sum(axis=1)
+    paced = _paced_share(active_mean, _median_by_group(pm.features["pcie_peak_bps"], host_idx, len(hosts)))
+    # the host's NIC paces every ring it is in, flagged in this iteration or not
+    loss = np.where(flag.any(axis=1, keepdims=True), np.nan_to_num(transfer * calls * paced), 0.0).sum(axis=1)
     budget = cfg.min_loss_fraction * float(np.median(pm.iteration_ns))
     out: list[RankSignal] = []
     for h in np.flatnonzero(loss >= budget):
@@ -154,6 +158,22 @@ def score_hosts(
                           "flagged_collectives": int(flag[h].sum()), "hosts_compared": len(hosts)},
             )
         )  # fmt: skip
+    return out
+
+
+def _paced_share(active_mean: F64, peak: F64) -> F64:
+    """Per host and collective, the share of the transfer the other hosts' links idle: one less the median
+    of their active mean over the median of their peak (0 where unknown).
+
+    A ring moves at its slowest member's pace: under one congested NIC the others send the same bytes at
+    that pace, below what their links reach, so at their own pace the transfer takes this share less. On a
+    healthy ring they run near their reach and the share is small."""
+    others = ~np.eye(active_mean.shape[0], dtype=bool)
+    out = np.zeros(active_mean.shape)
+    with quiet_nan_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+        for h in range(active_mean.shape[0]):
+            used = np.nanmedian(active_mean[others[h]], axis=0) / np.nanmedian(peak[others[h]], axis=0)
+            out[h] = np.nan_to_num(np.clip(1.0 - used, 0.0, 1.0))
     return out
 
 

@@ -321,21 +321,34 @@ def hidden_compute(graph: CallGraph, records: Sequence[Mapping[str, Any]]) -> tu
     return calls, tails
 
 
+def _given_back(cut: F64, hidden: F64, lasted: F64) -> F64:
+    """What a call cut by ``cut`` gives back to the work after it, where ``hidden`` compute ran while it
+    ``lasted``: the compute is taken to run first, from the call's enter, so the next call could start
+    ``lasted - hidden`` before the call ended (its bucket was ready then: DDP's buckets queue on the comm
+    stream while the backward runs ahead). Only the cut beyond that slack is waited for again, at most the
+    hidden compute; with no slack (the GPU busy throughout) all of the cut."""
+    out: F64 = np.clip(cut - (lasted - hidden), 0.0, np.minimum(cut, hidden))
+    return out
+
+
 def _overlap_back(graph: CallGraph, c: _Candidate, hidden: tuple[F64, F64]) -> None:
-    """A shortened call gives back to the work after it the compute that ran while it lasted (up to the cut):
-    a rank whose GPU kept computing through a slow all-reduce starts its next call no sooner for a faster
-    one (DDP's buckets overlap the backward)."""
+    """A shortened call gives back to the work after it the compute that ran while it lasted, less the
+    slack before the end (``_given_back``): a rank whose GPU kept computing through a slow all-reduce starts
+    its next call no sooner for a faster one (DDP's buckets overlap the backward)."""
     if c.instances is None or c.transfer_cut is None:
         return
     cut_of = np.zeros(graph.transfer_ns.size)
     cut_of[c.instances] = c.transfer_cut
     x = cut_of[graph.instance]  # per call, its instance's cut
+    lasted = graph.leave_ns - graph.enter_ns
     has_dep = graph.dep < graph.calls
-    back = np.where(has_dep, np.minimum(x[np.minimum(graph.dep, graph.calls - 1)], hidden[0]), 0.0)
+    dep = np.minimum(graph.dep, graph.calls - 1)
+    back = np.where(has_dep, _given_back(x[dep], hidden[0], lasted[dep]), 0.0)
     at = np.flatnonzero(back > 0)
     c.back_calls, c.back_ns = at, back[at]
     rows = np.flatnonzero(graph.last >= 0)
-    tail_back = np.minimum(x[graph.last[rows]], hidden[1][rows])
+    last = graph.last[rows]
+    tail_back = _given_back(x[last], hidden[1][rows], lasted[last])
     keep = tail_back > 0
     c.back_rows, c.back_tail_ns = rows[keep], tail_back[keep]
 

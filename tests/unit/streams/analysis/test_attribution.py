@@ -250,3 +250,27 @@ def test_a_victims_straggler_and_a_host_signal_its_stage_credits_are_dropped_the
     ]
     alone = credits_of(causes[:1])  # rank 16's own 3.5 ms the top: judged a wait, not named by its victims either
     assert attribute(signals[:1], alone, SavingHistory(8), 0.77e6, priced) == []
+
+
+def test_a_signal_is_priced_at_what_its_cause_saves_alone_and_no_more_than_beyond_the_top() -> None:
+    """Rank 3 host-slow. In an iteration that a one-off glitch on rank 7 holds (the top, 3 ms), fixing rank 3
+    saves nothing now, though 2 ms beyond the glitch: it is still named (its saving beyond the top), at 0. Its
+    stage, which holds rank 7, saves 7 ms alone but 1.4 ms beyond the glitch: 1.4 ms is the price it gives.
+    Where rank 3 is the top, its saving; a healthy iteration (no cause) drops the signal."""
+    sig, priced = _signal(Category.HOST_SLOW, 3), Priced(work=frozenset(range(8)))
+    glitch = Cause("rank_host", (7,), "", -1, 3e6, 3e6, 3e6)
+    mine = Cause("rank_host", (3,), "", -1, 2.5e6, 0.0, 2e6)
+    stage = Cause("stage_compute", tuple(range(8)), "", 0, 9e6, 7e6, 1.4e6)
+
+    def judged(causes: list[Cause]) -> list[RankSignal]:
+        history, credits = SavingHistory(), credits_of(causes)
+        history.observe(0, credits)
+        return attribute([sig], credits, history, 1e7, priced)
+
+    (kept,) = judged([glitch, mine])
+    assert kept.loss_ns == 0.0
+    (kept,) = judged([glitch, mine, stage])
+    assert kept.loss_ns == pytest.approx(1.4e6)
+    (kept,) = judged([Cause("rank_host", (3,), "", -1, 2.5e6, 2e6, 2e6)])
+    assert kept.loss_ns == pytest.approx(2e6)
+    assert judged([]) == []

@@ -6,11 +6,13 @@ from __future__ import annotations
 from math import nan
 from typing import Any
 
+import numpy as np
 import pytest
 
 from fleetscope.schemas import FunctionKind
-from fleetscope.streams.analysis.links import FEW_GROUPS, SteadyTransfers
+from fleetscope.streams.analysis.links import FEW_GROUPS, SteadyTransfers, score_hosts
 from fleetscope.streams.analysis.outliers import score_iteration
+from fleetscope.streams.analysis.peermatrix import PeerMatrix
 from fleetscope.streams.analysis.signals import ScoringConfig
 
 C, K = int(FunctionKind.COLLECTIVE), int(FunctionKind.COMPUTE)
@@ -153,3 +155,35 @@ def test_a_cpu_jobs_ring_on_one_host_has_no_link_to_be_slow_across_hosts_it_has(
     assert links(records({}, dp_ns={1: 6e6}, hosts=per_replica, kernels=False)) == [(-1, (1, 3, 5, 7))]
     assert links(records({}, dp_ns={1: 6e6}, hosts=per_replica)) == [(-1, (1, 3, 5, 7))]
     assert links(records({}, dp_ns={1: 6e6})) == [(-1, (1, 3, 5, 7))]
+
+
+def _host_matrix(congested: bool) -> PeerMatrix:
+    """A flat ring of 8 hosts x 4 ranks, two of its all-reduces (6 ms x 5 calls, 4 ms x 1). Healthy: every link
+    sends at 95 % of its 25 GB/s reach. Host 3 congested 1.5x: its NIC stalls and bursts at full speed (its
+    fluctuation high in the larger all-reduce only), the others, paced by it, send at 1/1.5 of their reach."""
+    ranks = np.arange(32)
+    host = ranks // 4
+    wiggle = 1 + 0.01 * np.sin(ranks)[:, None]  # peers are never exactly alike
+    cv = np.full((32, 2), 0.6) * wiggle
+    mean = np.full((32, 2), 0.95 * 25e9) * wiggle
+    if congested:
+        mean[host != 3] = 25e9 / 1.5 * wiggle[host != 3]
+        mean[host == 3], cv[host == 3, 0] = 24.5e9, 1.2
+    features = {
+        "mean_ns": np.tile([6e6, 4e6], (32, 1)), "calls": np.tile([5.0, 1.0], (32, 1)),
+        "pcie_cv": cv, "pcie_mean_bps": mean, "pcie_peak_bps": np.full((32, 2), 25e9),
+    }  # fmt: skip
+    return PeerMatrix(
+        ranks=ranks, hosts=[f"node{h}" for h in host], functions=["nccl:allreduce[pg=dp0,<=64MiB]",
+        "nccl:allreduce[pg=dp0,<=32MiB]"], kind=np.full(2, C), iteration_ns=np.full(32, 90e6), features=features,
+    )  # fmt: skip
+
+
+def test_a_congested_host_costs_the_share_of_its_rings_transfer_the_other_hosts_links_idle() -> None:
+    """Host 3's NIC paces every ring it is in, flagged or not: at the other hosts' own pace its rings' 34 ms
+    of transfer take a third less (their links send at 1/1.5 of their reach). Not the whole transfer of the
+    flagged all-reduce (30 ms), nor nothing (every host sends the same bytes alike). A healthy job: no host."""
+    (sig,) = score_hosts(_host_matrix(congested=True))
+    assert (sig.subject, sig.member_ranks()) == ("host:node3", (12, 13, 14, 15))
+    assert sig.loss_ns == pytest.approx(34e6 * (1 - 1 / 1.5), rel=0.03)
+    assert score_hosts(_host_matrix(congested=False)) == []

@@ -158,3 +158,26 @@ def test_a_claimed_slow_ring_the_backward_overlaps_costs_what_sticks_out_of_it()
     assert claimed[0].residual_ns == pytest.approx(2e6, rel=0.02)
     assert culprit(causes, 25e6) is None and others_named(causes, 25e6) == []  # a claim is the detector's
     assert [c for c in what_if([_overlapped(r, 4.0) for r in range(4)]) if c.saving_ns > 0] == []
+
+
+def _queued(rank: int, slow_ms: float) -> dict[str, object]:
+    """One rank of a flat 4-rank job whose second bucket is ready 2 ms after the first all-reduce starts (its
+    GPU then idles): the all-reduces of ``slow_ms`` each queue on the comm stream, back to back."""
+    dur = int(slow_ms * 1000)
+    return {"rank": rank, "pp_rank": 0, "dp_rank": rank, "tp_rank": 0, "host": "node000",
+            "iteration_ns": (10_000 + 2 * dur + 1_000) * 1000, "function": ["nccl:allreduce[pg=dp0,<=32MiB]"],
+            "calls": [2], "nbytes": [2 * (32 << 20)], "sync_function": [0, 0], "sync_seq": [0, 1],
+            "sync_gap_us": [10_000, 0], "sync_dur_us": [dur, dur], "sync_compute_less_gap_us": [0, 2_000],
+            "sync_tail_compute_us": 0}  # fmt: skip
+
+
+def test_a_claimed_slow_ring_whose_buckets_queue_saves_all_its_excess_the_backward_does_not_overlap() -> None:
+    """All-reduces of 6 ms instead of 4 whose second bucket was ready 2 ms into the first: at 4 ms the second
+    starts 2 ms sooner, so the claim of 4 ms saves all 4 (23 ms against 19 healthy), not only the last one's 2
+    (the 2 ms of compute that ran in the first all-reduce are no wait before the second). A healthy job: no
+    cause."""
+    records = [_queued(r, 6.0) for r in range(4)]
+    claimed = [c for c in what_if(records, claims=[Claim(Credit.TRANSFER, (0, 1, 2, 3), 4e6)]) if c.kind != "rank_host"]
+    assert [c.kind for c in claimed] == [CLAIMED[Credit.TRANSFER]]
+    assert claimed[0].saving_ns == pytest.approx(4e6, rel=0.02)
+    assert [c for c in what_if([_queued(r, 4.0) for r in range(4)]) if c.saving_ns > 0] == []
