@@ -58,9 +58,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
+from confluent_kafka import Consumer, TopicPartition
+
 from fleetscope.config import load_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
-from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode, encode_event_batch
+from fleetscope.schemas import EventBatch, Topics, decode_event_batch, decode_event_batches, encode, encode_event_batch
 from fleetscope.sinks import current_findings
 from fleetscope.sinks.sink import Sink
 from fleetscope.stack import PROFILE_DIR_ENV, EmbeddedStack, StreamWorkerProcess
@@ -249,6 +251,17 @@ def publish_batches(config: PublisherConfig, batches: list[EventBatch], link: Co
         link.send(self_cpu_s() - cpu0)
 
 
+def topic_messages(bootstrap_servers: str, topic: str) -> int:
+    """Messages on a topic (every partition's high less low watermark)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap_servers, "group.id": "bench-throughput-count"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        marks = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in partitions]
+    finally:
+        consumer.close()
+    return sum(high - low for low, high in marks)
+
+
 def end_to_end(
     sim: SimulatorConfig,
     batches: list[EventBatch],
@@ -321,6 +334,8 @@ def end_to_end(
                 time.sleep(0.02)
             ch = stack.config.store
             findings = current_findings(stack.client, ch.database, job=sim.job)
+            patterns_topic = Topics(prefix=stack.config.kafka.topic_prefix).patterns
+            pattern_messages = topic_messages(stack.config.kafka.bootstrap_servers, patterns_topic)
     if not t_rows:
         raise TimeoutError(f"the sink did not write {expected} iteration rows within {timeout_s} s")
     wall = t_rows - t0
@@ -338,6 +353,7 @@ def end_to_end(
         **{f"cpu_{k}": v for k, v in cpu.items()},
         "producer_cpu_s": producer_cpu_s,
         "events": float(events),
+        "pattern_messages": float(pattern_messages),
     }
 
 
@@ -539,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['all_but_last_s']:.2f} s, all at {r['wall_s']:.2f} s (the last closes on the idle timeout); "
                 "CPU s: "
                 + ", ".join(f"{k[4:]} {v:.2f}" for k, v in r.items() if k.startswith("cpu_"))
-                + f"; the producer (on the training hosts, not counted): {r['producer_cpu_s']:.2f}"
+                + f"; the producer (on the training hosts, not counted): {r['producer_cpu_s']:.2f}; "
+                f"{r['pattern_messages']:.0f} messages on the patterns topic for {rank_its} pattern records"
             )
         print(
             f"(c full) end of publishing -> last finding row stored (idle timeouts included; findings latency: "
