@@ -15,7 +15,7 @@ from fleetscope.schemas.pattern_batch import batch_pattern_messages
 from fleetscope.streams.differential import DifferentialStage
 from fleetscope.streams.offline import OfflinePipeline
 
-SLOW = SimulatorConfig(job="pbs", ranks=8, iterations=16, faults=(parse_fault("slow_gpu:5:1.5"),))
+SLOW = SimulatorConfig(job="pbs", ranks=4, iterations=10, faults=(parse_fault("slow_gpu:2:1.5"),))
 
 
 @functools.cache
@@ -44,7 +44,7 @@ def updates(messages: list[bytes]) -> tuple[list[dict[str, Any]], int]:
 def test_batches_and_lone_records_give_the_same_findings() -> None:
     records = lone_messages()
     lone, used = updates([m for _, m in records])
-    assert used == len(records) and {(u["rank"], u["category"]) for u in lone} == {(5, "gpu_slow")}
+    assert used == len(records) and {(u["rank"], u["category"]) for u in lone} == {(2, "gpu_slow")}
     by_iteration = [list(run) for _, run in groupby(records, key=lambda r: r[0])]
     mixed = [m for _, m in by_iteration[0]]  # the topic's older messages, lone, then batches of every rank
     mixed += [b for run in by_iteration[1:] for b in batch_pattern_messages(SLOW.job, run, 1_000_000)]
