@@ -146,7 +146,8 @@ class DifferentialStage:
     def _take_batch(self, batch: dict[str, Any], now_ns: int | None, source: Message | None) -> Taken:
         """Each element of a pattern batch taken as a lone pattern message is; an element refused goes to
         ``rejected`` alone (its own message: ``element_message``) and the others are used. A batch none of whose
-        elements is usable is refused whole, with the first element's reason."""
+        elements is usable is refused whole, with the first element's reason, and names no job (nothing of it
+        reached one: no job's state to hold it, or to keep for a name anyone may write)."""
         job, findings, refused, used = str(batch["job"]), [], [], []
         for element in batch["records"]:
             own = element_message(source, element) if source is not None else None
@@ -158,7 +159,7 @@ class DifferentialStage:
             used.append(int(taken.iteration or 0))
         if not used:
             first = f": {refused[0].reason}" if refused else ""
-            return Taken(job=job, subject=PATTERNS, reason=f"value: no usable record in a pattern batch{first}")
+            return Taken(subject=PATTERNS, reason=f"value: no usable record in a pattern batch{first}")  # no job's
         self.rejected += refused
         return Taken(findings, job, PATTERNS, iteration=max(used), records=len(used))
 

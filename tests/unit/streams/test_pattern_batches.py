@@ -71,3 +71,4 @@ def test_a_bad_element_is_refused_alone_and_the_rest_of_its_batch_is_used() -> N
     nothing = batch_pattern_messages(SLOW.job, [(0, garbage), (0, garbage)], 1 << 20)[0]
     whole = DifferentialStage().take(nothing, None, source=source(42, nothing))
     assert whole.reason is not None and whole.reason.startswith("value: no usable record in a pattern batch: schema:")
+    assert whole.job == ""  # no job holds it, nor keeps its name
