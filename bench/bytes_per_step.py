@@ -46,6 +46,7 @@ from fleetscope.config import Config, load_config  # noqa: E402
 from fleetscope.producers.control import request_profile  # noqa: E402
 from fleetscope.producers.publisher.config import PublisherConfig  # noqa: E402
 from fleetscope.schemas import CATALOG, EventKind, Topics, decode, decode_event_batch  # noqa: E402
+from fleetscope.schemas.pattern_batch import pattern_messages  # noqa: E402
 from fleetscope.stack import EmbeddedStack  # noqa: E402
 from fleetscope.wiring import worker_compression  # noqa: E402
 
@@ -228,7 +229,8 @@ def report(run: Run, config: Config) -> dict[str, float]:
 def pattern_fields(run: Run, profiled: bool) -> None:
     """Where a pattern record's bytes go: each field of the newest schema encoded alone, averaged."""
     schema = json.loads(CATALOG.latest("patterns").json)
-    records = [rec for m in run.messages.get("patterns", []) for _, rec in [decode(m.value, fast=False)]]
+    carried = [element for m in run.messages.get("patterns", []) for element in pattern_messages(m.value)]
+    records = [rec for value in carried for _, rec in [decode(value, fast=False)]]
     records = [r for r in records if bool(r.get("profiled")) == profiled]
     if not records:
         return

@@ -2,7 +2,7 @@
 rank-iteration, with and without scoring processes, and scored across 1, 2 and 3 workers.
 
     python bench/differential_worker.py [--ranks 512] [--iterations 8] [--functions 300] [--processes 0,1,2]
-        [--scorers 1,2,3]
+        [--scorers 1,2,3] [--batch-bytes 1000000]
 
 ``bench/scale.py`` times the differential stage in-process; the worker also pays Faust and its Kafka
 client for every message (fetching, unpacking, events). Here a worker running only the differential
@@ -35,6 +35,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fleetscope.config import load_config
 from fleetscope.schemas import Topics, encode
+from fleetscope.schemas.pattern_batch import batch_pattern_messages
 from fleetscope.schemas.topics import job_key
 from fleetscope.stack import EmbeddedStack, StreamWorkerProcess
 
@@ -64,13 +65,16 @@ def cpu_s(pid: int) -> tuple[float, float]:
     return process_cpu_s(sorted(family)), process_cpu_s([pid])
 
 
-def run(ranks: int, functions: int, iterations: int, processes: int, store: str) -> tuple[float, float, float]:
-    """One fresh stack: (worker CPU s, with its scoring processes, seconds until done) for the job."""
-    messages = [
-        encode("patterns", encodable(r))
-        for i in range(iterations)
-        for r in make_records(ranks, functions, ranks // 3, iteration=i)
-    ]
+def run(
+    ranks: int, functions: int, iterations: int, processes: int, store: str, batch_bytes: int = 0
+) -> tuple[float, float, float, int]:
+    """One fresh stack: (worker CPU s, with its scoring processes, seconds until done, messages) for the job;
+    ``batch_bytes``: each iteration's records published as pattern batches of at most that size (as the
+    windower sends a take's records), 0: a message per record."""
+    messages: list[bytes] = []
+    for i in range(iterations):
+        lone = [encode("patterns", encodable(r)) for r in make_records(ranks, functions, ranks // 3, iteration=i)]
+        messages += batch_pattern_messages("scale", [(i, m) for m in lone], batch_bytes) if batch_bytes else lone
     with tempfile.TemporaryDirectory(prefix="fleetscope-dw-") as tmp:
         config = load_config(
             env={},
@@ -106,12 +110,12 @@ def run(ranks: int, functions: int, iterations: int, processes: int, store: str)
             producer.flush(60)
             while time.perf_counter() - t0 < 900:
                 counts = _COUNTERS.findall(worker.log_path.read_text(errors="replace"))
-                if counts and int(counts[-1][0]) >= len(messages) and int(counts[-1][1]) == 0:
+                if counts and int(counts[-1][0]) >= ranks * iterations and int(counts[-1][1]) == 0:
                     break
                 time.sleep(1)
             (all1, own1), took = cpu_s(pid), time.perf_counter() - t0
             worker.stop()
-    return own1 - own0 - idle * took, all1 - all0 - idle * took, took
+    return own1 - own0 - idle * took, all1 - all0 - idle * took, took, len(messages)
 
 
 def _settled(workers: list[StreamWorkerProcess], expected: int) -> bool:
@@ -262,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", default="0,1,2", help="comma-separated scoring process counts ('' for none)")
     ap.add_argument("--scorers", default="", help="comma-separated counts of workers scoring across workers")
     ap.add_argument("--compression", default="lz4", help="kafka.compression: lz4 (the worker sends zstd) or none")
+    ap.add_argument(
+        "--batch-bytes", type=int, default=0, help="publish pattern batches of at most this size (0: lone records)"
+    )
     args = ap.parse_args(argv)
     global COMPRESSION
     COMPRESSION = args.compression
@@ -275,10 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'processes':>9} {'worker CPU s':>12} {'worker us/rank-it':>17} {'job rank-it/s (worker)':>22} "
           f"{'with pool CPU s':>15} {'all us/rank-it':>14} {'done s':>7}")  # fmt: skip
     for processes in (int(x) for x in args.processes.split(",")):
-        own, everything, took = run(args.ranks, args.functions, args.iterations, processes, store.name)
+        own, everything, took, sent = run(
+            args.ranks, args.functions, args.iterations, processes, store.name, args.batch_bytes
+        )
         print(
             f"{processes:>9} {own:>12.2f} {1e6 * own / n:>17.0f} {n / own:>22,.0f} {everything:>15.2f} "
-            f"{1e6 * everything / n:>14.0f} {took:>7.1f}"
+            f"{1e6 * everything / n:>14.0f} {took:>7.1f}  ({sent} messages)"
         )
     print("(done s: until the worker's counters, reported every 10 s, show every record taken and none held)")
     return 0

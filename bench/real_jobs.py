@@ -39,6 +39,7 @@ import test_real_jobs as real  # noqa: E402  (the test's job, faults and harness
 from fleetscope.broker import TansuBroker  # noqa: E402
 from fleetscope.config import load_config  # noqa: E402
 from fleetscope.schemas import Topics, decode  # noqa: E402
+from fleetscope.schemas.pattern_batch import pattern_messages  # noqa: E402
 from fleetscope.stack import EmbeddedStack  # noqa: E402
 from fleetscope.streams.differential import DifferentialStage  # noqa: E402
 
@@ -158,7 +159,8 @@ def export(folder: Path, names: list[str]) -> None:
     for name in names:
         saved = pickle.loads((folder / f"{name}.pkl").read_bytes())
         messages = sorted(saved["messages"], key=lambda m: (m[2], m[0], m[1]))
-        values = [value for _, _, _, value in messages if decode(value)[0] == "patterns"]
+        carried = [element for _, _, _, value in messages for element in pattern_messages(value)]  # batches unpacked
+        values = [value for value in carried if decode(value)[0] == "patterns"]
         path = recorded_jobs.RECORDED / recorded_jobs.file_name(saved["fault"], saved["faulty"], name.split("-")[-1])
         recorded_jobs.save(path, values)
         print(f"{path}: {len(values)} pattern records, {path.stat().st_size} bytes")

@@ -58,9 +58,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
+from confluent_kafka import Consumer, TopicPartition
+
 from fleetscope.config import load_config
 from fleetscope.producers import Publisher, PublisherConfig, SimulatorConfig, parse_fault, simulate
-from fleetscope.schemas import EventBatch, decode_event_batch, decode_event_batches, encode, encode_event_batch
+from fleetscope.schemas import EventBatch, Topics, decode_event_batch, decode_event_batches, encode, encode_event_batch
 from fleetscope.sinks import current_findings
 from fleetscope.sinks.sink import Sink
 from fleetscope.stack import PROFILE_DIR_ENV, EmbeddedStack, StreamWorkerProcess
@@ -106,6 +108,13 @@ GAINS: tuple[tuple[str, str, str], ...] = (
      "the two above, both trees in turns in one session, 5 rounds of a then b each, twice (load 17-21 on 2 "
      "cores): b CPU 0.87x and 0.89x of 862d178's; this bench alone at load ~20: b/a 0.675, at load 0.5 862d178 "
      "gave 0.745"),
+    ("57145d3 be70058", "patterns topic 640 -> 5-7 messages a run; c full/a 0.236 -> 0.240, c/a 0.400 -> 0.404 (noise)",
+     "pattern batches: a take's records of a job in one message (this job's records are 18 functions, ~2 KB: "
+     "Faust's cost per message is a small part of the worker's; before and after in turns, 3 runs of 3 each, "
+     "load 8-20 on 2 cores; medians of the 3 runs' medians; c full/a before 0.288/0.216/0.236, after "
+     "0.201/0.240/0.267; c/a before 0.465/0.352/0.400, after 0.392/0.404/0.423). At 300 functions (47 KB a "
+     "record) it pays: bench/differential_worker, 256 ranks, a pool of 1, lone and batched in turns, 2 runs each: "
+     "the worker's own CPU 361/317 -> 244/228 us a rank-iteration, one job 2,774/3,151 -> 4,091/4,382 a second"),
 )  # fmt: skip
 """The commits that moved the ratios (commit, figure, what), by hand: a change of speed adds its line."""
 
@@ -261,6 +270,17 @@ def publish_batches(config: PublisherConfig, batches: list[EventBatch], link: Co
         link.send(self_cpu_s() - cpu0)
 
 
+def topic_messages(bootstrap_servers: str, topic: str) -> int:
+    """Messages on a topic (every partition's high less low watermark)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap_servers, "group.id": "bench-throughput-count"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        marks = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in partitions]
+    finally:
+        consumer.close()
+    return sum(high - low for low, high in marks)
+
+
 def end_to_end(
     sim: SimulatorConfig,
     batches: list[EventBatch],
@@ -333,6 +353,8 @@ def end_to_end(
                 time.sleep(0.02)
             ch = stack.config.store
             findings = current_findings(stack.client, ch.database, job=sim.job)
+            patterns_topic = Topics(prefix=stack.config.kafka.topic_prefix).patterns
+            pattern_messages = topic_messages(stack.config.kafka.bootstrap_servers, patterns_topic)
     if not t_rows:
         raise TimeoutError(f"the sink did not write {expected} iteration rows within {timeout_s} s")
     wall = t_rows - t0
@@ -350,6 +372,7 @@ def end_to_end(
         **{f"cpu_{k}": v for k, v in cpu.items()},
         "producer_cpu_s": producer_cpu_s,
         "events": float(events),
+        "pattern_messages": float(pattern_messages),
     }
 
 
@@ -551,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['all_but_last_s']:.2f} s, all at {r['wall_s']:.2f} s (the last closes on the idle timeout); "
                 "CPU s: "
                 + ", ".join(f"{k[4:]} {v:.2f}" for k, v in r.items() if k.startswith("cpu_"))
-                + f"; the producer (on the training hosts, not counted): {r['producer_cpu_s']:.2f}"
+                + f"; the producer (on the training hosts, not counted): {r['producer_cpu_s']:.2f}; "
+                f"{r['pattern_messages']:.0f} messages on the patterns topic for {rank_its} pattern records"
             )
         print(
             f"(c full) end of publishing -> last finding row stored (idle timeouts included; findings latency: "

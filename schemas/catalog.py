@@ -34,6 +34,7 @@ _ENTRIES: tuple[tuple[int, str, int, str], ...] = (
     (801, "control", 1, "control.v1.avsc"),
     (901, "stall", 1, "stall.v1.avsc"),
     (1001, "heartbeat", 1, "heartbeat.v1.avsc"),
+    (1101, "pattern_batch", 1, "pattern_batch.v1.avsc"),
 )
 
 

@@ -2,9 +2,11 @@
 
 Offsets are committed only after every buffered row is inserted and every dead letter delivered, so a
 crash replays the uncommitted tail; the writer skips records whose natural key is stored already, so
-that replay (or a whole-topic replay by a new group) adds no row. Undecodable
-messages go to the dead-letter topic with (reason, topic, partition, offset) headers and are skipped; so do
-findings whose signature does not verify (``schemas.signing``): only the differential's findings are stored.
+that replay (or a whole-topic replay by a new group) adds no row. A pattern batch's elements are stored
+one by one, as lone pattern messages are (``schemas.pattern_batch``). Undecodable messages (or a batch's
+elements, each alone) go to the dead-letter topic with (reason, topic, partition, offset) headers and are
+skipped; so do findings whose signature does not verify (``schemas.signing``): only the differential's
+findings are stored.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from fleetscope import telemetry
 from fleetscope.schemas import SchemaError, Topics, decode
+from fleetscope.schemas.pattern_batch import PATTERN_BATCH, PATTERNS, element_reason
 from fleetscope.schemas.signing import signature_reason
 from fleetscope.sinks.records import pattern_rows
 from fleetscope.sinks.retry import MAX_PAUSE_S as _MAX_PAUSE_S
@@ -37,16 +40,19 @@ logger = logging.getLogger(__name__)
 
 _ROWS_STAT = {"iterations": "iterations", "patterns": "function_patterns", "findings": "finding_updates"}
 """Stored subject -> the stat counting its rows written."""
+_UNDECODABLE = (SchemaError, ValueError, KeyError, TypeError)
+"""What decoding a record, or counting its rows, raises on a bad one."""
 _MAX_BATCH_MESSAGES = 1_000
 _DEADLETTER_FLUSH_S = 10.0
 
 
 @dataclass(slots=True)
 class _Buffer:
-    """Decoded records of one subject with the messages they came from (to isolate a bad one)."""
+    """Decoded records of one subject with the messages they came from (to isolate a bad one): each with the
+    batch element it is, or None (the whole message)."""
 
     records: list[dict[str, object]] = field(default_factory=list)
-    messages: list[Message] = field(default_factory=list)
+    sources: list[tuple[Message, bytes | None]] = field(default_factory=list)
     rows: int = 0
 
 
@@ -204,24 +210,51 @@ class Sink:
         value = msg.value() or b""
         try:
             subject, record = decode(value)
-            if subject not in self._write:
-                raise SchemaError(f"subject {subject!r} does not belong on the sink's topics")
-            rows = pattern_rows(record) if subject == "patterns" else 1
-        except (SchemaError, ValueError, KeyError, TypeError) as exc:
+        except _UNDECODABLE as exc:
             self._dead_letter(msg, f"decode: {exc}")
         else:
-            untrusted = self._untrusted(msg, subject, value)
-            if untrusted is not None:
-                self._dead_letter(msg, untrusted)
-                self._mark(msg)
-                return
-            buffer = self._buffers[subject]
-            buffer.records.append(record)
-            buffer.messages.append(msg)
-            buffer.rows += rows
-            if self._oldest_s is None:
-                self._oldest_s = time.monotonic()
+            if subject != PATTERN_BATCH:
+                self._keep(msg, None, subject, record)
+            else:  # each element stored, or dead-lettered alone with its reason
+                for element in record["records"]:
+                    self._keep_element(msg, element, record)
         self._mark(msg)
+
+    def _keep_element(self, msg: Message, element: bytes, batch: dict[str, object]) -> None:
+        try:
+            subject, record = decode(element)
+        except _UNDECODABLE as exc:
+            self._dead_letter(msg, f"decode: {exc}", element)
+            return
+        reason = (
+            element_reason(batch, record.get("job"), record.get("iteration"))
+            if subject == PATTERNS
+            else f"subject: a pattern batch holds a {subject} record"
+        )
+        if reason is not None:
+            self._dead_letter(msg, reason, element)
+            return
+        self._keep(msg, element, subject, record)
+
+    def _keep(self, msg: Message, element: bytes | None, subject: str, record: dict[str, object]) -> None:
+        """Buffer one decoded record: the message's (``element`` None) or one element of its batch."""
+        try:
+            if subject not in self._write:
+                raise SchemaError(f"subject {subject!r} does not belong on the sink's topics")
+            rows = pattern_rows(record) if subject == PATTERNS else 1
+        except _UNDECODABLE as exc:
+            self._dead_letter(msg, f"decode: {exc}", element)
+            return
+        untrusted = self._untrusted(msg, subject, msg.value() or b"") if element is None else None
+        if untrusted is not None:
+            self._dead_letter(msg, untrusted)
+            return
+        buffer = self._buffers[subject]
+        buffer.records.append(record)
+        buffer.sources.append((msg, element))
+        buffer.rows += rows
+        if self._oldest_s is None:
+            self._oldest_s = time.monotonic()
 
     def _untrusted(self, msg: Message, subject: str, value: bytes) -> str | None:
         """Why a finding is not the differential's (``signature_reason``), or None: the store keeps only
@@ -237,11 +270,13 @@ class Sink:
             key = (topic, partition)
             self._offsets[key] = max(self._offsets.get(key, 0), offset + 1)
 
-    def _dead_letter(self, msg: Message, reason: str) -> None:
+    def _dead_letter(self, msg: Message, reason: str, element: bytes | None = None) -> None:
+        """Dead-letter the message, or only ``element`` of its batch (the batch's place in the headers)."""
         producer = self._producer
         if producer is None:
             raise RuntimeError("dead letter before the producer exists")
-        if not produce_dead_letter(producer, self._topics.deadletter, msg, reason, self._on_dead_letter_delivery):
+        delivery = self._on_dead_letter_delivery
+        if not produce_dead_letter(producer, self._topics.deadletter, msg, reason, delivery, value=element):
             self._stats["dead_letter_errors"] += 1
             logger.error("dead-letter queue full; a bad message was dropped")
             return
@@ -342,13 +377,13 @@ class Sink:
                 raise
             logger.warning("the store rejected a batch of %s (%s); isolating the bad messages", subject, exc)
         written = 0
-        for record, msg in zip(buffer.records, buffer.messages, strict=True):
+        for record, (msg, element) in zip(buffer.records, buffer.sources, strict=True):
             try:
                 written += write([record])
             except Exception as exc:
                 if not self._rejected(exc):
                     raise
-                self._dead_letter(msg, f"insert: {exc}")
+                self._dead_letter(msg, f"insert: {exc}", element)
         return written
 
     def _rejected(self, exc: BaseException) -> bool:

@@ -102,9 +102,12 @@ def produce_dead_letter(
     msg: Message,
     reason: str,
     on_delivery: Callable[[KafkaError | None, Message], None],
+    *,
+    value: bytes | None = None,
 ) -> bool:
-    """Queue ``msg`` (value and key as they came) on ``topic`` with (reason, topic, partition, offset)
-    headers; False when the producer's queue stayed full for 5 s (the message is dropped)."""
+    """Queue ``msg`` (value and key as they came; ``value``: one element of its batch instead) on ``topic`` with
+    (reason, topic, partition, offset) headers; False when the producer's queue stayed full for 5 s (the message
+    is dropped)."""
     headers: list[tuple[str, str | bytes | None]] = [
         ("reason", reason[:2000].encode()),
         ("topic", (msg.topic() or "").encode()),
@@ -113,7 +116,8 @@ def produce_dead_letter(
     ]
     for _ in range(50):
         try:
-            producer.produce(topic, value=msg.value(), key=msg.key(), headers=headers, on_delivery=on_delivery)
+            sent = msg.value() if value is None else value
+            producer.produce(topic, value=sent, key=msg.key(), headers=headers, on_delivery=on_delivery)
             return True
         except BufferError:
             producer.poll(0.1)

@@ -25,6 +25,7 @@ from faust.types import Message
 from fleetscope.schemas import SchemaError, decode, encode
 from fleetscope.schemas.catalog import SchemaEntry
 from fleetscope.schemas.codec import decode_head
+from fleetscope.schemas.pattern_batch import PATTERN_BATCH, PATTERNS, element_reason
 from fleetscope.schemas.signing import MAC_HEADER, findings_mac
 from fleetscope.schemas.topics import job_key
 from fleetscope.streams import reasons
@@ -39,8 +40,9 @@ from fleetscope.streams.scoring import InlineScoring, IterationScoring, PoolScor
 
 log = logging.getLogger(__name__)
 
-SUBJECTS = ("patterns", "stall", "heartbeat")
-"""What the differential reads: windowers' pattern records and stall records, producers' heartbeats."""
+SUBJECTS = (PATTERNS, PATTERN_BATCH, "stall", "heartbeat")
+"""What the differential reads: windowers' pattern records (alone or in batches) and stall records, producers'
+heartbeats."""
 _PAYLOAD, _WRITER, _SOURCE = "_payload", "_writer", "_source"
 """A record placed by its head (``decode_head``): its message, the message's writer schema, and its source."""
 
@@ -59,6 +61,8 @@ class Taken:
     replayed: bool = False
     source: Any = None
     """The message ``reason`` refuses, where it is not the one taken (``DifferentialStage.rejected``)."""
+    records: int = 0
+    """Pattern records used: one of a lone record, those of a batch not refused (``iteration``: the highest)."""
 
 
 @dataclass(slots=True)
@@ -71,6 +75,15 @@ class _Scoring:
     payloads: list[bytes | dict[str, Any]]
     writers: dict[int, SchemaEntry]
     sources: list[Any]
+
+
+def element_message(source: Message, value: bytes) -> Message:
+    """A batch element as a message of its own, for the dead-letter topic: the batch's place (topic,
+    partition, offset, key), the element's value. Never acked: the batch's message is."""
+    return Message(
+        source.topic, source.partition, source.offset, source.timestamp, source.timestamp_type, source.headers,
+        source.key, value, None, tp=source.tp,
+    )  # fmt: skip
 
 
 class DifferentialStage:
@@ -124,9 +137,47 @@ class DifferentialStage:
             subject, record = decode(message or b"")
         except SchemaError as exc:
             return Taken(reason=f"schema: {exc}")
+        if subject == PATTERN_BATCH:
+            return self._take_batch(record, now_ns, source)
         if subject not in SUBJECTS:
-            return Taken(reason=f"subject: expected patterns, stall or heartbeat, got {subject}")
+            return Taken(reason=f"subject: expected patterns, pattern_batch, stall or heartbeat, got {subject}")
         return self.apply(subject, record, now_ns, replayed, offset)
+
+    def _take_batch(self, batch: dict[str, Any], now_ns: int | None, source: Message | None) -> Taken:
+        """Each element of a pattern batch taken as a lone pattern message is; an element refused goes to
+        ``rejected`` alone (its own message: ``element_message``) and the others are used. A batch none of whose
+        elements is usable is refused whole, with the first element's reason, and names no job (nothing of it
+        reached one: no job's state to hold it, or to keep for a name anyone may write)."""
+        job, findings, refused, used = str(batch["job"]), [], [], []
+        for element in batch["records"]:
+            own = element_message(source, element) if source is not None else None
+            taken = self._take_element(batch, element, now_ns, own)
+            if taken.reason is not None:
+                refused.append(Taken([], job, PATTERNS, taken.iteration, taken.reason, source=own))
+                continue
+            findings += taken.findings
+            used.append(int(taken.iteration or 0))
+        if not used:
+            first = f": {refused[0].reason}" if refused else ""
+            return Taken(subject=PATTERNS, reason=f"value: no usable record in a pattern batch{first}")  # no job's
+        self.rejected += refused
+        return Taken(findings, job, PATTERNS, iteration=max(used), records=len(used))
+
+    def _take_element(self, batch: dict[str, Any], element: bytes, now_ns: int | None, own: Message | None) -> Taken:
+        """One element of ``batch`` placed by its head and applied (a reason instead where it is refused);
+        ``own``: its message, should the scoring refuse it later."""
+        try:
+            writer, head = decode_head(element)
+            if head is None:
+                subject, record = decode(element)
+                if subject != PATTERNS:
+                    return Taken(reason=f"subject: a pattern batch holds a {subject} record")
+            else:
+                record = {**head, _PAYLOAD: element, _WRITER: writer, _SOURCE: own}
+        except SchemaError as exc:
+            return Taken(reason=f"schema: {exc}")
+        reason = element_reason(batch, record["job"], record["iteration"])
+        return Taken(reason=reason) if reason is not None else self.apply(PATTERNS, record, now_ns)
 
     def apply(
         self,
@@ -150,7 +201,7 @@ class DifferentialStage:
                 return Taken(tracked + jd.add_stall(record), job, subject)
             for it, records in jd.gather(record, now_ns):
                 self._send(job, it, records)
-            return Taken(self.collect(), job, subject, iteration=int(record["iteration"]))
+            return Taken(self.collect(), job, subject, iteration=int(record["iteration"]), records=1)
         except Exception as exc:  # an analysis bug must cost one message, not the stream
             log.warning("the differential of job %r rejected a %s record: %r", job, subject, exc)
             return Taken([], job, subject, reason=reasons.reason("differential", exc))
@@ -314,8 +365,8 @@ class DifferentialAgent:
                     self.recovery.skipped(job, msg)
                 elif taken.subject == "stall":
                     self.recovery.took(job, msg, None)
-                else:
-                    self.counters.pattern_records += 1
+                else:  # a batch is held until its last iteration is scored: then all of it is
+                    self.counters.pattern_records += taken.records
                     self.recovery.took(job, msg, taken.iteration)
             await self._backpressure()
             touched |= self.stage.scoring.keys()

@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from fleetscope.schemas import Topics, encode
+from fleetscope.schemas.pattern_batch import batch_pattern_messages
 from fleetscope.schemas.topics import job_key, rank_key
 from fleetscope.sinks import (
     ClickHouseWriter,
@@ -131,6 +132,9 @@ def test_sink_writes_topics_to_clickhouse_and_dead_letters_garbage(
         producer.produce(topics.findings, encode("findings", _finding("f1", version, status)), key=job_key("job-k"))
     producer.produce(topics.findings, encode("findings", _finding("f2", 1, "open")), key=job_key("job-k"))
     producer.produce(topics.patterns, b"\x00\x00\x00\x01garbage", key=b"job-k/9")
+    batched = [(2, encode("patterns", _patterns(rank, 2, ["a", "b", "c"]))) for rank in range(3)]
+    (batch,) = batch_pattern_messages("job-k", [*batched[:1], (2, b"\x00\x00\x00\x02bad"), *batched[1:]], 1 << 20)
+    producer.produce(topics.patterns, batch, key=job_key("job-k"))  # 3 records stored, the bad element dead-lettered
     producer.produce(topics.iterations, encode("findings", _finding("f3", 1, "open")), key=b"job-k")  # wrong topic
     assert producer.flush(10) == 0
 
@@ -138,10 +142,10 @@ def test_sink_writes_topics_to_clickhouse_and_dead_letters_garbage(
                         session_timeout_ms=2000, flush_interval_ms=100)  # fmt: skip
     sink = Sink(config, ClickHouseWriter(client, database))
     try:
-        expected = {"iterations": 20, "function_patterns": 12, "finding_updates": 5}
+        expected = {"iterations": 20, "function_patterns": 12 + 9, "finding_updates": 5}
 
         def done() -> bool:
-            return all(sink.stats[t] >= n for t, n in expected.items()) and sink.stats["dead_letters"] >= 1
+            return all(sink.stats[t] >= n for t, n in expected.items()) and sink.stats["dead_letters"] >= 2
 
         _wait_for(done, sink)
     finally:
@@ -149,19 +153,20 @@ def test_sink_writes_topics_to_clickhouse_and_dead_letters_garbage(
         sink.stop()  # idempotent
     stats = sink.stats
     assert {t: stats[t] for t in expected} == expected
-    assert stats["dead_letters"] == 1 and stats["messages"] == 20 + 4 + 4 + 2
+    assert stats["dead_letters"] == 2 and stats["messages"] == 20 + 4 + 4 + 3
     assert stats["last_flush_ns"] > 0
     assert table_counts(client, database) == {**expected, "findings": 3}
     found = {f["finding_id"]: f for f in current_findings(client, database)}
     assert found["f1"]["status"] == "closed" and found["f1"]["version"] == 3 and found["f2"]["status"] == "open"
     assert "f3" in found  # the subject, not the topic, picks the table
 
-    letters = _read_all(kafka_bootstrap, topics.deadletter, expected=1)
-    assert len(letters) == 1
-    headers = {k: v.decode() for k, v in letters[0].headers()}
-    assert letters[0].value() == b"\x00\x00\x00\x01garbage"
-    assert headers["topic"] == topics.patterns and headers["reason"].startswith("decode:")
-    assert "unknown schema id" in headers["reason"] and headers["offset"].isdigit() and headers["partition"].isdigit()
+    letters = sorted(_read_all(kafka_bootstrap, topics.deadletter, expected=2), key=lambda m: m.value())
+    assert [m.value() for m in letters] == [b"\x00\x00\x00\x01garbage", b"\x00\x00\x00\x02bad"]  # the element alone
+    for letter in letters:
+        headers = {k: v.decode() for k, v in letter.headers()}
+        assert headers["topic"] == topics.patterns and headers["reason"].startswith("decode:")
+        assert "unknown schema id" in headers["reason"]
+        assert headers["offset"].isdigit() and headers["partition"].isdigit()
 
     # Every consumed offset was committed for the group, so a restart replays nothing.
     probe = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": config.group_id})
@@ -172,7 +177,7 @@ def test_sink_writes_topics_to_clickhouse_and_dead_letters_garbage(
     per_topic: dict[str, int] = {}
     for tp in committed:
         per_topic[tp.topic] = per_topic.get(tp.topic, 0) + max(tp.offset, 0)
-    assert per_topic == {topics.iterations: 21, topics.patterns: 5, topics.findings: 4}
+    assert per_topic == {topics.iterations: 21, topics.patterns: 6, topics.findings: 4}
 
 
 @pytest.mark.integration

@@ -65,7 +65,7 @@ def test_the_differential_stage_dead_letters_bad_messages_and_keeps_going() -> N
     assert (stage.take(b"garbage", None).reason or "").startswith("schema:")
     iteration = OfflinePipeline().add_all(simulate(SimulatorConfig(job="it", ranks=2, iterations=2))).finish()
     wrong = stage.take(encode("iterations", iteration.iterations[0]), None)
-    assert wrong.reason == "subject: expected patterns, stall or heartbeat, got iterations"
+    assert wrong.reason == "subject: expected patterns, pattern_batch, stall or heartbeat, got iterations"
     records = _patterns()
     taken = stage.take(encode("patterns", records[0]), None)
     assert taken.reason is None and taken.subject == "patterns" and taken.job == SLOW_GPU.job
