@@ -35,8 +35,6 @@ NOT_RECORDED_AGAIN = {
     "compute-rank1-hsdp9fd476",
     "compute-rank1-varying0b46f2",
     "none-pipe2fa0f8",
-    "none-varying345ac7",
-    "none-varying8bd1aa",
     "slowdown-dtensored75ea",
     "slowdown-fsdp59a7d1",
     "slowdown-hsdp72c1da",
