@@ -34,7 +34,6 @@ MEAN_REPLAY_ERROR = 0.05
 NOT_RECORDED_AGAIN = {
     "compute-rank1-hsdp9fd476",
     "compute-rank1-varying0b46f2",
-    "slowdown-dtensored75ea",
     "slowdown-fsdp59a7d1",
     "slowdown-hsdp72c1da",
 }
