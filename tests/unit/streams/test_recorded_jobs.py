@@ -32,7 +32,6 @@ MEAN_REPLAY_ERROR = 0.05
 """The same, signed and averaged over the job's iterations (measured: -3.2 to +3.9 %)."""
 NOT_RECORDED_AGAIN = {
     "compute-rank1-varying0b46f2",
-    "slowdown-fsdp59a7d1",
     "slowdown-hsdp72c1da",
 }
 """Recordings from before the timelines (patterns.v2), kept where the job recorded again missed the bar live
