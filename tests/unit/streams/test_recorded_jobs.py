@@ -31,7 +31,6 @@ MEDIAN_REPLAY_ERROR = 0.10
 MEAN_REPLAY_ERROR = 0.05
 """The same, signed and averaged over the job's iterations (measured: -3.2 to +3.9 %)."""
 NOT_RECORDED_AGAIN = {
-    "compute-rank1-varying0b46f2",
     "slowdown-hsdp72c1da",
 }
 """Recordings from before the timelines (patterns.v2), kept where the job recorded again missed the bar live
