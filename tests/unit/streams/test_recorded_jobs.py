@@ -7,7 +7,9 @@ forward 4 times over (the job's own regression). A faulty rank must be named wit
 rank; a healthy job gets nothing. The ``fsdp`` ones shard the model with FSDP2, the ``hsdp`` ones shard it in
 pairs replicated over the pairs, the ``dtensor`` ones split it with DTensor's tensor parallelism, the
 ``varying`` ones accumulate gradients over micro-batches of random lengths (a different rank is last each
-step), ``pipe`` is the real-job test's pipeline by hand (dp2 x pp2); the others DDP.
+step), ``pipe`` is the real-job test's pipeline by hand (dp2 x pp2); the others DDP. Most were recorded at a
+load average of 15-22 on the 2 cores; a second healthy DDP job (none-d545b4) beside two bursty CPU burners
+(``record --load bursty``), 57 % of its steps' time waiting for a CPU.
 
 The pattern records carry each rank's call timeline (patterns.v4), from which the what-if replays the
 iteration. How far the replayed iteration is from the measured one is held
