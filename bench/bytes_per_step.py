@@ -13,7 +13,8 @@ only those sent in the same millisecond), compressed with each one's codec (``ka
 the worker's zstd, ``wiring.worker_compression``). Keys,
 headers and Kafka's record framing are not counted. For (c) the bytes of profiled steps are split off:
 iteration and pattern records by their ``profiled`` flag, raw batches by the share of their events inside
-the rank's profiled steps, each message compressed alone.
+the rank's profiled steps, each message compressed alone; the same for (a) or (b) where a finding opened
+and asked for an automatic window.
 Not a test: prints figures.
 """
 
@@ -299,6 +300,10 @@ def profiled_cost(run: Run, config: Config) -> None:
     print(f"    total {total:.0f} B = {total / 1000:.2f} KB per profiled rank-step")
 
 
+def _any_profiled(run: Run) -> bool:
+    return any(decode(m.value)[1]["profiled"] for m in run.messages.get("iterations", []))
+
+
 def _profiled_share(topic: str, value: bytes, windows: dict[int, list[tuple[int, int]]]) -> float:
     if topic in ("iterations", "patterns"):
         _, rec = decode(value)
@@ -367,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         run.messages = dict(broker_messages.get(run.job, {}))
         report(run, config)
         pattern_fields(run, profiled=False)
-        if run.name == "c":
+        if run.name == "c" or _any_profiled(run):  # (a) and (b) too where a finding asked for a window
             pattern_fields(run, profiled=True)
             profiled_cost(run, config)
     return 0

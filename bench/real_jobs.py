@@ -2,7 +2,7 @@
 replayed through today's differential: how a rule change does on the same real arrivals, before and after.
 
     python bench/real_jobs.py record DIR [--jobs compute,dataloader,gc,none] [--load steady|bursty|none]
-                                         [--layout tp2dp2|fsdp|hsdp|dtensor|varying]
+                                         [--layout tp2dp2|fsdp|hsdp|dtensor|varying|pipe]
     python bench/real_jobs.py replay DIR
     python bench/real_jobs.py export DIR NAME...   (into tests/data/real_jobs, which a unit test replays)
 
@@ -12,7 +12,8 @@ background load, and writes every pattern message the windower published for it 
 byte, with the findings the live worker stored. ``replay`` feeds those messages to ``DifferentialStage`` in
 publication order and prints each job's opened findings and whether they meet the real-job test's bar: the
 faulty rank named within 10 iterations of the fault and no culprit rank other than it (a healthy job: nothing
-at all). Not a test: what a run records depends on the machine's load.
+at all), and how far the iterations replayed from the ranks' timelines are from their measured times. Not a
+test: what a run records depends on the machine's load.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,8 +91,8 @@ def record(folder: Path, jobs: list[str], load: str, layout: str = "") -> None:
             "data_dir": tmp, "kafka.bootstrap_servers": servers, "kafka.topic_prefix": f"real{uuid.uuid4().hex[:6]}",
             "store.url": f"chdb://{tmp}/store", "store.database": "real",
         })  # fmt: skip
-        script = Path(tmp) / "job.py"
-        script.write_text(real.JOB)
+        script = Path(tmp) / ("pipeline_job.py" if layout == "pipe" else "job.py")
+        script.write_text(real.PIPELINE_JOB if layout == "pipe" else real.JOB)  # pipe: the test's dp2 x pp2, healthy
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE")} | {
             "FLEETSCOPE__KAFKA__BOOTSTRAP_SERVERS": servers, "FLEETSCOPE__DATA_DIR": tmp,
             "FLEETSCOPE__KAFKA__TOPIC_PREFIX": config.kafka.topic_prefix,
@@ -133,6 +135,22 @@ def verdict(fault: str, updates: list[dict[str, object]]) -> str:
     return f"OK  {text}" if missed is None else f"BAD {text} ({missed})"
 
 
+def replay_error(messages: list[Message]) -> str:
+    """How far the replayed iteration time is from the measured one, per iteration (``recorded_jobs.replay_errors``):
+    the median and 90th percentile of its size, the largest, and the mean with its sign (a rank late at one
+    iteration's end is early at the next's: the signs alternate, the mean is near zero)."""
+    ordered = sorted(messages, key=lambda m: (m[2], m[0], m[1]))
+    errors = recorded_jobs.replay_errors([value for _, _, _, value in ordered])
+    known = np.array([e for e in errors if e is not None])
+    if not known.size:
+        return f"no iteration with every rank's timeline (of {len(errors)})"
+    size = np.abs(known)
+    text = f"|replayed - measured| / measured, {known.size} iterations: median {100 * np.median(size):.1f} %"
+    text += f", p90 {100 * np.percentile(size, 90):.1f} %, max {100 * size.max():.1f} %"
+    text += f"; mean {100 * known.mean():+.2f} %"
+    return text + (f"; {len(errors) - known.size} without a timeline" if known.size < len(errors) else "")
+
+
 def replay(folder: Path) -> int:
     bad = 0
     for path in sorted(folder.glob("*.pkl")):
@@ -150,6 +168,7 @@ def replay(folder: Path) -> int:
         bad += line.startswith("BAD")
         print(f"{path.stem:24} {saved['fault']:10} {saved['load']:7} now: {line}")
         print(f"{'':43} live: {verdict(saved['fault'], saved['found'])}")
+        print(f"{'':43} replay: {replay_error(saved['messages'])}")
     print(f"{bad} job(s) below the bar")
     return 0
 
@@ -173,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("folder", type=Path)
     rec.add_argument("--jobs", default="compute,dataloader,gc,none", help="faults (none: healthy), in order")
     rec.add_argument("--load", choices=("steady", "bursty", "none"), default="bursty")
-    layouts = ("", "tp2dp2", "fsdp", "hsdp", "dtensor", "varying")
+    layouts = ("", "tp2dp2", "fsdp", "hsdp", "dtensor", "varying", "pipe")
     rec.add_argument("--layout", choices=layouts, default="", help="the job's layout (default: DDP)")
     rep = sub.add_parser("replay", help="replay saved jobs through today's differential")
     rep.add_argument("folder", type=Path)

@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import gzip
 import struct
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetscope.schemas import decode
+from fleetscope.streams.analysis.replay import replay
+from fleetscope.streams.analysis.timeline import timeline_of
+
 RECORDED = Path(__file__).resolve().parent / "data" / "real_jobs"
+BEFORE_TIMELINES = RECORDED / "patterns.v2" / "compute-rank1-aa8c5d.bin.gz"
+"""A real job recorded before pattern records carried the call timeline (patterns.v2, no ``sync_*`` fields):
+kept to hold that older records stay readable; not among ``recordings()``."""
 FAULT_AT = 30
 """The step from which a faulty rank of the real-job test's job is faulty."""
 FAULTS: dict[str, tuple[int, str | None, str | None]] = {
@@ -92,4 +100,24 @@ def recordings() -> list[Recording]:
         fault, *rest = path.name.removesuffix(".bin.gz").split("-")
         faulty = int(rest[0].removeprefix("rank")) if rest[0].startswith("rank") else -1
         out.append(Recording(path, fault, faulty))
+    return out
+
+
+def replay_errors(messages: Sequence[bytes]) -> list[float | None]:
+    """Per iteration that every rank published, in iteration order: the job's replayed iteration time against
+    its measured one, (replayed - measured) / measured (``replay.replay``, from the records' timelines); None
+    where a record carries no timeline (the replay has no call of that rank to order by)."""
+    by_iteration: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for message in messages:
+        kind, record = decode(message)
+        if kind == "patterns":
+            by_iteration[int(record["iteration"])][int(record["rank"])] = record
+    world = max((len(ranks) for ranks in by_iteration.values()), default=0)
+    out: list[float | None] = []
+    for iteration in sorted(by_iteration):
+        ranks = by_iteration[iteration]
+        records = [ranks[r] for r in sorted(ranks)]
+        if len(records) < world:
+            continue
+        out.append(None if any(timeline_of(r) is None for r in records) else replay(records).job_error)
     return out

@@ -26,7 +26,7 @@ from fleetscope.streams.analysis.windowing import RankWindower
 
 sys.path.insert(0, str(Path(__file__).parents[3]))
 from harness import CollectingPublisher  # noqa: E402
-from recorded_jobs import recordings  # noqa: E402
+from recorded_jobs import BEFORE_TIMELINES, Recording  # noqa: E402
 
 NAMES = ["gemm", "ncclKernel", "allreduce", "dp0", "relu", "send", "pp0"]
 a = np.array
@@ -130,8 +130,7 @@ def test_older_pattern_records_decode_without_a_timeline(fast: bool) -> None:
     record = record_of(iteration(KERNELS, CALLS))
     _, back = decode(_v3_message(record), fast=fast)
     assert back["function"] == record["function"] and timeline_of(back) is None
-    (recorded, *_) = recordings()
-    messages = recorded.messages()
+    messages = Recording(BEFORE_TIMELINES, "compute", 1).messages()
     assert all(timeline_of(decode(m, fast=fast)[1]) is None for m in messages[:20])
 
 

@@ -349,7 +349,7 @@ class _SizedLog:
         self.records.append(value)
 
 
-@pytest.mark.parametrize("name", ["compute-rank1-16e24a", "none-4e50de"])
+@pytest.mark.parametrize("name", ["compute-rank1-539cba", "none-9eb062"])
 def test_state_records_stay_within_their_share_of_the_pattern_bytes_and_a_crash_changes_no_finding(name: str) -> None:
     """Real jobs (tests/data/real_jobs: a faulty one of 56 iterations, a healthy one of 300), a checkpoint after
     every message: the state bytes (uncompressed, as the pattern records' values) are at most ``share`` of the
