@@ -115,6 +115,20 @@ GAINS: tuple[tuple[str, str, str], ...] = (
      "0.201/0.240/0.267; c/a before 0.465/0.352/0.400, after 0.392/0.404/0.423). At 300 functions (47 KB a "
      "record) it pays: bench/differential_worker, 256 ranks, a pool of 1, lone and batched in turns, 2 runs each: "
      "the worker's own CPU 361/317 -> 244/228 us a rank-iteration, one job 2,774/3,151 -> 4,091/4,382 a second"),
+    ("1e4f0df", "score_records CPU -31 % (median)",
+     "the links' medians by one sort (stats.nan_median) for every host at once, not np.nanmedian per host (its "
+     "masked-array path for short slices), bit for bit: score_records over this job's 20 iterations, base and "
+     "change in turns, 4 x 5 runs, load 5-10 on 2 cores: medians 432.7 -> 297.4 ms; nanmedian was 22 % of it"),
+    ("67fd32e", "encoding (c)'s 640 pattern records 213 -> 75 ms CPU (-65 %)",
+     "the numpy encoder from 80 functions a record, not 16: with the timeline's arrays fastavro writes the "
+     "simulator's 18-function records 2.3x as fast (same bytes; 4 rounds of 7 runs in turns, load ~10)"),
+    ("6e4bcec", "the sink's pattern columns 69.8 -> 25.6 ms a run (Python side)",
+     "lists read in one np.fromiter pass per column, row counts read in place (same rows; 3 rounds of 15 runs "
+     "in turns, load ~9); the sink stays bound by chDB's ~15 ms per insert"),
+    ("1e4f0df..6e4bcec", "c full/a 0.291 -> 0.314; worker CPU 2.71 -> 2.32 s (-14 %), all CPU 4.03 -> 3.55 s",
+     "the three above: (c full) of e00d1ef and 6e4bcec in turns, 6 runs each, each run's (a) measured just "
+     "before it, load 8-15 on 2 cores (medians; c full/a per run 0.20-0.37 and 0.25-0.39: (a) moves with the "
+     "load); sink 0.82 -> 0.82, broker 0.51 -> 0.50 CPU s"),
 )  # fmt: skip
 """The commits that moved the ratios (commit, figure, what), by hand: a change of speed adds its line."""
 

@@ -31,10 +31,12 @@ _EVENT_SUBJECTS = frozenset(k.value for k in EventKind)
 _COLUMN_SUBJECTS = frozenset({"patterns"})
 """Records of per-function arrays that ``encode`` and ``decode`` take as numpy columns: hundreds of functions
 a record, for which fastavro's Python object per value costs ~1 ms each way (docs/scaling.md)."""
-COLUMNS_FROM_FUNCTIONS = 16
+COLUMNS_FROM_FUNCTIONS = 80
 COLUMNS_FROM_BYTES = 4_000
 """Where the numpy encoder and decoder start to pay (a record of this many functions; a message of this many
-bytes, about 24 functions): below, their fixed cost per field exceeds fastavro's per value (bench/scale)."""
+bytes, about 24 functions): below, their fixed cost per field exceeds fastavro's per value. The encoder's is
+higher (the timeline's arrays are fields too): fastavro writes a record of 48 functions 1.3x as fast, of 64
+about as fast, of 96 0.9x, with 6 or 100 calls (docs/scaling.md)."""
 
 
 _resolver: SchemaResolver | None = None

@@ -41,11 +41,20 @@ def _pattern_array_names() -> tuple[str, ...]:
 
 
 def pattern_rows(record: Mapping[str, Any]) -> int:
-    """Rows a PatternBatch explodes into; ValueError when its column arrays differ in length."""
+    """Rows a PatternBatch explodes into; ValueError when its column arrays differ in length (an optional one
+    the record lacks, absent or empty, is zeros: ``pattern_entries``). Every record is counted once by the sink
+    and once by its writer: the lengths are read in place, no column is built."""
     n = len(record["function"])
+    optional = _optional_arrays()
     for name in _pattern_array_names():
-        if len(pattern_entries(record, name)) != n:
-            raise ValueError(f"pattern column {name!r} has {len(record[name])} entries, function has {n}")
+        if name in optional:
+            values = record.get(name)
+            if values is None or not len(values):
+                continue
+        else:
+            values = record[name]
+        if len(values) != n:
+            raise ValueError(f"pattern column {name!r} has {len(values)} entries, function has {n}")
     return n
 
 

@@ -68,7 +68,7 @@ def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budge
         ratio = np.nan_to_num(np.minimum.reduce([r for _, r, _, _ in ratios]), nan=1.0)
         cv = pm.features[f"{fam}_cv"]
         with quiet_nan_warnings():
-            steadier = cv < np.nanmedian(cv, axis=0)  # the link that paces a ring is its steadiest
+            steadier = cv < nan_median(cv, axis=0)  # the link that paces a ring is its steadiest
         ratio = np.where(steadier, ratio, 1.0)
         excess = np.nan_to_num(transfer * (1 - ratio) * calls)
         loss = excess.sum(axis=1)
@@ -77,8 +77,7 @@ def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budge
                 continue
             j = int(np.argmax(excess[i]))
             feature, _, x, sc = min(ratios, key=lambda r: r[1][i, j])
-            with quiet_nan_warnings():
-                peer_cv = float(np.nanmedian(cv[:, j]))
+            peer_cv = float(nan_median(cv[:, j]))
             pattern = "steady"
             out[i] = row_signal(
                 pm, i, category="link_slow", function=pm.functions[j], metric=f"{fam}_{feature}",
@@ -165,13 +164,11 @@ def _paced_share(active_mean: F64, peak: F64) -> F64:
     A ring moves at its slowest member's pace: under one congested NIC the others send the same bytes at
     that pace, below what their links reach, so at their own pace the transfer takes this share less. On a
     healthy ring they run near their reach and the share is small."""
-    others = ~np.eye(active_mean.shape[0], dtype=bool)
-    out = np.zeros(active_mean.shape)
-    with quiet_nan_warnings(), np.errstate(invalid="ignore", divide="ignore"):
-        for h in range(active_mean.shape[0]):
-            used = np.nanmedian(active_mean[others[h]], axis=0) / np.nanmedian(peak[others[h]], axis=0)
-            out[h] = np.nan_to_num(np.clip(1.0 - used, 0.0, 1.0))
-    return out
+    hosts = active_mean.shape[0]
+    others = np.nonzero(~np.eye(hosts, dtype=bool))[1].reshape(hosts, max(hosts - 1, 0))  # each host's others
+    with np.errstate(invalid="ignore", divide="ignore"):  # every host at once: one sort, as np.nanmedian gives
+        used = nan_median(active_mean[others], axis=1) / nan_median(peak[others], axis=1)
+    return np.nan_to_num(np.clip(1.0 - used, 0.0, 1.0))
 
 
 _RINGS = tuple(f"nccl:{op}[" for op in RING_COLLECTIVES)

@@ -10,10 +10,10 @@ from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis import outliers
 from fleetscope.streams.analysis.differential import JobDifferential
-from fleetscope.streams.analysis.links import _median_by_group
+from fleetscope.streams.analysis.links import _median_by_group, _paced_share
 from fleetscope.streams.analysis.outliers import build_matrices, gather_matrices, score_iteration
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices
-from fleetscope.streams.analysis.stats import quiet_nan_warnings
+from fleetscope.streams.analysis.stats import nan_median, quiet_nan_warnings
 from fleetscope.streams.analysis.timeline import TIMELINE_FIELDS
 from fleetscope.streams.offline import OfflinePipeline
 
@@ -141,3 +141,38 @@ def test_group_medians_equal_numpy_nanmedian_per_group():
             for h in np.unique(group):
                 want[h] = np.nanmedian(x[group == h], axis=0)
         assert np.array_equal(_median_by_group(x, group, g), want, equal_nan=True)
+
+
+def _nan_data(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    x = rng.normal(size=shape) * 10.0 ** rng.integers(-3, 9)
+    x[rng.random(shape) < 0.3] = np.nan
+    x[rng.random(shape) < 0.05] = np.inf
+    return x
+
+
+def test_nan_median_equals_numpy_nanmedian_on_every_axis():
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        shape = tuple(int(n) for n in rng.integers(0, 7, int(rng.integers(1, 4))))
+        x = _nan_data(rng, shape)
+        for axis in range(x.ndim):
+            if x.shape[axis] == 0:
+                continue
+            with quiet_nan_warnings():
+                want = np.nanmedian(x, axis=axis)
+            assert np.array_equal(nan_median(x, axis=axis), want, equal_nan=True)
+
+
+def test_paced_share_equals_each_hosts_numpy_nanmedian_of_the_others():
+    """Every host at once (one sort) gives what a loop over hosts with ``np.nanmedian`` gave, bit for bit."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        hosts, columns = int(rng.integers(1, 9)), int(rng.integers(1, 6))
+        active, peak = _nan_data(rng, (hosts, columns)), np.abs(_nan_data(rng, (hosts, columns)))
+        want = np.zeros((hosts, columns))
+        others = ~np.eye(hosts, dtype=bool)
+        with quiet_nan_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+            for h in range(hosts):
+                used = np.nanmedian(active[others[h]], axis=0) / np.nanmedian(peak[others[h]], axis=0)
+                want[h] = np.nan_to_num(np.clip(1.0 - used, 0.0, 1.0))
+        assert np.array_equal(_paced_share(active, peak), want)
