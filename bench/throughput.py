@@ -115,6 +115,12 @@ GAINS: tuple[tuple[str, str, str], ...] = (
      "0.201/0.240/0.267; c/a before 0.465/0.352/0.400, after 0.392/0.404/0.423). At 300 functions (47 KB a "
      "record) it pays: bench/differential_worker, 256 ranks, a pool of 1, lone and batched in turns, 2 runs each: "
      "the worker's own CPU 361/317 -> 244/228 us a rank-iteration, one job 2,774/3,151 -> 4,091/4,382 a second"),
+    ("71199f9 24132ac", "(b) -1.4 % instructions; b/a not measurable at that load",
+     "link_stats: one search per signal, its three sums one 2-D reduceat; _gpu_times: bounds gathered once, the "
+     "running sum reused for the compute's CoveredTime (one callgrind pass of (b) after the same start-up: "
+     "4,108.6 M -> 4,067.1 M instructions, the pass 2,889 M, fastavro's (a) 7,017 M; (b)'s numpy decode 846 M, "
+     "windower adds 419 M, summaries 1,624 M, ~6 k instructions a numpy call; bench in turns at load 8-14 on 2 "
+     "cores: b/a 0.756 and 1.055 before, 0.720 and 1.019 after, rounds 0.68-1.25)"),
 )  # fmt: skip
 """The commits that moved the ratios (commit, figure, what), by hand: a change of speed adds its line."""
 
