@@ -144,21 +144,24 @@ def _gpu_times(gpu: _Intervals, comm: npt.NDArray[np.intp], lo: I64, width: list
     are shifted into disjoint time ranges (three per iteration, one per class), so no segment spans two
     classes or two iterations; each range's covered time is a difference of one cumulative sum."""
     m = lo.size
-    hi = lo + np.asarray(width, dtype=np.int64)
-    span = hi - lo + 1
-    base = (3 * span).cumsum() - 3 * span
-    edges = base[:, None] + np.arange(3) * span[:, None]
+    w = np.asarray(width, dtype=np.int64)
+    hi = lo + w
+    span = w + 1
+    span3 = 3 * span
+    base = span3.cumsum() - span3
+    edges = base[:, None] + _CLASSES * span[:, None]
     shift = edges - lo[:, None]
     # Each interval clipped to its iteration, shifted into its class's range and into its all range.
     it = gpu.it
-    s, e = clip(gpu.start, lo[it], hi[it]), clip(gpu.end, lo[it], hi[it])
+    lo_it, hi_it = lo[it], hi[it]
+    s, e = clip(gpu.start, lo_it, hi_it), clip(gpu.end, lo_it, hi_it)
     own, every = shift.ravel()[3 * it + comm], shift[it, 2]
     seg_s, seg_e = merge_intervals(np.concatenate((s + own, s + every)), np.concatenate((e + own, e + every)))
     cuts = np.empty(3 * m + 1, dtype=np.int64)  # every range's start, then the end of the last
     cuts[:-1] = edges.ravel()
-    cuts[-1] = base[-1] + 3 * span[-1]
+    cuts[-1] = base[-1] + span3[-1]
     at = seg_s.searchsorted(cuts)
-    covered = np.zeros(seg_s.size + 1, dtype=np.int64)
+    covered = np.zeros(seg_s.size + 1, dtype=np.int64)  # the time covered before each segment, and in all
     np.cumsum(seg_e - seg_s, out=covered[1:])
     per_class = (covered[at[1:]] - covered[at[:-1]]).reshape(m, 3)
     # The idle gaps of the all-intervals class: between its segments and to the range's two ends.
@@ -171,20 +174,17 @@ def _gpu_times(gpu: _Intervals, comm: npt.NDArray[np.intp], lo: I64, width: list
     prev_end[first[some]] = open_at[some]
     last_end = open_at.copy()
     last_end[some] = seg_e[stop[some] - 1]
-    max_gap = open_at + (hi - lo) - last_end
+    max_gap = open_at + w - last_end
     block = cuts[:-1].searchsorted(seg_s, side="right") - 1
     mine = block % 3 == 2
     np.maximum.at(max_gap, block[mine] // 3, seg_s[mine] - prev_end[mine])
     figures = np.empty((m, 4), dtype=np.int64)  # busy, compute, collective (classes all, compute, collective)
-    figures[:, 0], figures[:, 1], figures[:, 2], figures[:, 3] = (
-        per_class[:, 2],
-        per_class[:, 0],
-        per_class[:, 1],
-        max_gap,
-    )
-    return figures, CoveredTime.of(seg_s, seg_e, lo, hi, shift[:, 0])
+    figures[:, 0], figures[:, 1:3], figures[:, 3] = per_class[:, 2], per_class[:, :2], max_gap
+    return figures, CoveredTime.of(seg_s, seg_e, lo, hi, shift[:, 0], covered)
 
 
+_CLASSES = np.arange(3)
+"""The ranges of an iteration's GPU time in ``_gpu_times``: compute, collective, all."""
 _REL_BITS = 41
 """A launch wait's times are relative to its iteration's start, below 2**41 ns (36 min), so one int64 key
 (iteration, time) orders and prefix-maxes every iteration of a batch at once."""

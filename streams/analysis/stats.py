@@ -155,46 +155,48 @@ def link_stats(
     n_groups: int,
 ) -> LinkStats:
     """Join samples onto intervals [start, end] for several signals at once and pool them per group:
-    samples ``bounds[i]:bounds[i + 1]`` are signal i, each sorted by time.
+    samples ``bounds[i]:bounds[i + 1]`` are signal i, each sorted by time (integer times).
 
-    1. ``searchsorted`` gives each interval's samples as an index range, per signal;
-    2. one ``reduceat`` per sum (value, square, active value) over the interleaved range bounds sums
-       every range of every signal (its even entries; an empty range reads one element and is masked),
-       another takes the peaks; the active samples are counted by a difference of running counts;
+    1. one ``searchsorted`` per signal gives each interval's samples as an index range (times are integers, so
+       the samples right of ``end`` are those left of ``end + 1``: one search finds both ends);
+    2. one ``reduceat`` over the interleaved range bounds sums every range of every signal for all three sums
+       at once (value, square, active value: the rows of one array; its even entries; an empty range reads
+       one element and is masked), another takes the peaks; the active samples are counted by a difference
+       of running counts;
     3. one ``bincount`` pools the (signal, group) pairs.
     Sums run over each range's own samples, so a sample far from an interval cannot round it away.
     """
     k, m = len(bounds) - 1, start.size
-    ranges = np.empty(2 * k * m, dtype=np.intp)  # each interval's range, interleaved: lo, hi, lo, hi, ...
+    query = np.empty(2 * m, dtype=np.int64)  # each interval's bounds, interleaved: lo, hi, lo, hi, ...
+    query[0::2] = start
+    np.add(end, 1, out=query[1::2])
+    per_signal = np.empty((k, 2 * m), dtype=np.intp)
     for i, (a, b) in enumerate(itertools.pairwise(bounds)):
-        ts, mine = t[a:b], ranges[2 * i * m : 2 * (i + 1) * m]
-        mine[0::2] = ts.searchsorted(start, side="left")
-        mine[1::2] = ts.searchsorted(end, side="right")
-        if a:
-            mine += a
+        np.add(t[a:b].searchsorted(query), a, out=per_signal[i])
+    ranges = per_signal.reshape(-1)
     lo, hi = ranges[0::2], ranges[1::2]
-    # The signals' samples as they lie, plus a last element, so a range may end at the last sample.
-    v = np.empty(t.size + 1)
-    v[:-1] = value
-    v[-1] = 0.0
+    # The summed rows (value, square, value where active) as the samples lie, plus a last element, so a
+    # range may end at the last sample.
+    x = np.zeros((3, t.size + 1))
+    x[0, :-1] = value
+    np.multiply(value, value, out=x[1, :-1])
+    np.copyto(x[2, :-1], value, where=active)
     some = hi > lo
-    sums = np.zeros((5, k * m))
+    sums = np.zeros((5, k * m))  # sum, sum of squares, active sum, active count, count
     peak_each = np.full(k * m, -np.inf)  # an empty range's peak: none (fmax below also passes NaN by)
     if ranges.size:
-        on_value = np.zeros(t.size + 1)
-        np.copyto(on_value[:-1], value, where=active)
-        for row, x in ((0, v), (1, v * v), (3, on_value)):
-            np.copyto(sums[row], np.add.reduceat(x, ranges)[0::2], where=some)
+        np.copyto(sums[:3], np.add.reduceat(x, ranges, axis=1)[:, 0::2], where=some)
+        v = x[0]
         v[-1] = -np.inf
         np.copyto(peak_each, np.maximum.reduceat(v, ranges)[0::2], where=some)
     on = np.zeros(t.size + 1, dtype=np.int64)  # active samples counted exactly: a difference of counts
     np.cumsum(active, out=on[1:])
-    np.subtract(on[hi], on[lo], out=sums[2], casting="unsafe")
+    np.subtract(on[hi], on[lo], out=sums[3], casting="unsafe")
     np.subtract(hi, lo, out=sums[4], casting="unsafe")
     size = k * n_groups
     pair = np.asarray(group, dtype=np.int64) + (np.arange(5 * k) * n_groups)[:, None]
     pooled = np.bincount(pair.ravel(), weights=sums.ravel(), minlength=5 * size).reshape(5, size)
-    s, ss, n_on, s_on = pooled[0], pooled[1], pooled[2].astype(np.int64), pooled[3]
+    s, ss, s_on, n_on = pooled[0], pooled[1], pooled[2], pooled[3].astype(np.int64)
     count = pooled[4].astype(np.int64)
     peak = np.full(size, -np.inf)
     np.fmax.at(peak, pair[:k].ravel(), peak_each)  # a range whose peak is NaN adds nothing

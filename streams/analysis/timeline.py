@@ -247,6 +247,7 @@ def build_timelines(
 
 _BEFORE_ALL = np.array([np.iinfo(np.int64).min])
 """The empty segment a union starts with, so that every time has a segment at or before it."""
+_NONE_BEFORE = np.zeros(1, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,11 +265,13 @@ class CoveredTime:
     """Per iteration: its bounds and what takes its times into its range."""
 
     @classmethod
-    def of(cls, start: I64, end: I64, lo: I64, hi: I64, shift: I64) -> CoveredTime:
-        """From the segments; an empty one before them all, so every time has a segment at or before it."""
-        before = np.zeros(start.size + 1, dtype=np.int64)
-        np.cumsum(end - start, out=before[1:])
-        before[1:] -= end - start
+    def of(cls, start: I64, end: I64, lo: I64, hi: I64, shift: I64, covered: I64 | None = None) -> CoveredTime:
+        """From the segments; an empty one before them all, so every time has a segment at or before it.
+        ``covered``: the segments' running length from 0 (one more entry), where the caller has it."""
+        if covered is None:
+            covered = np.zeros(start.size + 1, dtype=np.int64)
+            np.cumsum(end - start, out=covered[1:])
+        before = np.concatenate((_NONE_BEFORE, covered[:-1]))
         return cls(np.concatenate((_BEFORE_ALL, start)), np.concatenate((_BEFORE_ALL, end)), before, lo, hi, shift)
 
     def since_start(self, t: I64, it: npt.NDArray[np.integer]) -> I64:
