@@ -203,8 +203,8 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
         ),
         Category.STRAGGLER: CategoryInfo(
             category=Category.STRAGGLER,
-            meaning="The rank arrives last at its collectives, so its peers wait for it, and nothing measured on "
-            "it (kernels, host functions, links) says why.",
+            meaning="The rank's peers wait for it at their collectives, and fixing its own work would save that "
+            "time (whoever arrives last), while nothing measured on it (kernels, host functions, links) says why.",
             phrase="arrives last at the collectives ({value} late at {function})",
             cause=False,
             job_level=False,
