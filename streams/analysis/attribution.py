@@ -11,8 +11,7 @@ stage's), or its transfers (its rings, its host's NIC). Then:
    of its own, saves nothing, and is no culprit, however long it waited; a straggler, whose lateness is all
    its evidence, is one only where its saving at its peers' level is half its lateness
    (``VICTIM_WAIT_SHARE``): the rest it waited, and the rank whose own fix saves the most is the straggler
-   instead (``_waited_for``); a host
-   signal is credited by its rank's own work only (no stage's compute);
+   instead (``_waited_for``);
 2. its ``loss_ns`` becomes its cause's price in this iteration: the replayed saving, fixed alone and no more
    than beyond the top cause (a finding's ``est_loss_ns`` is its mean over the flagged iterations). While
    another cause holds the iteration (a one-off glitch elsewhere), fixing this one saves nothing now,
@@ -23,10 +22,15 @@ stage's), or its transfers (its rings, its host's NIC). Then:
    that rank's.
 A signal the what-if cannot price by a peer claims its own excess (``claims``, ``claims_of``): a rank with no
 peer of its role (nothing to bring it to), a ring with no like ring (the same op and bytes in another
-process group, ``whatif.compared_rings``: a flat job's one ring), and a rank's link samples
-(``links.LINK_SAMPLE_METRICS``), which its rings' pace shows only where like rings set one. Its loss is its
-excess replayed: what the iteration saves without it, not the excess itself (a slow all-reduce that the
-backward overlaps costs only what sticks out of it), held to the same test. A ring's pace against other
+process group, ``whatif.compared_rings``: a flat job's one ring), a rank's link samples
+(``links.LINK_SAMPLE_METRICS``), which its rings' pace shows only where like rings set one, and a category
+whose evidence is one part of its rank's work (``CategoryInfo.claims_its_excess``: a host function). Its loss
+is its excess replayed: what the iteration saves without it, not the excess itself (a slow all-reduce that
+the backward overlaps costs only what sticks out of it; an annotation that lasted while its rank waited in a
+collective saves nothing). That saving replaces its loss, so it must reach the budget a detector's loss
+must, and stand out from the noise of its own savings: its excess was judged against its own step-to-step
+noise already, and the job's iteration noise is its ranks' whole work varying, which a part of it need not
+outgrow. A ring's pace against other
 rings' is always the what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to.
 Job-level signals (regression, hang) and iterations without timelines pass unchanged.
 """
@@ -63,6 +67,8 @@ CREDITED_BY: Mapping[str, str] = {
 }
 """What credits each category's signal (``CategoryInfo.credited_by``); a category not listed is not priced by
 the replay (job-level)."""
+CLAIMING = frozenset(c.value for c, i in REGISTRY.items() if i.claims_its_excess)
+"""Categories always priced by their own excess (``CategoryInfo.claims_its_excess``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,25 +110,28 @@ class Credits:
 
 
 def claims(sig: RankSignal, priced: Priced) -> bool:
-    """Whether a signal is priced by its own claim (``claims_of``) rather than by a peer's level: its ranks have
-    no peer to bring them to, or it is a link's samples (a link the timeline cannot see: its rings' pace may
-    stand out from no like ring's while it slows them). A ring's pace is always the peers' to judge."""
+    """Whether a signal is priced by its own claim (``claims_of``) rather than by a peer's level: its category
+    claims its excess (``CLAIMING``), its ranks have no peer to bring them to, or it is a link's samples (a
+    link the timeline cannot see: its rings' pace may stand out from no like ring's while it slows them). A
+    ring's pace is always the peers' to judge."""
     what = CREDITED_BY.get(sig.category)
     if what is None or sig.metric == RING_PACE_METRIC:
         return False
-    return sig.metric in LINK_SAMPLE_METRICS or not set(sig.member_ranks()) <= priced.of(what)
+    claimed = sig.category in CLAIMING or sig.metric in LINK_SAMPLE_METRICS
+    return claimed or not set(sig.member_ranks()) <= priced.of(what)
 
 
 def claims_of(signals: Sequence[RankSignal], priced: Priced) -> list[Claim]:
-    """The excess each signal priced by its own claim (``claims``) claims (its loss), one per what and ranks
-    (the largest), for ``whatif.what_if`` to replay."""
+    """The excess each signal priced by its own claim (``claims``) claims (its excess as found, before the
+    lateness bound of ``timelost``), one per what and ranks (the largest), for ``whatif.what_if`` to replay."""
     out: dict[tuple[str, tuple[int, ...]], float] = {}
     for sig in signals:
         what = CREDITED_BY.get(sig.category, "")
         ranks = tuple(sorted(sig.member_ranks()))
         if not claims(sig, priced):
             continue
-        out[(what, ranks)] = max(out.get((what, ranks), 0.0), sig.loss_ns)
+        excess = float(sig.evidence.get("excess_ns", sig.loss_ns))  # before any bound: the replay prices it
+        out[(what, ranks)] = max(out.get((what, ranks), 0.0), excess)
     return [Claim(Credit(what), ranks, excess) for (what, ranks), excess in out.items()]
 
 
@@ -171,6 +180,15 @@ class SavingHistory:
         oldest = self._iterations[0]
         for key in [k for k, q in self._entries.items() if q[-1][0] < oldest]:
             del self._entries[key]
+
+    def noise(self, key: tuple[str, Any]) -> float:
+        """The credit's own noise over the window's iterations (``iteration_noise_ns``; without it: 0)."""
+        q = self._entries.get(key)
+        if not q or not self._iterations:
+            return 0.0
+        oldest = self._iterations[0]
+        seen = {i: v for i, v in q if i >= oldest}
+        return iteration_noise_ns([seen.get(i, 0.0) for i in self._iterations])
 
     def mean(self, key: tuple[str, Any]) -> float:
         """The credit's mean over the window's iterations (an iteration without it: 0)."""
@@ -231,8 +249,11 @@ def attribute(
         if found is None:  # claimed, not replayed: its own evidence
             out.append(sig)
             continue
-        now, recent = found
+        now, recent, noise = found
         by_peers = not claims(sig, priced)  # a claim is its ranks' own excess: no stage explains it
+        # a claim's saving replaces its loss: it must reach the budget a detector's loss must, against its own
+        # noise; a credit corroborates a detector's loss, against the job's
+        noise, least = (noise_ns, floor) if by_peers else (noise, budget_ns)
         if by_peers and sig.category == Category.STAGE_IMBALANCE:
             stage = int(sig.evidence.get("stage", -1))
             now = credits.stage.get(stage, (0.0, ()))[0]
@@ -247,7 +268,7 @@ def attribute(
                 named_stages.add(stage)
                 continue
         late = by_peers and sig.category == Category.STRAGGLER  # a claim cuts its lateness from its own work
-        if not stands_out(now, recent, floor, noise_ns, cfg.window) or (late and now < VICTIM_WAIT_SHARE * sig.loss_ns):
+        if not stands_out(now, recent, least, noise, cfg.window) or (late and now < VICTIM_WAIT_SHARE * sig.loss_ns):
             victims += [sig] if late else []  # its lateness is all its evidence: its own fix saves little of it
             continue
         price = now  # a claim's and a stage's saving is their price; a rank's is its causes' price
@@ -265,22 +286,22 @@ def attribute(
 
 def _saving(
     sig: RankSignal, what: str, credits: Credits, history: SavingHistory, priced: Priced
-) -> tuple[float, float] | None:
-    """What fixing the signal's subject saves in this iteration, and on average over the window: its claim's
-    replayed saving (``claims``; None where it was not replayed), else its ranks' credit (a host signal's
-    from its rank's own work alone, never its stage's compute: a host's work is its rank's own)."""
+) -> tuple[float, float, float] | None:
+    """What fixing the signal's subject saves in this iteration, on average over the window, and the noise of
+    that saving over the window: its claim's replayed saving (``claims``; None where it was not replayed),
+    else its ranks' credit (its noise: 0 here, the job's is the caller's)."""
     members = sig.member_ranks()
     if claims(sig, priced):
         key = (what, tuple(sorted(members)))
         if key not in credits.claimed:
             return None
-        now, recent = credits.claimed[key], history.mean((f"claim:{what}", key[1]))
+        past = (f"claim:{what}", key[1])
+        now, recent = credits.claimed[key], history.mean(past)
         if sig.metric in LINK_SAMPLE_METRICS:  # its rings' pace against like rings' too, where they have any
             now = max(now, max(credits.rank.get((what, r), 0.0) for r in members))
-        return now, recent
-    by = "own" if sig.category == Category.HOST_SLOW else what
-    source = credits.own if by == "own" else {r: credits.rank.get((what, r), 0.0) for r in members}
-    return max(source.get(r, 0.0) for r in members), max(history.mean((by, r)) for r in members)
+        return now, recent, history.noise(past)
+    now = max(credits.rank.get((what, r), 0.0) for r in members)
+    return now, max(history.mean((what, r)) for r in members), 0.0
 
 
 def _waited_for(

@@ -89,7 +89,7 @@ def test_rings_of_stages_moving_different_bytes_are_not_slow_and_a_slow_ring_amo
 
 def test_a_signal_the_replay_cannot_price_keeps_its_own_evidence_and_loss() -> None:
     """A rank without a peer of its role has no level to be brought to: the detector's word stands."""
-    sig = _signal(Category.HOST_SLOW, 3, loss_ns=7e6)
+    sig = _signal(Category.GPU_SLOW, 3, loss_ns=7e6)
     history = SavingHistory(8)
     credits = credits_of([])
     history.observe(0, credits)
@@ -156,7 +156,7 @@ def test_a_links_samples_claim_the_transfer_it_would_save_at_its_peers_pace_also
         assert [s.loss_ns for s in kept] == ([1e6] if saving else [])
 
 
-_CAUSE_OF = {Category.GPU_SLOW: "rank_compute", Category.STRAGGLER: "rank_compute", Category.HOST_SLOW: "rank_host",
+_CAUSE_OF = {Category.GPU_SLOW: "rank_compute", Category.STRAGGLER: "rank_compute", Category.HOST_SLOW: "claimed_work",
              Category.LINK_SLOW: "group_transfer", Category.STAGE_IMBALANCE: "stage_compute"}  # fmt: skip
 """The what-if cause that credits a signal of each priced category (``CREDITED_BY``)."""
 
@@ -223,12 +223,14 @@ def test_the_lateness_of_a_late_ranks_victim_names_the_late_rank_and_a_healthy_j
 def test_a_victims_straggler_and_a_host_signal_its_stage_credits_are_dropped_the_culprits_kept() -> None:
     """The judge's arithmetic on one iteration's causes (sim dp x tp and tg dp x tp x pp cases of the quality
     bench): rank 16 late by 25 ms whose own fix saves 3.5 ms mostly waited; a late starter saving 5.6 ms of
-    5.6 ms late is the straggler; a host signal on rank 11 credited only by its stage's 0.1 ms is dropped, its
-    rank's own 2 ms host work keeps rank 10's; a stage saving 0.4 ms of a 0.77 ms budget names no stage."""
+    5.6 ms late is the straggler; a host signal on rank 11 whose claim saves 0.1 ms (its stage's compute saves
+    as little) is dropped, rank 10's claim saving 2 ms keeps its; a stage saving 0.4 ms of a 0.77 ms budget
+    names no stage."""
     causes = [
         Cause("rank_compute", (16,), "", -1, 5e6, 3.5e6, 3.5e6),
         Cause("rank_compute", (1,), "", -1, 5.6e6, 5.6e6, 5.6e6),
-        Cause("rank_host", (10,), "", -1, 2e6, 2e6, 2e6),
+        Cause("claimed_work", (10,), "", -1, 3.8e6, 2e6, 2e6),
+        Cause("claimed_work", (11,), "", -1, 3.8e6, 1e5, 1e5),
         Cause("stage_compute", (10, 11), "", 1, 1e5, 1e5, 1e5),
         Cause("stage_compute", (12, 13), "", 2, 4e5, 4e5, 4e5),
     ]
@@ -253,13 +255,13 @@ def test_a_victims_straggler_and_a_host_signal_its_stage_credits_are_dropped_the
 
 
 def test_a_signal_is_priced_at_what_its_cause_saves_alone_and_no_more_than_beyond_the_top() -> None:
-    """Rank 3 host-slow. In an iteration that a one-off glitch on rank 7 holds (the top, 3 ms), fixing rank 3
+    """Rank 3 gpu-slow. In an iteration that a one-off glitch on rank 7 holds (the top, 3 ms), fixing rank 3
     saves nothing now, though 2 ms beyond the glitch: it is still named (its saving beyond the top), at 0. Its
     stage, which holds rank 7, saves 7 ms alone but 1.4 ms beyond the glitch: 1.4 ms is the price it gives.
     Where rank 3 is the top, its saving; a healthy iteration (no cause) drops the signal."""
-    sig, priced = _signal(Category.HOST_SLOW, 3), Priced(work=frozenset(range(8)))
+    sig, priced = _signal(Category.GPU_SLOW, 3), Priced(work=frozenset(range(8)))
     glitch = Cause("rank_host", (7,), "", -1, 3e6, 3e6, 3e6)
-    mine = Cause("rank_host", (3,), "", -1, 2.5e6, 0.0, 2e6)
+    mine = Cause("rank_compute", (3,), "", -1, 2.5e6, 0.0, 2e6)
     stage = Cause("stage_compute", tuple(range(8)), "", 0, 9e6, 7e6, 1.4e6)
 
     def judged(causes: list[Cause]) -> list[RankSignal]:
@@ -271,6 +273,35 @@ def test_a_signal_is_priced_at_what_its_cause_saves_alone_and_no_more_than_beyon
     assert kept.loss_ns == 0.0
     (kept,) = judged([glitch, mine, stage])
     assert kept.loss_ns == pytest.approx(1.4e6)
-    (kept,) = judged([Cause("rank_host", (3,), "", -1, 2.5e6, 2e6, 2e6)])
+    (kept,) = judged([Cause("rank_compute", (3,), "", -1, 2.5e6, 2e6, 2e6)])
     assert kept.loss_ns == pytest.approx(2e6)
     assert judged([]) == []
+
+
+def test_a_host_functions_claim_stands_out_from_its_own_savings_noise_not_the_jobs_whole_work() -> None:
+    """Micro-batches of random lengths make the job's steps vary by 200 ms (its noise); rank 2's data loader
+    stalls 30 ms a step (``claims_its_excess``: its claim, not its rank's whole work, prices it), saving 30 ms
+    in two steps of three, the third on another rank's longer batch: it stands out from its own savings and
+    the finding opens, where the job's noise would hide it. A ``## backward ##`` annotation 11 ms longer on a
+    rank that waited inside it for its tensor-parallel partner saves 0.04 ms replayed: less than the budget a
+    detector's loss must reach, it is dropped, though over the budget's floor and its own noise."""
+    assert REGISTRY[Category.HOST_SLOW].claims_its_excess and not REGISTRY[Category.GPU_SLOW].claims_its_excess
+    noise, budget = 200e6, 12e6
+    sig = _signal(Category.HOST_SLOW, 2, 30e6, function="dataloader.next", evidence={"excess_ns": 30e6})
+    priced = Priced(work=frozenset(range(4)))
+    assert [(c.ranks, c.excess_ns) for c in claims_of([replace(sig, loss_ns=0.0)], priced)] == [((2,), 30e6)]
+    history, tracker, opened = SavingHistory(AttributionConfig().window), FindingTracker("job"), []
+    for it in range(12):
+        saving = 0.0 if it % 3 == 2 else 30e6
+        credits = credits_of([Cause("claimed_work", (2,), "", -1, 30e6, saving, saving),
+                              Cause("rank_compute", (it % 4,), "", -1, 400e6, 400e6, 400e6)])  # fmt: skip
+        history.observe(it, credits)
+        kept = attribute([sig], credits, history, budget, priced, None, noise)
+        opened += [it for u in tracker.observe(it, kept) if u["status"] == "open"]
+    assert opened and opened[0] <= 6
+    echo = _signal(Category.HOST_SLOW, 6, 11e6, function="## backward ##", evidence={"excess_ns": 11e6})
+    history = SavingHistory(AttributionConfig().window)
+    for it in range(8):
+        credits = credits_of([Cause("claimed_work", (6,), "", -1, 11e6, 4e4, 4e4 + 1e4 * (it % 2))])
+        history.observe(it, credits)
+        assert attribute([echo], credits, history, 0.27e6, priced, None, 4e4) == []
