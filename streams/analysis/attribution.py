@@ -27,11 +27,12 @@ process group, ``whatif.compared_rings``: a flat job's one ring), a rank's link 
 whose evidence is one part of its rank's work (``CategoryInfo.claims_its_excess``: a host function). Its loss
 is its excess replayed: what the iteration saves without it, not the excess itself (a slow all-reduce that
 the backward overlaps costs only what sticks out of it; an annotation that lasted while its rank waited in a
-collective saves nothing). That saving replaces its loss, so it must reach the budget a detector's loss
-must, and stand out from the noise of its own savings: its excess was judged against its own step-to-step
-noise already, and the job's iteration noise is its ranks' whole work varying, which a part of it need not
-outgrow. A ring's pace against other
-rings' is always the what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to.
+collective saves nothing), held to the same test. A part of its rank's work (``CLAIMING``) stands out from
+the noise of its own savings, not the job's (its excess was judged against its own step-to-step noise
+already, and the job's iteration noise is its ranks' whole work varying, which a part of it need not
+outgrow); its loss is its lateness (``timelost.bound_by_lateness``), and like a straggler's, where its fix
+saves less than half of it (``VICTIM_WAIT_SHARE``), it waited. A ring's pace against other rings' is always
+the what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to.
 Job-level signals (regression, hang) and iterations without timelines pass unchanged.
 """
 
@@ -251,9 +252,8 @@ def attribute(
             continue
         now, recent, noise = found
         by_peers = not claims(sig, priced)  # a claim is its ranks' own excess: no stage explains it
-        # a claim's saving replaces its loss: it must reach the budget a detector's loss must, against its own
-        # noise; a credit corroborates a detector's loss, against the job's
-        noise, least = (noise_ns, floor) if by_peers else (noise, budget_ns)
+        part = sig.category in CLAIMING  # a part of its rank's work: against its own savings' noise
+        noise = noise if part else noise_ns
         if by_peers and sig.category == Category.STAGE_IMBALANCE:
             stage = int(sig.evidence.get("stage", -1))
             now = credits.stage.get(stage, (0.0, ()))[0]
@@ -268,7 +268,8 @@ def attribute(
                 named_stages.add(stage)
                 continue
         late = by_peers and sig.category == Category.STRAGGLER  # a claim cuts its lateness from its own work
-        if not stands_out(now, recent, least, noise, cfg.window) or (late and now < VICTIM_WAIT_SHARE * sig.loss_ns):
+        waited = late or part  # its loss is its lateness: where its fix saves less than half of it, it waited
+        if not stands_out(now, recent, floor, noise, cfg.window) or (waited and now < VICTIM_WAIT_SHARE * sig.loss_ns):
             victims += [sig] if late else []  # its lateness is all its evidence: its own fix saves little of it
             continue
         price = now  # a claim's and a stage's saving is their price; a rank's is its causes' price

@@ -283,8 +283,8 @@ def test_a_host_functions_claim_stands_out_from_its_own_savings_noise_not_the_jo
     stalls 30 ms a step (``claims_its_excess``: its claim, not its rank's whole work, prices it), saving 30 ms
     in two steps of three, the third on another rank's longer batch: it stands out from its own savings and
     the finding opens, where the job's noise would hide it. A ``## backward ##`` annotation 11 ms longer on a
-    rank that waited inside it for its tensor-parallel partner saves 0.04 ms replayed: less than the budget a
-    detector's loss must reach, it is dropped, though over the budget's floor and its own noise."""
+    rank that waited inside it for its tensor-parallel partner (late by as much) saves 0.04 ms replayed: less
+    than half its lateness, it waited, and is dropped, though over the budget's floor and its own noise."""
     assert REGISTRY[Category.HOST_SLOW].claims_its_excess and not REGISTRY[Category.GPU_SLOW].claims_its_excess
     noise, budget = 200e6, 12e6
     sig = _signal(Category.HOST_SLOW, 2, 30e6, function="dataloader.next", evidence={"excess_ns": 30e6})
