@@ -82,6 +82,10 @@ class CategoryInfo:
     """About the job as a whole, not some of its ranks: opens without the rank persistence rule."""
     noise: Noise
     credited_by: Credit
+    claims_its_excess: bool
+    """Priced by its own excess replayed (``attribution.claims``), not by its rank brought to its peers' level:
+    its evidence is one part of its rank's work (a host function), whose saving the rank's whole work, varying
+    by step, would drown."""
     bounded_by_lateness: bool
     """Its time lost is at most the rank's arrival lateness: its peers gain only what they wait for it (a slow
     link paces every member instead, a straggler's loss is its lateness already)."""
@@ -104,6 +108,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             job_level=False,
             noise=Noise.STAGE_COMPUTE,
             credited_by=Credit.WORK,
+            claims_its_excess=False,
             bounded_by_lateness=True,
             profiler_blind=False,
             color="#d62728",
@@ -140,6 +145,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             job_level=False,
             noise=Noise.NONE,
             credited_by=Credit.TRANSFER,
+            claims_its_excess=False,
             bounded_by_lateness=False,
             profiler_blind=False,
             color="#9467bd",
@@ -180,6 +186,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             job_level=False,
             noise=Noise.JOB,
             credited_by=Credit.WORK,
+            claims_its_excess=True,
             bounded_by_lateness=True,
             profiler_blind=True,
             color="#ff7f0e",
@@ -203,13 +210,14 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
         ),
         Category.STRAGGLER: CategoryInfo(
             category=Category.STRAGGLER,
-            meaning="The rank arrives last at its collectives, so its peers wait for it, and nothing measured on "
-            "it (kernels, host functions, links) says why.",
+            meaning="The rank's peers wait for it at their collectives, and fixing its own work would save that "
+            "time (whoever arrives last), while nothing measured on it (kernels, host functions, links) says why.",
             phrase="arrives last at the collectives ({value} late at {function})",
             cause=False,
             job_level=False,
             noise=Noise.JOB,
             credited_by=Credit.WORK,
+            claims_its_excess=False,
             bounded_by_lateness=False,
             profiler_blind=True,
             color="#8c564b",
@@ -236,6 +244,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             job_level=False,
             noise=Noise.NONE,
             credited_by=Credit.WORK,
+            claims_its_excess=False,
             bounded_by_lateness=False,
             profiler_blind=False,
             color="#17becf",
@@ -261,6 +270,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             job_level=True,
             noise=Noise.HISTORY,
             credited_by=Credit.NONE,
+            claims_its_excess=False,
             bounded_by_lateness=False,
             profiler_blind=False,
             color="#1f77b4",
@@ -289,6 +299,7 @@ REGISTRY: Mapping[Category, CategoryInfo] = MappingProxyType(
             job_level=True,
             noise=Noise.NONE,
             credited_by=Credit.NONE,
+            claims_its_excess=False,
             bounded_by_lateness=False,
             profiler_blind=False,
             color="#111111",

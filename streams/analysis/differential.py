@@ -13,11 +13,13 @@ from fleetscope.schemas import Category, FunctionKind, categories
 from fleetscope.schemas.vocabulary import ITERATION_LESS_CPU_WAIT, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.attribution import (
     CREDITED_BY,
+    Credits,
     Priced,
     SavingHistory,
     attribute,
     claims_of,
     credits_of,
+    iteration_noise_ns,
     priced_ranks,
 )
 from fleetscope.streams.analysis.findings import FindingTracker
@@ -329,10 +331,16 @@ class JobDifferential:
         budget = self.config.scoring.min_loss_fraction * iteration_ns
         signals = self._noise.keep(signals, budget)
         hosts = scored.hosts
+        self._hosts.update(hosts)
         persistent: list[RankSignal] = []
         if not disturbed:  # a rank whose host's cores others take: its median wait over 8 iterations
             persistent = self._noise.contended(budget, hosts, {s.rank for s in signals if s.category != "straggler"})
             signals = _late_for_a_cause(signals, persistent) + persistent
+        credits = None
+        if scored.priced is not None:  # the signals judged from history too: priced by the replay
+            credits = credits_of(scored.causes)
+            self._savings.observe(it, credits)
+            signals = self._judged(signals, credits, budget, scored.priced)
         if not disturbed and not signals and self.tracker.open_findings() == self._judged_late_open():
             # no other rank's finding explains a late one (its victims); a straggler found so before (or a rank
             # late by its launch waits or compute, JobNoise._own_cause) is judged again, so that it stays open
@@ -340,7 +348,7 @@ class JobDifferential:
             # collective pairs in any layout.
             gap = self.config.scoring.min_relative_gap
             persistent = self._noise.stragglers(signals, budget, hosts, set(), gap, same_work=scored.same_work)
-            signals += persistent
+            signals += self._judged(persistent, credits, budget, scored.priced)
         self._iteration_ns.append(iteration_ns)
         times = scored.times
         regression = self._regression.observe(
@@ -360,12 +368,8 @@ class JobDifferential:
                 signals.append(regression)
             else:  # the step test is its own persistence: open now, not after 3 more flagged iterations
                 late_open = [regression]
-        if scored.priced is not None:  # the signals judged from history too: priced by the replay
-            credits = credits_of(scored.causes)
-            self._savings.observe(it, credits)
-            signals = attribute(signals, credits, self._savings, budget, scored.priced, self.config.attribution)
-            kept = {s.key() for s in persistent}
-            persistent = [s for s in signals if s.key() in kept]
+        kept = {s.key() for s in persistent}
+        persistent = [s for s in signals if s.key() in kept]
         out = self.tracker.observe(it, signals, blind)
         for sig in persistent:  # over 8 iterations (mostly last, or waiting for a CPU) is its own persistence
             if not self.tracker.is_open(sig.key()):
@@ -374,6 +378,18 @@ class JobDifferential:
             for sig in late_open:
                 out += self.tracker.emit_now(sig, it)
         return out + self._missing_ranks(it, hosts)
+
+    def _judged(
+        self, signals: list[RankSignal], credits: Credits | None, budget_ns: float, priced: Priced | None
+    ) -> list[RankSignal]:
+        """The signals the replay bears out (``attribution.attribute``), before the stragglers are judged: a
+        victim's signal, dropped, leaves the late rank it waited for to be found."""
+        if credits is None or priced is None:
+            return signals
+        noise = iteration_noise_ns(self._iteration_ns)
+        return attribute(
+            signals, credits, self._savings, budget_ns, priced, self.config.attribution, noise, self._hosts
+        )
 
     def _judged_late_open(self) -> int:
         """Open findings that ``JobNoise.stragglers`` keeps open: stragglers, and the ranks it found late by their

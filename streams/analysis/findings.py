@@ -136,10 +136,6 @@ class FindingTracker:
         tr = self._tracks.get(key)
         return tr is not None and bool(tr.finding_id)
 
-    def open_ranks(self) -> set[int]:
-        """Ranks an open finding names."""
-        return {r for tr in self._tracks.values() if tr.finding_id and tr.best for r in tr.best.member_ranks()}
-
     def open_findings(self, category: str | None = None, function: str | None = None) -> int:
         """How many findings are open (of ``category``, and on ``function``, when given)."""
         return sum(

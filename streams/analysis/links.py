@@ -34,6 +34,9 @@ that collective over this link (e.g. p2p inside a host never touches PCIe): it i
 
 RING_PACE_METRIC = "transfer_ns"
 """A group's transfer time against like groups' (``score_transfers``): a claim about its ring's pace."""
+LINK_SAMPLE_METRICS = tuple(f"{fam}_peak_bps" for fam in LINK_FAMILIES)
+"""A rank's link against its peers' from its samples (``_slow_links``): its loss is the transfer time its rings
+would save at the peers' pace, which the replay sees only where its rings' pace stands out from like rings'."""
 
 
 def _slow_links(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float) -> dict[int, RankSignal]:
@@ -371,37 +374,6 @@ def _slower_than_the_fastest(
     typical = np.maximum(rate * size, fastest)
     z = (per_byte - rate) / (cfg.rel_scale_floor * rate)
     return flag, typical, z
-
-
-def placement_costs(pm: PeerMatrix, groups: RingGroups | None) -> dict[int, float]:
-    """Per rank, the time per iteration its rings lose by their placement: a group on more hosts than the
-    fewest its equivalent groups are on crosses the slower links between hosts (a tensor-parallel group
-    split over two hosts), so its transfer takes longer than theirs every step, by the layout and not by a
-    fault. Its excess over their typical transfer, times its calls, summed over the rank's groups; none
-    without at least two equivalent groups on the fewest hosts to compare with."""
-    if groups is None:
-        return {}
-    classes: dict[tuple[Any, ...], list[int]] = {}
-    for g, shape in enumerate(groups.shape):
-        if shape[1] >= 2:
-            classes.setdefault(shape, []).append(g)
-    out: dict[int, float] = {}
-    for members in classes.values():
-        on_fewest = groups.hosts[members] == groups.hosts[members].min()
-        fewest = [g for g, low in zip(members, on_fewest.tolist(), strict=True) if low]
-        spread = [g for g, low in zip(members, on_fewest.tolist(), strict=True) if not low]
-        if not spread or len(fewest) < 2:
-            continue
-        peers = groups.transfer[fewest]
-        rate = _per_byte(peers, groups.size[fewest])
-        if rate is None:
-            continue
-        typical = _typical(groups.size[spread], float(np.median(rate)), peers)
-        excess = np.maximum(groups.transfer[spread] - typical, 0.0) * groups.calls[spread]
-        for g, extra in zip(spread, excess.tolist(), strict=True):
-            for r in groups.members[g].tolist():
-                out[int(pm.ranks[r])] = out.get(int(pm.ranks[r]), 0.0) + extra
-    return out
 
 
 def _one_rank(groups: list[RankSignal], pm: PeerMatrix) -> list[RankSignal]:

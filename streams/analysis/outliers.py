@@ -21,23 +21,12 @@ from fleetscope.schemas import FunctionKind
 from fleetscope.streams.analysis.links import (
     LINK_FAMILIES,
     _slow_links,
-    placement_costs,
     ring_groups,
     score_hosts,
     score_transfers,
 )
-from fleetscope.streams.analysis.patterns import collective_class
 from fleetscope.streams.analysis.peermatrix import FunctionIndex, PeerMatrices, PeerMatrix
-from fleetscope.streams.analysis.roles import (
-    LATE_IN_ONE_CALL,
-    MEASURED_WAITS,
-    VICTIM_WAIT_SHARE,
-    absent_as_zero,
-    explain_victims,
-    late_by_compute,
-    peer_group_rows,
-    role_codes,
-)
+from fleetscope.streams.analysis.roles import absent_as_zero, late_by_compute, peer_group_rows, role_codes
 from fleetscope.streams.analysis.shards import Columns, ShardColumns, assemble, first_keys, split_records
 from fleetscope.streams.analysis.signals import (
     OutlierScorer,
@@ -217,28 +206,25 @@ def _host_share(pm: PeerMatrix, role: I64 | None) -> tuple[F64, float]:
 
 def _late_arrivals(
     pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer, budget: float
-) -> tuple[dict[int, RankSignal], F64, F64]:
+) -> tuple[dict[int, RankSignal], F64]:
     """Ranks that arrive last at collectives: they wait least, so their collectives are the shortest;
-    every rank's arrival lateness (largest over its collectives, NaN where none is compared); and the
-    time each rank waited longer than its peers in collectives (a rank held up by a slow partner,
-    tensor-parallel or pipeline, waits there first: ``roles.explain_victims`` reads it).
+    and every rank's arrival lateness (largest over its collectives, NaN where none is compared). Whether
+    a late rank is a cause or a victim is the replay's to say (``attribution``).
 
     Uses durations on each rank's own clock only, so clock skew between hosts does not matter.
     """
     if not pm.functions:
-        nothing = np.full(pm.ranks.size, np.nan)
-        return {}, nothing, np.zeros(pm.ranks.size)
+        return {}, np.full(pm.ranks.size, np.nan)
     mean = pm.features["mean_ns"]
     sc = pm.scored("mean_ns", scorer)
     flag = flagged(sc, cfg, low=True)
     per_call = sc.median - mean
     # A late rank delays the job by its lateness once, however many collectives it is late for.
-    step, in_one_call = _step_lateness(pm, per_call) if flag.any() else (per_call, np.zeros(per_call.shape, bool))
+    step = _step_lateness(pm, per_call) if flag.any() else per_call
     lateness = np.where(flag, step, 0.0)
     loss = np.nanmax(np.nan_to_num(lateness), axis=1)
     with quiet_nan_warnings():
         arrival = np.nanmax(np.where(np.isnan(sc.z), np.nan, per_call), axis=1)
-    waited = _waited_ns(pm, cfg, scorer)
     out: dict[int, RankSignal] = {}
     for i in np.flatnonzero(loss >= budget).tolist():
         j = int(np.nanargmax(lateness[i]))
@@ -249,43 +235,25 @@ def _late_arrivals(
             evidence={
                 "functions": top_functions(pm.functions, lateness[i], mean[i], sc.median, sc.z[i]),
                 "flagged_collectives": int(flag[i].sum()),
-                "waited_ns": float(waited[i]),
-                LATE_IN_ONE_CALL: bool(in_one_call[i, j]),
             },
         )  # fmt: skip
-    return out, arrival, waited
+    return out, arrival
 
 
-def _step_lateness(pm: PeerMatrix, per_call: F64) -> tuple[F64, npt.NDArray[np.bool_]]:
+def _step_lateness(pm: PeerMatrix, per_call: F64) -> F64:
     """How long a rank late at a collective keeps its peers waiting in one step. Its lateness per call,
     except where that lateness gathers in one call: a rank that starts its step late holds its peers at
     the step's first call, then runs in step with them, and the mean over the step's calls thins that wait
     out. There the peers' longest call is longer than its own by at least half its lateness over all its
     calls, and that difference, bounded by the whole, is the step's wait. A rank behind by about the same
-    at every call (overlapped data-parallel buckets) keeps its lateness per call: the step loses that once.
-    Also returns where the lateness gathered in one call."""
+    at every call (overlapped data-parallel buckets) keeps its lateness per call: the step loses that once."""
     every = np.arange(pm.ranks.size)
     longest = pm.feature_rows("max_ns", every)
     whole = per_call * np.nan_to_num(pm.feature_rows("calls", every))
     in_one_call = nan_median(longest, axis=0) - longest
     gathered = in_one_call >= GATHERED_SHARE * whole  # NaN (a column without its longest call): not gathered
-    return np.where(gathered, np.fmax(per_call, np.minimum(in_one_call, whole)), per_call), gathered
-
-
-def _waited_ns(pm: PeerMatrix, cfg: ScoringConfig, scorer: OutlierScorer) -> F64:
-    """Per rank, the time it spent in collectives beyond its peers' median, per class of collective
-    (``collective_class``), where the excess is significant: the time it waited for a partner."""
-    classes = [collective_class(f) for f in pm.functions]
-    index = {c: k for k, c in enumerate(dict.fromkeys(classes))}
-    onehot = np.zeros((len(classes), len(index)))
-    onehot[np.arange(len(classes)), [index[c] for c in classes]] = 1.0
-    time = pm.features["mean_ns"] * pm.features["calls"]
-    present = ~np.isnan(time)
-    per_class = np.where(present.astype(np.float64) @ onehot > 0, np.nan_to_num(time) @ onehot, np.nan)
-    sc = scorer(per_class)
-    waiting = flagged(sc, cfg)
-    waited: F64 = np.where(waiting, per_class - sc.median, 0.0).sum(axis=1)
-    return waited
+    out: F64 = np.where(gathered, np.fmax(per_call, np.minimum(in_one_call, whole)), per_call)
+    return out
 
 
 def score_peer_group(
@@ -328,23 +296,20 @@ def _score_group(
     from link throughput during collectives; 3. a late arrival with none of these causes is a
     straggler; with a cause, it corroborates the cause; 4. a cause's loss is the time saved if it
     were fixed (``timelost``). ``role``: each row's role code (``roles.role_codes``). ``one_stage``: the
-    ranks are of one known stage, so their compute compares (``_without_healthy_spread``) and a host annotation
-    that lasted as long as its rank's waits for its partners waited (``_annotation_echoes``).
+    ranks are of one known stage, so their compute compares (``_without_healthy_spread``).
     """
     budget = cfg.min_loss_fraction * float(np.median(pms.iteration_ns))
     collectives = pms.of_kind(_COLLECTIVE)
-    late, arrival, waited = _late_arrivals(collectives, cfg, score, budget)
+    late, arrival = _late_arrivals(collectives, cfg, score, budget)
     gpu = bound_by_lateness(_slow_kernels(pms.of_kind(_COMPUTE), cfg, score, budget), arrival)
     host = bound_by_lateness(_slow_host(pms.of_kind(_PYTHON), cfg, score, budget, role), arrival)
     host = _without_gpu_echo(host, gpu)
-    echoes = _annotation_echoes(host, collectives, cfg) if one_stage else {}
     causes = [gpu, host, _slow_links(collectives, cfg, score, budget)]
     signals: list[RankSignal] = []
     for found in causes:
         for i, sig in found.items():
             if i in late:
                 sig.evidence["arrival_lateness_ns"] = late[i].loss_ns
-            sig.evidence["waited_ns"] = max(float(waited[i]), echoes.get(i, 0.0) if found is host else 0.0)
             signals.append(sig)
     explained = {i for found in causes for i in found}
     alone = {i: sig for i, sig in late.items() if i not in explained}
@@ -388,44 +353,6 @@ def _without_healthy_spread(late: dict[int, RankSignal], pm: PeerMatrix, cfg: Sc
         for i, sig in late.items()
         if late_by_compute(sig.loss_ns, float(compute[i]) - median, median, cfg.min_relative_gap) != ""
     }
-
-
-def _annotation_echoes(host: dict[int, RankSignal], pm: PeerMatrix, cfg: ScoringConfig) -> dict[int, float]:
-    """Per row, the wait for its partners (``_partner_waits``) of the host signals whose annotations grew by no
-    more than twice (``VICTIM_WAIT_SHARE``) that wait: an annotation that encloses a collective on a GPU stream
-    (``## forward ##`` around a tensor-parallel all-reduce) lasts until the collective ends, so a rank that
-    waited there for a late partner has a longer annotation and did no more work (``roles.explain_victims``:
-    a signal that waited). Such a wait need not stand out from the peers' spread per class of collective (4
-    peers, one of them the late partner: dp2 x tp2 x pp4). A rank whose own host work is slow arrives last and
-    waits least; measured waits (``MEASURED_WAITS``) are no annotations."""
-    rows = [i for i, sig in host.items() if sig.function not in MEASURED_WAITS]
-    waits = _partner_waits(pm, np.array(rows, dtype=np.int64), cfg.host_min_relative_gap)
-    return {
-        i: wait
-        for i, wait in zip(rows, waits.tolist(), strict=True)
-        if wait >= VICTIM_WAIT_SHARE * float(host[i].evidence.get("excess_ns", host[i].loss_ns))
-    }
-
-
-def _partner_waits(pm: PeerMatrix, rows: I64, min_gap: float) -> F64:
-    """Per row, the time it spent in collectives beyond the members of the same process-group instance (their
-    median, its own time among them; in a pair, its partner's), over the instances where that is ``min_gap``
-    of the median or more: a collective ends on every member together, so a member's longer time is its wait
-    for the others. One column's members are of one group instance (the pattern name carries it), so this
-    needs no spread between instances to stand out from. Medians of the rows' columns only (a large job has
-    thousands)."""
-    if not rows.size or not pm.functions:
-        return np.zeros(rows.size)
-    mean = pm.features["mean_ns"]
-    cols = np.flatnonzero(~np.isnan(mean[rows]).all(axis=0))
-    t = mean[:, cols] * pm.features["calls"][:, cols]
-    members = np.sum(~np.isnan(t), axis=0)
-    with quiet_nan_warnings():
-        others = np.where(members == 2, np.nansum(t, axis=0) - t[rows], nan_median(t)[None, :])
-    excess = t[rows] - others
-    long = (members >= 2) & (excess >= min_gap * others)
-    out: F64 = np.where(long, excess, 0.0).sum(axis=1)
-    return out
 
 
 HOST_MEMBER_MIN_SCORE = 0.25
@@ -561,7 +488,6 @@ def merge_columns(
     collectives = pms.of_kind(_COLLECTIVE)
     rings = ring_groups(collectives, records)
     transfers = score_transfers(collectives, rings, cfg, scorer)
-    signals = explain_victims(signals, records, stages, transfers, placement_costs(collectives, rings))
     signals = group_by_host(signals, records, cfg.host_group_min_share)
     signals += score_hosts(collectives, cfg, scorer) + stages + transfers
     return split_shares(signals, records)

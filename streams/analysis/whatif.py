@@ -440,7 +440,8 @@ def what_if(
     claims: Sequence[Claim] = (),
 ) -> list[Cause]:
     """Candidate causes of one iteration and what fixing each saves: the top cause first (``_first_of``),
-    then by saving; then each of ``claims`` (kind ``CLAIMED``), priced beyond the top cause and never it.
+    then by saving; then each of ``claims`` (kind ``CLAIMED``), priced beyond the top cause (on the top's own
+    ranks, a part of it: alone) and never it.
 
     ``roles``: one code per record for its role (default ``roles.role_codes``)."""
     g = call_graph(records) if graph is None else graph
@@ -477,8 +478,17 @@ def what_if(
     if claimed:
         alone = _savings(g, claimed)
         beyond = _savings(g, claimed, top_candidate) if top_candidate is not None else alone
+        if top_candidate is not None:  # a claim on the top's own work is part of the top: what it saves alone
+            within = np.array([_within(c, top_candidate) for c in claimed])
+            beyond = np.where(within, alone, beyond)
         causes += [_cause(c, ids, s, x) for c, s, x in zip(claimed, alone, beyond, strict=True)]
     return causes
+
+
+def _within(claim: _Candidate, top: _Candidate) -> bool:
+    """Whether a claim cuts what the top cause cuts already: work of the top's own ranks, or their transfers."""
+    same = (claim.work_cut is None) == (top.work_cut is None)
+    return same and bool(np.isin(claim.rows, top.rows).all())
 
 
 def _cause(c: _Candidate, ids: Sequence[int], saving: float, residual: float) -> Cause:

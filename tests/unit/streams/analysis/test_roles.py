@@ -7,11 +7,10 @@ import pytest
 
 from fleetscope.producers import SimulatorConfig, parse_fault, simulate
 from fleetscope.schemas import FunctionKind
-from fleetscope.schemas.vocabulary import CPU_WAIT_FUNCTION, GC_PAUSE, LAUNCH_WAIT_FUNCTION
+from fleetscope.schemas.vocabulary import GC_PAUSE, LAUNCH_WAIT_FUNCTION
 from fleetscope.streams.analysis.hostspans import host_self_ns
 from fleetscope.streams.analysis.outliers import score_iteration
-from fleetscope.streams.analysis.roles import LATE_IN_ONE_CALL, explain_victims, late_by_compute
-from fleetscope.streams.analysis.signals import RankSignal
+from fleetscope.streams.analysis.roles import late_by_compute
 from fleetscope.streams.analysis.stages import score_stages
 from fleetscope.streams.offline import OfflinePipeline
 
@@ -74,73 +73,6 @@ def test_a_slow_worker_is_found_and_its_pipeline_and_tensor_partners_are_not():
     assert 0 < ev["saved_ns"]["rank"] <= ev["excess_ns"] and findings[0]["est_loss_ns"] > 0
 
 
-def _late(rank: int, lateness: float, waited: float) -> RankSignal:
-    return RankSignal(rank=rank, host="h", category="straggler", function="nccl:allreduce", metric="lateness",
-                      value=lateness, peer_median=0.0, score=9.0, loss_ns=lateness,
-                      evidence={"waited_ns": waited})  # fmt: skip
-
-
-def test_stragglers_of_one_replica_that_waited_for_a_partner_are_its_victims():
-    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0} for r in range(8)]
-    cause, victims = _late(5, 4e6, 0.0), [_late(1, 4e6, 3.9e6), _late(3, 4e6, 4e6), _late(7, 4e6, 3e6)]
-    other_replica = _late(2, 2e6, 0.0)
-    kept = explain_victims([*victims, cause, other_replica], records)
-    assert [s.rank for s in kept] == [5, 2]
-    assert sorted(cause.evidence["delays_ranks"]) == [1, 3, 7]
-
-
-def _piped(p2p_ms: dict[int, float]) -> list[dict]:
-    """dp4 x pp4 (rank = 4 * stage + replica): each rank's data-parallel all-reduce and its p2p time."""
-    return [{"rank": r, "dp_rank": r % 4, "pp_rank": r // 4, "tp_rank": 0, "kind": [2, 2],
-             "function": [f"nccl:allreduce[pg={r // 4}]", f"nccl:recv[pg={20 + r}]"],
-             "total_ns": [2_000_000, int(p2p_ms.get(r, 30.0 - 5 * (r // 4)) * 1e6)]}
-            for r in range(16)]  # fmt: skip
-
-
-def test_of_a_replicas_stragglers_in_a_pipeline_the_one_that_waited_least_in_its_send_recv_is_kept():
-    """Rank 7 (stage 1 of replica 3) starts each step late: the stages after it wait in their recv, the one
-    before in its send, each too little of its p2p time to count as ``waited_ns``, and the whole replica
-    arrives late at its data-parallel all-reduce. Rank 11 was a little later there than rank 7: the one
-    kept is rank 7, 8 ms below its stage's p2p time, and it carries what the others were found to delay."""
-    records = _piped({3: 33.6, 7: 17.0, 11: 20.7, 15: 15.8})
-    stragglers = [_late(7, 0.66e6, 0.0), _late(11, 0.70e6, 0.0), _late(15, 0.6e6, 0.0)]
-    waited = _late(3, 0.6e6, 3.6e6)
-    kept = explain_victims([waited, *stragglers], records)
-    assert kept == [stragglers[0]]
-    assert sorted(stragglers[0].evidence["delays_ranks"]) == [3, 11, 15]
-
-
-def test_stragglers_of_two_replicas_or_without_send_recv_are_each_kept():
-    """The same stragglers in two replicas are two findings; without pipeline stages, or with no time in
-    send/recv, nothing tells the one that holds the replica up, and each straggler stays (as before)."""
-    two = [_late(7, 0.66e6, 0.0), _late(10, 0.7e6, 0.0)]
-    assert explain_victims(list(two), _piped({7: 17.0})) == two
-    same = [_late(7, 0.66e6, 0.0), _late(11, 0.7e6, 0.0)]
-    flat = [{**rec, "pp_rank": -1} for rec in _piped({7: 17.0})]
-    assert explain_victims(list(same), flat) == same
-    idle = [{**rec, "total_ns": [2_000_000, 0]} for rec in _piped({})]
-    assert explain_victims(list(same), idle) == same
-
-
-def test_a_replica_late_by_its_rings_across_hosts_is_no_finding_but_a_later_rank_in_it_still_is():
-    """``placement``: replica 1's ranks (1, 3, 5, 7) lose 2 ms a step by a ring across hosts. Its stragglers
-    late by that much are its layout; one late by far more (4x) is still named, and replica 0's too."""
-    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0, "function": [], "kind": [],
-                "total_ns": []} for r in range(8)]  # fmt: skip
-    placement = dict.fromkeys((1, 3, 5, 7), 2e6)
-    by_layout = [_late(1, 2.2e6, 0.0), _late(3, 2.5e6, 0.0)]
-    assert explain_victims(by_layout, records, placement=placement) == []
-    later, elsewhere = _late(5, 8e6, 0.0), _late(2, 2.2e6, 0.0)
-    assert explain_victims([*by_layout, later, elsewhere], records, placement=placement) == [later, elsewhere]
-    assert explain_victims(by_layout, records) == by_layout  # without it: stragglers
-
-
-def test_without_a_layout_no_straggler_is_explained_away():
-    records = [{"rank": r} for r in range(8)]
-    signals = [_late(1, 4e6, 4e6), _late(5, 4e6, 0.0)]
-    assert explain_victims(signals, records) == signals
-
-
 def test_self_time_leaves_out_children_and_blocking_calls():
     # forward [0, 100) with a child [10, 30); backward [100, 300) waits in a sync [120, 290);
     # a sync call's own time is waiting; a span of the next iteration is never a child.
@@ -174,34 +106,6 @@ def test_an_annotation_that_only_waits_never_makes_a_rank_host_slow(pipeline_job
     assert score_iteration(records) == []
     records[5]["self_ns"][bwd] *= 3  # its own work grows
     assert [(s.rank, s.category, s.function) for s in score_iteration(records)] == [(5, "host_slow", "backward")]
-
-
-def test_an_annotation_as_long_as_its_wait_for_a_partner_is_no_host_work(pipeline_job):
-    """An annotation around a collective on a GPU stream lasts until the collective ends. In 40 ms steps,
-    rank 4 arrives late at its stage's first data-parallel all-reduce by 1 ms, and rank 5 waits there 1 ms
-    longer than the others, then arrives late at the next by as much: with rank 4's shorter time among the 4,
-    that wait does not stand out per class of collective, but it does against the ring's other members (0.8 ms
-    above their median). Rank 5's ``backward`` grown by 1.5 ms: no more than twice that wait, no host_slow;
-    grown by 3 ms: its own work."""
-    records = _iteration(pipeline_job, 2)
-    for r in records:
-        r["self_ns"] = np.asarray(r["self_ns"], dtype=np.float64).copy()
-        r["mean_ns"] = np.asarray(r["mean_ns"], dtype=np.float64).copy()
-        r["iteration_ns"] = 40_000_000
-    ring, then = [f for f in records[5]["function"] if f.startswith("nccl:allreduce")][:2]
-    assert all(ring in list(records[r]["function"]) for r in (4, 5, 6, 7))
-    wait = 1e6
-    for rank, function, change in ((4, ring, -wait), (5, ring, wait), (5, then, -wait)):
-        j = list(records[rank]["function"]).index(function)
-        records[rank]["mean_ns"][j] += change / float(records[rank]["calls"][j])
-    bwd = list(records[5]["function"]).index("backward")
-    base = records[5]["self_ns"][bwd]
-    records[5]["self_ns"][bwd] = base + 1.5 * wait
-    assert [s for s in score_iteration(records) if s.rank == 5] == []
-    records[5]["self_ns"][bwd] = base + 3 * wait
-    assert [(s.rank, s.category, s.function) for s in score_iteration(records) if s.rank == 5] == [
-        (5, "host_slow", "backward")
-    ]
 
 
 def test_a_late_rank_is_late_by_its_gpu_where_its_compute_accounts_for_half_its_lateness():
@@ -261,31 +165,6 @@ def test_a_host_annotation_that_grows_with_its_own_slow_gpu_is_no_host_finding(t
     assert json.loads(findings[0]["evidence"])["host_wait_ns"] > 0
 
 
-def _cause(rank: int, category: str, loss: float, waited: float) -> RankSignal:
-    return RankSignal(rank=rank, host="h", category=category, function="f", metric="m", value=1.0,
-                      peer_median=0.0, score=9.0, loss_ns=loss, evidence={"waited_ns": waited})  # fmt: skip
-
-
-def test_host_signals_that_waited_on_a_slow_gpu_are_victims_an_independent_one_is_not():
-    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0, "function": [], "kind": []}
-               for r in range(8)]  # fmt: skip
-    root = _cause(5, "gpu_slow", 5e6, 0.0)
-    waited = _cause(3, "host_slow", 4e6, 3e6)  # replica 1: its backward annotation waited for rank 5
-    own = _cause(7, "host_slow", 4e6, 0.0)  # replica 1 too, but its own work
-    elsewhere = _cause(2, "host_slow", 4e6, 3e6)  # replica 0, waiting through a chain of groups
-    kept = explain_victims([waited, root, own, elsewhere], records)
-    assert [s.rank for s in kept] == [5, 7] and root.evidence["delays_ranks"] == [3, 2]
-
-
-def test_a_waiting_rank_is_blamed_on_the_cause_it_shares_a_collective_group_with():
-    names = {0: ["nccl:all_to_all[pg=9,<=1MiB]"], 1: ["nccl:all_to_all[pg=9,<=1MiB]"], 2: [], 3: []}
-    records = [{"rank": r, "dp_rank": r, "function": names[r], "kind": [2] * len(names[r])} for r in range(4)]
-    big, expert = _cause(3, "gpu_slow", 9e6, 0.0), _cause(1, "gpu_slow", 2e6, 0.0)
-    victim = _cause(0, "host_slow", 2e6, 2e6)  # waited in the all-to-all with rank 1
-    assert explain_victims([big, expert, victim], records) == [big, expert]
-    assert expert.evidence["delays_ranks"] == [0] and "delays_ranks" not in big.evidence
-
-
 def _stage_per_rank(launch_ms: dict[int, float], p2p_ms: dict[int, float]) -> list[dict]:
     """dp1 x pp8: each rank a stage of its own, 15 ms of kernels, its GPU's launch wait and its p2p time."""
     return [{"rank": r, "host": "h0", "pp_rank": r, "dp_rank": 0, "tp_rank": 0, "iteration_ns": 45_000_000,
@@ -309,60 +188,6 @@ def test_launch_waits_no_stage_waits_for_or_every_stage_has_are_no_finding():
     assert score_stages(_stage_per_rank({2: 9.0}, {})) == []
     assert score_stages(_stage_per_rank(dict.fromkeys(range(8), 9.0), {2: 22.0})) == []
     assert score_stages(_stage_per_rank({}, {2: 22.0})) == []
-
-
-def test_a_signal_that_waited_on_a_slow_stage_is_the_stage():
-    records = [{"rank": r, "dp_rank": r % 2, "pp_rank": r // 2, "tp_rank": 0} for r in range(8)]
-    stage = RankSignal(rank=-1, host="", category="stage_imbalance", function="compute", metric="compute_ns",
-                       value=2.0, peer_median=1.0, score=5.0, loss_ns=3e6, ranks=(6, 7), subject="stage:3")  # fmt: skip
-    victim = _cause(0, "host_slow", 2e6, 2e6)
-    assert explain_victims([victim], records, [stage]) == []
-    assert stage.evidence["delays_ranks"] == [0]
-
-
-def test_a_host_annotation_that_waited_for_a_partner_nothing_names_is_no_finding():
-    """A partner that starts its steps late and is too few to score (4 peers a stage) leaves no root: the
-    forward annotation of the rank that waited for it in their tensor-parallel call is no host fault of its
-    own, so no finding; a measured wait (for a CPU) that long still is, and a root cause still takes it."""
-    records = [{"rank": r, "dp_rank": r // 2, "pp_rank": 0, "tp_rank": r % 2, "function": [], "kind": []}
-               for r in range(6)]  # fmt: skip
-    waited = _cause(1, "host_slow", 7e6, 7e6)
-    measured = RankSignal(rank=5, host="h", category="host_slow", function=CPU_WAIT_FUNCTION, metric="m",
-                          value=1.0, peer_median=0.0, score=9.0, loss_ns=3e6, evidence={"waited_ns": 3e6})  # fmt: skip
-    assert explain_victims([waited, measured], records) == [measured]
-    own = _cause(2, "host_slow", 4e6, 0.0)
-    assert explain_victims([waited, own], records) == [own] and own.evidence["delays_ranks"] == [1]
-
-
-def test_a_waiting_rank_is_blamed_on_a_straggler_it_shares_a_collective_group_with():
-    names = {r: ["nccl:all_to_all[pg=9,<=1MiB]"] for r in range(4)}
-    records = [{"rank": r, "dp_rank": r, "function": names[r], "kind": [2]} for r in range(4)]
-    late = _late(1, 6e6, 0.0)
-    victims = [_cause(0, "host_slow", 6e6, 6e6), _cause(2, "host_slow", 5e6, 6e6)]  # waited in the all-to-all
-    assert explain_victims([*victims, late], records) == [late]
-    assert late.evidence["delays_ranks"] == [0, 2]
-
-
-def test_a_rank_late_in_one_call_after_a_group_it_shares_with_a_slow_gpu_is_its_victim():
-    """tp2 x dp2: rank 3's slow GPU makes its data-parallel group (1, 3) end last, so rank 1 starts the next
-    step late at its first tensor-parallel call, waiting no longer than its peers in any class of collective.
-    Late in one call, sharing a group with the cause, and by no more than it: a victim. Late at every call,
-    late by more than the cause, or sharing no group with it: a straggler still."""
-    names = {0: ["tp0", "dp0"], 1: ["tp0", "dp1"], 2: ["tp1", "dp0"], 3: ["tp1", "dp1"]}
-    records = [{"rank": r, "dp_rank": r // 2, "tp_rank": r % 2, "kind": [2, 2],
-                "function": [f"nccl:allreduce[pg={n}]" for n in names[r]]} for r in range(4)]  # fmt: skip
-
-    def late(rank: int, loss: float, in_one_call: bool) -> RankSignal:
-        sig = _late(rank, loss, 0.0)
-        sig.evidence[LATE_IN_ONE_CALL] = in_one_call
-        return sig
-
-    cause = _cause(3, "gpu_slow", 5e6, 0.0)
-    victim = late(1, 4e6, True)
-    assert explain_victims([cause, victim], records) == [cause] and cause.evidence["delays_ranks"] == [1]
-    for straggler in (late(1, 4e6, False), late(1, 6e6, True), late(0, 4e6, True)):
-        cause = _cause(3, "gpu_slow", 5e6, 0.0)
-        assert explain_victims([cause, straggler], records) == [cause, straggler]
 
 
 def test_a_slow_gpu_of_a_tensor_parallel_group_names_no_rank_that_shares_its_data_parallel_group():

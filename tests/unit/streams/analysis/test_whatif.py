@@ -181,3 +181,17 @@ def test_a_claimed_slow_ring_whose_buckets_queue_saves_all_its_excess_the_backwa
     assert [c.kind for c in claimed] == [CLAIMED[Credit.TRANSFER]]
     assert claimed[0].saving_ns == pytest.approx(4e6, rel=0.02)
     assert [c for c in what_if([_queued(r, 4.0) for r in range(4)]) if c.saving_ns > 0] == []
+
+
+def test_a_claim_on_the_top_causes_own_work_is_priced_alone_one_elsewhere_beyond_the_top() -> None:
+    """dp4, rank 1 running 3 ms of host work after its last call: its own work is the top cause. A host
+    function's claim of 2 ms on rank 1 is a part of that work: fixing rank 1 whole leaves it nothing, but it
+    saves its 2 ms alone, its price. The same claim on rank 2, which only waits for rank 1, saves nothing
+    beyond the top, nor alone."""
+    records, timelines = run(ToyJob(dp=4, pp=1, tail={1: 3e6}))[-1]
+    claims = [Claim(Credit.WORK, (1,), 2e6), Claim(Credit.WORK, (2,), 2e6)]
+    causes = what_if(records, graph=call_graph(records, timelines), claims=claims)
+    assert causes[0].kind == "rank_host" and causes[0].ranks == (1,)
+    on = {c.ranks: c for c in causes if c.kind == CLAIMED[Credit.WORK]}
+    assert on[(1,)].residual_ns == pytest.approx(on[(1,)].saving_ns) == pytest.approx(2e6, rel=0.05)
+    assert on[(2,)].saving_ns == on[(2,)].residual_ns == pytest.approx(0.0, abs=1e4)
