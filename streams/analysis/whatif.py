@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas.categories import Credit
+from fleetscope.streams.analysis.links import like_rings
 from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, steady_period
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.timeline import compute_total_ns, compute_windows_ns
@@ -200,28 +201,6 @@ def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
         tail_cut = graph.tail_ns[rows] * (0.0 if comp_known else f)
         out.append(_Candidate("stage_compute", rows, stage=s, calls=calls,
                               work_cut=per_call[calls] * f_call[graph.row[calls]], tail_cut=tail_cut))  # fmt: skip
-    return out
-
-
-def like_rings(graph: CallGraph) -> tuple[I64, I64]:
-    """The instances whose pace can be compared (two or more members) and, per each, what it shares with its
-    like ones: the op and size class (``replay.call_kind``) and the bytes per call within 1/16 of an octave.
-    Rings of different stages move different bytes: only like is compared with like."""
-    multi = np.flatnonzero(graph.members >= 2)
-    octave = np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
-    like: I64 = graph.klass[multi] * 4096 + octave
-    return multi, like
-
-
-def compared_rings(graph: CallGraph) -> npt.NDArray[np.bool_]:
-    """Per instance: whether another process group runs instances like it (``like_rings``), so that its pace
-    has a level to be brought to."""
-    multi, like = like_rings(graph)
-    out = np.zeros(graph.members.size, dtype=bool)
-    if multi.size:
-        cells = np.unique(like * (len(graph.groups) + 1) + graph.group[multi]) // (len(graph.groups) + 1)
-        kinds, groups = np.unique(cells, return_counts=True)
-        out[multi] = np.isin(like, kinds[groups >= 2])
     return out
 
 
