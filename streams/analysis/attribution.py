@@ -97,7 +97,8 @@ class Credits:
     stage: Mapping[int, tuple[float, tuple[int, ...]]]
     """Stage -> the credit of its compute, and its ranks."""
     claimed: Mapping[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
-    """(``WORK`` or ``TRANSFER``, ranks) -> what a claim (``claims_of``) saves beyond the top cause."""
+    """(``WORK`` or ``TRANSFER``, ranks) -> what a claim (``claims_of``) saves beyond the top cause (and beyond the
+    other claims pacing its rings, ``whatif._pacers``)."""
     price: Mapping[tuple[str, int], float] = field(default_factory=dict)
     """(``WORK`` or ``TRANSFER``, rank) -> the largest price of the causes covering it: the lesser of what
     each saves alone and beyond the top cause."""
