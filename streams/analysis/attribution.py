@@ -22,7 +22,7 @@ stage's), or its transfers (its rings, its host's NIC). Then:
    that rank's.
 A signal the what-if cannot price by a peer claims its own excess (``claims``, ``claims_of``): a rank with no
 peer of its role (nothing to bring it to), a ring with no like ring (the same op and bytes in another
-process group, ``whatif.compared_rings``: a flat job's one ring), a rank's link samples
+process group, ``links.compared_rings``: a flat job's one ring), a rank's link samples
 (``links.LINK_SAMPLE_METRICS``), which its rings' pace shows only where like rings set one, and a category
 whose evidence is one part of its rank's work (``CategoryInfo.claims_its_excess``: a host function). Its loss
 is its excess replayed: what the iteration saves without it, not the excess itself (a slow all-reduce that
@@ -48,11 +48,11 @@ import numpy.typing as npt
 
 from fleetscope.schemas import Category
 from fleetscope.schemas.categories import REGISTRY, Credit
-from fleetscope.streams.analysis.links import LINK_SAMPLE_METRICS, RING_PACE_METRIC
+from fleetscope.streams.analysis.links import LINK_SAMPLE_METRICS, RING_PACE_METRIC, compared_rings
 from fleetscope.streams.analysis.replay import CallGraph
 from fleetscope.streams.analysis.roles import VICTIM_WAIT_SHARE
 from fleetscope.streams.analysis.signals import RankSignal
-from fleetscope.streams.analysis.whatif import CLAIMED, Cause, Claim, compared_rings
+from fleetscope.streams.analysis.whatif import CLAIMED, Cause, Claim
 from fleetscope.streams.settings import AttributionConfig
 
 WORK, TRANSFER = Credit.WORK.value, Credit.TRANSFER.value
@@ -85,7 +85,7 @@ class Priced:
 
 def priced_ranks(records: Sequence[Mapping[str, Any]], roles: npt.NDArray[np.int64], graph: CallGraph) -> Priced:
     """Work: ranks with another rank of their role. Transfers: ranks in a ring the what-if compares with other
-    rings (``whatif.compared_rings``; ``graph``: the call graph of ``records``, in their order)."""
+    rings (``links.compared_rings``; ``graph``: the call graph of ``records``, in their order)."""
     ranks = [int(r["rank"]) for r in records]
     _, inverse, counts = np.unique(roles, return_inverse=True, return_counts=True)
     work = frozenset(r for r, k in zip(ranks, inverse.reshape(-1).tolist(), strict=True) if counts[k] >= 2)
@@ -104,7 +104,8 @@ class Credits:
     stage: Mapping[int, tuple[float, tuple[int, ...]]]
     """Stage -> the credit of its compute, and its ranks."""
     claimed: Mapping[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
-    """(``WORK`` or ``TRANSFER``, ranks) -> what a claim (``claims_of``) saves beyond the top cause."""
+    """(``WORK`` or ``TRANSFER``, ranks) -> what a claim (``claims_of``) saves beyond the top cause (and beyond the
+    other claims pacing its rings, ``whatif._pacers``)."""
     price: Mapping[tuple[str, int], float] = field(default_factory=dict)
     """(``WORK`` or ``TRANSFER``, rank) -> the largest price of the causes covering it: the lesser of what
     each saves alone and beyond the top cause."""

@@ -1,6 +1,7 @@
 """Links compared with their peers: a degraded link per rank (low, steady peak throughput during
 collectives), congestion per host (on/off fluctuation shared by a host's ranks), and, from kernel times
-alone, a collective group whose transfer is slower than equivalent groups' (``score_transfers``)."""
+alone, a collective group whose transfer is slower than equivalent groups' (``score_transfers``); and which of a
+replayed iteration's rings have like rings to be compared with (``like_rings``, ``compared_rings``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy.typing as npt
 from fleetscope.schemas.vocabulary import RING_COLLECTIVES
 from fleetscope.streams.analysis.patterns import collective_class, process_group_of
 from fleetscope.streams.analysis.peermatrix import PeerMatrix
+from fleetscope.streams.analysis.replay import CallGraph
 from fleetscope.streams.analysis.signals import (
     OutlierScorer,
     RankSignal,
@@ -393,3 +395,25 @@ def _one_rank(groups: list[RankSignal], pm: PeerMatrix) -> list[RankSignal]:
         FEW_GROUPS: all(g.evidence[FEW_GROUPS] for g in groups),
     }  # fmt: skip
     return [replace(top, rank=rank, host=pm.hosts[row], ranks=(rank,), subject="", evidence=evidence)]
+
+
+def like_rings(graph: CallGraph) -> tuple[I64, I64]:
+    """The instances whose pace can be compared (two or more members) and, per each, what it shares with its
+    like ones: the op and size class (``replay.call_kind``) and the bytes per call within 1/16 of an octave.
+    Rings of different stages move different bytes: only like is compared with like."""
+    multi = np.flatnonzero(graph.members >= 2)
+    octave = np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
+    like: I64 = graph.klass[multi] * 4096 + octave
+    return multi, like
+
+
+def compared_rings(graph: CallGraph) -> npt.NDArray[np.bool_]:
+    """Per instance: whether another process group runs instances like it (``like_rings``), so that its pace
+    has a level to be brought to."""
+    multi, like = like_rings(graph)
+    out = np.zeros(graph.members.size, dtype=bool)
+    if multi.size:
+        cells = np.unique(like * (len(graph.groups) + 1) + graph.group[multi]) // (len(graph.groups) + 1)
+        kinds, groups = np.unique(cells, return_counts=True)
+        out[multi] = np.isin(like, kinds[groups >= 2])
+    return out

@@ -18,6 +18,8 @@ at most E (the longest path loses at most what was taken from it), so only the c
 excess, and every stage, are replayed exactly (``top``). A rank that only waits has no excess of its own and
 saves nothing: victims fall out of the arithmetic. The top cause is then taken as fixed and the others that
 saved much are priced again beyond it (``residual_ns``): a host whose rings are slow only through the top's.
+A detector's claim is priced beyond the top and beyond the other claims that cut its rings more than it does
+(``_pacers``): a ring moves at its slowest member's pace, and its other members' links idle under it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetscope.schemas.categories import Credit
+from fleetscope.streams.analysis.links import like_rings
 from fleetscope.streams.analysis.replay import F64, I64, CallGraph, call_graph, steady_period
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.timeline import compute_total_ns, compute_windows_ns
@@ -200,28 +203,6 @@ def _stage_candidates(graph: CallGraph, stages: I64) -> list[_Candidate]:
         tail_cut = graph.tail_ns[rows] * (0.0 if comp_known else f)
         out.append(_Candidate("stage_compute", rows, stage=s, calls=calls,
                               work_cut=per_call[calls] * f_call[graph.row[calls]], tail_cut=tail_cut))  # fmt: skip
-    return out
-
-
-def like_rings(graph: CallGraph) -> tuple[I64, I64]:
-    """The instances whose pace can be compared (two or more members) and, per each, what it shares with its
-    like ones: the op and size class (``replay.call_kind``) and the bytes per call within 1/16 of an octave.
-    Rings of different stages move different bytes: only like is compared with like."""
-    multi = np.flatnonzero(graph.members >= 2)
-    octave = np.rint(np.log2(np.maximum(graph.nbytes[multi], 1.0)) * 16).astype(np.int64)
-    like: I64 = graph.klass[multi] * 4096 + octave
-    return multi, like
-
-
-def compared_rings(graph: CallGraph) -> npt.NDArray[np.bool_]:
-    """Per instance: whether another process group runs instances like it (``like_rings``), so that its pace
-    has a level to be brought to."""
-    multi, like = like_rings(graph)
-    out = np.zeros(graph.members.size, dtype=bool)
-    if multi.size:
-        cells = np.unique(like * (len(graph.groups) + 1) + graph.group[multi]) // (len(graph.groups) + 1)
-        kinds, groups = np.unique(cells, return_counts=True)
-        out[multi] = np.isin(like, kinds[groups >= 2])
     return out
 
 
@@ -421,6 +402,44 @@ def _savings(graph: CallGraph, candidates: Sequence[_Candidate], base: _Candidat
     return out
 
 
+def _pacers(graph: CallGraph, c: _Candidate, claims: Sequence[_Candidate]) -> _Candidate | None:
+    """The transfer cuts of the other ``claims`` (none covering ``c``'s ranks) on ``c``'s rings that are larger
+    than ``c``'s own there, as one candidate (None: none is). A ring moves at its slowest member's pace: where
+    another member's link (or another host's NIC) cuts an instance more than ``c`` does, it paces it, and the
+    members it paces idle between their bursts (their link samples peak low) at no cost of their own. Only a
+    detector's claim says whose link is slow: a ring's pace against like rings' (``_transfer_candidates``) may
+    be ``c``'s own link seen from the ring, and a claim covering ``c``'s ranks its own seen from their host."""
+    if c.instances is None or c.transfer_cut is None:
+        return None
+    cut = np.zeros(graph.transfer_ns.size)
+    for o in claims:
+        if o.instances is not None and o.transfer_cut is not None and not np.isin(c.rows, o.rows).any():
+            np.maximum.at(cut, o.instances, o.transfer_cut)
+    theirs = cut[c.instances]
+    larger = theirs > c.transfer_cut
+    if not larger.any():
+        return None
+    return _Candidate("pacers", c.rows[:0], instances=c.instances[larger], transfer_cut=theirs[larger])
+
+
+def _together(graph: CallGraph, parts: Sequence[_Candidate], hidden: tuple[F64, F64]) -> _Candidate:
+    """Several causes fixed at once, as one candidate: each entry cut by the largest of their cuts (brought to
+    its peers' level once), the compute a shortened call gives back taken from the combined cut
+    (``_overlap_back``)."""
+    work, tail, transfer = np.zeros(graph.calls), np.zeros(graph.tail_ns.size), np.zeros(graph.transfer_ns.size)
+    for p in parts:
+        for dense, at, cut in ((work, p.calls, p.work_cut), (tail, p.rows, p.tail_cut),
+                               (transfer, p.instances, p.transfer_cut)):  # fmt: skip
+            if at is not None and cut is not None:
+                np.maximum.at(dense, at, cut)
+    calls, rows, instances = np.flatnonzero(work), np.flatnonzero(tail), np.flatnonzero(transfer)
+    out = _Candidate("together", rows, calls=calls, work_cut=work[calls], tail_cut=tail[rows], instances=instances,
+                     transfer_cut=transfer[instances])  # fmt: skip
+    if instances.size:
+        _overlap_back(graph, out, hidden)
+    return out
+
+
 def _first_of(candidates: Sequence[_Candidate], saving: F64) -> int:
     """The top cause: the largest saving, or a cause of fewer ranks within it that saves nearly as much
     (``SAME_SAVING``): a rank's links before its host's, a rank before its stage."""
@@ -441,7 +460,7 @@ def what_if(
 ) -> list[Cause]:
     """Candidate causes of one iteration and what fixing each saves: the top cause first (``_first_of``),
     then by saving; then each of ``claims`` (kind ``CLAIMED``), priced beyond the top cause (on the top's own
-    ranks, a part of it: alone) and never it.
+    work, a part of it: not beyond it) and the other claims that pace its rings (``_beyond``), and never the top.
 
     ``roles``: one code per record for its role (default ``roles.role_codes``)."""
     g = call_graph(records) if graph is None else graph
@@ -455,10 +474,9 @@ def what_if(
     chosen = _stage_candidates(g, stages) + [c for c in ranked[:top] if c.excess > 0]
     claimed = _claim_candidates(g, ids, claims)
     shortened = [c for c in (*chosen, *claimed) if c.transfer_cut is not None and c.transfer_cut.any()]
-    if shortened:
-        hidden = hidden_compute(g, records)
-        for c in shortened:
-            _overlap_back(g, c, hidden)
+    hidden = hidden_compute(g, records) if shortened else (np.zeros(g.calls), np.zeros(g.tail_ns.size))
+    for c in shortened:
+        _overlap_back(g, c, hidden)
     causes: list[Cause] = []
     top_candidate: _Candidate | None = None
     if chosen:
@@ -477,10 +495,7 @@ def what_if(
         top_candidate = chosen[best] if saving[best] > 0 else None
     if claimed:
         alone = _savings(g, claimed)
-        beyond = _savings(g, claimed, top_candidate) if top_candidate is not None else alone
-        if top_candidate is not None:  # a claim on the top's own work is part of the top: what it saves alone
-            within = np.array([_within(c, top_candidate) for c in claimed])
-            beyond = np.where(within, alone, beyond)
+        beyond = np.array([_beyond(g, c, top_candidate, claimed, hidden) for c in claimed])
         causes += [_cause(c, ids, s, x) for c, s, x in zip(claimed, alone, beyond, strict=True)]
     return causes
 
@@ -489,6 +504,20 @@ def _within(claim: _Candidate, top: _Candidate) -> bool:
     """Whether a claim cuts what the top cause cuts already: work of the top's own ranks, or their transfers."""
     same = (claim.work_cut is None) == (top.work_cut is None)
     return same and bool(np.isin(claim.rows, top.rows).all())
+
+
+def _beyond(
+    graph: CallGraph, c: _Candidate, top: _Candidate | None, claims: Sequence[_Candidate], hidden: tuple[F64, F64]
+) -> float:
+    """What a claim saves beyond what already explains it: the top cause (a part of it, ``_within``: alone), and
+    where it shortens transfers, the other claims that pace its rings (``_pacers``: a link's samples peak low
+    in a ring another member's link holds back, at no cost of its own)."""
+    if top is not None and _within(c, top):  # a part of the top: not priced beyond it
+        top = None
+    pacers = _pacers(graph, c, claims)
+    parts = [p for p in (top, pacers) if p is not None]
+    base = None if not parts else parts[0] if len(parts) == 1 else _together(graph, parts, hidden)
+    return float(_savings(graph, [c], base)[0])
 
 
 def _cause(c: _Candidate, ids: Sequence[int], saving: float, residual: float) -> Cause:

@@ -25,11 +25,11 @@ from fleetscope.streams.analysis.attribution import (
     priced_ranks,
 )
 from fleetscope.streams.analysis.findings import FindingTracker
-from fleetscope.streams.analysis.links import LINK_SAMPLE_METRICS, RING_PACE_METRIC
+from fleetscope.streams.analysis.links import LINK_SAMPLE_METRICS, RING_PACE_METRIC, compared_rings
 from fleetscope.streams.analysis.replay import call_graph
 from fleetscope.streams.analysis.roles import role_codes
 from fleetscope.streams.analysis.signals import RankSignal
-from fleetscope.streams.analysis.whatif import CLAIMED, Cause, compared_rings, what_if
+from fleetscope.streams.analysis.whatif import CLAIMED, Cause, what_if
 
 BUDGET_SHARE = 0.01
 
@@ -110,7 +110,7 @@ def test_the_saving_history_is_a_mean_over_its_window_and_forgets_ranks_that_sto
 
 
 def test_transfers_are_priced_exactly_where_the_what_if_compares_rings() -> None:
-    """One like-ring rule (``whatif.compared_rings``): two stages' rings moving the same bytes are compared, so
+    """One like-ring rule (``links.compared_rings``): two stages' rings moving the same bytes are compared, so
     a slow one is a candidate and its ranks' transfers are priced; moving different bytes, neither ring is
     (the pipeline's transfers, alike in every replica, still are)."""
     for ring_bytes, compared in (((32 << 20, 32 << 20), True), ((64 << 20, 32 << 20), False)):

@@ -195,3 +195,39 @@ def test_a_claim_on_the_top_causes_own_work_is_priced_alone_one_elsewhere_beyond
     on = {c.ranks: c for c in causes if c.kind == CLAIMED[Credit.WORK]}
     assert on[(1,)].residual_ns == pytest.approx(on[(1,)].saving_ns) == pytest.approx(2e6, rel=0.05)
     assert on[(2,)].saving_ns == on[(2,)].residual_ns == pytest.approx(0.0, abs=1e4)
+
+
+def test_a_link_claim_on_a_ring_another_members_link_paces_saves_nothing_beyond_it() -> None:
+    """All-reduces of 6 ms instead of 4, queued (``_queued``): rank 1's link claims 4 ms of its ring's transfer,
+    rank 2's 2 ms (its samples peak low while the ring waits on rank 1's link). The ring moves at rank 1's pace:
+    rank 1's claim saves its 4 ms beyond the other's too, rank 2's nothing beyond rank 1's, whatever it saves
+    alone; claimed by itself, rank 2's link saves its 2 ms."""
+    records = [_queued(r, 6.0) for r in range(4)]
+    claims = [Claim(Credit.TRANSFER, (1,), 4e6), Claim(Credit.TRANSFER, (2,), 2e6)]
+    claimed = {c.ranks: c for c in what_if(records, claims=claims) if c.kind == CLAIMED[Credit.TRANSFER]}
+    assert claimed[(1,)].residual_ns == pytest.approx(4e6, rel=0.02)
+    assert claimed[(2,)].saving_ns == pytest.approx(2e6, rel=0.02) and claimed[(2,)].residual_ns == 0.0
+    alone = [c for c in what_if(records, claims=claims[1:]) if c.kind == CLAIMED[Credit.TRANSFER]]
+    assert len(alone) == 1 and alone[0].residual_ns == pytest.approx(2e6, rel=0.02)
+
+
+def test_link_claims_on_rings_of_their_own_are_each_priced_in_full() -> None:
+    """Two ranks of a 4-rank job whose data-parallel ring is their only one, each claiming 2 ms of it: the same
+    cut on the same ring, neither larger, so neither paces the other and each saves its 2 ms (no link is found
+    free of cost because another claims as much)."""
+    records = [_queued(r, 6.0) for r in range(4)]
+    claims = [Claim(Credit.TRANSFER, (1,), 2e6), Claim(Credit.TRANSFER, (2,), 2e6)]
+    claimed = [c for c in what_if(records, claims=claims) if c.kind == CLAIMED[Credit.TRANSFER]]
+    assert [c.residual_ns for c in claimed] == pytest.approx([2e6, 2e6], rel=0.02)
+
+
+def test_a_hosts_nic_claim_paces_another_hosts_link_claim_but_not_its_own_ranks() -> None:
+    """Ranks 0-1 on node000, 2-3 on node001; node000's NIC claims 4 ms of the ring's transfer, rank 2's and rank
+    1's links 2 ms each. Rank 2's ring moves at node000's pace: its claim saves nothing beyond it. Rank 1's
+    claim may be what node000's claim sees from its host: it is not paced by it and saves its 2 ms."""
+    records = [{**_queued(r, 6.0), "host": f"node00{r // 2}"} for r in range(4)]
+    claims = [Claim(Credit.TRANSFER, (0, 1), 4e6), Claim(Credit.TRANSFER, (2,), 2e6), Claim(Credit.TRANSFER, (1,), 2e6)]
+    claimed = {c.ranks: c for c in what_if(records, claims=claims) if c.kind == CLAIMED[Credit.TRANSFER]}
+    assert claimed[(0, 1)].residual_ns == pytest.approx(4e6, rel=0.02)
+    assert claimed[(2,)].saving_ns == pytest.approx(2e6, rel=0.02) and claimed[(2,)].residual_ns == 0.0
+    assert claimed[(1,)].residual_ns == pytest.approx(2e6, rel=0.02)
