@@ -31,7 +31,10 @@ collective saves nothing), held to the same test. A part of its rank's work (``C
 the noise of its own savings, not the job's (its excess was judged against its own step-to-step noise
 already, and the job's iteration noise is its ranks' whole work varying, which a part of it need not
 outgrow); its loss is its lateness (``timelost.bound_by_lateness``), and like a straggler's, where its fix
-saves less than half of it (``VICTIM_WAIT_SHARE``), it waited. A ring's pace against other rings' is always
+saves less than half of it (``VICTIM_WAIT_SHARE``), it waited. Its price, where its rank has peers, is its
+rank's work brought to theirs, as any rank signal's: the claim spreads its excess over the rank's work in
+proportion, where the function's own place in the step (beside the GPU's compute, or not) decides what it
+delays. A ring's pace against other rings' is always
 the what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to.
 Job-level signals (regression, hang) and iterations without timelines pass unchanged.
 """
@@ -274,7 +277,8 @@ def attribute(
             victims += [sig] if late else []  # its lateness is all its evidence: its own fix saves little of it
             continue
         price = now  # a claim's and a stage's saving is their price; a rank's is its causes' price
-        if by_peers and sig.category != Category.STAGE_IMBALANCE:
+        by_rank = by_peers or (part and set(members) <= priced.work)  # a part's price: its rank's work's
+        if by_rank and sig.category != Category.STAGE_IMBALANCE:
             price = max(credits.price.get((what, r), 0.0) for r in members)
         out.append(replace(sig, loss_ns=price, evidence={**sig.evidence, "replayed_saving_ns": price}))
     out += _waited_for(victims, out, credits, history, budget_ns, noise_ns, cfg.window, hosts or {})

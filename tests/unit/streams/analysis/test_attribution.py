@@ -224,12 +224,13 @@ def test_a_victims_straggler_and_a_host_signal_its_stage_credits_are_dropped_the
     """The judge's arithmetic on one iteration's causes (sim dp x tp and tg dp x tp x pp cases of the quality
     bench): rank 16 late by 25 ms whose own fix saves 3.5 ms mostly waited; a late starter saving 5.6 ms of
     5.6 ms late is the straggler; a host signal on rank 11 whose claim saves 0.1 ms (its stage's compute saves
-    as little) is dropped, rank 10's claim saving 2 ms keeps its; a stage saving 0.4 ms of a 0.77 ms budget
-    names no stage."""
+    as little) is dropped, rank 10's claim saving 2 ms (its rank's own work as much) keeps its; a stage saving
+    0.4 ms of a 0.77 ms budget names no stage."""
     causes = [
         Cause("rank_compute", (16,), "", -1, 5e6, 3.5e6, 3.5e6),
         Cause("rank_compute", (1,), "", -1, 5.6e6, 5.6e6, 5.6e6),
         Cause("claimed_work", (10,), "", -1, 3.8e6, 2e6, 2e6),
+        Cause("rank_host", (10,), "", -1, 2e6, 2e6, 2e6),
         Cause("claimed_work", (11,), "", -1, 3.8e6, 1e5, 1e5),
         Cause("stage_compute", (10, 11), "", 1, 1e5, 1e5, 1e5),
         Cause("stage_compute", (12, 13), "", 2, 4e5, 4e5, 4e5),
@@ -305,3 +306,16 @@ def test_a_host_functions_claim_stands_out_from_its_own_savings_noise_not_the_jo
         credits = credits_of([Cause("claimed_work", (6,), "", -1, 11e6, 4e4, 4e4 + 1e4 * (it % 2))])
         history.observe(it, credits)
         assert attribute([echo], credits, history, 0.27e6, priced, None, 4e4) == []
+
+
+def test_a_host_claim_judges_the_signal_and_its_ranks_work_at_its_peers_level_prices_it() -> None:
+    """A host function 64 ms over its peers' that ran partly while its rank's GPU computed: its claim, replayed
+    as work between calls spread in proportion, saves 64 ms, but the rank's own work brought to its peers'
+    saves 44 ms: the finding's price is 44 ms. A rank with no peer of its role keeps its claim's."""
+    sig = _signal(Category.HOST_SLOW, 2, 64e6, function="backward", evidence={"excess_ns": 64e6})
+    causes = [Cause("claimed_work", (2,), "", -1, 64e6, 64e6, 64e6), Cause("rank_host", (2,), "", -1, 44e6, 44e6, 44e6)]
+    for priced, price in ((Priced(work=frozenset(range(4))), 44e6), (Priced(), 64e6)):
+        history, credits = SavingHistory(), credits_of(causes)
+        history.observe(0, credits)
+        (kept,) = attribute([sig], credits, history, 1e6, priced)
+        assert kept.loss_ns == price

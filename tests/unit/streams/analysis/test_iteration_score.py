@@ -26,7 +26,7 @@ JOBS = {
 PINNED = {
     "gpu+host, flat": (
         "88763d02c13b9297179c29f81e59f3ad9c3046668b1867e5969424e715417268",
-        "c97291ac1764d3cd9caf1206ebd2ca09ef2d3922f92cfb386882003d955092d7",
+        "295b8751da714a6255dbe4b994b573e03531e4d2134808efe91181db1f8da683",
     ),
     "link+pcie, tp2 pp2": (
         "611a0cfcbf8e3a8c7eb4c4eac64761868dcf7fc8cbe75226aa265bbea0d0859c",
@@ -34,7 +34,7 @@ PINNED = {
     ),
     "stage + stall, pp4": (
         "461a28cffe10d0ae525786bc996c6b2a6f2d2f2da052e62a0a5e60635d25dcc5",
-        "cafd36f44da26909d5c498fbb783b931f93866b9d1e79d9683a23ddfb74e1f03",
+        "46136cba330ccf87ef674021097ee8dacc767f561b16c6feb8db5ea0cad71324",
     ),
     "healthy, dp2 tp2 pp2": (
         "252701544a3c2fd4a77312805498976f9fbb953c521caf7b59672adaa92fa984",
