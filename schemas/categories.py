@@ -83,9 +83,9 @@ class CategoryInfo:
     noise: Noise
     credited_by: Credit
     claims_its_excess: bool
-    """Priced by its own excess replayed (``attribution.claims``), not by its rank brought to its peers' level:
+    """Judged by its own excess replayed (``attribution.claims``), not by its rank brought to its peers' level:
     its evidence is one part of its rank's work (a host function), whose saving the rank's whole work, varying
-    by step, would drown."""
+    by step, would drown. Priced, where its rank has peers, as any rank signal."""
     bounded_by_lateness: bool
     """Its time lost is at most the rank's arrival lateness: its peers gain only what they wait for it (a slow
     link paces every member instead, a straggler's loss is its lateness already)."""

@@ -34,8 +34,8 @@ outgrow); its loss is its lateness (``timelost.bound_by_lateness``), and like a 
 saves less than half of it (``VICTIM_WAIT_SHARE``), it waited. Its price, where its rank has peers, is its
 rank's work brought to theirs, as any rank signal's: the claim spreads its excess over the rank's work in
 proportion, where the function's own place in the step (beside the GPU's compute, or not) decides what it
-delays. A ring's pace against other rings' is always
-the what-if's to judge: with no ring moving the same bytes, there is no pace to bring it to.
+delays. A ring's pace against other rings' is always the what-if's to judge: with no ring moving the same
+bytes, there is no pace to bring it to.
 Job-level signals (regression, hang) and iterations without timelines pass unchanged.
 """
 
@@ -72,7 +72,7 @@ CREDITED_BY: Mapping[str, str] = {
 """What credits each category's signal (``CategoryInfo.credited_by``); a category not listed is not priced by
 the replay (job-level)."""
 CLAIMING = frozenset(c.value for c, i in REGISTRY.items() if i.claims_its_excess)
-"""Categories always priced by their own excess (``CategoryInfo.claims_its_excess``)."""
+"""Categories always judged by their own excess (``CategoryInfo.claims_its_excess``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +115,10 @@ class Credits:
 
 
 def claims(sig: RankSignal, priced: Priced) -> bool:
-    """Whether a signal is priced by its own claim (``claims_of``) rather than by a peer's level: its category
-    claims its excess (``CLAIMING``), its ranks have no peer to bring them to, or it is a link's samples (a
-    link the timeline cannot see: its rings' pace may stand out from no like ring's while it slows them). A
-    ring's pace is always the peers' to judge."""
+    """Whether a signal is judged by its own claim (``claims_of``) rather than by a peer's level: its category
+    claims its excess (``CLAIMING``; priced by its rank's peers where it has any), its ranks have no peer to
+    bring them to, or it is a link's samples (a link the timeline cannot see: its rings' pace may stand out
+    from no like ring's while it slows them). A ring's pace is always the peers' to judge."""
     what = CREDITED_BY.get(sig.category)
     if what is None or sig.metric == RING_PACE_METRIC:
         return False
