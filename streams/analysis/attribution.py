@@ -178,7 +178,7 @@ class SavingHistory:
             self._iterations.popleft()
         keyed = [*credits.rank.items(), *((("own", r), v) for r, v in credits.own.items()),
                  *((("stage", s), v[0]) for s, v in credits.stage.items()),
-                 *(((f"claim:{w}", ranks), v) for (w, ranks), v in credits.claimed.items())]  # fmt: skip
+                 *((claim_key(w, ranks), v) for (w, ranks), v in credits.claimed.items())]  # fmt: skip
         for key, value in keyed:
             if value > 0:
                 self._entries.setdefault(key, deque(maxlen=self.window)).append((it, value))
@@ -187,12 +187,9 @@ class SavingHistory:
             del self._entries[key]
 
     def noise(self, key: tuple[str, Any]) -> float:
-        """The credit's own noise over the window's iterations (``iteration_noise_ns``; without it: 0)."""
-        q = self._entries.get(key)
-        if not q or not self._iterations:
-            return 0.0
-        oldest = self._iterations[0]
-        seen = {i: v for i, v in q if i >= oldest}
+        """The credit's own noise over the window's iterations (``iteration_noise_ns``; an iteration without it:
+        0)."""
+        seen = dict(self._entries.get(key, ()))
         return iteration_noise_ns([seen.get(i, 0.0) for i in self._iterations])
 
     def mean(self, key: tuple[str, Any]) -> float:
@@ -254,10 +251,10 @@ def attribute(
         if found is None:  # claimed, not replayed: its own evidence
             out.append(sig)
             continue
-        now, recent, noise = found
+        now, recent = found
         by_peers = not claims(sig, priced)  # a claim is its ranks' own excess: no stage explains it
         part = sig.category in CLAIMING  # a part of its rank's work: against its own savings' noise
-        noise = noise if part else noise_ns
+        noise = history.noise(claim_key(what, members)) if part else noise_ns
         if by_peers and sig.category == Category.STAGE_IMBALANCE:
             stage = int(sig.evidence.get("stage", -1))
             now = credits.stage.get(stage, (0.0, ()))[0]
@@ -290,24 +287,27 @@ def attribute(
     return out
 
 
+def claim_key(what: str, ranks: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+    """A claim's entry in the ``SavingHistory``."""
+    return f"claim:{what}", tuple(sorted(ranks))
+
+
 def _saving(
     sig: RankSignal, what: str, credits: Credits, history: SavingHistory, priced: Priced
-) -> tuple[float, float, float] | None:
-    """What fixing the signal's subject saves in this iteration, on average over the window, and the noise of
-    that saving over the window: its claim's replayed saving (``claims``; None where it was not replayed),
-    else its ranks' credit (its noise: 0 here, the job's is the caller's)."""
+) -> tuple[float, float] | None:
+    """What fixing the signal's subject saves in this iteration, and on average over the window: its claim's
+    replayed saving (``claims``; None where it was not replayed), else its ranks' credit."""
     members = sig.member_ranks()
     if claims(sig, priced):
         key = (what, tuple(sorted(members)))
         if key not in credits.claimed:
             return None
-        past = (f"claim:{what}", key[1])
-        now, recent = credits.claimed[key], history.mean(past)
+        now, recent = credits.claimed[key], history.mean(claim_key(what, members))
         if sig.metric in LINK_SAMPLE_METRICS:  # its rings' pace against like rings' too, where they have any
             now = max(now, max(credits.rank.get((what, r), 0.0) for r in members))
-        return now, recent, history.noise(past)
+        return now, recent
     now = max(credits.rank.get((what, r), 0.0) for r in members)
-    return now, max(history.mean((what, r)) for r in members), 0.0
+    return now, max(history.mean((what, r)) for r in members)
 
 
 def _waited_for(
